@@ -1,0 +1,420 @@
+//! Group commit: the WAL writer thread and the acknowledgements it hands out.
+//!
+//! Submitters send requests through a `crossbeam-channel`. The writer takes the first request, drains
+//! whatever else is queued (up to `GROUP_TARGET_BYTES`), assigns seqs, writes the group with one `pwrite`,
+//! calls `fdatasync` once and only then answers every submitter of the group and hands the group to the
+//! replayer. With [`FsyncPolicy::Interval`] it keeps collecting until the interval has passed since the
+//! group's first request: fewer syncs, later acks, the same durability on ack.
+//!
+//! Invariants:
+//! - No acknowledgement before the `fdatasync` that covers the record has returned.
+//! - At most `frame::UNSYNCED_LIMIT` bytes are written past the last sync (the tail policy relies on it).
+//! - A request's frames never straddle a failed rollover: the writer rolls before a request that does not
+//!   fit, so "disk full" fails that request cleanly. Only a request larger than a whole WAL file can
+//!   straddle files, and a failure there poisons the log.
+//! - After a failed write or sync the log is poisoned: every later request fails with
+//!   [`AppendError::Poisoned`], nothing is retried (a failed fsync may have dropped dirty pages for good).
+
+use crate::bucket::SegmentMinutes;
+use crate::clock::Clock;
+use crate::error::AppendError;
+use crate::frame::{self, UNSYNCED_LIMIT};
+use crate::id::{Location, MessageId};
+use crate::record::{patch_committed, Cancel, EncodedMessage, MessageHead, CANCEL_PAYLOAD_LEN};
+use crate::replay::placement;
+use crate::wal::{ActiveWal, WalRecord};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+/// A group stops taking queued requests past this many bytes (one request may take it over).
+#[cfg(not(test))]
+const GROUP_TARGET_BYTES: usize = 4 << 20;
+#[cfg(test)]
+const GROUP_TARGET_BYTES: usize = 2 << 10;
+
+/// When an appended record is durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FsyncPolicy {
+    /// Sync every group as soon as it is written (the default).
+    #[default]
+    Always,
+    /// Sync at most once per interval; a request is acknowledged after the sync that follows it.
+    Interval(Duration),
+}
+
+/// A message made durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appended {
+    pub id: MessageId,
+    /// Where this attempt is filed (for a first attempt, `id.first`).
+    pub location: Location,
+    pub deliver_at_ms: i64,
+    pub created_at_ms: i64,
+}
+
+/// The answer to a submitted request, to wait for synchronously ([`Ack::wait`]) or to `.await`.
+#[derive(Debug)]
+#[must_use = "an append is only known durable once its Ack resolves"]
+pub struct Ack<T> {
+    rx: oneshot::Receiver<Result<T, AppendError>>,
+}
+
+impl<T> Ack<T> {
+    /// Blocks until the group holding the request is durable (or failed).
+    pub fn wait(self) -> Result<T, AppendError> {
+        self.rx.recv().unwrap_or(Err(AppendError::Closed))
+    }
+}
+
+impl<T> IntoFuture for Ack<T> {
+    type Output = Result<T, AppendError>;
+    type IntoFuture = AckFuture<T>;
+
+    fn into_future(self) -> AckFuture<T> {
+        AckFuture {
+            rx: self.rx.into_future(),
+        }
+    }
+}
+
+/// An [`Ack`] being awaited.
+#[derive(Debug)]
+pub struct AckFuture<T> {
+    rx: oneshot::AsyncReceiver<Result<T, AppendError>>,
+}
+
+impl<T> Future for AckFuture<T> {
+    type Output = Result<T, AppendError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.rx)
+            .poll(cx)
+            .map(|r| r.unwrap_or(Err(AppendError::Closed)))
+    }
+}
+
+pub(crate) enum Request {
+    Append {
+        messages: Vec<EncodedMessage>,
+        reply: oneshot::Sender<Result<Vec<Appended>, AppendError>>,
+    },
+    Cancel {
+        target: Location,
+        reply: oneshot::Sender<Result<u64, AppendError>>,
+    },
+    /// Makes the next sync or rollover fail, for tests of the failure paths.
+    #[cfg(test)]
+    InjectFault(Fault),
+}
+
+/// An I/O failure a test asks the writer to pretend.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fault {
+    Sync,
+    DiskFullAtRoll,
+}
+
+impl Request {
+    pub(crate) fn append(messages: Vec<EncodedMessage>) -> (Request, Ack<Vec<Appended>>) {
+        let (reply, rx) = oneshot::channel();
+        (Request::Append { messages, reply }, Ack { rx })
+    }
+
+    pub(crate) fn cancel(target: Location) -> (Request, Ack<u64>) {
+        let (reply, rx) = oneshot::channel();
+        (Request::Cancel { target, reply }, Ack { rx })
+    }
+
+    fn frame_bytes(&self) -> usize {
+        match self {
+            Request::Append { messages, .. } => messages.iter().map(|m| m.frame.len()).sum(),
+            Request::Cancel { .. } => frame::HEADER_LEN + CANCEL_PAYLOAD_LEN,
+            #[cfg(test)]
+            Request::InjectFault(_) => 0,
+        }
+    }
+
+    pub(crate) fn fail(self, error: AppendError) {
+        match self {
+            Request::Append { reply, .. } => drop(reply.send(Err(error))),
+            Request::Cancel { reply, .. } => drop(reply.send(Err(error))),
+            #[cfg(test)]
+            Request::InjectFault(_) => {}
+        }
+    }
+}
+
+/// Records handed from the writer to the replayer once durable.
+#[derive(Debug)]
+pub(crate) struct CommittedGroup {
+    pub bytes: Vec<u8>,
+    pub records: Vec<WalRecord>,
+}
+
+enum Answer {
+    Append(
+        oneshot::Sender<Result<Vec<Appended>, AppendError>>,
+        Vec<Appended>,
+    ),
+    Cancel(oneshot::Sender<Result<u64, AppendError>>, u64),
+}
+
+impl Answer {
+    fn send(self, error: Option<&AppendError>) {
+        match (self, error) {
+            (Answer::Append(reply, appended), None) => drop(reply.send(Ok(appended))),
+            (Answer::Cancel(reply, seq), None) => drop(reply.send(Ok(seq))),
+            (Answer::Append(reply, _), Some(e)) => drop(reply.send(Err(e.clone()))),
+            (Answer::Cancel(reply, _), Some(e)) => drop(reply.send(Err(e.clone()))),
+        }
+    }
+}
+
+/// The group being built: its bytes (all of them, for the replayer), how many were written to the file
+/// already, and who to answer.
+#[derive(Default)]
+struct Group {
+    bytes: Vec<u8>,
+    written: usize,
+    records: Vec<WalRecord>,
+    answers: Vec<Answer>,
+    started: Option<Instant>,
+}
+
+pub(crate) struct Writer {
+    pub wal: ActiveWal,
+    pub next_seq: u64,
+    pub clock: Arc<dyn Clock>,
+    pub width: SegmentMinutes,
+    pub policy: FsyncPolicy,
+    /// Every seq below this is durable in the WAL (readers use it to tell "not yet replayed" from "never
+    /// existed").
+    pub committed: Arc<AtomicU64>,
+    pub replay: Sender<CommittedGroup>,
+    pub poisoned: Option<String>,
+    /// Where the poison cause is published for health checks.
+    pub poison_report: Arc<OnceLock<String>>,
+    #[cfg(test)]
+    pub fault: Option<Fault>,
+}
+
+impl Writer {
+    /// Runs until every submitter is gone, then commits what is pending and returns.
+    pub(crate) fn run(mut self, requests: Receiver<Request>) {
+        let mut group = Group::default();
+        loop {
+            let request = match (self.policy, group.started) {
+                (FsyncPolicy::Interval(every), Some(started)) => {
+                    match requests.recv_deadline(started + every) {
+                        Ok(request) => request,
+                        Err(RecvTimeoutError::Timeout) => {
+                            self.commit(&mut group);
+                            continue;
+                        }
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                }
+                _ => match requests.recv() {
+                    Ok(request) => request,
+                    Err(_) => break,
+                },
+            };
+            self.add(request, &mut group);
+            while group.bytes.len() < GROUP_TARGET_BYTES {
+                match requests.try_recv() {
+                    Ok(request) => self.add(request, &mut group),
+                    Err(_) => break,
+                }
+            }
+            let due = match (self.policy, group.started) {
+                (FsyncPolicy::Always, _) => true,
+                (FsyncPolicy::Interval(every), Some(started)) => started.elapsed() >= every,
+                (FsyncPolicy::Interval(_), None) => false,
+            };
+            if due || group.bytes.len() >= UNSYNCED_LIMIT / 2 {
+                self.commit(&mut group);
+            }
+        }
+        self.commit(&mut group);
+    }
+
+    fn add(&mut self, request: Request, group: &mut Group) {
+        if let Some(cause) = &self.poisoned {
+            return request.fail(AppendError::Poisoned(cause.clone()));
+        }
+        #[cfg(test)]
+        if let Request::InjectFault(fault) = request {
+            self.fault = Some(fault);
+            return;
+        }
+        // Roll over before a request that does not fit, so that a full disk fails it cleanly.
+        let size = request.frame_bytes() as u64;
+        let unwritten = (group.bytes.len() - group.written) as u64;
+        if size + unwritten > self.wal.remaining() && !(self.wal.is_empty() && unwritten == 0) {
+            if let Err(e) = self.write_and_sync(group).and_then(|()| self.roll()) {
+                self.poison(&e);
+                return request.fail(e);
+            }
+        }
+        group.started.get_or_insert_with(Instant::now);
+        let created_at_ms = self.clock.now_ms();
+        match request {
+            Request::Append { messages, reply } => {
+                let mut appended = Vec::with_capacity(messages.len());
+                for message in &messages {
+                    if let Err(e) = self.make_room(message.frame.len(), group) {
+                        self.poison(&e);
+                        return drop(reply.send(Err(e)));
+                    }
+                    let seq = self.next_seq;
+                    self.next_seq += 1;
+                    let head = MessageHead {
+                        seq,
+                        deliver_at_ms: message.deliver_at_ms,
+                        created_at_ms,
+                    };
+                    let location = Location {
+                        bucket: placement(&head, self.width),
+                        seq,
+                    };
+                    let id = message.retry_of.unwrap_or(MessageId::new(location));
+                    let at = group.bytes.len();
+                    group.bytes.extend_from_slice(&message.frame);
+                    patch_committed(&mut group.bytes[at..], seq, created_at_ms, id);
+                    group.records.push(WalRecord::Message {
+                        head,
+                        frame: at..group.bytes.len(),
+                    });
+                    appended.push(Appended {
+                        id,
+                        location,
+                        deliver_at_ms: message.deliver_at_ms,
+                        created_at_ms,
+                    });
+                }
+                group.answers.push(Answer::Append(reply, appended));
+            }
+            Request::Cancel { target, reply } => {
+                if let Err(e) = self.make_room(frame::HEADER_LEN + CANCEL_PAYLOAD_LEN, group) {
+                    self.poison(&e);
+                    return drop(reply.send(Err(e)));
+                }
+                let cancel = Cancel {
+                    seq: self.next_seq,
+                    created_at_ms,
+                    target,
+                };
+                self.next_seq += 1;
+                cancel.encode_frame(&mut group.bytes);
+                group.records.push(WalRecord::Cancel(cancel));
+                group.answers.push(Answer::Cancel(reply, cancel.seq));
+            }
+            #[cfg(test)]
+            Request::InjectFault(_) => {} // taken above
+        }
+    }
+
+    /// Before adding a frame of `len` bytes: keeps the unsynced bytes under the limit, and rolls over
+    /// mid-request when a request is larger than what is left of the file.
+    fn make_room(&mut self, len: usize, group: &mut Group) -> Result<(), AppendError> {
+        let unwritten = group.bytes.len() - group.written;
+        if unwritten + len > UNSYNCED_LIMIT {
+            self.write_and_sync(group)?;
+        }
+        let unwritten = (group.bytes.len() - group.written) as u64;
+        if unwritten + len as u64 > self.wal.remaining() {
+            self.write_and_sync(group)?;
+            self.roll()?;
+        }
+        Ok(())
+    }
+
+    /// Switches to a new WAL file starting at the next seq.
+    fn roll(&mut self) -> Result<(), AppendError> {
+        #[cfg(test)]
+        if self
+            .fault
+            .take_if(|f| *f == Fault::DiskFullAtRoll)
+            .is_some()
+        {
+            return Err(AppendError::DiskFull);
+        }
+        self.wal.roll(self.next_seq)
+    }
+
+    /// Writes the group's unwritten bytes to the current file and syncs it.
+    fn write_and_sync(&mut self, group: &mut Group) -> Result<(), AppendError> {
+        let unwritten = &group.bytes[group.written..];
+        if unwritten.is_empty() {
+            return Ok(());
+        }
+        let poison = |what: &str, e: std::io::Error| {
+            AppendError::Poisoned(format!("WAL {what} failed: {e}"))
+        };
+        self.wal.write(unwritten).map_err(|e| poison("write", e))?;
+        let started = Instant::now();
+        #[cfg(test)]
+        if self.fault.take_if(|f| *f == Fault::Sync).is_some() {
+            return Err(poison("fdatasync", std::io::Error::other("injected")));
+        }
+        self.wal.sync().map_err(|e| poison("fdatasync", e))?;
+        metrics::histogram!("delayd_wal_fsync_seconds").record(started.elapsed().as_secs_f64());
+        metrics::counter!("delayd_wal_bytes_written_total").increment(unwritten.len() as u64);
+        group.written = group.bytes.len();
+        Ok(())
+    }
+
+    /// Makes the group durable, answers its submitters and hands it to the replayer.
+    fn commit(&mut self, group: &mut Group) {
+        let group = std::mem::take(group);
+        if group.answers.is_empty() {
+            return;
+        }
+        let mut group = group;
+        let result = match &self.poisoned {
+            Some(cause) => Err(AppendError::Poisoned(cause.clone())),
+            None => self.write_and_sync(&mut group),
+        };
+        if let Err(e) = &result {
+            self.poison(e);
+            for answer in group.answers {
+                answer.send(Some(e));
+            }
+            return;
+        }
+        metrics::histogram!("delayd_wal_batch_records").record(group.records.len() as f64);
+        self.committed.store(self.next_seq, Ordering::Release);
+        for answer in group.answers {
+            answer.send(None);
+        }
+        if !group.records.is_empty() {
+            let sent = self.replay.send(CommittedGroup {
+                bytes: group.bytes,
+                records: group.records,
+            });
+            if sent.is_err() {
+                // The replayer failed: what is in the WAL is safe and replays on restart, but nothing
+                // more would reach the schedule, so stop accepting.
+                self.poison(&AppendError::Poisoned("the replayer stopped".into()));
+            }
+        }
+    }
+
+    /// Remembers a failure that leaves the WAL in an unknown state. A full disk at rollover does not:
+    /// nothing was written.
+    fn poison(&mut self, error: &AppendError) {
+        if let AppendError::Poisoned(cause) = error {
+            if self.poisoned.is_none() {
+                metrics::counter!("delayd_wal_poisoned_total").increment(1);
+                self.poisoned = Some(cause.clone());
+                let _ = self.poison_report.set(cause.clone());
+            }
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! Dispatch logs: one per bucket, recording what became of its records.
+//!
+//! ```text
+//! dispatch/{YYYYMMDDTHHMM}Z.log   file header (magic b"DLYDDSP\0", segment_minutes, value = bucket start
+//!                                 minute), then outcome frames (record.rs) in the order they happened
+//! ```
+//!
+//! Invariants:
+//! - An outcome is appended only after the fact it records is durable elsewhere (the sink acknowledged,
+//!   the retry is in the WAL, the cancel is in the WAL), so losing the tail of a dispatch log can only
+//!   cause a repeat delivery, never a loss.
+//! - Appends are grouped: one call writes every outcome it is given and `fdatasync`s each touched file
+//!   once before returning.
+//! - Outcomes are facts about seqs and are applied as a set: a repeated outcome is harmless, so replaying
+//!   a cancel twice needs no deduplication.
+//! - A torn tail is cut on first open for append (tail policy in frame.rs).
+
+use crate::bucket::{Bucket, SegmentMinutes};
+use crate::error::{Error, Result};
+use crate::frame::{self, Frames, Kind, Stop};
+use crate::header::{FileHeader, DISPATCH_MAGIC, HEADER_LEN};
+use crate::record::Outcome;
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+pub(crate) fn path(dir: &Path, bucket: Bucket) -> PathBuf {
+    dir.join(format!("{bucket}.log"))
+}
+
+/// Handles kept open for append, at most this many at a time.
+const MAX_OPEN: usize = 256;
+
+#[derive(Debug)]
+struct DispatchFile {
+    file: File,
+    len: u64,
+}
+
+/// The dispatch logs of a data dir.
+#[derive(Debug)]
+pub(crate) struct DispatchLogs {
+    dir: PathBuf,
+    width: SegmentMinutes,
+    open: Mutex<HashMap<Bucket, DispatchFile>>,
+}
+
+impl DispatchLogs {
+    pub(crate) fn new(dir: &Path, width: SegmentMinutes) -> DispatchLogs {
+        DispatchLogs {
+            dir: dir.to_path_buf(),
+            width,
+            open: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Appends outcomes, each to its bucket's log, and makes them durable.
+    pub(crate) fn append(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
+        let mut by_bucket: HashMap<Bucket, Vec<u8>> = HashMap::new();
+        for (bucket, outcome) in outcomes {
+            outcome.encode_frame(by_bucket.entry(*bucket).or_default());
+        }
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if open.len() + by_bucket.len() > MAX_OPEN {
+            open.clear(); // every open handle is synced: closing them loses nothing
+        }
+        let mut created = false;
+        for (bucket, bytes) in &by_bucket {
+            if !open.contains_key(bucket) {
+                let (file, new) = self.open_for_append(*bucket)?;
+                created |= new;
+                open.insert(*bucket, file);
+            }
+            let target = open.get_mut(bucket).expect("inserted above");
+            let path = path(&self.dir, *bucket);
+            let write = target
+                .file
+                .write_all_at(bytes, target.len)
+                .and_then(|()| target.file.sync_data());
+            if let Err(e) = write {
+                // The handle's end is now unknown; reopen (and re-check the tail) next time.
+                open.remove(bucket);
+                return Err(Error::io(path)(e));
+            }
+            target.len += bytes.len() as u64;
+        }
+        if created {
+            crate::header::sync_dir(&self.dir)?;
+        }
+        Ok(())
+    }
+
+    /// Opens (or creates) a bucket's log for append, cutting a torn tail. Returns whether it was created.
+    fn open_for_append(&self, bucket: Bucket) -> Result<(DispatchFile, bool)> {
+        let path = path(&self.dir, bucket);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(Error::io(&path))?;
+        let bytes = fs::read(&path).map_err(Error::io(&path))?;
+        if bytes.len() <= HEADER_LEN && bytes.iter().all(|&b| b == 0) {
+            // New, or created just before a crash that kept none of its header: start it afresh.
+            let header = FileHeader {
+                magic: DISPATCH_MAGIC,
+                segment_minutes: self.width.get(),
+                value: u64::from(bucket.start_minute()),
+            };
+            file.set_len(0)
+                .and_then(|()| file.write_all_at(&header.encode(), 0))
+                .map_err(Error::io(&path))?;
+            let len = HEADER_LEN as u64;
+            return Ok((DispatchFile { file, len }, true));
+        }
+        let scan = scan(&path, &bytes, bucket, self.width)?;
+        if scan.torn {
+            file.set_len(scan.end)
+                .and_then(|()| file.sync_all())
+                .map_err(Error::io(&path))?;
+            metrics::counter!("delayd_log_torn_tails_total").increment(1);
+        }
+        Ok((
+            DispatchFile {
+                file,
+                len: scan.end,
+            },
+            false,
+        ))
+    }
+
+    /// Every outcome recorded for `bucket`, oldest first (empty when it has no log).
+    pub(crate) fn read(&self, bucket: Bucket) -> Result<Vec<Outcome>> {
+        let path = path(&self.dir, bucket);
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::io(&path)(e)),
+        };
+        Ok(scan(&path, &bytes, bucket, self.width)?.outcomes)
+    }
+
+    /// Forgets the handle of a bucket and deletes its log.
+    pub(crate) fn remove(&self, bucket: Bucket) -> Result<()> {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&bucket);
+        let path = path(&self.dir, bucket);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io(&path)(e)),
+        }
+    }
+}
+
+struct Scan {
+    outcomes: Vec<Outcome>,
+    end: u64,
+    torn: bool,
+}
+
+fn scan(path: &Path, bytes: &[u8], bucket: Bucket, width: SegmentMinutes) -> Result<Scan> {
+    if bytes.len() <= HEADER_LEN && bytes.iter().all(|&b| b == 0) {
+        // Created but the header never reached the disk: an empty log.
+        return Ok(Scan {
+            outcomes: Vec::new(),
+            end: HEADER_LEN as u64,
+            torn: false,
+        });
+    }
+    let header = FileHeader::check(bytes, DISPATCH_MAGIC, path)?;
+    if header.value != u64::from(bucket.start_minute()) || header.segment_minutes != width.get() {
+        return Err(Error::corrupt(
+            path,
+            0,
+            "header does not match the file name",
+        ));
+    }
+    let body = &bytes[HEADER_LEN..];
+    let mut outcomes = Vec::new();
+    let mut frames = Frames::new(body);
+    for (at, kind, payload) in frames.by_ref() {
+        let decoded = match kind {
+            Kind::Outcome => Outcome::decode(payload).map_err(|e| e.to_string()),
+            _ => Err("a non-outcome frame in a dispatch log".to_string()),
+        };
+        outcomes.push(
+            decoded.map_err(|reason| Error::corrupt(path, (HEADER_LEN + at) as u64, reason))?,
+        );
+    }
+    let (end, torn) = match frames.stop() {
+        // Files grow by append, so anything after the end marker is a torn write, as long as it is
+        // within the unsynced window.
+        Some(Stop::End { at }) if at == body.len() => (at, false),
+        Some(Stop::End { at }) => {
+            frame::check_torn_tail(path, body, HEADER_LEN as u64, at, "zeros inside the log")?;
+            (at, true)
+        }
+        Some(Stop::Invalid { at, reason }) => {
+            frame::check_torn_tail(path, body, HEADER_LEN as u64, at, reason)?;
+            (at, true)
+        }
+        None => unreachable!("the frame walk ended without a stop"),
+    };
+    Ok(Scan {
+        outcomes,
+        end: (HEADER_LEN + end) as u64,
+        torn,
+    })
+}

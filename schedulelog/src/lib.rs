@@ -1,0 +1,40 @@
+//! schedulelog: the durable storage engine of delayd.
+//!
+//! Messages are appended to a write-ahead log by one writer thread with group commit (one `fdatasync`
+//! per group, acknowledged after it). A replayer copies each committed message into the schedule segment
+//! of its delivery bucket (the first level of delayd's timing wheel), checkpointing its progress. Each
+//! bucket also has a dispatch log of outcomes. Message ids locate their record without any global index.
+//!
+//! Layering, bottom up: [`frame`] (checksummed frames) → [`record`] (payloads) → `wal`, `segment`,
+//! `dispatch`, `checkpoint` (one file format each) → `commit` (group commit) and `replay` → [`ScheduleLog`].
+//! Every byte layout is documented atop its module and in the crate's README.
+
+#![forbid(unsafe_code)]
+
+mod bucket;
+mod checkpoint;
+mod clock;
+mod commit;
+mod dispatch;
+mod error;
+pub mod frame;
+mod header;
+mod id;
+mod log;
+pub mod record;
+mod replay;
+mod segment;
+mod wal;
+
+pub use bucket::{Bucket, SegmentMinutes};
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use commit::{Ack, AckFuture, Appended, FsyncPolicy};
+pub use error::{AppendError, Error, Result};
+pub use id::{InvalidId, Location, MessageId};
+pub use log::{BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog};
+pub use record::{EncodedMessage, Message, NewMessage, Outcome, OutcomeKind, TooLarge};
+pub use replay::Replayed;
+pub use segment::{IndexEntry, SegmentReader};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,629 @@
+//! The public face of the engine: [`ScheduleLog`] opens a data dir, recovers it, runs the WAL writer and
+//! the replayer, and answers appends, cancels, lookups, outcome records and retirement.
+//!
+//! ```text
+//! data/
+//!   LOCK          flock, held while the log is open
+//!   meta          file header (magic b"DLYDMETA") holding segment_minutes
+//!   wal/          wal.rs
+//!   schedule/     segment.rs
+//!   dispatch/     dispatch.rs
+//!   checkpoint    checkpoint.rs
+//! ```
+//!
+//! Open order: lock, meta, checkpoint, segments cut back to the checkpoint, WAL scanned from the
+//! checkpoint (torn tail zeroed), WAL records replayed, new checkpoint, threads started.
+
+use crate::bucket::{Bucket, SegmentMinutes};
+use crate::checkpoint::Checkpoint;
+use crate::clock::{Clock, SystemClock};
+use crate::commit::{Ack, Appended, CommittedGroup, FsyncPolicy, Request, Writer};
+use crate::dispatch::DispatchLogs;
+use crate::error::{AppendError, Error, Result};
+use crate::header::{self, FileHeader, META_MAGIC};
+use crate::id::{Location, MessageId};
+use crate::record::{EncodedMessage, Message, Outcome, OutcomeKind};
+use crate::replay::{Replay, Replayed};
+use crate::segment::{IndexEntry, SegmentReader};
+use crate::wal::{self, ActiveWal};
+use crossbeam_channel::{Receiver, Sender};
+use std::collections::HashSet;
+use std::fs::{self, File};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How a data dir is opened.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Bucket width; must match what the data dir was created with.
+    pub segment_minutes: SegmentMinutes,
+    pub fsync: FsyncPolicy,
+    /// Size of each preallocated WAL file.
+    pub wal_segment_bytes: u64,
+    /// How long a finished bucket stays queryable after it ended.
+    pub retention: Duration,
+    /// Replay checkpoints at least this often (and after `checkpoint_bytes` of WAL).
+    pub checkpoint_interval: Duration,
+    pub checkpoint_bytes: u64,
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            segment_minutes: SegmentMinutes::DEFAULT,
+            fsync: FsyncPolicy::Always,
+            wal_segment_bytes: 64 << 20,
+            retention: Duration::from_secs(24 * 3600),
+            checkpoint_interval: Duration::from_secs(2),
+            checkpoint_bytes: 256 << 20,
+            clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+/// The state of a message, as a status lookup reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageState {
+    /// Waiting for its time (or for a retry when `attempt > 0`).
+    Pending,
+    Delivered {
+        at_ms: i64,
+    },
+    Dead {
+        at_ms: i64,
+        reason: String,
+    },
+    Cancelled {
+        at_ms: i64,
+    },
+}
+
+/// A message's current attempt and what became of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessageStatus {
+    /// The current (latest) attempt.
+    pub message: Message,
+    pub location: Location,
+    pub state: MessageState,
+    /// Why the previous attempt was retried, if there was one.
+    pub last_retry_reason: Option<String>,
+}
+
+/// A bucket's records as the loader sees them.
+#[derive(Debug)]
+pub struct BucketSnapshot {
+    pub bucket: Bucket,
+    /// Index entries of records not yet finished, in seq order.
+    pub pending: Vec<IndexEntry>,
+    /// How many records the bucket has in all.
+    pub total: u64,
+}
+
+struct Shared {
+    data_dir: PathBuf,
+    width: SegmentMinutes,
+    retention: Duration,
+    dispatch: DispatchLogs,
+    replay: Mutex<Replay>,
+    /// Signalled each time the replayer publishes a new `next_seq`.
+    replayed: Condvar,
+    /// Every seq below this is durable in the WAL.
+    committed: Arc<AtomicU64>,
+    clock: Arc<dyn Clock>,
+    /// Why the log stopped accepting writes, once it has.
+    poisoned: Arc<OnceLock<String>>,
+    /// Set by tests that simulate a crash: the replayer exits without its final checkpoint.
+    #[cfg(test)]
+    crashed: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    fn replay(&self) -> MutexGuard<'_, Replay> {
+        self.replay.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// An open data dir. Dropping it shuts the writer and replayer down cleanly (pending groups are committed
+/// and a final checkpoint is written); [`ScheduleLog::close`] does the same and reports errors.
+pub struct ScheduleLog {
+    shared: Arc<Shared>,
+    submit: Option<Sender<Request>>,
+    writer: Option<JoinHandle<()>>,
+    replayer: Option<JoinHandle<Result<()>>>,
+    _lock: File,
+}
+
+impl std::fmt::Debug for ScheduleLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScheduleLog")
+            .field("data_dir", &self.shared.data_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ScheduleLog {
+    /// Opens (creating if needed) the data dir and recovers it.
+    pub fn open(data_dir: impl AsRef<Path>, options: Options) -> Result<ScheduleLog> {
+        let data_dir = data_dir.as_ref().to_path_buf();
+        if options.wal_segment_bytes < 4096 {
+            return Err(Error::InvalidOption(
+                "wal_segment_bytes must be at least 4096".into(),
+            ));
+        }
+        for dir in ["", "wal", "schedule", "dispatch"] {
+            let path = data_dir.join(dir);
+            fs::create_dir_all(&path).map_err(Error::io(&path))?;
+        }
+        let lock = lock(&data_dir)?;
+        let width = check_meta(&data_dir, options.segment_minutes)?;
+        let checkpoint = Checkpoint::load(&data_dir.join("checkpoint"), width)?;
+        let dispatch = DispatchLogs::new(&data_dir.join("dispatch"), width);
+        let mut replay = Replay::open(&data_dir, width, &checkpoint)?;
+
+        let wal_dir = data_dir.join("wal");
+        wal::remove_leftovers(&wal_dir)?;
+        let (active, next_seq) = recover_wal(&wal_dir, &options, &mut replay, &dispatch)?;
+        replay.checkpoint()?;
+
+        let committed = Arc::new(AtomicU64::new(next_seq));
+        let shared = Arc::new(Shared {
+            data_dir,
+            width,
+            retention: options.retention,
+            dispatch,
+            replay: Mutex::new(replay),
+            replayed: Condvar::new(),
+            committed: committed.clone(),
+            clock: options.clock.clone(),
+            poisoned: Arc::default(),
+            #[cfg(test)]
+            crashed: Default::default(),
+        });
+        let (submit, requests) = crossbeam_channel::bounded(1024);
+        let (to_replay, committed_groups) = crossbeam_channel::bounded(64);
+        let writer = Writer {
+            wal: active,
+            next_seq,
+            clock: options.clock.clone(),
+            width,
+            policy: options.fsync,
+            committed,
+            replay: to_replay,
+            poisoned: None,
+            poison_report: shared.poisoned.clone(),
+            #[cfg(test)]
+            fault: None,
+        };
+        let writer = std::thread::Builder::new()
+            .name("delayd-wal".into())
+            .spawn(move || writer.run(requests))
+            .map_err(Error::io("thread"))?;
+        let replayer_shared = shared.clone();
+        let replayer = std::thread::Builder::new()
+            .name("delayd-replay".into())
+            .spawn(move || {
+                let result = run_replayer(&replayer_shared, committed_groups, &options);
+                if let Err(e) = &result {
+                    let _ = replayer_shared.poisoned.set(format!("replay failed: {e}"));
+                }
+                result
+            })
+            .map_err(Error::io("thread"))?;
+        Ok(ScheduleLog {
+            shared,
+            submit: Some(submit),
+            writer: Some(writer),
+            replayer: Some(replayer),
+            _lock: lock,
+        })
+    }
+
+    /// Why the log refuses writes, if it does: a WAL write or fsync failed, or the replayer stopped.
+    /// Only a restart clears it.
+    pub fn poisoned(&self) -> Option<String> {
+        self.shared.poisoned.get().cloned()
+    }
+
+    /// Makes the writer fail its next sync or rollover.
+    #[cfg(test)]
+    pub(crate) fn inject_fault(&self, fault: crate::commit::Fault) {
+        self.submit(Request::InjectFault(fault));
+    }
+
+    /// The bucket width of this data dir.
+    pub fn segment_minutes(&self) -> SegmentMinutes {
+        self.shared.width
+    }
+
+    /// Submits messages; they become durable together, in one group commit.
+    pub fn append(&self, messages: Vec<EncodedMessage>) -> Ack<Vec<Appended>> {
+        let (request, ack) = Request::append(messages);
+        self.submit(request);
+        ack
+    }
+
+    /// Submits a tombstone for the attempt at `target`. Resolves to the tombstone's seq once durable.
+    pub fn cancel(&self, target: Location) -> Ack<u64> {
+        let (request, ack) = Request::cancel(target);
+        self.submit(request);
+        ack
+    }
+
+    fn submit(&self, request: Request) {
+        let sent = match &self.submit {
+            Some(submit) => submit.send(request),
+            None => Err(crossbeam_channel::SendError(request)),
+        };
+        if let Err(crossbeam_channel::SendError(request)) = sent {
+            request.fail(AppendError::Closed);
+        }
+    }
+
+    /// Records outcomes in the dispatch logs of their buckets, durably.
+    pub fn record_outcomes(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
+        self.shared.dispatch.append(outcomes)
+    }
+
+    /// Every outcome recorded for a bucket, oldest first.
+    pub fn outcomes(&self, bucket: Bucket) -> Result<Vec<Outcome>> {
+        self.shared.dispatch.read(bucket)
+    }
+
+    /// A reader over the part of `bucket`'s segment that has been replayed so far; `None` without one.
+    pub fn reader(&self, bucket: Bucket) -> Result<Option<SegmentReader>> {
+        let replay = self.shared.replay();
+        match replay.entries(bucket) {
+            Some(entries) => SegmentReader::open(replay.schedule_dir(), bucket, entries).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Reads the record at `location`, waiting (briefly) for the replayer if the seq is committed but
+    /// not yet replayed. `None` if there is no such record.
+    pub fn read(&self, location: Location) -> Result<Option<Message>> {
+        Ok(self.find(location)?.map(|(message, _)| message))
+    }
+
+    fn find(&self, location: Location) -> Result<Option<(Message, IndexEntry)>> {
+        if !self.wait_replayed(location.seq) {
+            return Ok(None);
+        }
+        let Some(reader) = self.reader(location.bucket)? else {
+            return Ok(None);
+        };
+        match reader.find(location.seq)? {
+            Some(entry) => Ok(Some((reader.read(&entry)?, entry))),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits until everything committed so far is replayed, so that a lookup sees every append and cancel
+    /// acknowledged before it (read-your-writes). False if `seq` was never committed.
+    pub(crate) fn wait_replayed(&self, seq: u64) -> bool {
+        let committed = self.shared.committed.load(Ordering::Acquire);
+        if seq >= committed {
+            return false;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut replay = self.shared.replay();
+        while replay.next_seq < committed {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return replay.next_seq > seq;
+            }
+            replay = self
+                .shared
+                .replayed
+                .wait_timeout(replay, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Finds a message by id and follows its retries to the current attempt.
+    pub fn lookup(&self, id: MessageId) -> Result<Option<MessageStatus>> {
+        let mut location = id.first;
+        let mut last_retry_reason = None;
+        // Each hop is one attempt; attempts are u16, so this bounds a corrupt cycle.
+        for _ in 0..=u16::MAX {
+            let Some((message, _)) = self.find(location)? else {
+                return Ok(None);
+            };
+            if message.id != id {
+                return Ok(None);
+            }
+            let outcome = self
+                .outcomes(location.bucket)?
+                .into_iter()
+                .find(|o| o.seq == location.seq);
+            let state = match outcome.map(|o| (o.at_ms, o.kind)) {
+                None => MessageState::Pending,
+                Some((at_ms, OutcomeKind::Delivered)) => MessageState::Delivered { at_ms },
+                Some((at_ms, OutcomeKind::Dead { reason })) => MessageState::Dead { at_ms, reason },
+                Some((at_ms, OutcomeKind::Cancelled)) => MessageState::Cancelled { at_ms },
+                Some((_, OutcomeKind::Retried { next, reason })) => {
+                    location = next;
+                    last_retry_reason = Some(reason);
+                    continue;
+                }
+            };
+            return Ok(Some(MessageStatus {
+                message,
+                location,
+                state,
+                last_retry_reason,
+            }));
+        }
+        Ok(None)
+    }
+
+    /// All buckets that have a schedule segment, oldest first.
+    pub fn buckets(&self) -> Vec<Bucket> {
+        self.shared.replay().buckets()
+    }
+
+    /// Reads a bucket's unfinished records and starts reporting every later record and cancel filed into
+    /// it to the channel given to [`ScheduleLog::set_tap`]. Nothing is lost or reported twice between
+    /// the snapshot and the reports: both are taken under the replayer's lock.
+    pub fn watch(&self, bucket: Bucket) -> Result<BucketSnapshot> {
+        let (reader, total) = {
+            let mut replay = self.shared.replay();
+            replay.watched.insert(bucket);
+            match replay.entries(bucket) {
+                Some(entries) => (
+                    Some(SegmentReader::open(replay.schedule_dir(), bucket, entries)?),
+                    entries,
+                ),
+                None => (None, 0),
+            }
+        };
+        let Some(reader) = reader else {
+            return Ok(BucketSnapshot {
+                bucket,
+                pending: Vec::new(),
+                total: 0,
+            });
+        };
+        let finished: HashSet<u64> = self.outcomes(bucket)?.iter().map(|o| o.seq).collect();
+        let mut pending = reader.entries(0, total)?;
+        pending.retain(|e| !finished.contains(&e.seq));
+        Ok(BucketSnapshot {
+            bucket,
+            pending,
+            total,
+        })
+    }
+
+    /// Stops reporting a bucket.
+    pub fn unwatch(&self, bucket: Bucket) {
+        self.shared.replay().watched.remove(&bucket);
+    }
+
+    /// Where reports about watched buckets go.
+    pub fn set_tap(&self, tap: Sender<Replayed>) {
+        self.shared.replay().tap = Some(tap);
+    }
+
+    /// Deletes the files of every bucket that ended more than `retention` ago and whose records are all
+    /// finished. Returns the buckets retired.
+    pub fn retire(&self) -> Result<Vec<Bucket>> {
+        let now = self.shared.clock.now_ms();
+        let retention_ms = i64::try_from(self.shared.retention.as_millis()).unwrap_or(i64::MAX);
+        let mut retired = Vec::new();
+        for bucket in self.buckets() {
+            if bucket
+                .end_ms(self.shared.width)
+                .saturating_add(retention_ms)
+                > now
+            {
+                break; // buckets are sorted: the rest are younger
+            }
+            let Some(reader) = self.reader(bucket)? else {
+                continue;
+            };
+            let finished: HashSet<u64> = self.outcomes(bucket)?.iter().map(|o| o.seq).collect();
+            let entries = reader.entries(0, reader.len())?;
+            if entries.iter().any(|e| !finished.contains(&e.seq)) {
+                continue;
+            }
+            let mut replay = self.shared.replay();
+            if replay.entries(bucket) != Some(reader.len()) {
+                continue; // a record arrived meanwhile
+            }
+            replay.remove(bucket)?;
+            drop(replay);
+            self.shared.dispatch.remove(bucket)?;
+            header::sync_dir(&self.shared.data_dir.join("dispatch"))?;
+            retired.push(bucket);
+        }
+        Ok(retired)
+    }
+
+    /// Syncs replayed segments and writes a checkpoint now.
+    pub fn checkpoint(&self) -> Result<()> {
+        self.shared.replay().checkpoint()
+    }
+
+    /// Shuts down: commits pending groups, replays them, writes a final checkpoint.
+    pub fn close(mut self) -> Result<()> {
+        self.shutdown()
+    }
+
+    /// Stops like a killed process would leave things: acknowledged groups are in the WAL, segments hold
+    /// whatever was replayed, and no checkpoint is written after the last one.
+    #[cfg(test)]
+    pub(crate) fn crash(mut self) {
+        self.shared.crashed.store(true, Ordering::SeqCst);
+        let _ = self.shutdown();
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        self.submit = None;
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+        match self.replayer.take().map(JoinHandle::join) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err(Error::io("replayer")(io::Error::other(
+                "replayer thread panicked",
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ScheduleLog {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+fn lock(data_dir: &Path) -> Result<File> {
+    let path = data_dir.join("LOCK");
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(Error::io(&path))?;
+    // A lock can be held for a moment by a process forked from this one that has not yet exec'd (file
+    // descriptors are close-on-exec, not close-on-fork), so a busy lock is retried briefly before it is
+    // reported as another process's.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(file),
+            Err(fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(fs::TryLockError::WouldBlock) => return Err(Error::Locked(data_dir.to_path_buf())),
+            Err(fs::TryLockError::Error(e)) => return Err(Error::io(&path)(e)),
+        }
+    }
+}
+
+/// Reads the data dir's fixed settings, or writes them on first open.
+fn check_meta(data_dir: &Path, configured: SegmentMinutes) -> Result<SegmentMinutes> {
+    let path = data_dir.join("meta");
+    match fs::read(&path) {
+        Ok(bytes) => {
+            let meta = FileHeader::check(&bytes, META_MAGIC, &path)?;
+            if meta.segment_minutes != configured.get() {
+                return Err(Error::SegmentMinutesMismatch {
+                    stored: meta.segment_minutes,
+                    configured: configured.get(),
+                });
+            }
+            Ok(configured)
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let meta = FileHeader {
+                magic: META_MAGIC,
+                segment_minutes: configured.get(),
+                value: 0,
+            };
+            header::write_atomically(&path, &meta.encode())?;
+            Ok(configured)
+        }
+        Err(e) => Err(Error::io(&path)(e)),
+    }
+}
+
+/// Scans the WAL from the checkpoint, replays what it finds, cuts a torn tail and returns the file to
+/// append to and the next seq.
+fn recover_wal(
+    wal_dir: &Path,
+    options: &Options,
+    replay: &mut Replay,
+    dispatch: &DispatchLogs,
+) -> Result<(ActiveWal, u64)> {
+    let files = wal::list(wal_dir)?;
+    // Files entirely below the checkpoint were replayed already (their deletion may have been cut short).
+    let start = files
+        .iter()
+        .rposition(|(first, _)| *first <= replay.next_seq)
+        .unwrap_or(0);
+    let checkpointed = replay.next_seq;
+    let mut expected: Option<u64> = None;
+    let mut tail = None;
+    for (i, (first_seq, path)) in files.iter().enumerate().skip(start) {
+        let gap = match expected {
+            Some(expected) => *first_seq != expected,
+            None => *first_seq > checkpointed,
+        };
+        if gap {
+            return Err(Error::corrupt(
+                path,
+                0,
+                "WAL files do not continue each other's sequence",
+            ));
+        }
+        match wal::scan_file(path, *first_seq, i + 1 == files.len())? {
+            Some(scanned) => {
+                replay.apply(&scanned.bytes, &scanned.records, dispatch)?;
+                if let Some(at) = scanned.torn_at {
+                    wal::zero_torn_tail(path, &scanned.bytes, at)?;
+                }
+                expected = Some(scanned.next_seq);
+                tail = Some((path.clone(), scanned.end, scanned.next_seq));
+            }
+            None => {
+                // A torn header: the file was being created when the process died. Nothing in it was
+                // acknowledged.
+                fs::remove_file(path).map_err(Error::io(path))?;
+                header::sync_dir(wal_dir)?;
+            }
+        }
+    }
+    let next_seq = expected.unwrap_or(checkpointed).max(checkpointed);
+    let active = match tail {
+        Some((path, end, tail_next)) if tail_next == next_seq => {
+            ActiveWal::resume(wal_dir, options.wal_segment_bytes, &path, end)?
+        }
+        // No WAL yet, or its tail ends before the checkpoint (the end of the log was lost after it was
+        // replayed): start a fresh file so that seqs stay dense within every file.
+        _ => ActiveWal::create(wal_dir, options.wal_segment_bytes, next_seq)?,
+    };
+    Ok((active, next_seq))
+}
+
+fn run_replayer(
+    shared: &Shared,
+    groups: Receiver<CommittedGroup>,
+    options: &Options,
+) -> Result<()> {
+    let mut last_checkpoint = Instant::now();
+    let mut bytes_since = 0u64;
+    loop {
+        let group = match groups.recv_timeout(options.checkpoint_interval) {
+            Ok(group) => Some(group),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        };
+        let mut replay = shared.replay();
+        if let Some(group) = group {
+            bytes_since += group.bytes.len() as u64;
+            replay.apply(&group.bytes, &group.records, &shared.dispatch)?;
+            shared.replayed.notify_all();
+        }
+        let due = last_checkpoint.elapsed() >= options.checkpoint_interval
+            || bytes_since >= options.checkpoint_bytes;
+        if due && replay.checkpointed_seq != replay.next_seq {
+            replay.checkpoint()?;
+            last_checkpoint = Instant::now();
+            bytes_since = 0;
+        }
+    }
+    #[cfg(test)]
+    if shared.crashed.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    let mut replay = shared.replay();
+    replay.checkpoint()
+}

@@ -1,0 +1,592 @@
+//! Record payloads: message, cancel and outcome. All integers little-endian.
+//!
+//! ```text
+//! message (frame kind 1)
+//! 0   8  seq            u64  WAL sequence of this record
+//! 8   8  deliver_at_ms  i64  unix ms
+//! 16  8  created_at_ms  i64  unix ms, the WAL commit time
+//! 24  4  id bucket      u32  first attempt's bucket start minute  } the message id (see id.rs);
+//! 28  8  id seq         u64  first attempt's seq                   } for attempt 0 it is this record
+//! 36  2  attempt        u16  0 for the first attempt
+//! 38  2  shard          u16
+//! 40  1  topic len, then topic (UTF-8)
+//! ..  1  sink len, then sink name (UTF-8)
+//! ..  2  key len u16, 0xFFFF = no key, then key (UTF-8)
+//! ..  2  header count u16, then per header: name len u16, name, value len u32, value (UTF-8)
+//! ..  4  body len u32, then body bytes
+//!
+//! cancel (frame kind 2)
+//! 0   8  seq            u64  WAL sequence of this record
+//! 8   8  created_at_ms  i64
+//! 16  4  target bucket  u32  location of the attempt being cancelled
+//! 20  8  target seq     u64
+//!
+//! outcome (frame kind 3, dispatch logs only)
+//! 0   8  seq            u64  the record (in this bucket) the outcome is for
+//! 8   1  kind           u8   1 delivered, 2 dead, 3 cancelled, 4 retried
+//! 9   8  at_ms          i64  when it happened
+//! 17  2  attempt        u16  the attempt the outcome is for
+//! 19  4  next bucket    u32  } retried: where the next attempt lives; 0 otherwise
+//! 23  8  next seq       u64  }
+//! 31  2  reason len u16, then reason (UTF-8)
+//! ```
+//!
+//! The seq, created_at and id of a message are only known at commit, so [`NewMessage::encode`] writes
+//! placeholders there and the WAL writer patches them in place ([`patch_committed`]) before sealing the
+//! frame. Everything variable-length is encoded by the submitter, off the writer thread.
+
+use crate::bucket::Bucket;
+use crate::frame::{self, Kind};
+use crate::id::{Location, MessageId};
+
+const SEQ: usize = 0;
+const CREATED_AT: usize = 16;
+const ID_BUCKET: usize = 24;
+const ID_SEQ: usize = 28;
+const SHARD: usize = 38;
+const VARIABLE: usize = 40;
+const NO_KEY: u16 = u16::MAX;
+/// Outcome reasons are for people; longer ones are cut at a character boundary rather than refused.
+pub const MAX_REASON_BYTES: usize = 512;
+
+/// A message as the caller hands it in.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NewMessage {
+    pub deliver_at_ms: i64,
+    pub topic: String,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub sink: String,
+    pub body: Vec<u8>,
+    /// `None` for a new message; for a retry, the id and number of the new attempt.
+    pub retry_of: Option<(MessageId, u16)>,
+}
+
+/// A message as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub seq: u64,
+    pub deliver_at_ms: i64,
+    pub created_at_ms: i64,
+    pub id: MessageId,
+    pub attempt: u16,
+    pub topic: String,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub sink: String,
+    pub body: Vec<u8>,
+}
+
+/// A field does not fit the record format.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} is too long for the record format (at most {max} bytes)")]
+pub struct TooLarge {
+    pub field: &'static str,
+    pub max: usize,
+}
+
+/// A message encoded as a complete frame with placeholders for what the commit assigns.
+#[derive(Debug, Clone)]
+pub struct EncodedMessage {
+    pub(crate) frame: Vec<u8>,
+    pub(crate) deliver_at_ms: i64,
+    pub(crate) retry_of: Option<MessageId>,
+}
+
+impl EncodedMessage {
+    /// Bytes this message takes in the log.
+    pub fn frame_len(&self) -> usize {
+        self.frame.len()
+    }
+}
+
+impl NewMessage {
+    /// Encodes the message into a frame, checking every length against the format's limits.
+    pub fn encode(&self) -> Result<EncodedMessage, TooLarge> {
+        let mut buf = Vec::with_capacity(64 + self.topic.len() + self.body.len());
+        let at = frame::start(&mut buf);
+        let (id, attempt) = match self.retry_of {
+            Some((id, attempt)) => (Some(id), attempt),
+            None => (None, 0),
+        };
+        buf.extend_from_slice(&0u64.to_le_bytes()); // seq
+        buf.extend_from_slice(&self.deliver_at_ms.to_le_bytes());
+        buf.extend_from_slice(&0i64.to_le_bytes()); // created_at
+        let first = id.map(|id| id.first);
+        let minute = first.map_or(0, |l| l.bucket.start_minute());
+        buf.extend_from_slice(&minute.to_le_bytes());
+        buf.extend_from_slice(&first.map_or(0, |l| l.seq).to_le_bytes());
+        buf.extend_from_slice(&attempt.to_le_bytes());
+        buf.extend_from_slice(&id.map_or(0, |id| id.shard).to_le_bytes());
+        put_str8(&mut buf, &self.topic, "topic")?;
+        put_str8(&mut buf, &self.sink, "sink")?;
+        match &self.key {
+            Some(key) => put_str16(&mut buf, key, "key", usize::from(NO_KEY) - 1)?,
+            None => buf.extend_from_slice(&NO_KEY.to_le_bytes()),
+        }
+        let count = u16::try_from(self.headers.len()).map_err(|_| TooLarge {
+            field: "headers",
+            max: usize::from(u16::MAX),
+        })?;
+        buf.extend_from_slice(&count.to_le_bytes());
+        for (name, value) in &self.headers {
+            put_str16(&mut buf, name, "header name", usize::from(u16::MAX))?;
+            put_bytes32(&mut buf, value.as_bytes(), "header value")?;
+        }
+        put_bytes32(&mut buf, &self.body, "body")?;
+        if buf.len() - frame::HEADER_LEN > frame::MAX_PAYLOAD {
+            return Err(TooLarge {
+                field: "message",
+                max: frame::MAX_PAYLOAD,
+            });
+        }
+        frame::finish(&mut buf, at, Kind::Message);
+        Ok(EncodedMessage {
+            frame: buf,
+            deliver_at_ms: self.deliver_at_ms,
+            retry_of: id,
+        })
+    }
+}
+
+/// Writes the commit-time fields into an encoded message frame and reseals it.
+pub(crate) fn patch_committed(frame_bytes: &mut [u8], seq: u64, created_at_ms: i64, id: MessageId) {
+    let payload = &mut frame_bytes[frame::HEADER_LEN..];
+    payload[SEQ..SEQ + 8].copy_from_slice(&seq.to_le_bytes());
+    payload[CREATED_AT..CREATED_AT + 8].copy_from_slice(&created_at_ms.to_le_bytes());
+    payload[ID_BUCKET..ID_BUCKET + 4]
+        .copy_from_slice(&id.first.bucket.start_minute().to_le_bytes());
+    payload[ID_SEQ..ID_SEQ + 8].copy_from_slice(&id.first.seq.to_le_bytes());
+    payload[SHARD..SHARD + 2].copy_from_slice(&id.shard.to_le_bytes());
+    frame::seal(frame_bytes);
+}
+
+fn put_str8(buf: &mut Vec<u8>, s: &str, field: &'static str) -> Result<(), TooLarge> {
+    let len = u8::try_from(s.len()).map_err(|_| TooLarge { field, max: 255 })?;
+    buf.push(len);
+    buf.extend_from_slice(s.as_bytes());
+    Ok(())
+}
+
+fn put_str16(buf: &mut Vec<u8>, s: &str, field: &'static str, max: usize) -> Result<(), TooLarge> {
+    if s.len() > max {
+        return Err(TooLarge { field, max });
+    }
+    let len = u16::try_from(s.len()).map_err(|_| TooLarge { field, max })?;
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(s.as_bytes());
+    Ok(())
+}
+
+fn put_bytes32(buf: &mut Vec<u8>, b: &[u8], field: &'static str) -> Result<(), TooLarge> {
+    let max = frame::MAX_PAYLOAD;
+    if b.len() > max {
+        return Err(TooLarge { field, max });
+    }
+    let len = u32::try_from(b.len()).map_err(|_| TooLarge { field, max })?;
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(b);
+    Ok(())
+}
+
+/// Bytes that do not decode as the record they claim to be. The frame checksum passed, so this means a
+/// bug or a forged file, never a torn write.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed record: {0}")]
+pub struct Malformed(pub &'static str);
+
+/// A bounds-checked reader over a payload: every accessor fails instead of panicking.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .ok_or(Malformed("length overflow"))?;
+        let out = self
+            .bytes
+            .get(self.pos..end)
+            .ok_or(Malformed("truncated payload"))?;
+        self.pos = end;
+        Ok(out)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], Malformed> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+    fn u8(&mut self) -> Result<u8, Malformed> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, Malformed> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, Malformed> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, Malformed> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn i64(&mut self) -> Result<i64, Malformed> {
+        Ok(i64::from_le_bytes(self.array()?))
+    }
+    fn str(&mut self, len: usize) -> Result<String, Malformed> {
+        let bytes = self.take(len)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| Malformed("text is not UTF-8"))
+    }
+    fn finish(self) -> Result<(), Malformed> {
+        if self.pos == self.bytes.len() {
+            Ok(())
+        } else {
+            Err(Malformed("trailing bytes"))
+        }
+    }
+}
+
+/// The fixed prefix of a message payload: what the replay and the loader need without decoding the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageHead {
+    pub seq: u64,
+    pub deliver_at_ms: i64,
+    pub created_at_ms: i64,
+}
+
+impl MessageHead {
+    pub fn decode(payload: &[u8]) -> Result<MessageHead, Malformed> {
+        let mut r = Reader {
+            bytes: payload
+                .get(..VARIABLE)
+                .ok_or(Malformed("truncated message"))?,
+            pos: SEQ,
+        };
+        let seq = r.u64()?;
+        let deliver_at_ms = r.i64()?;
+        let created_at_ms = r.i64()?;
+        Ok(MessageHead {
+            seq,
+            deliver_at_ms,
+            created_at_ms,
+        })
+    }
+}
+
+impl Message {
+    pub fn decode(payload: &[u8]) -> Result<Message, Malformed> {
+        let mut r = Reader {
+            bytes: payload,
+            pos: 0,
+        };
+        let seq = r.u64()?;
+        let deliver_at_ms = r.i64()?;
+        let created_at_ms = r.i64()?;
+        let id_minute = r.u32()?;
+        let id_seq = r.u64()?;
+        let attempt = r.u16()?;
+        let shard = r.u16()?;
+        debug_assert_eq!(r.pos, VARIABLE);
+        let topic_len = usize::from(r.u8()?);
+        let topic = r.str(topic_len)?;
+        let sink_len = usize::from(r.u8()?);
+        let sink = r.str(sink_len)?;
+        let key = match r.u16()? {
+            NO_KEY => None,
+            len => Some(r.str(usize::from(len))?),
+        };
+        let count = r.u16()?;
+        let mut headers = Vec::with_capacity(usize::from(count).min(64));
+        for _ in 0..count {
+            let name_len = usize::from(r.u16()?);
+            let name = r.str(name_len)?;
+            let value_len = r.u32()? as usize;
+            let value = r.str(value_len)?;
+            headers.push((name, value));
+        }
+        let body_len = r.u32()? as usize;
+        let body = r.take(body_len)?.to_vec();
+        r.finish()?;
+        Ok(Message {
+            seq,
+            deliver_at_ms,
+            created_at_ms,
+            id: MessageId {
+                shard,
+                first: Location {
+                    bucket: Bucket::from_start_minute(id_minute),
+                    seq: id_seq,
+                },
+            },
+            attempt,
+            topic,
+            key,
+            headers,
+            sink,
+            body,
+        })
+    }
+}
+
+/// A tombstone: the attempt at `target` is cancelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cancel {
+    pub seq: u64,
+    pub created_at_ms: i64,
+    pub target: Location,
+}
+
+pub(crate) const CANCEL_PAYLOAD_LEN: usize = 28;
+
+impl Cancel {
+    /// Appends this tombstone as a whole frame to `buf`.
+    pub(crate) fn encode_frame(&self, buf: &mut Vec<u8>) {
+        let at = frame::start(buf);
+        buf.extend_from_slice(&self.seq.to_le_bytes());
+        buf.extend_from_slice(&self.created_at_ms.to_le_bytes());
+        buf.extend_from_slice(&self.target.bucket.start_minute().to_le_bytes());
+        buf.extend_from_slice(&self.target.seq.to_le_bytes());
+        frame::finish(buf, at, Kind::Cancel);
+    }
+
+    pub fn decode(payload: &[u8]) -> Result<Cancel, Malformed> {
+        let mut r = Reader {
+            bytes: payload,
+            pos: 0,
+        };
+        let cancel = Cancel {
+            seq: r.u64()?,
+            created_at_ms: r.i64()?,
+            target: Location {
+                bucket: Bucket::from_start_minute(r.u32()?),
+                seq: r.u64()?,
+            },
+        };
+        r.finish()?;
+        Ok(cancel)
+    }
+}
+
+/// What happened to one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutcomeKind {
+    /// The sink acknowledged it.
+    Delivered,
+    /// It will never be delivered; the reason says why.
+    Dead { reason: String },
+    /// A cancel was acknowledged before it was delivered.
+    Cancelled,
+    /// The sink asked for a retry; the next attempt is durable at `next`.
+    Retried { next: Location, reason: String },
+}
+
+/// One line of a dispatch log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub seq: u64,
+    pub at_ms: i64,
+    pub attempt: u16,
+    pub kind: OutcomeKind,
+}
+
+impl Outcome {
+    pub(crate) fn encode_frame(&self, buf: &mut Vec<u8>) {
+        let at = frame::start(buf);
+        let (code, next, reason) = match &self.kind {
+            OutcomeKind::Delivered => (1u8, None, ""),
+            OutcomeKind::Dead { reason } => (2, None, reason.as_str()),
+            OutcomeKind::Cancelled => (3, None, ""),
+            OutcomeKind::Retried { next, reason } => (4, Some(*next), reason.as_str()),
+        };
+        buf.extend_from_slice(&self.seq.to_le_bytes());
+        buf.push(code);
+        buf.extend_from_slice(&self.at_ms.to_le_bytes());
+        buf.extend_from_slice(&self.attempt.to_le_bytes());
+        buf.extend_from_slice(&next.map_or(0, |l| l.bucket.start_minute()).to_le_bytes());
+        buf.extend_from_slice(&next.map_or(0, |l| l.seq).to_le_bytes());
+        let mut end = reason.len().min(MAX_REASON_BYTES);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        buf.extend_from_slice(&u16::try_from(end).unwrap_or(0).to_le_bytes());
+        buf.extend_from_slice(&reason.as_bytes()[..end]);
+        frame::finish(buf, at, Kind::Outcome);
+    }
+
+    pub fn decode(payload: &[u8]) -> Result<Outcome, Malformed> {
+        let mut r = Reader {
+            bytes: payload,
+            pos: 0,
+        };
+        let seq = r.u64()?;
+        let code = r.u8()?;
+        let at_ms = r.i64()?;
+        let attempt = r.u16()?;
+        let next = Location {
+            bucket: Bucket::from_start_minute(r.u32()?),
+            seq: r.u64()?,
+        };
+        let reason_len = usize::from(r.u16()?);
+        let reason = r.str(reason_len)?;
+        r.finish()?;
+        let kind = match code {
+            1 => OutcomeKind::Delivered,
+            2 => OutcomeKind::Dead { reason },
+            3 => OutcomeKind::Cancelled,
+            4 => OutcomeKind::Retried { next, reason },
+            _ => return Err(Malformed("unknown outcome kind")),
+        };
+        Ok(Outcome {
+            seq,
+            at_ms,
+            attempt,
+            kind,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::{decode, Next};
+    use proptest::prelude::*;
+
+    fn payload(frame_bytes: &[u8]) -> &[u8] {
+        match decode(frame_bytes) {
+            Next::Frame { payload, .. } => payload,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn message_strategy() -> impl Strategy<Value = NewMessage> {
+        (
+            any::<i64>(),
+            "[a-z.]{1,20}",
+            proptest::option::of("\\PC{0,10}"),
+            proptest::collection::vec(("[a-z]{1,5}", "\\PC{0,8}"), 0..4),
+            "[a-z]{0,8}",
+            proptest::collection::vec(any::<u8>(), 0..200),
+            proptest::option::of((any::<u32>(), any::<u64>(), any::<u16>())),
+        )
+            .prop_map(|(deliver_at_ms, topic, key, headers, sink, body, retry)| {
+                NewMessage {
+                    deliver_at_ms,
+                    topic,
+                    key,
+                    headers,
+                    sink,
+                    body,
+                    retry_of: retry.map(|(minute, seq, attempt)| {
+                        let first = Location {
+                            bucket: Bucket::from_start_minute(minute),
+                            seq,
+                        };
+                        (MessageId::new(first), attempt)
+                    }),
+                }
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn messages_round_trip(new in message_strategy(), seq: u64, created: i64) {
+            let encoded = new.encode().unwrap();
+            let mut frame_bytes = encoded.frame.clone();
+            let id = new.retry_of.map_or(MessageId::new(Location { bucket: Bucket::from_start_minute(7), seq }), |r| r.0);
+            patch_committed(&mut frame_bytes, seq, created, id);
+            let message = Message::decode(payload(&frame_bytes)).unwrap();
+            prop_assert_eq!(message.seq, seq);
+            prop_assert_eq!(message.created_at_ms, created);
+            prop_assert_eq!(message.id, id);
+            prop_assert_eq!(message.attempt, new.retry_of.map_or(0, |r| r.1));
+            prop_assert_eq!(&message.topic, &new.topic);
+            prop_assert_eq!(&message.key, &new.key);
+            prop_assert_eq!(&message.headers, &new.headers);
+            prop_assert_eq!(&message.sink, &new.sink);
+            prop_assert_eq!(&message.body, &new.body);
+            let head = MessageHead::decode(payload(&frame_bytes)).unwrap();
+            prop_assert_eq!(head, MessageHead { seq, deliver_at_ms: new.deliver_at_ms, created_at_ms: created });
+        }
+
+        #[test]
+        fn garbage_payloads_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..120)) {
+            let _ = Message::decode(&bytes);
+            let _ = MessageHead::decode(&bytes);
+            let _ = Cancel::decode(&bytes);
+            let _ = Outcome::decode(&bytes);
+        }
+    }
+
+    #[test]
+    fn oversized_fields_are_refused() {
+        let long_topic = NewMessage {
+            topic: "t".repeat(256),
+            ..Default::default()
+        };
+        assert_eq!(long_topic.encode().unwrap_err().field, "topic");
+        let big_body = NewMessage {
+            body: vec![0; frame::MAX_PAYLOAD + 1],
+            ..Default::default()
+        };
+        assert_eq!(big_body.encode().unwrap_err().field, "body");
+        let near = NewMessage {
+            body: vec![0; frame::MAX_PAYLOAD - 10],
+            ..Default::default()
+        };
+        assert_eq!(near.encode().unwrap_err().field, "message");
+    }
+
+    #[test]
+    fn cancels_and_outcomes_round_trip() {
+        let cancel = Cancel {
+            seq: 9,
+            created_at_ms: -3,
+            target: Location {
+                bucket: Bucket::from_start_minute(120),
+                seq: 4,
+            },
+        };
+        let mut buf = Vec::new();
+        cancel.encode_frame(&mut buf);
+        assert_eq!(buf.len(), frame::HEADER_LEN + CANCEL_PAYLOAD_LEN);
+        assert_eq!(Cancel::decode(payload(&buf)), Ok(cancel));
+
+        let kinds = [
+            OutcomeKind::Delivered,
+            OutcomeKind::Dead {
+                reason: "HTTP 400".into(),
+            },
+            OutcomeKind::Cancelled,
+            OutcomeKind::Retried {
+                next: cancel.target,
+                reason: "HTTP 503".into(),
+            },
+        ];
+        for kind in kinds {
+            let outcome = Outcome {
+                seq: 77,
+                at_ms: 1_000,
+                attempt: 3,
+                kind,
+            };
+            let mut buf = Vec::new();
+            outcome.encode_frame(&mut buf);
+            assert_eq!(Outcome::decode(payload(&buf)), Ok(outcome));
+        }
+        let long = Outcome {
+            seq: 1,
+            at_ms: 0,
+            attempt: 0,
+            kind: OutcomeKind::Dead {
+                reason: "é".repeat(2000),
+            },
+        };
+        let mut buf = Vec::new();
+        long.encode_frame(&mut buf);
+        let OutcomeKind::Dead { reason } = Outcome::decode(payload(&buf)).unwrap().kind else {
+            panic!()
+        };
+        assert_eq!(reason.len(), MAX_REASON_BYTES);
+    }
+}

@@ -1,0 +1,318 @@
+//! Replay: copies committed WAL records into the schedule segment of their bucket, and checkpoints.
+//!
+//! The replayer runs on its own thread, fed committed groups by the WAL writer (and, on open, the records
+//! recovery found in the WAL). It is the only writer of schedule segments and the checkpoint.
+//!
+//! Invariants:
+//! - Records are applied in seq order; `next_seq` is the first seq not yet applied, published only after
+//!   the group's segment writes reached the files, so a reader that waits for `next_seq > seq` finds seq.
+//! - A message goes to the bucket of `max(deliver_at, created_at)`: a message due in the past is filed
+//!   under the bucket current at its commit, never under one that may already be retired.
+//! - Replay is idempotent: a record whose seq is not above its segment's last seq is skipped.
+//! - A checkpoint is written only after every segment written since the last one is synced and every
+//!   segment created since is in a synced directory.
+
+use crate::bucket::{Bucket, SegmentMinutes};
+use crate::checkpoint::Checkpoint;
+use crate::dispatch::DispatchLogs;
+use crate::error::{Error, Result};
+use crate::header::sync_dir;
+use crate::id::Location;
+use crate::record::{MessageHead, Outcome, OutcomeKind};
+use crate::segment::{self, IndexEntry, SegmentMark, SegmentWriter};
+use crate::wal::{self, WalRecord};
+use std::collections::{BTreeMap, HashSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// Segment files kept open for append at most; the least recently used is synced and closed past this.
+const MAX_OPEN_SEGMENTS: usize = 128;
+
+/// The bucket a message is filed under.
+pub(crate) fn placement(head: &MessageHead, width: SegmentMinutes) -> Bucket {
+    Bucket::of(head.deliver_at_ms.max(head.created_at_ms), width)
+}
+
+#[derive(Debug)]
+struct SegmentState {
+    /// What has been written (not necessarily synced).
+    written: SegmentMark,
+    /// What is known durable.
+    synced: SegmentMark,
+    writer: Option<SegmentWriter>,
+    last_used: u64,
+}
+
+/// Something a replayed record did that a watcher of a bucket must know (see `ScheduleLog::watch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replayed {
+    /// A message was filed into a watched bucket.
+    Scheduled { bucket: Bucket, entry: IndexEntry },
+    /// A message of a watched bucket was cancelled.
+    Cancelled(Location),
+}
+
+/// The replayer's state, shared behind a mutex with readers that need published entry counts.
+#[derive(Debug)]
+pub(crate) struct Replay {
+    schedule_dir: PathBuf,
+    wal_dir: PathBuf,
+    checkpoint_path: PathBuf,
+    width: SegmentMinutes,
+    segments: BTreeMap<Bucket, SegmentState>,
+    /// First seq not applied yet.
+    pub next_seq: u64,
+    /// next_seq of the last checkpoint written.
+    pub checkpointed_seq: u64,
+    created_since_checkpoint: bool,
+    use_counter: u64,
+    /// Buckets whose new records and cancels are reported to `tap`.
+    pub watched: HashSet<Bucket>,
+    pub tap: Option<crossbeam_channel::Sender<Replayed>>,
+}
+
+impl Replay {
+    /// Opens the segments of a data dir in the state the checkpoint describes: listed segments cut back to
+    /// their marks, unlisted ones deleted.
+    pub(crate) fn open(
+        data_dir: &Path,
+        width: SegmentMinutes,
+        checkpoint: &Checkpoint,
+    ) -> Result<Replay> {
+        let schedule_dir = data_dir.join("schedule");
+        let mut deleted = false;
+        for bucket in segment::list(&schedule_dir)? {
+            if !checkpoint.segments.contains_key(&bucket) {
+                segment::remove(&schedule_dir, bucket)?;
+                deleted = true;
+            }
+        }
+        if deleted {
+            sync_dir(&schedule_dir)?;
+        }
+        let mut segments = BTreeMap::new();
+        for (&bucket, &mark) in &checkpoint.segments {
+            // Opening cuts anything past the mark; the handle is dropped again to keep few files open.
+            SegmentWriter::open(&schedule_dir, bucket, width, mark)?;
+            segments.insert(
+                bucket,
+                SegmentState {
+                    written: mark,
+                    synced: mark,
+                    writer: None,
+                    last_used: 0,
+                },
+            );
+        }
+        Ok(Replay {
+            schedule_dir,
+            wal_dir: data_dir.join("wal"),
+            checkpoint_path: data_dir.join("checkpoint"),
+            width,
+            segments,
+            next_seq: checkpoint.next_seq,
+            checkpointed_seq: checkpoint.next_seq,
+            created_since_checkpoint: false,
+            use_counter: 0,
+            watched: Default::default(),
+            tap: None,
+        })
+    }
+
+    /// Applies committed records in seq order. `bytes` holds the frames the records point into.
+    pub(crate) fn apply(
+        &mut self,
+        bytes: &[u8],
+        records: &[WalRecord],
+        dispatch: &DispatchLogs,
+    ) -> Result<()> {
+        let mut cancels = Vec::new();
+        let mut touched = Vec::new();
+        for record in records {
+            if record.seq() < self.next_seq {
+                continue; // already applied (recovery overlaps the checkpoint)
+            }
+            match record {
+                WalRecord::Message { head, frame } => {
+                    let bucket = placement(head, self.width);
+                    let state = self.writer(bucket)?;
+                    let writer = state.writer.as_mut().expect("writer() opens it");
+                    if head.seq <= writer.last_seq() {
+                        continue;
+                    }
+                    let entry = writer.append(&bytes[frame.clone()], head.seq, head.deliver_at_ms);
+                    touched.push(bucket);
+                    if self.watched.contains(&bucket) {
+                        if let Some(tap) = &self.tap {
+                            let _ = tap.send(Replayed::Scheduled { bucket, entry });
+                        }
+                    }
+                }
+                WalRecord::Cancel(cancel) => {
+                    if self.segments.contains_key(&cancel.target.bucket) {
+                        let outcome = Outcome {
+                            seq: cancel.target.seq,
+                            at_ms: cancel.created_at_ms,
+                            attempt: 0,
+                            kind: OutcomeKind::Cancelled,
+                        };
+                        cancels.push((cancel.target.bucket, outcome, cancel.target));
+                    }
+                }
+            }
+        }
+        touched.sort();
+        touched.dedup();
+        for bucket in touched {
+            let state = self
+                .segments
+                .get_mut(&bucket)
+                .expect("touched segments exist");
+            if let Some(writer) = state.writer.as_mut() {
+                state.written = writer.flush()?;
+            }
+        }
+        if !cancels.is_empty() {
+            let outcomes: Vec<_> = cancels.iter().map(|(b, o, _)| (*b, o.clone())).collect();
+            dispatch.append(&outcomes)?;
+            for (bucket, _, target) in &cancels {
+                if self.watched.contains(bucket) {
+                    if let Some(tap) = &self.tap {
+                        let _ = tap.send(Replayed::Cancelled(*target));
+                    }
+                }
+            }
+        }
+        if let Some(last) = records.last() {
+            self.next_seq = self.next_seq.max(last.seq() + 1);
+        }
+        Ok(())
+    }
+
+    /// The state of `bucket`'s segment with an open writer, creating the segment if needed.
+    fn writer(&mut self, bucket: Bucket) -> Result<&mut SegmentState> {
+        self.use_counter += 1;
+        let open_count = self
+            .segments
+            .values()
+            .filter(|s| s.writer.is_some())
+            .count();
+        let needs_open = self
+            .segments
+            .get(&bucket)
+            .is_none_or(|s| s.writer.is_none());
+        if needs_open && open_count >= MAX_OPEN_SEGMENTS {
+            self.evict_one()?;
+        }
+        let (dir, width, now) = (self.schedule_dir.clone(), self.width, self.use_counter);
+        match self.segments.get_mut(&bucket) {
+            Some(state) => {
+                if state.writer.is_none() {
+                    state.writer = Some(SegmentWriter::open(&dir, bucket, width, state.written)?);
+                }
+                state.last_used = now;
+            }
+            None => {
+                let writer = SegmentWriter::create(&dir, bucket, width)?;
+                let mark = writer.mark();
+                self.created_since_checkpoint = true;
+                self.segments.insert(
+                    bucket,
+                    SegmentState {
+                        written: mark,
+                        synced: SegmentMark::default(),
+                        writer: Some(writer),
+                        last_used: now,
+                    },
+                );
+            }
+        }
+        Ok(self.segments.get_mut(&bucket).expect("present"))
+    }
+
+    /// Syncs and closes the least recently used open segment.
+    fn evict_one(&mut self) -> Result<()> {
+        let victim = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.writer.is_some())
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(b, _)| *b);
+        if let Some(bucket) = victim {
+            let state = self.segments.get_mut(&bucket).expect("present");
+            if let Some(mut writer) = state.writer.take() {
+                state.synced = writer.sync()?;
+                state.written = state.synced;
+            }
+            if self.created_since_checkpoint {
+                // The victim may be new: its name must be durable before a checkpoint lists it.
+                sync_dir(&self.schedule_dir)?;
+                self.created_since_checkpoint = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Syncs every written segment, stores a checkpoint at `next_seq`, and deletes the WAL files that are
+    /// entirely below it.
+    pub(crate) fn checkpoint(&mut self) -> Result<()> {
+        for state in self.segments.values_mut() {
+            if state.synced != state.written {
+                if let Some(writer) = state.writer.as_mut() {
+                    state.synced = writer.sync()?;
+                }
+            }
+        }
+        if self.created_since_checkpoint {
+            sync_dir(&self.schedule_dir)?;
+            self.created_since_checkpoint = false;
+        }
+        let checkpoint = Checkpoint {
+            next_seq: self.next_seq,
+            segments: self.segments.iter().map(|(b, s)| (*b, s.synced)).collect(),
+        };
+        checkpoint.store(&self.checkpoint_path, self.width)?;
+        self.checkpointed_seq = self.next_seq;
+        self.delete_replayed_wal()
+    }
+
+    fn delete_replayed_wal(&self) -> Result<()> {
+        let files = wal::list(&self.wal_dir)?;
+        let mut deleted = false;
+        for pair in files.windows(2) {
+            let ((_, path), (next_first, _)) = (&pair[0], &pair[1]);
+            if *next_first <= self.checkpointed_seq {
+                fs::remove_file(path).map_err(Error::io(path))?;
+                deleted = true;
+            }
+        }
+        if deleted {
+            sync_dir(&self.wal_dir)?;
+        }
+        Ok(())
+    }
+
+    /// Published entry count of a bucket's segment, `None` if it has none.
+    pub(crate) fn entries(&self, bucket: Bucket) -> Option<u64> {
+        self.segments.get(&bucket).map(|s| s.written.entries)
+    }
+
+    /// All buckets that have a segment.
+    pub(crate) fn buckets(&self) -> Vec<Bucket> {
+        self.segments.keys().copied().collect()
+    }
+
+    /// Forgets a segment and deletes its files, after a checkpoint that no longer lists it.
+    pub(crate) fn remove(&mut self, bucket: Bucket) -> Result<()> {
+        if self.segments.remove(&bucket).is_some() {
+            self.checkpoint()?;
+            segment::remove(&self.schedule_dir, bucket)?;
+            sync_dir(&self.schedule_dir)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn schedule_dir(&self) -> &Path {
+        &self.schedule_dir
+    }
+}

@@ -1,0 +1,394 @@
+//! Schedule segments: one per bucket, holding the messages due in it, and their index.
+//!
+//! ```text
+//! schedule/{YYYYMMDDTHHMM}Z.log   file header (magic b"DLYDSEG\0", segment_minutes, value = bucket start
+//!                                 minute), then message frames exactly as they were in the WAL, in
+//!                                 increasing seq order
+//! schedule/{YYYYMMDDTHHMM}Z.idx   file header (magic b"DLYDIDX\0", same fields), then one 32-byte entry
+//!                                 per message, in the same order:
+//!   0   8  seq            u64
+//!   8   8  deliver_at_ms  i64
+//!   16  8  offset         u64  of the frame in the .log file
+//!   24  4  frame_len      u32  header included
+//!   28  4  crc            u32  CRC-32C of bytes 0..28
+//! ```
+//!
+//! Invariants:
+//! - Only the replayer writes segments, appending in increasing seq order, so a segment's seqs are sorted
+//!   and the index can be binary-searched by seq.
+//! - The checkpoint records each segment's synced `.log` length and `.idx` entry count; on open, anything
+//!   past them is cut (it is replayed again from the WAL). So a segment never holds a record twice.
+//! - Readers never read past the entry count the replayer has published, so they never see a half-written
+//!   entry.
+
+use crate::bucket::{Bucket, SegmentMinutes};
+use crate::error::{Error, Result};
+use crate::frame::{self, Kind, Next};
+use crate::header::{FileHeader, HEADER_LEN, INDEX_MAGIC, SEGMENT_MAGIC};
+use crate::record::Message;
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+pub const INDEX_ENTRY_LEN: usize = 32;
+
+/// Where a message is in its segment and when it is due: what the loader pages into the wheel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexEntry {
+    pub seq: u64,
+    pub deliver_at_ms: i64,
+    pub offset: u64,
+    pub frame_len: u32,
+}
+
+impl IndexEntry {
+    fn encode(&self) -> [u8; INDEX_ENTRY_LEN] {
+        let mut out = [0u8; INDEX_ENTRY_LEN];
+        out[0..8].copy_from_slice(&self.seq.to_le_bytes());
+        out[8..16].copy_from_slice(&self.deliver_at_ms.to_le_bytes());
+        out[16..24].copy_from_slice(&self.offset.to_le_bytes());
+        out[24..28].copy_from_slice(&self.frame_len.to_le_bytes());
+        let crc = crc32c::crc32c(&out[..28]);
+        out[28..32].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Option<IndexEntry> {
+        let field = |r: std::ops::Range<usize>| -> [u8; 8] {
+            let mut out = [0u8; 8];
+            out.copy_from_slice(&bytes[r]);
+            out
+        };
+        let crc = u32::from_le_bytes([bytes[28], bytes[29], bytes[30], bytes[31]]);
+        (crc32c::crc32c(&bytes[..28]) == crc).then(|| IndexEntry {
+            seq: u64::from_le_bytes(field(0..8)),
+            deliver_at_ms: i64::from_le_bytes(field(8..16)),
+            offset: u64::from_le_bytes(field(16..24)),
+            frame_len: u32::from_le_bytes([bytes[24], bytes[25], bytes[26], bytes[27]]),
+        })
+    }
+}
+
+pub(crate) fn log_path(dir: &Path, bucket: Bucket) -> PathBuf {
+    dir.join(format!("{bucket}.log"))
+}
+
+pub(crate) fn index_path(dir: &Path, bucket: Bucket) -> PathBuf {
+    dir.join(format!("{bucket}.idx"))
+}
+
+/// The checkpointed state of a segment: how much of it is durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SegmentMark {
+    pub log_len: u64,
+    pub entries: u64,
+    pub last_seq: u64,
+}
+
+/// The replayer's handle on one segment.
+#[derive(Debug)]
+pub(crate) struct SegmentWriter {
+    log: File,
+    index: File,
+    log_path: PathBuf,
+    index_path: PathBuf,
+    /// Written to the files (not necessarily synced).
+    written: SegmentMark,
+    pending_log: Vec<u8>,
+    pending_index: Vec<u8>,
+    /// Has data been written since the last sync?
+    dirty: bool,
+}
+
+impl SegmentWriter {
+    /// Creates a new, empty segment (files with headers only; the caller syncs the directory).
+    pub(crate) fn create(
+        dir: &Path,
+        bucket: Bucket,
+        width: SegmentMinutes,
+    ) -> Result<SegmentWriter> {
+        let open = |path: &Path, magic| -> Result<File> {
+            let file = OpenOptions::new()
+                .create(true)
+                .truncate(true)
+                .read(true)
+                .write(true)
+                .open(path)
+                .map_err(Error::io(path))?;
+            let header = FileHeader {
+                magic,
+                segment_minutes: width.get(),
+                value: u64::from(bucket.start_minute()),
+            };
+            file.write_all_at(&header.encode(), 0)
+                .map_err(Error::io(path))?;
+            Ok(file)
+        };
+        let (log_path, index_path) = (log_path(dir, bucket), index_path(dir, bucket));
+        Ok(SegmentWriter {
+            log: open(&log_path, SEGMENT_MAGIC)?,
+            index: open(&index_path, INDEX_MAGIC)?,
+            log_path,
+            index_path,
+            written: SegmentMark {
+                log_len: HEADER_LEN as u64,
+                entries: 0,
+                last_seq: 0,
+            },
+            pending_log: Vec::new(),
+            pending_index: Vec::new(),
+            dirty: true,
+        })
+    }
+
+    /// Opens an existing segment and cuts it back to its checkpointed `mark`.
+    pub(crate) fn open(
+        dir: &Path,
+        bucket: Bucket,
+        width: SegmentMinutes,
+        mark: SegmentMark,
+    ) -> Result<SegmentWriter> {
+        let open = |path: &Path, magic, len: u64| -> Result<File> {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .map_err(Error::io(path))?;
+            let mut header = [0u8; HEADER_LEN];
+            file.read_exact_at(&mut header, 0)
+                .map_err(Error::io(path))?;
+            let header = FileHeader::check(&header, magic, path)?;
+            if header.value != u64::from(bucket.start_minute())
+                || header.segment_minutes != width.get()
+            {
+                return Err(Error::corrupt(
+                    path,
+                    0,
+                    "header does not match the file name",
+                ));
+            }
+            let actual = file.metadata().map_err(Error::io(path))?.len();
+            if actual < len {
+                return Err(Error::corrupt(
+                    path,
+                    actual,
+                    format!("shorter than its checkpointed length {len}"),
+                ));
+            }
+            if actual > len {
+                file.set_len(len)
+                    .and_then(|()| file.sync_all())
+                    .map_err(Error::io(path))?;
+            }
+            Ok(file)
+        };
+        let (log_path, index_path) = (log_path(dir, bucket), index_path(dir, bucket));
+        let index_len = HEADER_LEN as u64 + mark.entries * INDEX_ENTRY_LEN as u64;
+        Ok(SegmentWriter {
+            log: open(&log_path, SEGMENT_MAGIC, mark.log_len)?,
+            index: open(&index_path, INDEX_MAGIC, index_len)?,
+            log_path,
+            index_path,
+            written: mark,
+            pending_log: Vec::new(),
+            pending_index: Vec::new(),
+            dirty: false,
+        })
+    }
+
+    /// The seq of the last record appended (0 if none): replay skips seqs at or below it.
+    pub(crate) fn last_seq(&self) -> u64 {
+        self.written.last_seq
+    }
+
+    /// Queues a message frame (as it was in the WAL) for writing; [`SegmentWriter::flush`] writes it.
+    pub(crate) fn append(
+        &mut self,
+        frame_bytes: &[u8],
+        seq: u64,
+        deliver_at_ms: i64,
+    ) -> IndexEntry {
+        debug_assert!(seq > self.written.last_seq);
+        let entry = IndexEntry {
+            seq,
+            deliver_at_ms,
+            offset: self.written.log_len + self.pending_log.len() as u64,
+            frame_len: u32::try_from(frame_bytes.len()).expect("frames are bounded by MAX_PAYLOAD"),
+        };
+        self.pending_log.extend_from_slice(frame_bytes);
+        self.pending_index.extend_from_slice(&entry.encode());
+        self.written.last_seq = seq;
+        entry
+    }
+
+    /// Writes queued records to the files (no sync). Returns the mark of what is now written.
+    pub(crate) fn flush(&mut self) -> Result<SegmentMark> {
+        if !self.pending_log.is_empty() {
+            self.log
+                .write_all_at(&self.pending_log, self.written.log_len)
+                .map_err(Error::io(&self.log_path))?;
+            let index_at = HEADER_LEN as u64 + self.written.entries * INDEX_ENTRY_LEN as u64;
+            self.index
+                .write_all_at(&self.pending_index, index_at)
+                .map_err(Error::io(&self.index_path))?;
+            self.written.log_len += self.pending_log.len() as u64;
+            self.written.entries += (self.pending_index.len() / INDEX_ENTRY_LEN) as u64;
+            self.pending_log.clear();
+            self.pending_index.clear();
+            self.dirty = true;
+        }
+        Ok(self.written)
+    }
+
+    /// Makes everything written durable; returns the mark the checkpoint may record.
+    pub(crate) fn sync(&mut self) -> Result<SegmentMark> {
+        let mark = self.flush()?;
+        if self.dirty {
+            self.log.sync_data().map_err(Error::io(&self.log_path))?;
+            self.index
+                .sync_data()
+                .map_err(Error::io(&self.index_path))?;
+            self.dirty = false;
+        }
+        Ok(mark)
+    }
+
+    pub(crate) fn mark(&self) -> SegmentMark {
+        self.written
+    }
+}
+
+/// Reads a segment the replayer has published up to `entries` index entries.
+#[derive(Debug)]
+pub struct SegmentReader {
+    log: File,
+    index: File,
+    log_path: PathBuf,
+    index_path: PathBuf,
+    entries: u64,
+}
+
+impl SegmentReader {
+    pub(crate) fn open(dir: &Path, bucket: Bucket, entries: u64) -> Result<SegmentReader> {
+        let (log_path, index_path) = (log_path(dir, bucket), index_path(dir, bucket));
+        Ok(SegmentReader {
+            log: File::open(&log_path).map_err(Error::io(&log_path))?,
+            index: File::open(&index_path).map_err(Error::io(&index_path))?,
+            log_path,
+            index_path,
+            entries,
+        })
+    }
+
+    /// Number of published index entries.
+    pub fn len(&self) -> u64 {
+        self.entries
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries == 0
+    }
+
+    /// Reads index entries `[from, from + count)` (clamped to the published ones), checking each.
+    pub fn entries(&self, from: u64, count: u64) -> Result<Vec<IndexEntry>> {
+        let end = from.saturating_add(count).min(self.entries);
+        if from >= end {
+            return Ok(Vec::new());
+        }
+        let at = HEADER_LEN as u64 + from * INDEX_ENTRY_LEN as u64;
+        let mut bytes =
+            vec![0u8; usize::try_from(end - from).unwrap_or(usize::MAX) * INDEX_ENTRY_LEN];
+        self.index
+            .read_exact_at(&mut bytes, at)
+            .map_err(Error::io(&self.index_path))?;
+        bytes
+            .chunks_exact(INDEX_ENTRY_LEN)
+            .enumerate()
+            .map(|(i, chunk)| {
+                IndexEntry::decode(chunk).ok_or_else(|| {
+                    Error::corrupt(
+                        &self.index_path,
+                        at + (i * INDEX_ENTRY_LEN) as u64,
+                        "index entry checksum mismatch",
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Finds the index entry of `seq` by binary search.
+    pub fn find(&self, seq: u64) -> Result<Option<IndexEntry>> {
+        let (mut lo, mut hi) = (0u64, self.entries);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let [entry] = self.entries(mid, 1)?[..] else {
+                return Ok(None);
+            };
+            match entry.seq.cmp(&seq) {
+                std::cmp::Ordering::Equal => return Ok(Some(entry)),
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+            }
+        }
+        Ok(None)
+    }
+
+    /// Reads and decodes the message an index entry points to.
+    pub fn read(&self, entry: &IndexEntry) -> Result<Message> {
+        let mut bytes = vec![0u8; entry.frame_len as usize];
+        self.log
+            .read_exact_at(&mut bytes, entry.offset)
+            .map_err(Error::io(&self.log_path))?;
+        let corrupt = |reason: String| Error::corrupt(&self.log_path, entry.offset, reason);
+        match frame::decode(&bytes) {
+            Next::Frame {
+                kind: Kind::Message,
+                payload,
+            } if payload.len() + frame::HEADER_LEN == bytes.len() => {
+                let message = Message::decode(payload).map_err(|e| corrupt(e.to_string()))?;
+                if message.seq != entry.seq {
+                    return Err(corrupt(format!(
+                        "record has seq {}, index says {}",
+                        message.seq, entry.seq
+                    )));
+                }
+                Ok(message)
+            }
+            Next::Invalid(reason) => Err(corrupt(reason.to_string())),
+            _ => Err(corrupt(
+                "index points at something that is not a message".to_string(),
+            )),
+        }
+    }
+}
+
+/// The buckets that have segment files in `dir` (by their `.log` files).
+pub(crate) fn list(dir: &Path) -> Result<Vec<Bucket>> {
+    let mut buckets = Vec::new();
+    for entry in fs::read_dir(dir).map_err(Error::io(dir))? {
+        let path = entry.map_err(Error::io(dir))?.path();
+        let bucket = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".log").or_else(|| n.strip_suffix(".idx")))
+            .and_then(Bucket::parse_file_stem);
+        if let Some(bucket) = bucket {
+            buckets.push(bucket);
+        }
+    }
+    buckets.sort();
+    buckets.dedup();
+    Ok(buckets)
+}
+
+/// Deletes a segment's files (missing files are fine: a crash may have left one of the two).
+pub(crate) fn remove(dir: &Path, bucket: Bucket) -> Result<()> {
+    for path in [log_path(dir, bucket), index_path(dir, bucket)] {
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(&path)(e)),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,454 @@
+//! Whole-engine tests. Test builds shrink frames, groups and the unsynced window (see frame.rs and
+//! commit.rs) and the tests use 4 KiB WAL files, so rollover and the tail policy are exercised constantly.
+
+mod crash;
+mod kill;
+mod model;
+
+use crate::commit::Fault;
+use crate::*;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// 2026-12-01T09:30:00Z
+pub(crate) const T0: i64 = 1_796_117_400_000;
+pub(crate) const HOUR_MS: i64 = 3_600_000;
+
+pub(crate) fn options(clock: &Arc<ManualClock>) -> Options {
+    Options {
+        wal_segment_bytes: 4096,
+        // Checkpoints only when a test asks (and on clean close), so crashes leave WAL to replay.
+        checkpoint_interval: Duration::from_secs(3600),
+        checkpoint_bytes: u64::MAX,
+        clock: clock.clone(),
+        ..Options::default()
+    }
+}
+
+pub(crate) fn message(deliver_at_ms: i64, body: &str) -> EncodedMessage {
+    NewMessage {
+        deliver_at_ms,
+        topic: "orders.timeout".into(),
+        key: Some("order-42".into()),
+        headers: vec![("traceparent".into(), "00-abc".into())],
+        sink: "broker".into(),
+        body: body.as_bytes().to_vec(),
+        retry_of: None,
+    }
+    .encode()
+    .unwrap()
+}
+
+pub(crate) fn append_one(log: &ScheduleLog, deliver_at_ms: i64, body: &str) -> Appended {
+    let mut appended = log
+        .append(vec![message(deliver_at_ms, body)])
+        .wait()
+        .unwrap();
+    appended.pop().unwrap()
+}
+
+/// Every message in every segment, by seq, checking no seq appears twice.
+pub(crate) fn all_messages(log: &ScheduleLog) -> std::collections::BTreeMap<u64, Message> {
+    let mut all = std::collections::BTreeMap::new();
+    log.wait_replayed(0); // everything acknowledged so far is filed
+    for bucket in log.buckets() {
+        let reader = log.reader(bucket).unwrap().unwrap();
+        for entry in reader.entries(0, reader.len()).unwrap() {
+            let message = reader.read(&entry).unwrap();
+            assert_eq!(
+                Bucket::of(
+                    message.deliver_at_ms.max(message.created_at_ms),
+                    log.segment_minutes()
+                ),
+                bucket
+            );
+            assert!(
+                all.insert(entry.seq, message).is_none(),
+                "seq {} twice",
+                entry.seq
+            );
+        }
+    }
+    all
+}
+
+fn open(dir: &Path, clock: &Arc<ManualClock>) -> ScheduleLog {
+    ScheduleLog::open(dir, options(clock)).unwrap()
+}
+
+#[test]
+fn append_lookup_and_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let a = append_one(&log, T0 + 30 * 60_000, "order 42 unpaid");
+    let b = append_one(&log, T0 + 3 * HOUR_MS, "later");
+    assert_eq!(a.id.first, a.location);
+    assert_eq!(a.location.bucket.to_string(), "20261201T1000Z");
+    assert_eq!(b.location.bucket.to_string(), "20261201T1200Z");
+    assert_eq!(b.location.seq, a.location.seq + 1);
+
+    let status = log.lookup(a.id).unwrap().unwrap();
+    assert_eq!(status.state, MessageState::Pending);
+    assert_eq!(status.message.body, b"order 42 unpaid");
+    assert_eq!(status.message.created_at_ms, T0);
+    assert_eq!(status.message.key.as_deref(), Some("order-42"));
+    assert_eq!(
+        status.message.headers,
+        vec![("traceparent".to_string(), "00-abc".to_string())]
+    );
+    log.close().unwrap();
+
+    let log = open(dir.path(), &clock);
+    assert_eq!(log.lookup(b.id).unwrap().unwrap().message.body, b"later");
+    let c = append_one(&log, T0, "after reopen");
+    assert_eq!(
+        c.location.seq,
+        b.location.seq + 1,
+        "seqs continue across reopen"
+    );
+    assert_eq!(all_messages(&log).len(), 3);
+}
+
+#[test]
+fn past_deliver_at_is_filed_under_the_commit_bucket() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let late = append_one(&log, T0 - 48 * HOUR_MS, "overdue");
+    assert_eq!(
+        late.location.bucket,
+        Bucket::of(T0, SegmentMinutes::DEFAULT)
+    );
+    assert_eq!(
+        log.lookup(late.id).unwrap().unwrap().message.deliver_at_ms,
+        T0 - 48 * HOUR_MS
+    );
+}
+
+#[test]
+fn unknown_ids_are_not_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let a = append_one(&log, T0, "x");
+    let mut other = a.id;
+    other.first.seq += 100;
+    assert_eq!(log.lookup(other).unwrap(), None);
+    let mut wrong_bucket = a.id;
+    wrong_bucket.first.bucket = Bucket::of(T0 + 10 * HOUR_MS, SegmentMinutes::DEFAULT);
+    assert_eq!(log.lookup(wrong_bucket).unwrap(), None);
+}
+
+#[test]
+fn cancel_outcomes_and_retries_show_in_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let cancelled = append_one(&log, T0 + 60_000, "c");
+    let delivered = append_one(&log, T0 + 60_000, "d");
+    let retried = append_one(&log, T0 + 60_000, "r");
+
+    clock.advance(5);
+    log.cancel(cancelled.location).wait().unwrap();
+    log.record_outcomes(&[(
+        delivered.location.bucket,
+        Outcome {
+            seq: delivered.location.seq,
+            at_ms: T0 + 60_001,
+            attempt: 0,
+            kind: OutcomeKind::Delivered,
+        },
+    )])
+    .unwrap();
+
+    // A retry: the next attempt goes through the WAL with the same id, then the old attempt points to it.
+    let next = NewMessage {
+        deliver_at_ms: T0 + 2 * HOUR_MS,
+        topic: "orders.timeout".into(),
+        sink: "broker".into(),
+        body: b"r".to_vec(),
+        retry_of: Some((retried.id, 1)),
+        ..Default::default()
+    };
+    let again = log.append(vec![next.encode().unwrap()]).wait().unwrap()[0];
+    assert_eq!(again.id, retried.id);
+    assert_ne!(again.location, retried.location);
+    let kind = OutcomeKind::Retried {
+        next: again.location,
+        reason: "HTTP 503".into(),
+    };
+    log.record_outcomes(&[(
+        retried.location.bucket,
+        Outcome {
+            seq: retried.location.seq,
+            at_ms: T0 + 60_002,
+            attempt: 0,
+            kind,
+        },
+    )])
+    .unwrap();
+
+    let check = |log: &ScheduleLog| {
+        assert_eq!(
+            log.lookup(cancelled.id).unwrap().unwrap().state,
+            MessageState::Cancelled { at_ms: T0 + 5 }
+        );
+        assert_eq!(
+            log.lookup(delivered.id).unwrap().unwrap().state,
+            MessageState::Delivered { at_ms: T0 + 60_001 }
+        );
+        let status = log.lookup(retried.id).unwrap().unwrap();
+        assert_eq!(status.state, MessageState::Pending);
+        assert_eq!(status.message.attempt, 1);
+        assert_eq!(status.location, again.location);
+        assert_eq!(status.last_retry_reason.as_deref(), Some("HTTP 503"));
+    };
+    check(&log);
+    log.crash();
+    let log = open(dir.path(), &clock);
+    check(&log);
+}
+
+#[test]
+fn a_second_open_of_the_same_dir_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let _log = open(dir.path(), &clock);
+    let err = ScheduleLog::open(dir.path(), options(&clock)).unwrap_err();
+    assert!(matches!(err, Error::Locked(_)), "{err}");
+    assert!(err.to_string().contains("in use by another process"));
+}
+
+#[test]
+fn segment_minutes_is_fixed_per_data_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    open(dir.path(), &clock).close().unwrap();
+    let other = Options {
+        segment_minutes: SegmentMinutes::new(15).unwrap(),
+        ..options(&clock)
+    };
+    let err = ScheduleLog::open(dir.path(), other).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::SegmentMinutesMismatch {
+                stored: 60,
+                configured: 15
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn many_appends_roll_over_wal_files_and_checkpoints_delete_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let body = "x".repeat(300);
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let batch: Vec<_> = (0..5)
+            .map(|j| message(T0 + (i * 5 + j) * 97_000, &body))
+            .collect();
+        ids.extend(log.append(batch).wait().unwrap());
+    }
+    let wal_files = || wal::list(&dir.path().join("wal")).unwrap().len();
+    assert!(
+        wal_files() > 20,
+        "200 x 400 B records in 4 KiB files: {}",
+        wal_files()
+    );
+    log.checkpoint().unwrap();
+    assert_eq!(
+        wal_files(),
+        1,
+        "replayed WAL files are deleted after a checkpoint"
+    );
+    for appended in &ids {
+        assert!(log.lookup(appended.id).unwrap().is_some());
+    }
+    log.crash();
+    let log = open(dir.path(), &clock);
+    assert_eq!(all_messages(&log).len(), 200);
+}
+
+#[test]
+fn concurrent_submitters_share_group_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = Arc::new(open(dir.path(), &clock));
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                (0..50)
+                    .map(|i| {
+                        append_one(&log, T0 + i * 1000, &format!("{t}-{i}"))
+                            .location
+                            .seq
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut seqs: Vec<u64> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    seqs.sort();
+    let expected: Vec<u64> = (1..=400).collect();
+    assert_eq!(seqs, expected, "dense, unique seqs");
+    assert_eq!(all_messages(&log).len(), 400);
+}
+
+#[test]
+fn interval_fsync_acks_after_the_periodic_sync() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let options = Options {
+        fsync: FsyncPolicy::Interval(Duration::from_millis(5)),
+        ..options(&clock)
+    };
+    let log = ScheduleLog::open(dir.path(), options).unwrap();
+    let acks: Vec<_> = (0..20)
+        .map(|i| log.append(vec![message(T0 + i, "i")]))
+        .collect();
+    for ack in acks {
+        ack.wait().unwrap();
+    }
+    log.crash();
+    let log = open(dir.path(), &clock);
+    assert_eq!(all_messages(&log).len(), 20);
+}
+
+#[test]
+fn a_failed_fsync_poisons_the_log_until_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let kept = append_one(&log, T0, "kept");
+    log.inject_fault(Fault::Sync);
+    let err = log.append(vec![message(T0, "lost")]).wait().unwrap_err();
+    assert!(matches!(err, AppendError::Poisoned(_)), "{err}");
+    assert!(log.poisoned().unwrap().contains("fdatasync"));
+    let again = log.append(vec![message(T0, "refused")]).wait().unwrap_err();
+    assert!(matches!(again, AppendError::Poisoned(_)));
+    assert!(matches!(
+        log.cancel(kept.location).wait(),
+        Err(AppendError::Poisoned(_))
+    ));
+    drop(log);
+    let log = open(dir.path(), &clock);
+    assert!(log.poisoned().is_none());
+    assert!(log.lookup(kept.id).unwrap().is_some());
+    append_one(&log, T0, "accepted after restart");
+}
+
+#[test]
+fn a_full_disk_at_rollover_fails_that_request_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let body = "y".repeat(900);
+    // Fill the first file, then make the rollover fail.
+    for _ in 0..3 {
+        append_one(&log, T0, &body);
+    }
+    log.inject_fault(Fault::DiskFullAtRoll);
+    let err = log
+        .append(vec![message(T0, &body), message(T0, &body)])
+        .wait()
+        .unwrap_err();
+    assert_eq!(err, AppendError::DiskFull);
+    assert!(log.poisoned().is_none());
+    let after = append_one(&log, T0, &body);
+    assert_eq!(after.location.seq, 4, "the failed request consumed no seqs");
+    log.crash();
+    let log = open(dir.path(), &clock);
+    assert_eq!(
+        all_messages(&log).keys().copied().collect::<Vec<_>>(),
+        vec![1, 2, 3, 4]
+    );
+}
+
+#[test]
+fn retirement_waits_for_every_record_and_the_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let a = append_one(&log, T0 + 60_000, "a");
+    let b = append_one(&log, T0 + 120_000, "b");
+    let later = append_one(&log, T0 + 5 * HOUR_MS, "later");
+    let bucket = a.location.bucket;
+    let delivered = |seq| {
+        (
+            bucket,
+            Outcome {
+                seq,
+                at_ms: T0,
+                attempt: 0,
+                kind: OutcomeKind::Delivered,
+            },
+        )
+    };
+    log.record_outcomes(&[delivered(a.location.seq)]).unwrap();
+
+    clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
+    assert_eq!(log.retire().unwrap(), vec![], "b is still pending");
+    log.record_outcomes(&[delivered(b.location.seq)]).unwrap();
+    clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 23 * HOUR_MS);
+    assert_eq!(log.retire().unwrap(), vec![], "within retention");
+    clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 24 * HOUR_MS);
+    assert_eq!(log.retire().unwrap(), vec![bucket]);
+    assert!(!dir.path().join(format!("schedule/{bucket}.log")).exists());
+    assert!(!dir.path().join(format!("dispatch/{bucket}.log")).exists());
+    assert_eq!(log.lookup(a.id).unwrap(), None);
+
+    log.crash();
+    let log = open(dir.path(), &clock);
+    assert_eq!(
+        log.buckets(),
+        vec![later.location.bucket],
+        "retirement survives a crash"
+    );
+    assert!(log.lookup(later.id).unwrap().is_some());
+}
+
+#[test]
+fn watch_hands_off_between_snapshot_and_live_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let (tap, reports) = crossbeam_channel::unbounded();
+    log.set_tap(tap);
+    let before = append_one(&log, T0 + 60_000, "before");
+    let done = append_one(&log, T0 + 60_000, "done");
+    log.record_outcomes(&[(
+        done.location.bucket,
+        Outcome {
+            seq: done.location.seq,
+            at_ms: T0,
+            attempt: 0,
+            kind: OutcomeKind::Delivered,
+        },
+    )])
+    .unwrap();
+    let snapshot = log.watch(before.location.bucket).unwrap();
+    assert_eq!(
+        snapshot.pending.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        vec![before.location.seq]
+    );
+    assert_eq!(snapshot.total, 2);
+    let after = append_one(&log, T0 + 90_000, "after");
+    log.cancel(before.location).wait().unwrap();
+    let elsewhere = append_one(&log, T0 + 9 * HOUR_MS, "not watched");
+    assert!(log.wait_replayed(elsewhere.location.seq));
+    let got: Vec<_> = reports.try_iter().collect();
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert!(matches!(got[0], Replayed::Scheduled { entry, .. } if entry.seq == after.location.seq));
+    assert_eq!(got[1], Replayed::Cancelled(before.location));
+}

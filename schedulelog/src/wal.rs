@@ -1,0 +1,315 @@
+//! WAL files: the message log, the commit point of every append and cancel.
+//!
+//! ```text
+//! wal/{first_seq:020}.wal   preallocated with zeros to `wal_segment_bytes`
+//! 0    32   file header (header.rs): magic b"DLYDWAL\0", value = seq of the first record
+//! 32   ..   frames (frame.rs) of kind message or cancel, seq first_seq, first_seq + 1, ... without gaps
+//! ..   ..   zeros to the end of the file
+//! wal/next.tmp              the next file, being zero-filled in the background
+//! ```
+//!
+//! Invariants:
+//! - Sequence numbers are dense: each file starts at the seq after the last record of the previous file,
+//!   and a frame whose seq is not the next one ends the log exactly like a bad checksum does (it can only
+//!   be a stale or forged frame).
+//! - A file is synced before the next one is created, so only the last file can have a torn tail.
+//! - Files are zero-filled before use: overwriting written blocks costs `fdatasync` no metadata, which on
+//!   the reference disk is ~3x faster than appending to a growing file.
+//! - A file is deleted only once every record in it has been replayed and checkpointed.
+
+use crate::error::{AppendError, Error, Result};
+use crate::frame::{self, Frames, Kind, Stop};
+use crate::header::{self, FileHeader, HEADER_LEN, WAL_MAGIC};
+use crate::record::{Cancel, MessageHead};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+
+const NEXT_FILE: &str = "next.tmp";
+
+pub(crate) fn wal_path(dir: &Path, first_seq: u64) -> PathBuf {
+    dir.join(format!("{first_seq:020}.wal"))
+}
+
+/// The WAL files in `dir`, oldest first, as (first seq, path). Stray files are ignored.
+pub(crate) fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir).map_err(Error::io(dir))? {
+        let path = entry.map_err(Error::io(dir))?.path();
+        let first_seq = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".wal"))
+            .filter(|stem| stem.len() == 20)
+            .and_then(|stem| stem.parse::<u64>().ok());
+        if let Some(first_seq) = first_seq {
+            files.push((first_seq, path));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// A committed WAL record, borrowed from the bytes of its file or group.
+#[derive(Debug, Clone)]
+pub(crate) enum WalRecord {
+    /// `frame` is the whole frame (header included), copied as is into the schedule segment.
+    Message {
+        head: MessageHead,
+        frame: Range<usize>,
+    },
+    Cancel(Cancel),
+}
+
+impl WalRecord {
+    pub(crate) fn seq(&self) -> u64 {
+        match self {
+            WalRecord::Message { head, .. } => head.seq,
+            WalRecord::Cancel(cancel) => cancel.seq,
+        }
+    }
+}
+
+/// What recovery found in one WAL file.
+#[derive(Debug)]
+pub(crate) struct ScannedFile {
+    pub bytes: Vec<u8>,
+    pub records: Vec<WalRecord>,
+    /// Offset just past the last valid record: where appends continue.
+    pub end: u64,
+    /// The seq the next record must have.
+    pub next_seq: u64,
+    /// Offset of a torn tail that must be zeroed before appending, if any.
+    pub torn_at: Option<u64>,
+}
+
+/// Reads and checks a whole WAL file. `last` says whether it is the newest file, the only one that may
+/// have a torn tail. `Ok(None)`: the newest file's header itself is torn (a crash right after the file was
+/// created); it holds no acknowledged record and may be deleted.
+pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Option<ScannedFile>> {
+    let bytes = fs::read(path).map_err(Error::io(path))?;
+    match FileHeader::decode(&bytes, WAL_MAGIC) {
+        Ok(h) if h.value == first_seq => {}
+        Ok(_) => {
+            return Err(Error::corrupt(
+                path,
+                16,
+                "first seq differs from the file name",
+            ))
+        }
+        Err(reason) => {
+            if last {
+                frame::check_torn_tail(path, &bytes, 0, 0, reason)?;
+                return Ok(None);
+            }
+            return Err(Error::corrupt(path, 0, reason));
+        }
+    }
+    let body = &bytes[HEADER_LEN..];
+    let base = HEADER_LEN as u64;
+    let mut records = Vec::new();
+    let mut next_seq = first_seq;
+    let mut frames = Frames::new(body);
+    while let Some((at, kind, payload)) = frames.next() {
+        let record = match kind {
+            Kind::Message => MessageHead::decode(payload).map(|head| WalRecord::Message {
+                head,
+                frame: HEADER_LEN + at..HEADER_LEN + at + frame::HEADER_LEN + payload.len(),
+            }),
+            Kind::Cancel => Cancel::decode(payload).map(WalRecord::Cancel),
+            Kind::Outcome => {
+                frames.reject_last(at, "outcome frame in the WAL");
+                break;
+            }
+        };
+        match record {
+            Ok(record) if record.seq() == next_seq => {
+                next_seq += 1;
+                records.push(record);
+            }
+            Ok(_) => {
+                frames.reject_last(at, "sequence gap");
+                break;
+            }
+            Err(e) => return Err(Error::corrupt(path, base + at as u64, e.to_string())),
+        }
+    }
+    let (end, torn_at) = match frames.stop() {
+        Some(Stop::End { at }) => (at, None),
+        Some(Stop::Invalid { at, reason }) => {
+            if !last {
+                return Err(Error::corrupt(path, base + at as u64, reason));
+            }
+            frame::check_torn_tail(path, body, base, at, reason)?;
+            (at, Some(base + at as u64))
+        }
+        None => unreachable!("the frame walk ended without a stop"),
+    };
+    Ok(Some(ScannedFile {
+        end: base + end as u64,
+        records,
+        next_seq,
+        torn_at,
+        bytes,
+    }))
+}
+
+/// Zeroes a torn tail from `at` up to the last non-zero byte, and syncs, so that the next scan sees a clean
+/// end and appends can reuse the space.
+pub(crate) fn zero_torn_tail(path: &Path, bytes: &[u8], at: u64) -> Result<()> {
+    let start = usize::try_from(at).unwrap_or(bytes.len()).min(bytes.len());
+    let end = bytes.iter().rposition(|&b| b != 0).map_or(start, |i| i + 1);
+    if end > start {
+        let file = OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(Error::io(path))?;
+        file.write_all_at(&vec![0u8; end - start], at)
+            .and_then(|()| file.sync_data())
+            .map_err(Error::io(path))?;
+    }
+    metrics::counter!("delayd_log_torn_tails_total").increment(1);
+    Ok(())
+}
+
+/// The file the writer appends to, and the preparation of the one after it.
+#[derive(Debug)]
+pub(crate) struct ActiveWal {
+    dir: PathBuf,
+    segment_bytes: u64,
+    file: File,
+    pos: u64,
+    next: Option<JoinHandle<io::Result<()>>>,
+}
+
+impl ActiveWal {
+    /// Continues appending to an existing file at `pos`.
+    pub(crate) fn resume(
+        dir: &Path,
+        segment_bytes: u64,
+        path: &Path,
+        pos: u64,
+    ) -> Result<ActiveWal> {
+        let file = OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(Error::io(path))?;
+        let mut wal = ActiveWal {
+            dir: dir.to_path_buf(),
+            segment_bytes,
+            file,
+            pos,
+            next: None,
+        };
+        wal.prepare_next();
+        Ok(wal)
+    }
+
+    /// Starts a new WAL whose first record will be `first_seq`.
+    pub(crate) fn create(dir: &Path, segment_bytes: u64, first_seq: u64) -> Result<ActiveWal> {
+        let path = dir.join(NEXT_FILE);
+        prepare(&path, segment_bytes).map_err(Error::io(&path))?;
+        let file = install(dir, first_seq).map_err(Error::io(dir))?;
+        let mut wal = ActiveWal {
+            dir: dir.to_path_buf(),
+            segment_bytes,
+            file,
+            pos: HEADER_LEN as u64,
+            next: None,
+        };
+        wal.prepare_next();
+        Ok(wal)
+    }
+
+    /// Bytes still free in the current file.
+    pub(crate) fn remaining(&self) -> u64 {
+        self.segment_bytes.saturating_sub(self.pos)
+    }
+
+    /// Whether a write of `len` bytes would be the first in a fresh file anyway (so rolling over first
+    /// would not help it fit).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.pos == HEADER_LEN as u64
+    }
+
+    pub(crate) fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.file.write_all_at(bytes, self.pos)?;
+        self.pos += bytes.len() as u64;
+        Ok(())
+    }
+
+    pub(crate) fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// Switches to a fresh file whose first record is `first_seq`. The caller has synced the current
+    /// file. On failure nothing was written: the current file stays active.
+    pub(crate) fn roll(&mut self, first_seq: u64) -> Result<(), AppendError> {
+        let prepared = match self.next.take() {
+            Some(handle) => handle
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("WAL preparation thread panicked"))),
+            None => prepare(&self.dir.join(NEXT_FILE), self.segment_bytes),
+        };
+        if let Err(e) = prepared {
+            let _ = fs::remove_file(self.dir.join(NEXT_FILE));
+            return Err(if e.kind() == io::ErrorKind::StorageFull {
+                AppendError::DiskFull
+            } else {
+                AppendError::Poisoned(format!("preparing the next WAL file: {e}"))
+            });
+        }
+        self.file = install(&self.dir, first_seq)
+            .map_err(|e| AppendError::Poisoned(format!("installing WAL file: {e}")))?;
+        self.pos = HEADER_LEN as u64;
+        self.prepare_next();
+        Ok(())
+    }
+
+    fn prepare_next(&mut self) {
+        let path = self.dir.join(NEXT_FILE);
+        let bytes = self.segment_bytes;
+        self.next = Some(std::thread::spawn(move || prepare(&path, bytes)));
+    }
+}
+
+/// Writes a zero-filled file of `bytes` bytes at `path` and syncs it.
+fn prepare(path: &Path, bytes: u64) -> io::Result<()> {
+    let mut file = File::create(path)?;
+    let chunk = vec![0u8; 1 << 20];
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        file.write_all(&chunk[..n])?;
+        left -= n as u64;
+    }
+    file.sync_all()
+}
+
+/// Renames the prepared file to the name of its first seq and writes its header. The header is made
+/// durable by the first group's fdatasync; the name by the directory fsync here.
+fn install(dir: &Path, first_seq: u64) -> io::Result<File> {
+    let path = wal_path(dir, first_seq);
+    fs::rename(dir.join(NEXT_FILE), &path)?;
+    let file = OpenOptions::new().write(true).open(&path)?;
+    let header = FileHeader {
+        magic: WAL_MAGIC,
+        segment_minutes: 0,
+        value: first_seq,
+    };
+    file.write_all_at(&header.encode(), 0)?;
+    header::sync_dir(dir).map_err(|e| io::Error::other(e.to_string()))?;
+    Ok(file)
+}
+
+/// Deletes a leftover `next.tmp` (its preparation may have been cut short by a crash).
+pub(crate) fn remove_leftovers(dir: &Path) -> Result<()> {
+    match fs::remove_file(dir.join(NEXT_FILE)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io(dir.join(NEXT_FILE))(e)),
+    }
+}
