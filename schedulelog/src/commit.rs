@@ -9,6 +9,7 @@
 //! Invariants:
 //! - No acknowledgement before the `fdatasync` that covers the record has returned.
 //! - At most `frame::UNSYNCED_LIMIT` bytes are written past the last sync (the tail policy relies on it).
+//! - Every write is padded to a block boundary (wal.rs explains why).
 //! - A request's frames never straddle a failed rollover: the writer rolls before a request that does not
 //!   fit, so "disk full" fails that request cleanly. Only a request larger than a whole WAL file can
 //!   straddle files, and a failure there poisons the log.
@@ -36,6 +37,11 @@ use std::time::{Duration, Instant};
 const GROUP_TARGET_BYTES: usize = 4 << 20;
 #[cfg(test)]
 const GROUP_TARGET_BYTES: usize = 2 << 10;
+
+/// The most bytes `len` bytes of frames take once padded to a block boundary.
+fn padded(len: u64) -> u64 {
+    len + (frame::BLOCK + frame::HEADER_LEN) as u64
+}
 
 /// When an appended record is durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -256,7 +262,7 @@ impl Writer {
         // Roll over before a request that does not fit, so that a full disk fails it cleanly.
         let size = request.frame_bytes() as u64;
         let unwritten = (group.bytes.len() - group.written) as u64;
-        if size + unwritten > self.wal.remaining() && !(self.wal.is_empty() && unwritten == 0) {
+        if padded(size + unwritten) > self.wal.remaining() && !(self.wal.is_empty() && unwritten == 0) {
             if let Err(e) = self.write_and_sync(group).and_then(|()| self.roll()) {
                 self.poison(&e);
                 return request.fail(e);
@@ -323,12 +329,12 @@ impl Writer {
     /// Before adding a frame of `len` bytes: keeps the unsynced bytes under the limit, and rolls over
     /// mid-request when a request is larger than what is left of the file.
     fn make_room(&mut self, len: usize, group: &mut Group) -> Result<(), AppendError> {
-        let unwritten = group.bytes.len() - group.written;
-        if unwritten + len > UNSYNCED_LIMIT {
+        let unwritten = (group.bytes.len() - group.written) as u64;
+        if padded(unwritten + len as u64) > UNSYNCED_LIMIT as u64 {
             self.write_and_sync(group)?;
         }
         let unwritten = (group.bytes.len() - group.written) as u64;
-        if unwritten + len as u64 > self.wal.remaining() {
+        if padded(unwritten + len as u64) > self.wal.remaining() {
             self.write_and_sync(group)?;
             self.roll()?;
         }
@@ -348,12 +354,13 @@ impl Writer {
         self.wal.roll(self.next_seq)
     }
 
-    /// Writes the group's unwritten bytes to the current file and syncs it.
+    /// Pads the group's unwritten bytes to a block boundary, writes them to the current file and syncs.
     fn write_and_sync(&mut self, group: &mut Group) -> Result<(), AppendError> {
-        let unwritten = &group.bytes[group.written..];
-        if unwritten.is_empty() {
+        if group.bytes.len() == group.written {
             return Ok(());
         }
+        frame::pad_to_block(&mut group.bytes, group.written);
+        let unwritten = &group.bytes[group.written..];
         let poison = |what: &str, e: std::io::Error| {
             AppendError::Poisoned(format!("WAL {what} failed: {e}"))
         };

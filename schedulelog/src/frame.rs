@@ -4,7 +4,7 @@
 //! offset  size  field
 //! 0       4     len     u32 LE, payload bytes (the 9-byte header not included)
 //! 4       4     crc     u32 LE, CRC-32C of bytes 8 .. 9 + len (kind and payload)
-//! 8       1     kind    u8: 1 message, 2 cancel, 3 outcome (0 is never a valid kind)
+//! 8       1     kind    u8: 1 message, 2 cancel, 3 outcome, 4 padding (0 is never a valid kind)
 //! 9       len   payload
 //! ```
 //!
@@ -35,7 +35,13 @@ pub const MAX_PAYLOAD: usize = 1 << 10;
 #[cfg(not(test))]
 pub const UNSYNCED_LIMIT: usize = 32 << 20;
 #[cfg(test)]
-pub const UNSYNCED_LIMIT: usize = 4 << 10;
+pub const UNSYNCED_LIMIT: usize = 16 << 10;
+
+/// The block size the WAL aligns its writes to (for `O_DIRECT`).
+pub const BLOCK: usize = 4096;
+
+/// The largest payload a reader accepts: a record, or a padding frame of up to two blocks.
+const MAX_FRAME_PAYLOAD: usize = if MAX_PAYLOAD > 2 * BLOCK { MAX_PAYLOAD } else { 2 * BLOCK };
 
 /// What a frame holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +50,8 @@ pub enum Kind {
     Message = 1,
     Cancel = 2,
     Outcome = 3,
+    /// Fills a WAL write up to a block boundary; its payload is zeros and means nothing.
+    Padding = 4,
 }
 
 impl Kind {
@@ -52,6 +60,7 @@ impl Kind {
             1 => Some(Kind::Message),
             2 => Some(Kind::Cancel),
             3 => Some(Kind::Outcome),
+            4 => Some(Kind::Padding),
             _ => None,
         }
     }
@@ -68,6 +77,22 @@ pub fn start(buf: &mut Vec<u8>) -> usize {
 pub fn finish(buf: &mut [u8], at: usize, kind: Kind) {
     buf[at + 8] = kind as u8;
     seal(&mut buf[at..]);
+}
+
+/// Appends a padding frame so that `buf.len() - from` becomes a multiple of [`BLOCK`] (adding a whole
+/// block when the gap is too small for a frame header).
+pub fn pad_to_block(buf: &mut Vec<u8>, from: usize) {
+    let used = (buf.len() - from) % BLOCK;
+    if used == 0 {
+        return;
+    }
+    let mut gap = BLOCK - used;
+    if gap < HEADER_LEN {
+        gap += BLOCK;
+    }
+    let at = start(buf);
+    buf.resize(at + gap, 0);
+    finish(buf, at, Kind::Padding);
 }
 
 /// Recomputes the length and checksum of a complete frame whose payload was patched in place.
@@ -108,7 +133,7 @@ pub fn decode(rest: &[u8]) -> Next<'_> {
     }
     let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
     let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
-    if len > MAX_PAYLOAD {
+    if len > MAX_FRAME_PAYLOAD {
         return Next::Invalid("frame length over the maximum");
     }
     let Some(body) = rest.get(8..HEADER_LEN + len) else {
@@ -272,6 +297,20 @@ mod tests {
             decode(&huge),
             Next::Invalid("frame length over the maximum")
         );
+    }
+
+    #[test]
+    fn padding_fills_to_the_block_and_reads_as_a_frame() {
+        for len in [0usize, 1, 100, BLOCK - HEADER_LEN, BLOCK - HEADER_LEN + 1, BLOCK - 1, BLOCK, BLOCK + 5] {
+            let mut buf = vec![7u8; 10];
+            buf.resize(10 + len, 1);
+            pad_to_block(&mut buf, 10);
+            assert_eq!((buf.len() - 10) % BLOCK, 0, "len {len}");
+            assert!(buf.len() - 10 - len < BLOCK + HEADER_LEN, "len {len}");
+            if len % BLOCK != 0 {
+                assert!(matches!(decode(&buf[10 + len..]), Next::Frame { kind: Kind::Padding, .. }), "len {len}");
+            }
+        }
     }
 
     #[test]

@@ -20,6 +20,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::commit::{Ack, Appended, CommittedGroup, FsyncPolicy, Request, Writer};
 use crate::dispatch::DispatchLogs;
 use crate::error::{AppendError, Error, Result};
+use crate::frame;
 use crate::header::{self, FileHeader, META_MAGIC};
 use crate::id::{Location, MessageId};
 use crate::record::{EncodedMessage, Message, Outcome, OutcomeKind};
@@ -150,9 +151,10 @@ impl ScheduleLog {
     /// Opens (creating if needed) the data dir and recovers it.
     pub fn open(data_dir: impl AsRef<Path>, options: Options) -> Result<ScheduleLog> {
         let data_dir = data_dir.as_ref().to_path_buf();
-        if options.wal_segment_bytes < 4096 {
+        let block = frame::BLOCK as u64;
+        if options.wal_segment_bytes < 2 * block || options.wal_segment_bytes % block != 0 {
             return Err(Error::InvalidOption(
-                "wal_segment_bytes must be at least 4096".into(),
+                "wal_segment_bytes must be a multiple of 4096 and at least 8192".into(),
             ));
         }
         for dir in ["", "wal", "schedule", "dispatch"] {
@@ -372,6 +374,8 @@ impl ScheduleLog {
     /// it to the channel given to [`ScheduleLog::set_tap`]. Nothing is lost or reported twice between
     /// the snapshot and the reports: both are taken under the replayer's lock.
     pub fn watch(&self, bucket: Bucket) -> Result<BucketSnapshot> {
+        // The snapshot then holds at least everything acknowledged before this call.
+        self.wait_replayed(0);
         let (reader, total) = {
             let mut replay = self.shared.replay();
             replay.watched.insert(bucket);
@@ -445,8 +449,9 @@ impl ScheduleLog {
         Ok(retired)
     }
 
-    /// Syncs replayed segments and writes a checkpoint now.
+    /// Replays everything acknowledged so far, syncs the segments and writes a checkpoint now.
     pub fn checkpoint(&self) -> Result<()> {
+        self.wait_replayed(0);
         self.shared.replay().checkpoint()
     }
 
@@ -583,11 +588,12 @@ fn recover_wal(
     }
     let next_seq = expected.unwrap_or(checkpointed).max(checkpointed);
     let active = match tail {
-        Some((path, end, tail_next)) if tail_next == next_seq => {
+        Some((path, end, tail_next)) if tail_next == next_seq && end % frame::BLOCK as u64 == 0 => {
             ActiveWal::resume(wal_dir, options.wal_segment_bytes, &path, end)?
         }
-        // No WAL yet, or its tail ends before the checkpoint (the end of the log was lost after it was
-        // replayed): start a fresh file so that seqs stay dense within every file.
+        // No WAL yet; or its tail ends before the checkpoint (the end of the log was lost after it was
+        // replayed), so seqs would not be dense; or a torn write was cut off mid-block, where an aligned
+        // write cannot continue: start a fresh file.
         _ => ActiveWal::create(wal_dir, options.wal_segment_bytes, next_seq)?,
     };
     Ok((active, next_seq))

@@ -2,9 +2,11 @@
 //!
 //! ```text
 //! wal/{first_seq:020}.wal   preallocated with zeros to `wal_segment_bytes`
-//! 0    32   file header (header.rs): magic b"DLYDWAL\0", value = seq of the first record
-//! 32   ..   frames (frame.rs) of kind message or cancel, seq first_seq, first_seq + 1, ... without gaps
-//! ..   ..   zeros to the end of the file
+//! 0     32   file header (header.rs): magic b"DLYDWAL\0", value = seq of the first record
+//! 32    ..   zeros up to 4096
+//! 4096  ..   frames (frame.rs) of kind message, cancel or padding; message and cancel seqs run
+//!            first_seq, first_seq + 1, ... without gaps
+//! ..    ..   zeros to the end of the file
 //! wal/next.tmp              the next file, being zero-filled in the background
 //! ```
 //!
@@ -14,21 +16,29 @@
 //!   be a stale or forged frame).
 //! - A file is synced before the next one is created, so only the last file can have a torn tail.
 //! - Files are zero-filled before use: overwriting written blocks costs `fdatasync` no metadata, which on
-//!   the reference disk is ~3x faster than appending to a growing file.
+//!   the reference disk is ~3x faster than appending to a growing file (and 10x faster than writing into
+//!   `fallocate`d space with 1 MiB writes).
+//! - Every write starts and ends on a 4096-byte block boundary (the writer pads each write with a padding
+//!   frame), so the file is written with `O_DIRECT`: the disk takes the bytes straight from the writer's
+//!   buffer, no copy into the page cache (which nobody reads back), and no block is ever rewritten, so a
+//!   torn write can only damage bytes that were never acknowledged.
 //! - A file is deleted only once every record in it has been replayed and checkpointed.
 
 use crate::error::{AppendError, Error, Result};
-use crate::frame::{self, Frames, Kind, Stop};
+use crate::frame::{self, Frames, Kind, Stop, BLOCK};
 use crate::header::{self, FileHeader, HEADER_LEN, WAL_MAGIC};
 use crate::record::{Cancel, MessageHead};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::ops::Range;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
 const NEXT_FILE: &str = "next.tmp";
+
+/// Where the first frame of a WAL file starts: the header has a block of its own.
+pub(crate) const DATA_START: u64 = BLOCK as u64;
 
 pub(crate) fn wal_path(dir: &Path, first_seq: u64) -> PathBuf {
     dir.join(format!("{first_seq:020}.wal"))
@@ -108,8 +118,9 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
             return Err(Error::corrupt(path, 0, reason));
         }
     }
-    let body = &bytes[HEADER_LEN..];
-    let base = HEADER_LEN as u64;
+    let start = (DATA_START as usize).min(bytes.len());
+    let body = &bytes[start..];
+    let base = start as u64;
     let mut records = Vec::new();
     let mut next_seq = first_seq;
     let mut frames = Frames::new(body);
@@ -117,9 +128,10 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
         let record = match kind {
             Kind::Message => MessageHead::decode(payload).map(|head| WalRecord::Message {
                 head,
-                frame: HEADER_LEN + at..HEADER_LEN + at + frame::HEADER_LEN + payload.len(),
+                frame: start + at..start + at + frame::HEADER_LEN + payload.len(),
             }),
             Kind::Cancel => Cancel::decode(payload).map(WalRecord::Cancel),
+            Kind::Padding => continue,
             Kind::Outcome => {
                 frames.reject_last(at, "outcome frame in the WAL");
                 break;
@@ -181,44 +193,42 @@ pub(crate) struct ActiveWal {
     dir: PathBuf,
     segment_bytes: u64,
     file: File,
+    /// Where the next write goes; always a multiple of [`BLOCK`].
     pos: u64,
     next: Option<JoinHandle<io::Result<()>>>,
+    staging: AlignedBuf,
 }
 
 impl ActiveWal {
-    /// Continues appending to an existing file at `pos`.
-    pub(crate) fn resume(
-        dir: &Path,
-        segment_bytes: u64,
-        path: &Path,
-        pos: u64,
-    ) -> Result<ActiveWal> {
-        let file = OpenOptions::new()
-            .write(true)
-            .open(path)
-            .map_err(Error::io(path))?;
+    /// Continues appending to an existing file at `pos`, which must be block-aligned.
+    pub(crate) fn resume(dir: &Path, segment_bytes: u64, path: &Path, pos: u64) -> Result<ActiveWal> {
+        debug_assert_eq!(pos % BLOCK as u64, 0);
+        let file = open_direct(path).map_err(Error::io(path))?;
         let mut wal = ActiveWal {
             dir: dir.to_path_buf(),
             segment_bytes,
             file,
             pos,
             next: None,
+            staging: AlignedBuf::default(),
         };
         wal.prepare_next();
         Ok(wal)
     }
 
-    /// Starts a new WAL whose first record will be `first_seq`.
+    /// Starts a new WAL file whose first record will be `first_seq`.
     pub(crate) fn create(dir: &Path, segment_bytes: u64, first_seq: u64) -> Result<ActiveWal> {
         let path = dir.join(NEXT_FILE);
         prepare(&path, segment_bytes).map_err(Error::io(&path))?;
-        let file = install(dir, first_seq).map_err(Error::io(dir))?;
+        let mut staging = AlignedBuf::default();
+        let file = install(dir, first_seq, &mut staging).map_err(Error::io(dir))?;
         let mut wal = ActiveWal {
             dir: dir.to_path_buf(),
             segment_bytes,
             file,
-            pos: HEADER_LEN as u64,
+            pos: DATA_START,
             next: None,
+            staging,
         };
         wal.prepare_next();
         Ok(wal)
@@ -229,14 +239,17 @@ impl ActiveWal {
         self.segment_bytes.saturating_sub(self.pos)
     }
 
-    /// Whether a write of `len` bytes would be the first in a fresh file anyway (so rolling over first
-    /// would not help it fit).
+    /// Nothing has been written to the current file yet.
     pub(crate) fn is_empty(&self) -> bool {
-        self.pos == HEADER_LEN as u64
+        self.pos == DATA_START
     }
 
+    /// Writes whole blocks at the current position (no sync).
     pub(crate) fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.file.write_all_at(bytes, self.pos)?;
+        debug_assert_eq!(bytes.len() % BLOCK, 0);
+        let window = self.staging.window(bytes.len());
+        window.copy_from_slice(bytes);
+        self.file.write_all_at(window, self.pos)?;
         self.pos += bytes.len() as u64;
         Ok(())
     }
@@ -262,9 +275,9 @@ impl ActiveWal {
                 AppendError::Poisoned(format!("preparing the next WAL file: {e}"))
             });
         }
-        self.file = install(&self.dir, first_seq)
+        self.file = install(&self.dir, first_seq, &mut self.staging)
             .map_err(|e| AppendError::Poisoned(format!("installing WAL file: {e}")))?;
-        self.pos = HEADER_LEN as u64;
+        self.pos = DATA_START;
         self.prepare_next();
         Ok(())
     }
@@ -272,35 +285,77 @@ impl ActiveWal {
     fn prepare_next(&mut self) {
         let path = self.dir.join(NEXT_FILE);
         let bytes = self.segment_bytes;
-        self.next = Some(std::thread::spawn(move || prepare(&path, bytes)));
+        let spawned = std::thread::Builder::new()
+            .name("delayd-wal-prep".into())
+            .spawn(move || prepare(&path, bytes));
+        self.next = spawned.ok();
+    }
+}
+
+/// A reusable buffer with a window that starts on a block boundary, as `O_DIRECT` requires. (Found
+/// inside a larger `Vec` with `align_offset`, so no allocator tricks and no `unsafe`.)
+#[derive(Debug, Default)]
+struct AlignedBuf {
+    raw: Vec<u8>,
+}
+
+impl AlignedBuf {
+    fn window(&mut self, len: usize) -> &mut [u8] {
+        if self.raw.len() < len + BLOCK {
+            self.raw = vec![0; (len + BLOCK).next_power_of_two()];
+        }
+        let start = self.raw.as_ptr().align_offset(BLOCK).min(BLOCK);
+        &mut self.raw[start..start + len]
+    }
+}
+
+/// Opens a file for writing with `O_DIRECT`, or without it where the file system refuses it (tmpfs).
+fn open_direct(path: &Path) -> io::Result<File> {
+    let direct = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path);
+    match direct {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => OpenOptions::new().write(true).open(path),
+        other => other,
     }
 }
 
 /// Writes a zero-filled file of `bytes` bytes at `path` and syncs it.
+///
+/// With `O_DIRECT` the disk copies the zeros by DMA: preparing a file costs almost no CPU and fills no
+/// page cache. (Buffered zero-filling was the largest CPU cost of a saturated writer.)
 fn prepare(path: &Path, bytes: u64) -> io::Result<()> {
-    let mut file = File::create(path)?;
-    let chunk = vec![0u8; 1 << 20];
+    const CHUNK: usize = 1 << 20;
+    File::create(path)?;
+    let mut file = open_direct(path)?;
+    let mut buffer = AlignedBuf::default();
+    let chunk = buffer.window(CHUNK);
     let mut left = bytes;
-    while left > 0 {
-        let n = left.min(chunk.len() as u64) as usize;
-        file.write_all(&chunk[..n])?;
-        left -= n as u64;
+    while left >= CHUNK as u64 {
+        file.write_all(chunk)?;
+        left -= CHUNK as u64;
     }
+    let tail = left - left % BLOCK as u64;
+    file.write_all(&chunk[..tail as usize])?;
     file.sync_all()
 }
 
-/// Renames the prepared file to the name of its first seq and writes its header. The header is made
-/// durable by the first group's fdatasync; the name by the directory fsync here.
-fn install(dir: &Path, first_seq: u64) -> io::Result<File> {
+/// Renames the prepared file to the name of its first seq and writes its header block. The header is
+/// made durable by the first group's fdatasync; the name by the directory fsync here.
+fn install(dir: &Path, first_seq: u64, staging: &mut AlignedBuf) -> io::Result<File> {
     let path = wal_path(dir, first_seq);
     fs::rename(dir.join(NEXT_FILE), &path)?;
-    let file = OpenOptions::new().write(true).open(&path)?;
+    let file = open_direct(&path)?;
     let header = FileHeader {
         magic: WAL_MAGIC,
         segment_minutes: 0,
         value: first_seq,
     };
-    file.write_all_at(&header.encode(), 0)?;
+    let block = staging.window(BLOCK);
+    block.fill(0);
+    block[..HEADER_LEN].copy_from_slice(&header.encode());
+    file.write_all_at(block, 0)?;
     header::sync_dir(dir).map_err(|e| io::Error::other(e.to_string()))?;
     Ok(file)
 }
