@@ -41,7 +41,11 @@ pub const UNSYNCED_LIMIT: usize = 16 << 10;
 pub const BLOCK: usize = 4096;
 
 /// The largest payload a reader accepts: a record, or a padding frame of up to two blocks.
-const MAX_FRAME_PAYLOAD: usize = if MAX_PAYLOAD > 2 * BLOCK { MAX_PAYLOAD } else { 2 * BLOCK };
+const MAX_FRAME_PAYLOAD: usize = if MAX_PAYLOAD > 2 * BLOCK {
+    MAX_PAYLOAD
+} else {
+    2 * BLOCK
+};
 
 /// What a frame holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -301,14 +305,32 @@ mod tests {
 
     #[test]
     fn padding_fills_to_the_block_and_reads_as_a_frame() {
-        for len in [0usize, 1, 100, BLOCK - HEADER_LEN, BLOCK - HEADER_LEN + 1, BLOCK - 1, BLOCK, BLOCK + 5] {
+        for len in [
+            0usize,
+            1,
+            100,
+            BLOCK - HEADER_LEN,
+            BLOCK - HEADER_LEN + 1,
+            BLOCK - 1,
+            BLOCK,
+            BLOCK + 5,
+        ] {
             let mut buf = vec![7u8; 10];
             buf.resize(10 + len, 1);
             pad_to_block(&mut buf, 10);
             assert_eq!((buf.len() - 10) % BLOCK, 0, "len {len}");
             assert!(buf.len() - 10 - len < BLOCK + HEADER_LEN, "len {len}");
             if len % BLOCK != 0 {
-                assert!(matches!(decode(&buf[10 + len..]), Next::Frame { kind: Kind::Padding, .. }), "len {len}");
+                assert!(
+                    matches!(
+                        decode(&buf[10 + len..]),
+                        Next::Frame {
+                            kind: Kind::Padding,
+                            ..
+                        }
+                    ),
+                    "len {len}"
+                );
             }
         }
     }

@@ -9,7 +9,7 @@
 //! `dispatch`, `checkpoint` (one file format each) → `commit` (group commit) and `replay` → [`ScheduleLog`].
 //! Every byte layout is documented atop its module and in the crate's README.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod bucket;
 mod checkpoint;
@@ -24,6 +24,7 @@ mod log;
 pub mod record;
 mod replay;
 mod segment;
+mod sys;
 mod wal;
 
 pub use bucket::{Bucket, SegmentMinutes};

@@ -152,7 +152,8 @@ impl ScheduleLog {
     pub fn open(data_dir: impl AsRef<Path>, options: Options) -> Result<ScheduleLog> {
         let data_dir = data_dir.as_ref().to_path_buf();
         let block = frame::BLOCK as u64;
-        if options.wal_segment_bytes < 2 * block || options.wal_segment_bytes % block != 0 {
+        if options.wal_segment_bytes < 2 * block || !options.wal_segment_bytes.is_multiple_of(block)
+        {
             return Err(Error::InvalidOption(
                 "wal_segment_bytes must be a multiple of 4096 and at least 8192".into(),
             ));
@@ -187,7 +188,8 @@ impl ScheduleLog {
             crashed: Default::default(),
         });
         let (submit, requests) = crossbeam_channel::bounded(1024);
-        let (to_replay, committed_groups) = crossbeam_channel::bounded(64);
+        let (to_replay, committed_groups) = crossbeam_channel::bounded(8);
+        let (recycle, recycled) = crossbeam_channel::bounded(4);
         let writer = Writer {
             wal: active,
             next_seq,
@@ -196,6 +198,7 @@ impl ScheduleLog {
             policy: options.fsync,
             committed,
             replay: to_replay,
+            recycled,
             poisoned: None,
             poison_report: shared.poisoned.clone(),
             #[cfg(test)]
@@ -209,7 +212,7 @@ impl ScheduleLog {
         let replayer = std::thread::Builder::new()
             .name("delayd-replay".into())
             .spawn(move || {
-                let result = run_replayer(&replayer_shared, committed_groups, &options);
+                let result = run_replayer(&replayer_shared, committed_groups, recycle, &options);
                 if let Err(e) = &result {
                     let _ = replayer_shared.poisoned.set(format!("replay failed: {e}"));
                 }
@@ -588,7 +591,9 @@ fn recover_wal(
     }
     let next_seq = expected.unwrap_or(checkpointed).max(checkpointed);
     let active = match tail {
-        Some((path, end, tail_next)) if tail_next == next_seq && end % frame::BLOCK as u64 == 0 => {
+        Some((path, end, tail_next))
+            if tail_next == next_seq && end.is_multiple_of(frame::BLOCK as u64) =>
+        {
             ActiveWal::resume(wal_dir, options.wal_segment_bytes, &path, end)?
         }
         // No WAL yet; or its tail ends before the checkpoint (the end of the log was lost after it was
@@ -602,6 +607,7 @@ fn recover_wal(
 fn run_replayer(
     shared: &Shared,
     groups: Receiver<CommittedGroup>,
+    recycle: Sender<Vec<u8>>,
     options: &Options,
 ) -> Result<()> {
     let mut last_checkpoint = Instant::now();
@@ -617,6 +623,7 @@ fn run_replayer(
             bytes_since += group.bytes.len() as u64;
             replay.apply(&group.bytes, &group.records, &shared.dispatch)?;
             shared.replayed.notify_all();
+            let _ = recycle.try_send(group.bytes);
         }
         let due = last_checkpoint.elapsed() >= options.checkpoint_interval
             || bytes_since >= options.checkpoint_bytes;

@@ -241,6 +241,10 @@ impl SegmentWriter {
     }
 
     /// Makes everything written durable; returns the mark the checkpoint may record.
+    ///
+    /// The synced pages of the `.log` are then dropped from the page cache: a segment is read again only
+    /// when its bucket comes due, usually much later, and written-once pages kept in the cache only push
+    /// useful ones out.
     pub(crate) fn sync(&mut self) -> Result<SegmentMark> {
         let mark = self.flush()?;
         if self.dirty {
@@ -249,6 +253,8 @@ impl SegmentWriter {
                 .sync_data()
                 .map_err(Error::io(&self.index_path))?;
             self.dirty = false;
+            // Advice only: a failure changes nothing that matters.
+            let _ = crate::sys::drop_cached_pages(&self.log, 0, mark.log_len);
         }
         Ok(mark)
     }

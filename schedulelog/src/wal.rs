@@ -201,7 +201,12 @@ pub(crate) struct ActiveWal {
 
 impl ActiveWal {
     /// Continues appending to an existing file at `pos`, which must be block-aligned.
-    pub(crate) fn resume(dir: &Path, segment_bytes: u64, path: &Path, pos: u64) -> Result<ActiveWal> {
+    pub(crate) fn resume(
+        dir: &Path,
+        segment_bytes: u64,
+        path: &Path,
+        pos: u64,
+    ) -> Result<ActiveWal> {
         debug_assert_eq!(pos % BLOCK as u64, 0);
         let file = open_direct(path).map_err(Error::io(path))?;
         let mut wal = ActiveWal {
@@ -244,12 +249,17 @@ impl ActiveWal {
         self.pos == DATA_START
     }
 
-    /// Writes whole blocks at the current position (no sync).
+    /// Writes whole blocks at the current position (no sync). Bytes at a block-aligned address go to the
+    /// disk as they are; others are copied to an aligned buffer first.
     pub(crate) fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
         debug_assert_eq!(bytes.len() % BLOCK, 0);
-        let window = self.staging.window(bytes.len());
-        window.copy_from_slice(bytes);
-        self.file.write_all_at(window, self.pos)?;
+        if bytes.as_ptr().align_offset(BLOCK) == 0 {
+            self.file.write_all_at(bytes, self.pos)?;
+        } else {
+            let window = self.staging.window(bytes.len());
+            window.copy_from_slice(bytes);
+            self.file.write_all_at(window, self.pos)?;
+        }
         self.pos += bytes.len() as u64;
         Ok(())
     }
@@ -316,7 +326,9 @@ fn open_direct(path: &Path) -> io::Result<File> {
         .custom_flags(libc::O_DIRECT)
         .open(path);
     match direct {
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => OpenOptions::new().write(true).open(path),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            OpenOptions::new().write(true).open(path)
+        }
         other => other,
     }
 }

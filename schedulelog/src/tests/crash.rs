@@ -34,12 +34,7 @@ fn frame_spans(path: &Path) -> Vec<(usize, usize)> {
     let start = wal::DATA_START as usize;
     Frames::new(&bytes[start..])
         .filter(|(_, kind, _)| *kind != Kind::Padding)
-        .map(|(at, _, payload)| {
-            (
-                start + at,
-                start + at + frame::HEADER_LEN + payload.len(),
-            )
-        })
+        .map(|(at, _, payload)| (start + at, start + at + frame::HEADER_LEN + payload.len()))
         .collect()
 }
 
@@ -85,7 +80,10 @@ fn wal_cut_at_every_byte_of_the_last_records() {
     // Every byte of the last three records, and every 61st byte of the padding between them (each
     // record is its own group, padded to a block).
     let cuts = (spans[3].0..=spans[5].1 + 3).filter(|cut| {
-        spans[3..].iter().any(|(start, end)| (start..=end).contains(&cut)) || cut % 61 == 0
+        spans[3..]
+            .iter()
+            .any(|(start, end)| (start..=end).contains(&cut))
+            || cut % 61 == 0
     });
     for cut in cuts {
         let dir = tempfile::tempdir().unwrap();
