@@ -290,6 +290,7 @@ impl Writer {
                         seq,
                         deliver_at_ms: message.deliver_at_ms,
                         created_at_ms,
+                        sink_tag: message.sink_tag,
                     };
                     let location = Location {
                         bucket: placement(&head, self.width),

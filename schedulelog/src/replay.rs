@@ -140,7 +140,7 @@ impl Replay {
                     if head.seq <= writer.last_seq() {
                         continue;
                     }
-                    let entry = writer.append(&bytes[frame.clone()], head.seq, head.deliver_at_ms);
+                    let entry = writer.append(&bytes[frame.clone()], head);
                     touched.push(bucket);
                     if self.watched.contains(&bucket) {
                         if let Some(tap) = &self.tap {

@@ -8,7 +8,8 @@
 //!                                 per message, in the same order:
 //!   0   8  seq            u64
 //!   8   8  deliver_at_ms  i64
-//!   16  8  offset         u64  of the frame in the .log file
+//!   16  8  offset | tag   u64  bits 16..64: offset of the frame in the .log file (segments are below
+//!                              256 TiB); bits 0..16: the sink tag of the message (record.rs `sink_tag`)
 //!   24  4  frame_len      u32  header included
 //!   28  4  crc            u32  CRC-32C of bytes 0..28
 //! ```
@@ -25,7 +26,7 @@ use crate::bucket::{Bucket, SegmentMinutes};
 use crate::error::{Error, Result};
 use crate::frame::{self, Kind, Next};
 use crate::header::{FileHeader, HEADER_LEN, INDEX_MAGIC, SEGMENT_MAGIC};
-use crate::record::Message;
+use crate::record::{Message, MessageHead};
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -39,6 +40,7 @@ pub struct IndexEntry {
     pub deliver_at_ms: i64,
     pub offset: u64,
     pub frame_len: u32,
+    pub sink_tag: u16,
 }
 
 impl IndexEntry {
@@ -46,7 +48,7 @@ impl IndexEntry {
         let mut out = [0u8; INDEX_ENTRY_LEN];
         out[0..8].copy_from_slice(&self.seq.to_le_bytes());
         out[8..16].copy_from_slice(&self.deliver_at_ms.to_le_bytes());
-        out[16..24].copy_from_slice(&self.offset.to_le_bytes());
+        out[16..24].copy_from_slice(&(self.offset << 16 | u64::from(self.sink_tag)).to_le_bytes());
         out[24..28].copy_from_slice(&self.frame_len.to_le_bytes());
         let crc = crc32c::crc32c(&out[..28]);
         out[28..32].copy_from_slice(&crc.to_le_bytes());
@@ -63,7 +65,8 @@ impl IndexEntry {
         (crc32c::crc32c(&bytes[..28]) == crc).then(|| IndexEntry {
             seq: u64::from_le_bytes(field(0..8)),
             deliver_at_ms: i64::from_le_bytes(field(8..16)),
-            offset: u64::from_le_bytes(field(16..24)),
+            offset: u64::from_le_bytes(field(16..24)) >> 16,
+            sink_tag: (u64::from_le_bytes(field(16..24)) & 0xffff) as u16,
             frame_len: u32::from_le_bytes([bytes[24], bytes[25], bytes[26], bytes[27]]),
         })
     }
@@ -202,16 +205,13 @@ impl SegmentWriter {
     }
 
     /// Queues a message frame (as it was in the WAL) for writing; [`SegmentWriter::flush`] writes it.
-    pub(crate) fn append(
-        &mut self,
-        frame_bytes: &[u8],
-        seq: u64,
-        deliver_at_ms: i64,
-    ) -> IndexEntry {
-        debug_assert!(seq > self.written.last_seq);
+    pub(crate) fn append(&mut self, frame_bytes: &[u8], head: &MessageHead) -> IndexEntry {
+        debug_assert!(head.seq > self.written.last_seq);
+        let seq = head.seq;
         let entry = IndexEntry {
             seq,
-            deliver_at_ms,
+            deliver_at_ms: head.deliver_at_ms,
+            sink_tag: head.sink_tag,
             offset: self.written.log_len + self.pending_log.len() as u64,
             frame_len: u32::try_from(frame_bytes.len()).expect("frames are bounded by MAX_PAYLOAD"),
         };
