@@ -1,8 +1,11 @@
 //! delayd: a durable, millisecond-precise delay / scheduled-message service.
 //!
-//! So far the package holds the storage engine, re-exported from the `schedulelog` crate; the scheduler,
-//! sinks and HTTP service build on it.
+//! Layers, bottom up: the storage engine (`schedulelog`, re-exported), the [`scheduler`] (loader, wheel,
+//! dispatcher) and the [`sink`]s it delivers to.
 
 #![forbid(unsafe_code)]
+
+pub mod scheduler;
+pub mod sink;
 
 pub use schedulelog;

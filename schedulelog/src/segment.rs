@@ -341,29 +341,30 @@ impl SegmentReader {
 
     /// Reads and decodes the message an index entry points to.
     pub fn read(&self, entry: &IndexEntry) -> Result<Message> {
-        let mut bytes = vec![0u8; entry.frame_len as usize];
+        let message = self.read_at(entry.offset, entry.frame_len)?;
+        if message.seq != entry.seq {
+            let reason = format!("record has seq {}, index says {}", message.seq, entry.seq);
+            return Err(Error::corrupt(&self.log_path, entry.offset, reason));
+        }
+        Ok(message)
+    }
+
+    /// Reads and decodes the message frame of `frame_len` bytes at `offset`.
+    pub fn read_at(&self, offset: u64, frame_len: u32) -> Result<Message> {
+        let mut bytes = vec![0u8; frame_len as usize];
         self.log
-            .read_exact_at(&mut bytes, entry.offset)
+            .read_exact_at(&mut bytes, offset)
             .map_err(Error::io(&self.log_path))?;
-        let corrupt = |reason: String| Error::corrupt(&self.log_path, entry.offset, reason);
+        let corrupt = |reason: String| Error::corrupt(&self.log_path, offset, reason);
         match frame::decode(&bytes) {
             Next::Frame {
                 kind: Kind::Message,
                 payload,
             } if payload.len() + frame::HEADER_LEN == bytes.len() => {
-                let message = Message::decode(payload).map_err(|e| corrupt(e.to_string()))?;
-                if message.seq != entry.seq {
-                    return Err(corrupt(format!(
-                        "record has seq {}, index says {}",
-                        message.seq, entry.seq
-                    )));
-                }
-                Ok(message)
+                Message::decode(payload).map_err(|e| corrupt(e.to_string()))
             }
             Next::Invalid(reason) => Err(corrupt(reason.to_string())),
-            _ => Err(corrupt(
-                "index points at something that is not a message".to_string(),
-            )),
+            _ => Err(corrupt("not a message frame".to_string())),
         }
     }
 }

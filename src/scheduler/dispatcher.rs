@@ -1,0 +1,304 @@
+//! Lanes: one tokio task per sink that turns due wheel entries into deliveries and their outcomes.
+//!
+//! Per batch: read the records (blocking pool), drop cancelled ones, call the sink (at most
+//! `max_in_flight` calls at once), then make each answer durable:
+//! - delivered / dead → an outcome in the bucket's dispatch log;
+//! - retry → a new attempt through the WAL (`attempt + 1`, due after the backoff with jitter or the
+//!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead.
+//!
+//! Outcomes are written only after the sink answered, so a crash in between repeats the delivery rather
+//! than losing it (at-least-once).
+
+use super::wheel::Entry;
+use super::{entry_bucket, Shared};
+use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry};
+use crossbeam_channel::Sender;
+use schedulelog::{Bucket, Location, NewMessage, Outcome, OutcomeKind};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
+
+/// A sink's lane before it runs.
+pub(crate) struct Lane {
+    name: String,
+    sink: Arc<dyn Sink>,
+    pub policy: SinkPolicy,
+    shared: Arc<Shared>,
+    seed: AtomicU64,
+}
+
+/// One lane per registered sink, in registry order, then the lane for messages naming an unknown sink.
+pub(crate) fn lanes(shared: &Arc<Shared>, sinks: &SinkRegistry) -> Vec<Lane> {
+    let seed = u64::try_from(shared.clock.now_ms()).unwrap_or(1);
+    let mut lanes: Vec<Lane> = sinks
+        .entries()
+        .iter()
+        .enumerate()
+        .map(|(i, e)| Lane {
+            name: e.name.clone(),
+            sink: e.sink.clone(),
+            policy: e.policy.clone(),
+            shared: shared.clone(),
+            seed: AtomicU64::new(seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+        })
+        .collect();
+    lanes.push(Lane {
+        name: "(unknown)".into(),
+        sink: Arc::new(UnknownSink),
+        policy: SinkPolicy::default(),
+        shared: shared.clone(),
+        seed: AtomicU64::new(seed),
+    });
+    lanes
+}
+
+impl Lane {
+    pub(crate) async fn run(self, mut due: mpsc::Receiver<Entry>, room: Sender<()>) {
+        let lane = Arc::new(self);
+        let permits = Arc::new(Semaphore::new(lane.policy.max_in_flight));
+        let mut running = JoinSet::new();
+        while let Some(first) = due.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < lane.policy.max_batch {
+                match due.try_recv() {
+                    Ok(entry) => batch.push(entry),
+                    Err(_) => break,
+                }
+            }
+            // The wheel may hold a backlog waiting for room in this queue.
+            let _ = room.try_send(());
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                break;
+            };
+            let lane = lane.clone();
+            running.spawn(async move {
+                lane.deliver(batch).await;
+                drop(permit);
+            });
+            while running.try_join_next().is_some() {}
+        }
+        while running.join_next().await.is_some() {}
+    }
+
+    async fn deliver(&self, batch: Vec<Entry>) {
+        let shared = self.shared.clone();
+        let read = tokio::task::spawn_blocking(move || read_batch(&shared, &batch)).await;
+        let deliveries: Vec<Delivery> = match read {
+            Ok(deliveries) => deliveries,
+            Err(e) => {
+                tracing::error!(sink = %self.name, error = %e, "reading due messages panicked");
+                return;
+            }
+        };
+        if deliveries.is_empty() {
+            return;
+        }
+        let now = self.shared.clock.now_ms();
+        for delivery in &deliveries {
+            let late_ms = (now - delivery.message.deliver_at_ms).max(0);
+            metrics::histogram!("delayd_delivery_lateness_seconds", "sink" => self.name.clone())
+                .record(late_ms as f64 / 1000.0);
+        }
+        let mut outcomes = self.sink.deliver(&deliveries).await;
+        outcomes.resize(
+            deliveries.len(),
+            SinkOutcome::Retry {
+                after: None,
+                reason: "the sink gave no answer for this message".into(),
+            },
+        );
+        self.settle(&deliveries, outcomes).await;
+    }
+
+    /// Makes the sink's answers durable: retries through the WAL, then every outcome in the dispatch logs.
+    async fn settle(&self, deliveries: &[Delivery], outcomes: Vec<SinkOutcome>) {
+        let now = self.shared.clock.now_ms();
+        let mut records: Vec<(Bucket, Outcome)> = Vec::new();
+        let mut retries = Vec::new();
+        let mut labels = Vec::with_capacity(deliveries.len());
+        for (delivery, outcome) in deliveries.iter().zip(outcomes) {
+            let attempt = delivery.message.attempt;
+            let record = |kind| Outcome {
+                seq: delivery.location.seq,
+                at_ms: now,
+                attempt,
+                kind,
+            };
+            let label = match outcome {
+                SinkOutcome::Delivered => {
+                    records.push((delivery.location.bucket, record(OutcomeKind::Delivered)));
+                    "ok"
+                }
+                SinkOutcome::Dead { reason } => {
+                    records.push((
+                        delivery.location.bucket,
+                        record(OutcomeKind::Dead { reason }),
+                    ));
+                    "dead"
+                }
+                SinkOutcome::Retry { after, reason } => {
+                    let next_attempt = attempt.saturating_add(1);
+                    if next_attempt >= self.policy.max_attempts {
+                        let reason = format!("gave up after {next_attempt} attempts: {reason}");
+                        records.push((
+                            delivery.location.bucket,
+                            record(OutcomeKind::Dead { reason }),
+                        ));
+                        "dead"
+                    } else {
+                        let delay = after.unwrap_or_else(|| {
+                            self.policy.backoff.delay(attempt, self.random_unit())
+                        });
+                        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+                        retries.push((
+                            delivery,
+                            next_attempt,
+                            now.saturating_add(delay_ms),
+                            reason,
+                        ));
+                        "retry"
+                    }
+                }
+            };
+            metrics::counter!("delayd_messages_delivered_total", "sink" => self.name.clone(), "outcome" => label)
+                .increment(1);
+            labels.push((delivery.id, label));
+        }
+        if !retries.is_empty() {
+            self.write_retries(&retries, &mut records).await;
+        }
+        if !records.is_empty() {
+            let log = self.shared.log.clone();
+            let written = tokio::task::spawn_blocking(move || log.record_outcomes(&records)).await;
+            if !matches!(written, Ok(Ok(()))) {
+                // Without the outcome the message stays pending and is delivered again after a restart.
+                tracing::error!(sink = %self.name, "recording delivery outcomes failed: {written:?}");
+            }
+        }
+        if let Some(settled) = &self.shared.settled {
+            let _ = settled.send(labels);
+        }
+    }
+
+    async fn write_retries(
+        &self,
+        retries: &[(&Delivery, u16, i64, String)],
+        records: &mut Vec<(Bucket, Outcome)>,
+    ) {
+        let mut encoded = Vec::with_capacity(retries.len());
+        for (delivery, next_attempt, deliver_at_ms, _) in retries {
+            let m = &delivery.message;
+            let next = NewMessage {
+                deliver_at_ms: *deliver_at_ms,
+                topic: m.topic.clone(),
+                key: m.key.clone(),
+                headers: m.headers.clone(),
+                sink: m.sink.clone(),
+                body: m.body.clone(),
+                retry_of: Some((delivery.id, *next_attempt)),
+            };
+            match next.encode() {
+                Ok(next) => encoded.push(next),
+                Err(e) => {
+                    tracing::error!(error = %e, "a stored message no longer encodes");
+                    return;
+                }
+            }
+        }
+        match self.shared.log.append(encoded).await {
+            Ok(appended) => {
+                let now = self.shared.clock.now_ms();
+                for ((delivery, _, _, reason), next) in retries.iter().zip(appended) {
+                    let kind = OutcomeKind::Retried {
+                        next: next.location,
+                        reason: reason.clone(),
+                    };
+                    let outcome = Outcome {
+                        seq: delivery.location.seq,
+                        at_ms: now,
+                        attempt: delivery.message.attempt,
+                        kind,
+                    };
+                    records.push((delivery.location.bucket, outcome));
+                }
+            }
+            // The messages stay pending (no outcome) and are delivered again after a restart.
+            Err(e) => tracing::error!(sink = %self.name, error = %e, "writing retries failed"),
+        }
+    }
+
+    /// A uniform draw in [0, 1) for backoff jitter (splitmix64; no need for a cryptographic source).
+    fn random_unit(&self) -> f64 {
+        let mut z = self
+            .seed
+            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Reads the records of a batch, skipping cancelled ones. A record that cannot be read stays pending
+/// (it is logged and counted; the engine's corruption error names the file and offset).
+fn read_batch(shared: &Shared, batch: &[Entry]) -> Vec<Delivery> {
+    let mut readers = HashMap::new();
+    let mut deliveries = Vec::with_capacity(batch.len());
+    for entry in batch {
+        let bucket = entry_bucket(entry);
+        let reader = match readers.entry(bucket) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => match shared.log.reader(bucket) {
+                Ok(Some(reader)) => v.insert(reader),
+                Ok(None) => continue, // retired meanwhile
+                Err(e) => {
+                    tracing::error!(%bucket, error = %e, "opening a segment failed");
+                    metrics::counter!("delayd_read_errors_total").increment(1);
+                    continue;
+                }
+            },
+        };
+        match reader.read_at(entry.offset(), entry.frame_len) {
+            Ok(message) => {
+                let location = Location {
+                    bucket,
+                    seq: message.seq,
+                };
+                if shared.take_cancelled(&location) {
+                    if let Some(settled) = &shared.settled {
+                        let _ = settled.send(vec![(message.id, "cancelled")]);
+                    }
+                    continue;
+                }
+                deliveries.push(Delivery {
+                    id: message.id,
+                    location,
+                    message,
+                });
+            }
+            Err(e) => {
+                tracing::error!(%bucket, error = %e, "reading a due message failed");
+                metrics::counter!("delayd_read_errors_total").increment(1);
+            }
+        }
+    }
+    deliveries
+}
+
+/// The sink of messages that name a sink nobody configured: they are dead, with the reason.
+struct UnknownSink;
+
+impl Sink for UnknownSink {
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+        Box::pin(async move {
+            batch
+                .iter()
+                .map(|d| SinkOutcome::Dead {
+                    reason: format!("no sink named {:?} is configured", d.message.sink),
+                })
+                .collect()
+        })
+    }
+}

@@ -1,0 +1,134 @@
+//! The loader: pages buckets into the wheel shortly before they start, and retires finished ones.
+//!
+//! Which buckets are watched at time `now`:
+//! - every bucket from the one holding `now` to the one holding `now + preload`, whether or not it has a
+//!   segment yet (a message filed into it later is reported live);
+//! - every older bucket that has a segment, oldest first: after a restart or a long outage they hold the
+//!   overdue messages (QMQ reloads only the newest segments and strands the rest).
+//!
+//! A bucket is unwatched a grace period after it ended: nothing new is filed into a past bucket.
+
+use super::Shared;
+use crossbeam_channel::{select, Receiver, Sender};
+use schedulelog::{Bucket, BucketSnapshot, SegmentMinutes};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long after its end a bucket stays watched (covers a commit at the very end of the bucket).
+const UNWATCH_GRACE_MS: i64 = 60_000;
+
+pub(crate) struct Loader {
+    shared: Arc<Shared>,
+    width: SegmentMinutes,
+    preload_ms: i64,
+    retire_every_ms: i64,
+    /// Buckets handed to the wheel at some point: never loaded twice (the wheel delivers what it got).
+    loaded: BTreeSet<Bucket>,
+    /// Loaded buckets still watched for live records.
+    live: BTreeSet<Bucket>,
+}
+
+impl Loader {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        width: SegmentMinutes,
+        preload_ms: i64,
+        retire_every: Duration,
+    ) -> Loader {
+        Loader {
+            shared,
+            width,
+            preload_ms,
+            retire_every_ms: i64::try_from(retire_every.as_millis()).unwrap_or(i64::MAX),
+            loaded: BTreeSet::new(),
+            live: BTreeSet::new(),
+        }
+    }
+
+    pub(crate) fn run(mut self, loaded: Sender<BucketSnapshot>, stop: Receiver<()>) {
+        let changes = self.shared.clock.changes();
+        let mut next_retire = self.shared.clock.now_ms();
+        loop {
+            let now = self.shared.clock.now_ms();
+            let mut retry_soon = false;
+            for bucket in self.due_buckets(now) {
+                match self.shared.log.watch(bucket) {
+                    Ok(snapshot) => {
+                        self.loaded.insert(bucket);
+                        self.live.insert(bucket);
+                        if loaded.send(snapshot).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(%bucket, error = %e, "loading a bucket failed; retrying");
+                        retry_soon = true;
+                    }
+                }
+            }
+            self.unwatch_ended(now);
+            if now >= next_retire {
+                match self.shared.log.retire() {
+                    Ok(retired) if !retired.is_empty() => {
+                        tracing::info!(?retired, "retired buckets")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::error!(error = %e, "retiring buckets failed"),
+                }
+                metrics::gauge!("delayd_segments").set(self.shared.log.buckets().len() as f64);
+                next_retire = now.saturating_add(self.retire_every_ms);
+            }
+            // Wake when the next bucket enters the preload window, at the next retirement, or sooner
+            // after a failed load.
+            let horizon = Bucket::of(now + self.preload_ms, self.width);
+            let mut next = (horizon.next(self.width).start_ms() - self.preload_ms).min(next_retire);
+            if retry_soon {
+                next = next.min(now + 1_000);
+            }
+            let timeout = self
+                .shared
+                .clock
+                .real_wait(next)
+                .map_or(crossbeam_channel::never(), crossbeam_channel::after);
+            select! {
+                recv(stop) -> _ => return,
+                recv(changes) -> _ => {},
+                recv(timeout) -> _ => {},
+            }
+        }
+    }
+
+    /// Buckets to watch now that are not watched yet, oldest first.
+    fn due_buckets(&self, now: i64) -> Vec<Bucket> {
+        let horizon_ms = now + self.preload_ms;
+        let mut due: BTreeSet<Bucket> = self
+            .shared
+            .log
+            .buckets()
+            .into_iter()
+            .filter(|b| b.start_ms() <= horizon_ms)
+            .collect();
+        let mut bucket = Bucket::of(now, self.width);
+        while bucket.start_ms() <= horizon_ms {
+            due.insert(bucket);
+            bucket = bucket.next(self.width);
+        }
+        due.retain(|b| !self.loaded.contains(b));
+        due.into_iter().collect()
+    }
+
+    fn unwatch_ended(&mut self, now: i64) {
+        let ended: Vec<Bucket> = self
+            .live
+            .iter()
+            .copied()
+            .filter(|b| b.end_ms(self.width) + UNWATCH_GRACE_MS <= now)
+            .collect();
+        for bucket in ended {
+            self.live.remove(&bucket);
+            self.shared.log.unwatch(bucket);
+            self.shared.cancelled().retain(|l| l.bucket != bucket);
+        }
+    }
+}

@@ -1,0 +1,322 @@
+//! The scheduler: turns stored messages into deliveries at their exact millisecond.
+//!
+//! ```text
+//! loader thread ── watch(bucket) snapshots ──►┐
+//! replayer tap ─── live records and cancels ──┼──► wheel thread ── per-sink gate ──► lane task ──► Sink
+//! clock changes, lane "room again" signals ──►┘    (wheel.rs)     (backlog, token     (read record,
+//!                                                                   bucket, bounded    deliver, retry,
+//!                                                                   queue)             record outcome)
+//! ```
+//!
+//! - The **loader** watches every bucket that starts within `preload` (default 5 min) of now and every
+//!   older bucket that still has unfinished records, oldest first, and retires finished buckets.
+//!   `ScheduleLog::watch` marks the bucket watched and takes its snapshot under the replayer's lock, so a
+//!   record filed into it is either in the snapshot or reported live by the tap, never both, never neither.
+//! - The **wheel thread** owns the [`wheel::Wheel`]. It never blocks on a sink: each sink has a gate with a
+//!   token bucket and a bounded queue; when the queue is full, due entries wait in the gate's backlog (24
+//!   bytes each, in due order) while time keeps running for every other sink.
+//! - A **lane** per sink (a tokio task) reads records, drops cancelled ones, calls the sink with up to
+//!   `max_in_flight` batches at a time, writes retries back through the WAL as new attempts and records
+//!   outcomes in the dispatch log, always after the sink answered.
+//!
+//! All time comes from the [`Clock`] the scheduler is given.
+
+mod dispatcher;
+mod loader;
+pub mod rate;
+pub mod wheel;
+
+use crate::sink::SinkRegistry;
+use crossbeam_channel::{select, Receiver, Sender};
+use rate::TokenBucket;
+use schedulelog::{Bucket, BucketSnapshot, Clock, Location, MessageId, Replayed, ScheduleLog};
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use wheel::{Entry, Wheel};
+
+pub use schedulelog::{ManualClock, SystemClock};
+
+/// Scheduler settings.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Width of a wheel slot. Paging granularity only: entries are released at their exact millisecond.
+    pub tick_ms: i64,
+    /// How long before a bucket starts it is loaded into the wheel.
+    pub preload: Duration,
+    /// Due entries queued between the wheel and a sink's lane, at most.
+    pub lane_queue: usize,
+    /// How often finished buckets past their retention are deleted.
+    pub retire_every: Duration,
+    /// Receives, for every batch, each message's id and outcome label (`ok`, `retry`, `dead`,
+    /// `cancelled`) once the outcomes are durable. For tests and embedding; `None` in the service.
+    pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> SchedulerConfig {
+        SchedulerConfig {
+            tick_ms: 500,
+            preload: Duration::from_secs(300),
+            lane_queue: 4096,
+            retire_every: Duration::from_secs(60),
+            settled: None,
+        }
+    }
+}
+
+/// What the wheel thread, the loader and the lanes share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub log: Arc<ScheduleLog>,
+    pub clock: Arc<dyn Clock>,
+    /// Cancels reported for watched buckets; a lane drops such a message instead of delivering it.
+    pub cancelled: Mutex<HashSet<Location>>,
+    pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
+}
+
+impl Shared {
+    pub fn cancelled(&self) -> std::sync::MutexGuard<'_, HashSet<Location>> {
+        self.cancelled.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the attempt at `location` was cancelled; forgets it (it will not come up again).
+    pub fn take_cancelled(&self, location: &Location) -> bool {
+        self.cancelled().remove(location)
+    }
+}
+
+/// A running scheduler. Stop it with [`Scheduler::shutdown`].
+#[derive(Debug)]
+pub struct Scheduler {
+    shared: Arc<Shared>,
+    stop: Option<Sender<()>>,
+    threads: Vec<JoinHandle<()>>,
+    lanes: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Scheduler {
+    /// Starts the loader and wheel threads, and one lane per sink on `runtime`.
+    pub fn start(
+        log: Arc<ScheduleLog>,
+        sinks: &SinkRegistry,
+        config: SchedulerConfig,
+        clock: Arc<dyn Clock>,
+        runtime: &tokio::runtime::Handle,
+    ) -> std::io::Result<Scheduler> {
+        let shared = Arc::new(Shared {
+            log: log.clone(),
+            clock: clock.clone(),
+            cancelled: Mutex::default(),
+            settled: config.settled.clone(),
+        });
+        let (tap_tx, tap_rx) = crossbeam_channel::unbounded();
+        log.set_tap(tap_tx);
+        let (loaded_tx, loaded_rx) = crossbeam_channel::unbounded();
+        let (space_tx, space_rx) = crossbeam_channel::bounded(1);
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
+
+        let now = clock.now_ms();
+        let mut gates = Vec::new();
+        let mut lanes = Vec::new();
+        for lane in dispatcher::lanes(&shared, sinks) {
+            let (tx, rx) = tokio::sync::mpsc::channel(config.lane_queue.max(1));
+            let rate = lane
+                .policy
+                .rate_per_sec
+                .map(|r| TokenBucket::new(r, lane.policy.burst, now));
+            gates.push(Gate {
+                tx,
+                backlog: VecDeque::new(),
+                rate,
+            });
+            lanes.push(runtime.spawn(lane.run(rx, space_tx.clone())));
+        }
+
+        let width = log.segment_minutes();
+        let preload_ms = i64::try_from(config.preload.as_millis()).unwrap_or(i64::MAX);
+        let span_ms = 2 * width.width_ms() + preload_ms;
+        let wheel = WheelThread {
+            wheel: Wheel::new(config.tick_ms, span_ms, now),
+            gates,
+            sinks: sinks.clone(),
+            shared: shared.clone(),
+        };
+        let wheel_stop = stop_rx.clone();
+        let wheel_thread = std::thread::Builder::new()
+            .name("delayd-wheel".into())
+            .spawn(move || wheel.run(tap_rx, loaded_rx, space_rx, wheel_stop))?;
+        let loader = loader::Loader::new(shared.clone(), width, preload_ms, config.retire_every);
+        let loader_thread = std::thread::Builder::new()
+            .name("delayd-loader".into())
+            .spawn(move || loader.run(loaded_tx, stop_rx))?;
+        Ok(Scheduler {
+            shared: shared.clone(),
+            stop: Some(stop_tx),
+            threads: vec![wheel_thread, loader_thread],
+            lanes,
+        })
+    }
+
+    /// Cancels the attempt at `location`: no delivery starts after this call, and once it returns `Ok`
+    /// the tombstone is durable. (The set is consulted right before the sink is called; the tombstone
+    /// alone would take effect only once replayed, which could be after the message came due.)
+    pub async fn cancel(&self, location: Location) -> Result<u64, schedulelog::AppendError> {
+        self.shared.cancelled().insert(location);
+        let result = self.shared.log.cancel(location).await;
+        if result.is_err() {
+            self.shared.cancelled().remove(&location);
+        }
+        result
+    }
+
+    /// Stops loading and firing, lets the lanes finish the batches they hold, and returns.
+    pub async fn shutdown(mut self) {
+        drop(self.stop.take());
+        let threads = std::mem::take(&mut self.threads);
+        let _ = tokio::task::spawn_blocking(move || {
+            for thread in threads {
+                let _ = thread.join();
+            }
+        })
+        .await;
+        for lane in std::mem::take(&mut self.lanes) {
+            let _ = lane.await;
+        }
+    }
+}
+
+/// Between the wheel and one sink's lane.
+#[derive(Debug)]
+struct Gate {
+    tx: tokio::sync::mpsc::Sender<Entry>,
+    /// Due entries that may not go yet (rate limit or full queue), in due order.
+    backlog: VecDeque<Entry>,
+    rate: Option<TokenBucket>,
+}
+
+impl Gate {
+    /// Hands backlog entries to the lane while the rate limit and the queue allow. Returns when to try
+    /// again by the clock, if waiting for tokens (a full queue is signalled by the lane instead).
+    fn release(&mut self, now_ms: i64) -> Option<i64> {
+        while let Some(entry) = self.backlog.front() {
+            if let Some(rate) = &mut self.rate {
+                if !rate.try_take(now_ms) {
+                    return Some(rate.next_token_ms());
+                }
+            }
+            match self.tx.try_send(*entry) {
+                Ok(()) => {
+                    self.backlog.pop_front();
+                }
+                Err(_) => {
+                    if let Some(rate) = &mut self.rate {
+                        rate.refund();
+                    }
+                    return None;
+                }
+            }
+        }
+        None
+    }
+}
+
+struct WheelThread {
+    wheel: Wheel,
+    gates: Vec<Gate>,
+    sinks: SinkRegistry,
+    shared: Arc<Shared>,
+}
+
+impl WheelThread {
+    fn run(
+        mut self,
+        tap: Receiver<Replayed>,
+        loaded: Receiver<BucketSnapshot>,
+        space: Receiver<()>,
+        stop: Receiver<()>,
+    ) {
+        let changes = self.shared.clock.changes();
+        loop {
+            for event in tap.try_iter() {
+                self.on_replayed(event);
+            }
+            for snapshot in loaded.try_iter() {
+                self.on_loaded(&snapshot);
+            }
+            let now = self.shared.clock.now_ms();
+            self.wheel.advance(now);
+            while let Some(entry) = self.wheel.pop_due(now) {
+                // Unknown tags go to the last gate, whose lane declares them dead.
+                let gate = self
+                    .sinks
+                    .index_of_tag(entry.sink_tag())
+                    .unwrap_or(self.gates.len() - 1);
+                self.gates[gate].backlog.push_back(entry);
+            }
+            let mut next = self.wheel.next_deadline();
+            let mut backlog = 0;
+            for gate in &mut self.gates {
+                if let Some(at) = gate.release(now) {
+                    next = Some(next.map_or(at, |n| n.min(at)));
+                }
+                backlog += gate.backlog.len();
+            }
+            metrics::gauge!("delayd_wheel_entries").set((self.wheel.len() + backlog) as f64);
+
+            let timeout = match next {
+                Some(deadline) => self.shared.clock.real_wait(deadline),
+                None => None,
+            };
+            let timeout = timeout.map_or(crossbeam_channel::never(), crossbeam_channel::after);
+            select! {
+                recv(stop) -> _ => return,
+                recv(tap) -> event => match event {
+                    Ok(event) => self.on_replayed(event),
+                    Err(_) => return,
+                },
+                recv(loaded) -> snapshot => match snapshot {
+                    Ok(snapshot) => self.on_loaded(&snapshot),
+                    Err(_) => return,
+                },
+                recv(space) -> _ => {},
+                recv(changes) -> _ => {},
+                recv(timeout) -> _ => {},
+            }
+        }
+    }
+
+    fn on_replayed(&mut self, event: Replayed) {
+        match event {
+            Replayed::Scheduled { bucket, entry } => self.wheel.insert(Entry::new(
+                entry.deliver_at_ms,
+                bucket.start_minute(),
+                entry.offset,
+                entry.frame_len,
+                entry.sink_tag,
+            )),
+            Replayed::Cancelled(location) => {
+                self.shared.cancelled().insert(location);
+            }
+        }
+    }
+
+    fn on_loaded(&mut self, snapshot: &BucketSnapshot) {
+        let minute = snapshot.bucket.start_minute();
+        let entries: Vec<Entry> = snapshot
+            .pending
+            .iter()
+            .map(|e| Entry::new(e.deliver_at_ms, minute, e.offset, e.frame_len, e.sink_tag))
+            .collect();
+        self.wheel.insert_all(&entries);
+    }
+}
+
+/// The bucket of a wheel entry.
+pub(crate) fn entry_bucket(entry: &Entry) -> Bucket {
+    Bucket::from_start_minute(entry.bucket)
+}
+
+#[cfg(test)]
+mod tests;

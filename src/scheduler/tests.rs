@@ -1,0 +1,591 @@
+//! Scheduler tests on a manual clock: hours of simulated time, restarts, cancels, retries, isolation.
+//! The test sink reports every delivery on a channel; tests wait on that channel (and on the scheduler's
+//! `settled` reports), never on sleeps.
+
+use super::*;
+use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry};
+use crossbeam_channel::Receiver;
+use schedulelog::{ManualClock, MessageState, NewMessage, Options};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// 2026-12-01T09:30:00Z
+const T0: i64 = 1_796_117_400_000;
+const MINUTE: i64 = 60_000;
+const HOUR: i64 = 60 * MINUTE;
+const WAIT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Clone)]
+struct Received {
+    body: String,
+    sink: &'static str,
+    attempt: u16,
+    deliver_at_ms: i64,
+    /// The scheduler clock when the sink got it.
+    at_ms: i64,
+    /// Real time when the sink got it, in microseconds since the epoch.
+    at_us: i64,
+}
+
+/// Reports every delivery; answers from a script keyed by body (default: delivered); optionally holds
+/// every call until released.
+struct TestSink {
+    name: &'static str,
+    clock: Arc<dyn Clock>,
+    tx: Sender<Received>,
+    script: Mutex<HashMap<String, Vec<SinkOutcome>>>,
+    gate: Option<Arc<tokio::sync::Semaphore>>,
+}
+
+impl Sink for TestSink {
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+        Box::pin(async move {
+            let at_ms = self.clock.now_ms();
+            let at_us = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_micros() as i64;
+            if let Some(gate) = &self.gate {
+                let _ = gate.acquire().await.unwrap();
+            }
+            let mut script = self.script.lock().unwrap();
+            batch
+                .iter()
+                .map(|d| {
+                    let body = String::from_utf8(d.message.body.clone()).unwrap();
+                    let _ = self.tx.send(Received {
+                        body: body.clone(),
+                        sink: self.name,
+                        attempt: d.message.attempt,
+                        deliver_at_ms: d.message.deliver_at_ms,
+                        at_ms,
+                        at_us,
+                    });
+                    match script.get_mut(&body) {
+                        Some(answers) if !answers.is_empty() => answers.remove(0),
+                        _ => SinkOutcome::Delivered,
+                    }
+                })
+                .collect()
+        })
+    }
+}
+
+struct Harness {
+    dir: tempfile::TempDir,
+    clock: Arc<dyn Clock>,
+    manual: Option<Arc<ManualClock>>,
+    runtime: tokio::runtime::Runtime,
+    log: Option<Arc<ScheduleLog>>,
+    scheduler: Option<Scheduler>,
+    received: Receiver<Received>,
+    received_tx: Sender<Received>,
+    settled: Receiver<Vec<(MessageId, &'static str)>>,
+    settled_tx: Sender<Vec<(MessageId, &'static str)>>,
+    sinks: Vec<(
+        &'static str,
+        SinkPolicy,
+        Option<Arc<tokio::sync::Semaphore>>,
+    )>,
+    script: HashMap<String, Vec<SinkOutcome>>,
+}
+
+impl Harness {
+    fn manual() -> Harness {
+        let manual = Arc::new(ManualClock::new(T0));
+        Harness::with_clock(manual.clone(), Some(manual))
+    }
+
+    fn with_clock(clock: Arc<dyn Clock>, manual: Option<Arc<ManualClock>>) -> Harness {
+        let (received_tx, received) = crossbeam_channel::unbounded();
+        let (settled_tx, settled) = crossbeam_channel::unbounded();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let mut harness = Harness {
+            dir: tempfile::tempdir().unwrap(),
+            clock,
+            manual,
+            runtime,
+            log: None,
+            scheduler: None,
+            received,
+            received_tx,
+            settled,
+            settled_tx,
+            sinks: vec![("a", SinkPolicy::default(), None)],
+            script: HashMap::new(),
+        };
+        harness.open_log();
+        harness
+    }
+
+    fn open_log(&mut self) {
+        let options = Options {
+            clock: self.clock.clone(),
+            wal_segment_bytes: 1 << 20,
+            ..Options::default()
+        };
+        self.log = Some(Arc::new(
+            ScheduleLog::open(self.dir.path(), options).unwrap(),
+        ));
+    }
+
+    fn log(&self) -> &Arc<ScheduleLog> {
+        self.log.as_ref().unwrap()
+    }
+
+    fn set(&self, now_ms: i64) {
+        self.manual.as_ref().unwrap().set(now_ms);
+    }
+
+    fn start(&mut self) {
+        let mut registry = SinkRegistry::new();
+        for (name, policy, gate) in &self.sinks {
+            let sink = TestSink {
+                name,
+                clock: self.clock.clone(),
+                tx: self.received_tx.clone(),
+                script: Mutex::new(self.script.clone()),
+                gate: gate.clone(),
+            };
+            registry
+                .register(name, Arc::new(sink), policy.clone())
+                .unwrap();
+        }
+        let config = SchedulerConfig {
+            settled: Some(self.settled_tx.clone()),
+            ..SchedulerConfig::default()
+        };
+        let scheduler = Scheduler::start(
+            self.log().clone(),
+            &registry,
+            config,
+            self.clock.clone(),
+            self.runtime.handle(),
+        )
+        .unwrap();
+        self.scheduler = Some(scheduler);
+    }
+
+    /// Stops the scheduler and closes the log cleanly, as a graceful shutdown does.
+    fn stop(&mut self) {
+        if let Some(scheduler) = self.scheduler.take() {
+            self.runtime.block_on(scheduler.shutdown());
+        }
+        let log = self.log.take().unwrap();
+        Arc::try_unwrap(log).unwrap().close().unwrap();
+    }
+
+    fn schedule(&self, sink: &str, deliver_at_ms: i64, body: &str) -> MessageId {
+        let message = NewMessage {
+            deliver_at_ms,
+            topic: "t".into(),
+            sink: sink.into(),
+            body: body.as_bytes().to_vec(),
+            ..NewMessage::default()
+        };
+        self.log()
+            .append(vec![message.encode().unwrap()])
+            .wait()
+            .unwrap()[0]
+            .id
+    }
+
+    fn recv(&self) -> Received {
+        self.received.recv_timeout(WAIT).expect("a delivery")
+    }
+
+    fn recv_n(&self, n: usize) -> Vec<Received> {
+        (0..n).map(|_| self.recv()).collect()
+    }
+
+    /// Waits until the outcomes of `n` messages are durable.
+    fn settle(&self, n: usize) -> Vec<(MessageId, &'static str)> {
+        let mut all = Vec::new();
+        while all.len() < n {
+            all.extend(self.settled.recv_timeout(WAIT).expect("settled outcomes"));
+        }
+        all
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(scheduler) = self.scheduler.take() {
+            self.runtime.block_on(scheduler.shutdown());
+        }
+    }
+}
+
+/// A deterministic stream of numbers for test data.
+fn lcg(seed: &mut u64) -> u64 {
+    *seed = seed
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    *seed >> 33
+}
+
+#[test]
+fn two_simulated_hours_in_order_never_early_exactly_once() {
+    let mut h = Harness::manual();
+    let mut seed = 7;
+    let mut due: Vec<(i64, String)> = (0..600)
+        .map(|i| {
+            let at = T0 + (lcg(&mut seed) % (2 * HOUR as u64)) as i64;
+            (at, format!("m{i}"))
+        })
+        .collect();
+    // Some share a millisecond, some are overdue when they are scheduled.
+    due.push((T0 + 10 * MINUTE, "same-a".into()));
+    due.push((T0 + 10 * MINUTE, "same-b".into()));
+    due.push((T0 - HOUR, "overdue".into()));
+    for (at, body) in &due {
+        h.schedule("a", *at, body);
+    }
+    h.start();
+    due.sort();
+    let mut got = Vec::new();
+    let mut times: Vec<i64> = due.iter().map(|(at, _)| (*at).max(T0)).collect();
+    times.dedup();
+    for t in times {
+        h.set(t);
+        let expected = due.iter().filter(|(at, _)| (*at).max(T0) == t).count();
+        for r in h.recv_n(expected) {
+            assert!(
+                r.at_ms >= r.deliver_at_ms,
+                "{} early: due {} got {}",
+                r.body,
+                r.deliver_at_ms,
+                r.at_ms
+            );
+            assert_eq!(r.at_ms, t, "{} released at the exact millisecond", r.body);
+            got.push(r);
+        }
+    }
+    // A sentinel after everything: once it is here, anything delivered twice would be here too.
+    h.set(T0 + 3 * HOUR);
+    h.schedule("a", T0 + 3 * HOUR, "sentinel");
+    assert_eq!(h.recv().body, "sentinel");
+    assert!(h.received.try_recv().is_err());
+    let bodies: Vec<&str> = got.iter().map(|r| r.body.as_str()).collect();
+    let expected: Vec<&str> = due.iter().map(|(_, b)| b.as_str()).collect();
+    let mut sorted_got = bodies.clone();
+    sorted_got.sort();
+    let mut sorted_expected = expected.clone();
+    sorted_expected.sort();
+    assert_eq!(sorted_got, sorted_expected, "each exactly once");
+    assert!(
+        got.windows(2)
+            .all(|w| w[0].deliver_at_ms <= w[1].deliver_at_ms),
+        "in deliver_at order"
+    );
+}
+
+#[test]
+fn restart_in_the_middle_of_a_bucket_delivers_the_rest_once() {
+    let mut h = Harness::manual();
+    let dues: Vec<i64> = (0..40).map(|i| T0 + i * 90_000).collect(); // 09:30 .. 10:28:30
+    for (i, at) in dues.iter().enumerate() {
+        h.schedule("a", *at, &format!("m{i}"));
+    }
+    h.start();
+    let mut delivered = Vec::new();
+    for at in dues.iter().take(15) {
+        h.set(*at);
+        delivered.push(h.recv().body);
+    }
+    h.settle(15); // outcomes durable before the stop
+    h.stop();
+
+    h.open_log();
+    h.start();
+    for at in dues.iter().skip(15) {
+        h.set(*at);
+        delivered.push(h.recv().body);
+    }
+    h.set(T0 + 2 * HOUR);
+    h.schedule("a", T0 + 2 * HOUR, "sentinel");
+    assert_eq!(h.recv().body, "sentinel");
+    let expected: Vec<String> = (0..40).map(|i| format!("m{i}")).collect();
+    assert_eq!(delivered, expected);
+}
+
+#[test]
+fn restart_after_a_long_outage_catches_up_oldest_first_at_the_rate_limit() {
+    let mut h = Harness::manual();
+    h.sinks = vec![(
+        "a",
+        SinkPolicy {
+            rate_per_sec: Some(20.0),
+            burst: 5,
+            max_in_flight: 1,
+            max_batch: 10,
+            ..SinkPolicy::default()
+        },
+        None,
+    )];
+    // 60 messages over the next two hours, scheduled in shuffled order.
+    let mut seed = 3;
+    let mut dues: Vec<i64> = (0..60).map(|i| T0 + 1 + i * 2 * MINUTE).collect();
+    for i in (1..dues.len()).rev() {
+        dues.swap(i, (lcg(&mut seed) % (i as u64 + 1)) as usize);
+    }
+    for at in &dues {
+        h.schedule("a", *at, &format!("{at}"));
+    }
+    h.stop();
+    // Down for five hours.
+    let restart = T0 + 5 * HOUR;
+    h.set(restart);
+    h.open_log();
+    h.start();
+    // The burst goes at once, then one message per 50 ms of scheduler time (20/s).
+    let mut got: Vec<i64> = h
+        .recv_n(5)
+        .iter()
+        .map(|r| r.body.parse().unwrap())
+        .collect();
+    h.settle(5);
+    assert!(h.received.try_recv().is_err(), "no more than the burst");
+    for step in 1..=55 {
+        h.set(restart + step * 50);
+        let r = h.recv();
+        assert_eq!(r.at_ms, restart + step * 50);
+        got.push(r.body.parse().unwrap());
+        h.settle(1);
+        assert!(
+            h.received.try_recv().is_err(),
+            "no more than the rate allows"
+        );
+    }
+    let mut sorted = got.clone();
+    sorted.sort();
+    assert_eq!(got, sorted, "oldest first");
+    assert_eq!(got.len(), 60);
+}
+
+#[test]
+fn cancels_before_and_after_loading() {
+    let mut h = Harness::manual();
+    let before = h.schedule("a", T0 + 2 * HOUR, "cancelled before loading");
+    let after = h.schedule("a", T0 + 10 * MINUTE, "cancelled after loading");
+    h.schedule("a", T0 + 2 * HOUR + 1, "kept");
+    let log = h.log().clone();
+    log.cancel(log.lookup(before).unwrap().unwrap().location)
+        .wait()
+        .unwrap();
+    h.start();
+    h.set(T0 + MINUTE);
+    // The bucket of `after` is loaded (it is the current one): cancel it through the scheduler.
+    let location = log.lookup(after).unwrap().unwrap().location;
+    let scheduler = h.scheduler.as_ref().unwrap();
+    h.runtime.block_on(scheduler.cancel(location)).unwrap();
+    h.set(T0 + 10 * MINUTE);
+    assert_eq!(h.settle(1), vec![(after, "cancelled")]);
+    h.set(T0 + 2 * HOUR + 1);
+    assert_eq!(h.recv().body, "kept");
+    assert!(
+        h.received.try_recv().is_err(),
+        "neither cancelled message was delivered"
+    );
+    assert!(matches!(
+        log.lookup(before).unwrap().unwrap().state,
+        MessageState::Cancelled { .. }
+    ));
+    assert!(matches!(
+        log.lookup(after).unwrap().unwrap().state,
+        MessageState::Cancelled { .. }
+    ));
+}
+
+#[test]
+fn retries_backoff_and_dead_letters() {
+    let mut h = Harness::manual();
+    let retry = |reason: &str| SinkOutcome::Retry {
+        after: None,
+        reason: reason.into(),
+    };
+    h.script
+        .insert("flaky".into(), vec![retry("503"), retry("503")]);
+    h.script.insert("doomed".into(), vec![retry("timeout"); 10]);
+    h.script.insert(
+        "poison".into(),
+        vec![SinkOutcome::Dead {
+            reason: "HTTP 400".into(),
+        }],
+    );
+    h.script.insert(
+        "told".into(),
+        vec![SinkOutcome::Retry {
+            after: Some(Duration::from_secs(30)),
+            reason: "429".into(),
+        }],
+    );
+    h.sinks = vec![(
+        "a",
+        SinkPolicy {
+            max_attempts: 3,
+            ..SinkPolicy::default()
+        },
+        None,
+    )];
+    let flaky = h.schedule("a", T0, "flaky");
+    let doomed = h.schedule("a", T0, "doomed");
+    let poison = h.schedule("a", T0, "poison");
+    let told = h.schedule("a", T0, "told");
+    h.start();
+    let first = h.recv_n(4);
+    assert!(first.iter().all(|r| r.attempt == 0));
+    h.settle(4);
+
+    // Attempt 1 of flaky and doomed: backoff 1 s with jitter in [0.5 s, 1 s].
+    h.set(T0 + 499);
+    assert!(h.received.try_recv().is_err());
+    h.set(T0 + 1_000);
+    let second = h.recv_n(2);
+    assert!(second
+        .iter()
+        .all(|r| r.attempt == 1 && r.deliver_at_ms >= T0 + 500 && r.deliver_at_ms <= T0 + 1_000));
+    h.settle(2);
+    // Attempt 2: 2 s backoff, jittered; then flaky is delivered and doomed has no attempts left.
+    h.set(T0 + 3_000);
+    let third = h.recv_n(2);
+    assert!(third.iter().all(|r| r.attempt == 2));
+    h.settle(2);
+    // `told` asked for 30 s, and gets exactly that.
+    h.set(T0 + 29_999);
+    assert!(h.received.try_recv().is_err());
+    h.set(T0 + 30_000);
+    let r = h.recv();
+    assert_eq!(
+        (r.body.as_str(), r.attempt, r.deliver_at_ms),
+        ("told", 1, T0 + 30_000)
+    );
+    h.settle(1);
+
+    let log = h.log();
+    let status = log.lookup(flaky).unwrap().unwrap();
+    assert!(matches!(status.state, MessageState::Delivered { .. }));
+    assert_eq!(status.message.attempt, 2);
+    match log.lookup(doomed).unwrap().unwrap().state {
+        MessageState::Dead { reason, .. } => {
+            assert_eq!(reason, "gave up after 3 attempts: timeout")
+        }
+        other => panic!("{other:?}"),
+    }
+    match log.lookup(poison).unwrap().unwrap().state {
+        MessageState::Dead { reason, .. } => assert_eq!(reason, "HTTP 400"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        log.lookup(told).unwrap().unwrap().state,
+        MessageState::Delivered { .. }
+    ));
+}
+
+#[test]
+fn a_message_for_an_unknown_sink_is_dead_with_the_reason() {
+    let mut h = Harness::manual();
+    let id = h.schedule("nowhere", T0, "lost");
+    h.start();
+    assert_eq!(h.settle(1), vec![(id, "dead")]);
+    match h.log().lookup(id).unwrap().unwrap().state {
+        MessageState::Dead { reason, .. } => {
+            assert_eq!(reason, "no sink named \"nowhere\" is configured")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_slow_sink_does_not_delay_another() {
+    let mut h = Harness::manual();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let slow_policy = SinkPolicy {
+        max_in_flight: 1,
+        max_batch: 1,
+        ..SinkPolicy::default()
+    };
+    h.sinks = vec![
+        ("slow", slow_policy, Some(gate.clone())),
+        ("fast", SinkPolicy::default(), None),
+    ];
+    for i in 0..20 {
+        h.schedule("slow", T0 + 1_000, &format!("slow{i}"));
+    }
+    for i in 0..20 {
+        h.schedule("fast", T0 + 1_001 + i, &format!("fast{i}"));
+    }
+    h.start();
+    h.set(T0 + 2_000);
+    // The slow sink holds its first call (and reports nothing until released); every fast message
+    // arrives meanwhile, though the slow ones were due first.
+    let fast = h.recv_n(20);
+    assert!(fast.iter().all(|r| r.sink == "fast"), "{fast:?}");
+    gate.add_permits(100);
+    let slow = h.recv_n(20);
+    assert!(slow.iter().all(|r| r.sink == "slow"));
+}
+
+/// Real clock: 10,000 messages due within a few seconds. Prints lateness; asserts none early and a loose
+/// bound (the goal, p99 ≤ 10 ms on an idle machine, is measured and reported, not asserted: CI machines
+/// are shared).
+#[test]
+fn real_clock_lateness() {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let mut h = Harness::with_clock(clock.clone(), None);
+    h.sinks = vec![(
+        "a",
+        SinkPolicy {
+            max_in_flight: 8,
+            max_batch: 256,
+            ..SinkPolicy::default()
+        },
+        None,
+    )];
+    h.start();
+    let start = clock.now_ms() + 1_500;
+    let count = 10_000;
+    for chunk in 0..10 {
+        let batch: Vec<_> = (0..count / 10)
+            .map(|i| {
+                let n = chunk * (count / 10) + i;
+                NewMessage {
+                    deliver_at_ms: start + (n as i64 * 3_000) / count as i64,
+                    topic: "t".into(),
+                    sink: "a".into(),
+                    body: format!("{n}").into_bytes(),
+                    ..NewMessage::default()
+                }
+                .encode()
+                .unwrap()
+            })
+            .collect();
+        h.log().append(batch).wait().unwrap();
+    }
+    let got = h.recv_n(count);
+    let mut late_us: Vec<i64> = got
+        .iter()
+        .map(|r| r.at_us - r.deliver_at_ms * 1000)
+        .collect();
+    late_us.sort();
+    let pct = |p: f64| late_us[((late_us.len() - 1) as f64 * p) as usize] as f64 / 1000.0;
+    println!(
+        "lateness over {count} messages: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        pct(0.5),
+        pct(0.99),
+        pct(1.0)
+    );
+    assert!(
+        got.iter().all(|r| r.at_ms >= r.deliver_at_ms),
+        "never early"
+    );
+    assert!(
+        pct(0.99) < 1_000.0,
+        "p99 lateness under a second even on a loaded machine"
+    );
+}

@@ -1,0 +1,252 @@
+//! Sinks: where due messages go, and the per-sink policies that govern them.
+//!
+//! A sink answers every delivery of a batch, in order: delivered, retry (optionally after a given delay),
+//! or dead. The scheduler does everything else: rate limits, in-flight caps, retries through the WAL,
+//! outcome records. A sink never sees a message before its `deliver_at`.
+
+use schedulelog::record::sink_tag;
+use schedulelog::{Location, Message, MessageId};
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The future a [`Sink`] returns.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// One message handed to a sink.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// The stable id consumers deduplicate on.
+    pub id: MessageId,
+    /// Where this attempt is stored.
+    pub location: Location,
+    /// The message, including its attempt number and `deliver_at_ms`.
+    pub message: Message,
+}
+
+/// A sink's answer for one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SinkOutcome {
+    Delivered,
+    /// Try again later: after `after` if given (e.g. an HTTP `Retry-After`), else after the sink's backoff.
+    Retry {
+        after: Option<Duration>,
+        reason: String,
+    },
+    /// Never deliverable; the reason is kept in the message's status.
+    Dead {
+        reason: String,
+    },
+}
+
+/// A destination for due messages.
+pub trait Sink: Send + Sync + 'static {
+    /// Delivers a batch; returns one outcome per delivery, in the same order.
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>>;
+}
+
+/// Exponential backoff with jitter: attempt `n` (0-based) waits `initial * multiplier^n`, capped, then
+/// scaled by a random factor in [0.5, 1.0] so that retries of a burst spread out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub multiplier: f64,
+    pub cap: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Backoff {
+        Backoff {
+            initial: Duration::from_secs(1),
+            multiplier: 2.0,
+            cap: Duration::from_secs(3600),
+        }
+    }
+}
+
+impl Backoff {
+    /// The delay before retry number `attempt + 1`; `unit` in [0, 1) is the random draw.
+    pub fn delay(&self, attempt: u16, unit: f64) -> Duration {
+        let exponential =
+            self.initial.as_secs_f64() * self.multiplier.max(1.0).powi(i32::from(attempt));
+        let capped = exponential.min(self.cap.as_secs_f64());
+        Duration::from_secs_f64(capped * (0.5 + 0.5 * unit.clamp(0.0, 1.0)))
+    }
+}
+
+/// How the scheduler treats one sink.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SinkPolicy {
+    /// Concurrent `deliver` calls at most.
+    pub max_in_flight: usize,
+    /// Deliveries per `deliver` call at most.
+    pub max_batch: usize,
+    /// Token-bucket rate limit in deliveries per second; `None` for none.
+    pub rate_per_sec: Option<f64>,
+    /// Deliveries allowed at once after an idle period (the bucket's size).
+    pub burst: u32,
+    /// Attempts in all, the first included; the last failure makes the message dead.
+    pub max_attempts: u16,
+    pub backoff: Backoff,
+}
+
+impl Default for SinkPolicy {
+    fn default() -> SinkPolicy {
+        SinkPolicy {
+            max_in_flight: 4,
+            max_batch: 64,
+            rate_per_sec: None,
+            burst: 100,
+            max_attempts: 10,
+            backoff: Backoff::default(),
+        }
+    }
+}
+
+/// A named sink with its policy.
+#[derive(Clone)]
+pub struct SinkEntry {
+    pub name: String,
+    pub sink: Arc<dyn Sink>,
+    pub policy: SinkPolicy,
+}
+
+impl fmt::Debug for SinkEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SinkEntry")
+            .field("name", &self.name)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a sink could not be registered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    #[error("sink {0:?} is declared twice")]
+    Duplicate(String),
+    #[error("sink names {0:?} and {1:?} share an index tag; rename one of them")]
+    TagCollision(String, String),
+    #[error("sink {0:?}: {1}")]
+    InvalidPolicy(String, &'static str),
+}
+
+/// The configured sinks, by name and by index tag.
+#[derive(Debug, Default, Clone)]
+pub struct SinkRegistry {
+    entries: Vec<SinkEntry>,
+    by_tag: HashMap<u16, usize>,
+}
+
+impl SinkRegistry {
+    pub fn new() -> SinkRegistry {
+        SinkRegistry::default()
+    }
+
+    pub fn register(
+        &mut self,
+        name: &str,
+        sink: Arc<dyn Sink>,
+        policy: SinkPolicy,
+    ) -> Result<(), RegistryError> {
+        if policy.max_in_flight == 0 || policy.max_batch == 0 {
+            return Err(RegistryError::InvalidPolicy(
+                name.into(),
+                "max_in_flight and max_batch must be at least 1",
+            ));
+        }
+        if policy.max_attempts == 0 {
+            return Err(RegistryError::InvalidPolicy(
+                name.into(),
+                "max_attempts must be at least 1",
+            ));
+        }
+        if policy.rate_per_sec.is_some_and(|r| r.is_nan() || r <= 0.0) {
+            return Err(RegistryError::InvalidPolicy(
+                name.into(),
+                "rate_per_sec must be positive",
+            ));
+        }
+        let tag = sink_tag(name);
+        if let Some(&other) = self.by_tag.get(&tag) {
+            let other = &self.entries[other].name;
+            return Err(if other == name {
+                RegistryError::Duplicate(name.into())
+            } else {
+                RegistryError::TagCollision(other.clone(), name.into())
+            });
+        }
+        self.by_tag.insert(tag, self.entries.len());
+        self.entries.push(SinkEntry {
+            name: name.to_string(),
+            sink,
+            policy,
+        });
+        Ok(())
+    }
+
+    pub fn get(&self, name: &str) -> Option<&SinkEntry> {
+        self.entries.iter().find(|e| e.name == name)
+    }
+
+    pub fn entries(&self) -> &[SinkEntry] {
+        &self.entries
+    }
+
+    /// The index of the sink with this tag.
+    pub fn index_of_tag(&self, tag: u16) -> Option<usize> {
+        self.by_tag.get(&tag).copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Nothing;
+    impl Sink for Nothing {
+        fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+            Box::pin(async move { vec![SinkOutcome::Delivered; batch.len()] })
+        }
+    }
+
+    #[test]
+    fn registry_refuses_duplicates_and_bad_policies() {
+        let mut registry = SinkRegistry::new();
+        registry
+            .register("broker", Arc::new(Nothing), SinkPolicy::default())
+            .unwrap();
+        assert_eq!(
+            registry.register("broker", Arc::new(Nothing), SinkPolicy::default()),
+            Err(RegistryError::Duplicate("broker".into()))
+        );
+        let zero = SinkPolicy {
+            max_attempts: 0,
+            ..SinkPolicy::default()
+        };
+        assert!(registry.register("x", Arc::new(Nothing), zero).is_err());
+        let negative = SinkPolicy {
+            rate_per_sec: Some(-1.0),
+            ..SinkPolicy::default()
+        };
+        assert!(registry.register("y", Arc::new(Nothing), negative).is_err());
+        assert_eq!(registry.index_of_tag(sink_tag("broker")), Some(0));
+        assert!(registry.get("broker").is_some());
+    }
+
+    #[test]
+    fn backoff_grows_caps_and_jitters() {
+        let backoff = Backoff {
+            initial: Duration::from_secs(1),
+            multiplier: 2.0,
+            cap: Duration::from_secs(10),
+        };
+        assert_eq!(backoff.delay(0, 1.0), Duration::from_secs(1));
+        assert_eq!(backoff.delay(3, 1.0), Duration::from_secs(8));
+        assert_eq!(backoff.delay(4, 1.0), Duration::from_secs(10));
+        assert_eq!(backoff.delay(40, 0.0), Duration::from_secs(5));
+    }
+}
