@@ -1,11 +1,123 @@
 //! delayd: a durable, millisecond-precise delay / scheduled-message service.
 //!
 //! Layers, bottom up: the storage engine (`schedulelog`, re-exported), the [`scheduler`] (loader, wheel,
-//! dispatcher) and the [`sink`]s it delivers to.
+//! dispatcher) and the [`sink`]s it delivers to, the built-in [`broker`], and the HTTP [`api`]. [`run`]
+//! wires them together on a listener the caller bound, so tests can bind port 0.
 
 #![forbid(unsafe_code)]
 
+pub mod api;
+pub mod broker;
+pub mod config;
+pub mod metrics;
 pub mod scheduler;
 pub mod sink;
 
 pub use schedulelog;
+
+use anyhow::Context;
+use broker::{Broker, BrokerSink};
+use config::Config;
+use schedulelog::{Clock, Options, ScheduleLog, SegmentMinutes, SystemClock};
+use scheduler::{Scheduler, SchedulerConfig};
+use sink::{Backoff, SinkPolicy, SinkRegistry};
+use std::future::Future;
+use std::sync::Arc;
+
+/// Runs the service on `listener` until `shutdown` completes, then stops accepting requests, lets the
+/// WAL group in flight finish, checkpoints and returns.
+pub async fn run(
+    config: Config,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    run_with_clock(config, listener, Arc::new(SystemClock), shutdown).await
+}
+
+/// [`run`] with a given clock.
+pub async fn run_with_clock(
+    config: Config,
+    listener: tokio::net::TcpListener,
+    clock: Arc<dyn Clock>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let metrics = metrics::install();
+    let config = Arc::new(config);
+    let options = Options {
+        segment_minutes: SegmentMinutes::new(config.segment_minutes).context("segment_minutes")?,
+        fsync: config.fsync_policy()?,
+        retention: config.retention.0,
+        clock: clock.clone(),
+        ..Options::default()
+    };
+    let data_dir = config.data_dir.clone();
+    let queues = config.broker.queues_per_topic;
+    let (log, broker) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let log = ScheduleLog::open(&data_dir, options)
+            .with_context(|| format!("opening the data dir {}", data_dir.display()))?;
+        let broker = Broker::open(&data_dir, queues).context("opening the broker store")?;
+        Ok((Arc::new(log), Arc::new(broker)))
+    })
+    .await??;
+
+    let mut sinks = SinkRegistry::new();
+    for (name, sink) in &config.sinks {
+        let policy = SinkPolicy {
+            max_in_flight: sink.max_in_flight,
+            max_batch: sink.max_batch,
+            rate_per_sec: sink.rate_per_sec,
+            burst: sink.burst,
+            max_attempts: sink.max_attempts,
+            backoff: Backoff {
+                initial: sink.backoff_initial.0,
+                multiplier: sink.backoff_multiplier,
+                cap: sink.backoff_cap.0,
+            },
+        };
+        let target = Arc::new(BrokerSink {
+            broker: broker.clone(),
+            clock: clock.clone(),
+        });
+        sinks.register(name, target, policy)?;
+    }
+    let scheduler_config = SchedulerConfig {
+        tick_ms: i64::from(config.tick_ms),
+        preload: config.preload.0,
+        ..SchedulerConfig::default()
+    };
+    let scheduler = Arc::new(Scheduler::start(
+        log.clone(),
+        &sinks,
+        scheduler_config,
+        clock.clone(),
+        &tokio::runtime::Handle::current(),
+    )?);
+    let state = api::AppState {
+        log: log.clone(),
+        scheduler: scheduler.clone(),
+        broker,
+        config: config.clone(),
+        clock,
+        metrics,
+    };
+    let router = api::router(state);
+    tracing::info!(address = %listener.local_addr()?, data_dir = %config.data_dir.display(), "delayd is serving");
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving HTTP")?;
+    tracing::info!("shutting down: no new requests; finishing deliveries in flight");
+    scheduler.shutdown().await;
+    drop(scheduler);
+    // The last reference closes the log: pending group commits finish and a checkpoint is written.
+    tokio::task::spawn_blocking(move || match Arc::try_unwrap(log) {
+        Ok(log) => log.close().context("closing the log"),
+        Err(log) => {
+            drop(log);
+            Ok(())
+        }
+    })
+    .await??;
+    tracing::info!("stopped cleanly");
+    Ok(())
+}

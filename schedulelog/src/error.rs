@@ -64,6 +64,9 @@ pub enum AppendError {
     /// No space for the next WAL segment. Nothing of this group was written; later appends may succeed.
     #[error("disk full: no space for the next WAL segment")]
     DiskFull,
+    /// Too many requests are waiting for the disk; try again shortly.
+    #[error("overloaded: too many appends are waiting for the disk")]
+    Overloaded,
     /// The log is shutting down.
     #[error("the log is closed")]
     Closed,

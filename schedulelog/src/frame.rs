@@ -4,7 +4,8 @@
 //! offset  size  field
 //! 0       4     len     u32 LE, payload bytes (the 9-byte header not included)
 //! 4       4     crc     u32 LE, CRC-32C of bytes 8 .. 9 + len (kind and payload)
-//! 8       1     kind    u8: 1 message, 2 cancel, 3 outcome, 4 padding (0 is never a valid kind)
+//! 8       1     kind    u8: 1 message, 2 cancel, 3 outcome, 4 padding, 5 broker message (delayd's
+//!                       built-in broker store); 0 is never a valid kind
 //! 9       len   payload
 //! ```
 //!
@@ -56,6 +57,8 @@ pub enum Kind {
     Outcome = 3,
     /// Fills a WAL write up to a block boundary; its payload is zeros and means nothing.
     Padding = 4,
+    /// A message delivered into delayd's built-in broker store (its commit log has its own layout).
+    Broker = 5,
 }
 
 impl Kind {
@@ -65,6 +68,7 @@ impl Kind {
             2 => Some(Kind::Cancel),
             3 => Some(Kind::Outcome),
             4 => Some(Kind::Padding),
+            5 => Some(Kind::Broker),
             _ => None,
         }
     }

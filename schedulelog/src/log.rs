@@ -187,7 +187,7 @@ impl ScheduleLog {
             #[cfg(test)]
             crashed: Default::default(),
         });
-        let (submit, requests) = crossbeam_channel::bounded(1024);
+        let (submit, requests) = crossbeam_channel::bounded(4096);
         let (to_replay, committed_groups) = crossbeam_channel::bounded(8);
         let (recycle, recycled) = crossbeam_channel::bounded(4);
         let writer = Writer {
@@ -259,13 +259,21 @@ impl ScheduleLog {
         ack
     }
 
+    /// Queues a request for the writer without blocking: a full queue (4096 requests waiting for the
+    /// disk) answers [`AppendError::Overloaded`], so that callers shed load instead of piling up.
     fn submit(&self, request: Request) {
         let sent = match &self.submit {
-            Some(submit) => submit.send(request),
-            None => Err(crossbeam_channel::SendError(request)),
+            Some(submit) => submit.try_send(request),
+            None => Err(crossbeam_channel::TrySendError::Disconnected(request)),
         };
-        if let Err(crossbeam_channel::SendError(request)) = sent {
-            request.fail(AppendError::Closed);
+        match sent {
+            Ok(()) => {}
+            Err(crossbeam_channel::TrySendError::Full(request)) => {
+                request.fail(AppendError::Overloaded)
+            }
+            Err(crossbeam_channel::TrySendError::Disconnected(request)) => {
+                request.fail(AppendError::Closed)
+            }
         }
     }
 
@@ -371,6 +379,16 @@ impl ScheduleLog {
     /// All buckets that have a schedule segment, oldest first.
     pub fn buckets(&self) -> Vec<Bucket> {
         self.shared.replay().buckets()
+    }
+
+    /// Every bucket with its number of records (finished or not), oldest first. Cheap: no I/O.
+    pub fn entry_counts(&self) -> Vec<(Bucket, u64)> {
+        let replay = self.shared.replay();
+        replay
+            .buckets()
+            .into_iter()
+            .map(|b| (b, replay.entries(b).unwrap_or(0)))
+            .collect()
     }
 
     /// Reads a bucket's unfinished records and starts reporting every later record and cancel filed into

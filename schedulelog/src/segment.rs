@@ -55,7 +55,7 @@ impl IndexEntry {
         out
     }
 
-    fn decode(bytes: &[u8]) -> Option<IndexEntry> {
+    pub(crate) fn decode(bytes: &[u8]) -> Option<IndexEntry> {
         let field = |r: std::ops::Range<usize>| -> [u8; 8] {
             let mut out = [0u8; 8];
             out.copy_from_slice(&bytes[r]);

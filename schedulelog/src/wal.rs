@@ -132,8 +132,8 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
             }),
             Kind::Cancel => Cancel::decode(payload).map(WalRecord::Cancel),
             Kind::Padding => continue,
-            Kind::Outcome => {
-                frames.reject_last(at, "outcome frame in the WAL");
+            Kind::Outcome | Kind::Broker => {
+                frames.reject_last(at, "a frame kind that does not belong in the WAL");
                 break;
             }
         };

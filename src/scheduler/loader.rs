@@ -68,6 +68,17 @@ impl Loader {
                 }
             }
             self.unwatch_ended(now);
+            let unloaded: u64 = self
+                .shared
+                .log
+                .entry_counts()
+                .into_iter()
+                .filter(|(b, _)| !self.loaded.contains(b))
+                .map(|(_, n)| n)
+                .sum();
+            self.shared
+                .unloaded_records
+                .store(unloaded, std::sync::atomic::Ordering::Relaxed);
             if now >= next_retire {
                 match self.shared.log.retire() {
                     Ok(retired) if !retired.is_empty() => {

@@ -74,6 +74,8 @@ pub(crate) struct Shared {
     /// Cancels reported for watched buckets; a lane drops such a message instead of delivering it.
     pub cancelled: Mutex<HashSet<Location>>,
     pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
+    /// Records in buckets not loaded yet (set by the loader; part of `delayd_pending_messages`).
+    pub unloaded_records: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -91,7 +93,12 @@ impl Shared {
 #[derive(Debug)]
 pub struct Scheduler {
     shared: Arc<Shared>,
-    stop: Option<Sender<()>>,
+    running: Mutex<Option<Running>>,
+}
+
+#[derive(Debug)]
+struct Running {
+    stop: Sender<()>,
     threads: Vec<JoinHandle<()>>,
     lanes: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -110,6 +117,7 @@ impl Scheduler {
             clock: clock.clone(),
             cancelled: Mutex::default(),
             settled: config.settled.clone(),
+            unloaded_records: Default::default(),
         });
         let (tap_tx, tap_rx) = crossbeam_channel::unbounded();
         log.set_tap(tap_tx);
@@ -152,10 +160,12 @@ impl Scheduler {
             .name("delayd-loader".into())
             .spawn(move || loader.run(loaded_tx, stop_rx))?;
         Ok(Scheduler {
-            shared: shared.clone(),
-            stop: Some(stop_tx),
-            threads: vec![wheel_thread, loader_thread],
-            lanes,
+            shared,
+            running: Mutex::new(Some(Running {
+                stop: stop_tx,
+                threads: vec![wheel_thread, loader_thread],
+                lanes,
+            })),
         })
     }
 
@@ -172,16 +182,29 @@ impl Scheduler {
     }
 
     /// Stops loading and firing, lets the lanes finish the batches they hold, and returns.
-    pub async fn shutdown(mut self) {
-        drop(self.stop.take());
-        let threads = std::mem::take(&mut self.threads);
+    /// A second call returns at once.
+    pub async fn shutdown(&self) {
+        let running = self
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let Some(Running {
+            stop,
+            threads,
+            lanes,
+        }) = running
+        else {
+            return;
+        };
+        drop(stop);
         let _ = tokio::task::spawn_blocking(move || {
             for thread in threads {
                 let _ = thread.join();
             }
         })
         .await;
-        for lane in std::mem::take(&mut self.lanes) {
+        for lane in lanes {
             let _ = lane.await;
         }
     }
@@ -263,7 +286,13 @@ impl WheelThread {
                 }
                 backlog += gate.backlog.len();
             }
-            metrics::gauge!("delayd_wheel_entries").set((self.wheel.len() + backlog) as f64);
+            let in_memory = (self.wheel.len() + backlog) as f64;
+            metrics::gauge!("delayd_wheel_entries").set(in_memory);
+            let unloaded = self
+                .shared
+                .unloaded_records
+                .load(std::sync::atomic::Ordering::Relaxed);
+            metrics::gauge!("delayd_pending_messages").set(in_memory + unloaded as f64);
 
             let timeout = match next {
                 Some(deadline) => self.shared.clock.real_wait(deadline),

@@ -1,0 +1,127 @@
+//! The one error type of the HTTP edge: every failure becomes an `application/problem+json` body with a
+//! stable machine-readable `code`. Internal errors are logged with their cause and answered without it.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use schedulelog::AppendError;
+use serde::Serialize;
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub detail: String,
+    pub retry_after_secs: Option<u32>,
+}
+
+/// The problem+json body.
+#[derive(Debug, Serialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: &'static str,
+    pub status: u16,
+    pub detail: String,
+    pub code: &'static str,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            detail: detail.into(),
+            retry_after_secs: None,
+        }
+    }
+
+    pub fn bad_request(code: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, code, detail)
+    }
+
+    pub fn not_found(detail: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", detail)
+    }
+
+    pub fn too_large(detail: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", detail)
+    }
+
+    /// A failure inside delayd: logged in full, answered without internals.
+    pub fn internal(error: impl std::fmt::Display) -> ApiError {
+        tracing::error!(%error, "internal error");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "an internal error occurred; the server log has details",
+        )
+    }
+
+    pub fn problem(&self) -> Problem {
+        Problem {
+            kind: format!("urn:delayd:problem:{}", self.code),
+            title: self.status.canonical_reason().unwrap_or("Error"),
+            status: self.status.as_u16(),
+            detail: self.detail.clone(),
+            code: self.code,
+        }
+    }
+}
+
+impl From<AppendError> for ApiError {
+    fn from(error: AppendError) -> ApiError {
+        match error {
+            AppendError::DiskFull => ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "disk_full",
+                "the disk is full; nothing was stored",
+            ),
+            AppendError::Overloaded => ApiError {
+                retry_after_secs: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "overloaded",
+                    "too many writes are waiting for the disk; nothing was stored, retry shortly",
+                )
+            },
+            AppendError::Poisoned(cause) => {
+                tracing::error!(%cause, "write refused: the log is poisoned");
+                ApiError {
+                    retry_after_secs: Some(60),
+                    ..ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "storage_failed",
+                        "a write to disk failed earlier; this node accepts no writes until it is restarted",
+                    )
+                }
+            }
+            AppendError::Closed => ApiError {
+                retry_after_secs: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "shutting_down",
+                    "the server is shutting down",
+                )
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::to_vec(&self.problem()).unwrap_or_default();
+        let mut response = (self.status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(secs) = self.retry_after_secs {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}

@@ -1,0 +1,397 @@
+//! Scheduling, status and cancellation of messages.
+//!
+//! Every field of a request is checked before anything is written; a message is acknowledged (201) only
+//! after the group commit that holds it returned from `fdatasync`.
+
+use super::error::ApiError;
+use super::{format_ms, parse_rfc3339, valid_name, AppState, JsonBody};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine;
+use schedulelog::{Appended, EncodedMessage, MessageId, MessageState, NewMessage};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+
+const MAX_KEY_BYTES: usize = 1024;
+const MAX_HEADERS: usize = 64;
+const MAX_HEADER_VALUE_BYTES: usize = 8 * 1024;
+
+/// `deliver_at`: an RFC 3339 string or unix milliseconds.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum TimeField {
+    Ms(i64),
+    Text(String),
+}
+
+/// `delay`: `"30s"`-style text or milliseconds.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum DelayField {
+    Ms(u64),
+    Text(String),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleRequest {
+    topic: String,
+    body: Option<String>,
+    body_base64: Option<String>,
+    deliver_at: Option<TimeField>,
+    delay: Option<DelayField>,
+    delay_level: Option<i64>,
+    key: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    sink: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchRequest {
+    messages: Vec<Value>,
+}
+
+/// Checks a request and turns it into a message for the log.
+fn validate(
+    state: &AppState,
+    request: ScheduleRequest,
+    now_ms: i64,
+) -> Result<(NewMessage, String), ApiError> {
+    let config = &state.config;
+    if !valid_name(&request.topic) {
+        return Err(ApiError::bad_request(
+            "invalid_topic",
+            "topic must match [A-Za-z0-9._-]{1,200} and not be only dots",
+        ));
+    }
+    let deliver_at_ms = match (request.deliver_at, request.delay, request.delay_level) {
+        (Some(at), None, None) => match at {
+            TimeField::Ms(ms) if ms >= 0 => ms,
+            TimeField::Ms(_) => {
+                return Err(ApiError::bad_request(
+                    "invalid_deliver_at",
+                    "deliver_at must not be negative",
+                ))
+            }
+            TimeField::Text(text) => parse_rfc3339(&text).ok_or_else(|| {
+                ApiError::bad_request(
+                    "invalid_deliver_at",
+                    format!(
+                        "deliver_at {text:?} is not an RFC 3339 time such as 2026-12-01T09:30:00Z"
+                    ),
+                )
+            })?,
+        },
+        (None, Some(delay), None) => {
+            let delay = match delay {
+                DelayField::Ms(ms) => std::time::Duration::from_millis(ms),
+                DelayField::Text(text) => crate::config::parse_duration(&text)
+                    .map_err(|e| ApiError::bad_request("invalid_delay", e))?,
+            };
+            now_ms.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
+        }
+        (None, None, Some(level)) => {
+            let levels = &config.delay_levels;
+            let index = usize::try_from(level)
+                .ok()
+                .filter(|l| (1..=levels.len()).contains(l))
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "invalid_delay_level",
+                        format!("delay_level must be between 1 and {}", levels.len()),
+                    )
+                })?;
+            now_ms.saturating_add(levels[index - 1].as_ms())
+        }
+        (None, None, None) => {
+            return Err(ApiError::bad_request(
+                "missing_deliver_time",
+                "give one of deliver_at, delay or delay_level",
+            ))
+        }
+        _ => {
+            return Err(ApiError::bad_request(
+                "conflicting_time_fields",
+                "give exactly one of deliver_at, delay or delay_level",
+            ))
+        }
+    };
+    if deliver_at_ms.saturating_sub(now_ms) > config.max_delay.as_ms() {
+        return Err(ApiError::bad_request(
+            "delay_too_long",
+            format!(
+                "the delivery time is more than max_delay ({} ms) away",
+                config.max_delay.as_ms()
+            ),
+        ));
+    }
+    let body = match (request.body, request.body_base64) {
+        (Some(text), None) => text.into_bytes(),
+        (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
+            .decode(encoded.as_bytes())
+            .map_err(|e| {
+                ApiError::bad_request("invalid_body", format!("body_base64 is not base64: {e}"))
+            })?,
+        (None, None) => {
+            return Err(ApiError::bad_request(
+                "invalid_body",
+                "give body or body_base64",
+            ))
+        }
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_request(
+                "invalid_body",
+                "give body or body_base64, not both",
+            ))
+        }
+    };
+    if body.len() > config.limits.max_message_bytes {
+        return Err(ApiError::too_large(format!(
+            "the body has {} bytes; limits.max_message_bytes is {}",
+            body.len(),
+            config.limits.max_message_bytes
+        )));
+    }
+    if let Some(key) = &request.key {
+        if key.is_empty() || key.len() > MAX_KEY_BYTES {
+            return Err(ApiError::bad_request(
+                "invalid_key",
+                format!("key must have 1 to {MAX_KEY_BYTES} bytes"),
+            ));
+        }
+    }
+    if request.headers.len() > MAX_HEADERS {
+        return Err(ApiError::bad_request(
+            "invalid_header",
+            format!("at most {MAX_HEADERS} headers"),
+        ));
+    }
+    for (name, value) in &request.headers {
+        let name_ok = (1..=256).contains(&name.len())
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !name_ok {
+            return Err(ApiError::bad_request(
+                "invalid_header",
+                format!("header name {name:?} must match [A-Za-z0-9._-]{{1,256}}"),
+            ));
+        }
+        if value.len() > MAX_HEADER_VALUE_BYTES || value.chars().any(char::is_control) {
+            return Err(ApiError::bad_request(
+                "invalid_header",
+                format!("header {name:?}: at most {MAX_HEADER_VALUE_BYTES} bytes and no control characters"),
+            ));
+        }
+    }
+    let sink = request.sink.unwrap_or_else(|| "broker".into());
+    if !config.sinks.contains_key(&sink) {
+        return Err(ApiError::bad_request(
+            "unknown_sink",
+            format!("no sink named {sink:?} is configured"),
+        ));
+    }
+    let topic = request.topic.clone();
+    let message = NewMessage {
+        deliver_at_ms,
+        topic: request.topic,
+        key: request.key,
+        headers: request.headers.into_iter().collect(),
+        sink,
+        body,
+        retry_of: None,
+    };
+    Ok((message, topic))
+}
+
+fn encode(message: &NewMessage) -> Result<EncodedMessage, ApiError> {
+    message
+        .encode()
+        .map_err(|e| ApiError::too_large(e.to_string()))
+}
+
+fn scheduled(appended: &Appended, topic: &str) -> Value {
+    json!({
+        "id": appended.id.to_string(),
+        "topic": topic,
+        "deliver_at": format_ms(appended.deliver_at_ms),
+        "status": "scheduled",
+    })
+}
+
+fn count_received(message: &NewMessage) {
+    metrics::counter!("delayd_messages_received_total", "sink" => message.sink.clone())
+        .increment(1);
+}
+
+pub async fn schedule(
+    State(state): State<AppState>,
+    JsonBody(request): JsonBody<ScheduleRequest>,
+) -> Result<Response, ApiError> {
+    let (message, topic) = validate(&state, request, state.clock.now_ms())?;
+    let encoded = encode(&message)?;
+    let appended = state.log.append(vec![encoded]).await?;
+    count_received(&message);
+    let appended = appended
+        .first()
+        .ok_or_else(|| ApiError::internal("an append returned no id"))?;
+    Ok((StatusCode::CREATED, Json(scheduled(appended, &topic))).into_response())
+}
+
+pub async fn schedule_batch(
+    State(state): State<AppState>,
+    JsonBody(batch): JsonBody<BatchRequest>,
+) -> Result<Response, ApiError> {
+    let max = state.config.limits.max_batch_messages;
+    if batch.messages.len() > max {
+        return Err(ApiError::too_large(format!(
+            "a batch holds at most {max} messages"
+        )));
+    }
+    let now = state.clock.now_ms();
+    // Validate each; the valid ones go to the log together, in one group commit.
+    let mut results: Vec<Result<(NewMessage, String), ApiError>> =
+        Vec::with_capacity(batch.messages.len());
+    let mut encoded = Vec::new();
+    for value in batch.messages {
+        let checked = serde_json::from_value::<ScheduleRequest>(value)
+            .map_err(|e| {
+                ApiError::bad_request(
+                    "invalid_json",
+                    format!("the message is not the expected JSON: {e}"),
+                )
+            })
+            .and_then(|request| validate(&state, request, now))
+            .and_then(|(message, topic)| Ok((encode(&message)?, message, topic)));
+        results.push(checked.map(|(one, message, topic)| {
+            encoded.push(one);
+            (message, topic)
+        }));
+    }
+    let appended = if encoded.is_empty() {
+        Ok(Vec::new())
+    } else {
+        state.log.append(encoded).await.map_err(ApiError::from)
+    };
+    let mut appended = match appended {
+        Ok(appended) => appended.into_iter(),
+        Err(error) => {
+            let problem = serde_json::to_value(error.problem()).unwrap_or_default();
+            let answers: Vec<Value> = results
+                .iter()
+                .map(|r| match r {
+                    Ok(_) => json!({"error": problem.clone()}),
+                    Err(e) => json!({"error": e.problem()}),
+                })
+                .collect();
+            return Ok((error.status, Json(json!({"results": answers}))).into_response());
+        }
+    };
+    let mut answers = Vec::with_capacity(results.len());
+    for result in &results {
+        match result {
+            Ok((message, topic)) => {
+                count_received(message);
+                let Some(one) = appended.next() else {
+                    return Err(ApiError::internal(
+                        "a batch append returned fewer ids than messages",
+                    ));
+                };
+                answers.push(scheduled(&one, topic));
+            }
+            Err(e) => answers.push(json!({"error": e.problem()})),
+        }
+    }
+    Ok(Json(json!({"results": answers})).into_response())
+}
+
+fn parse_id(text: &str) -> Result<MessageId, ApiError> {
+    text.parse()
+        .map_err(|_| ApiError::not_found(format!("{text:?} is not a message id")))
+}
+
+pub async fn status(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    let log = state.log.clone();
+    let found = tokio::task::spawn_blocking(move || log.lookup(id))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    let Some(status) = found else {
+        return Err(ApiError::not_found(
+            "no message has this id (or it was retired after its retention)",
+        ));
+    };
+    let message = &status.message;
+    let mut body = json!({
+        "id": id.to_string(),
+        "topic": message.topic,
+        "deliver_at": format_ms(message.deliver_at_ms),
+    });
+    let (name, attempts) = match &status.state {
+        MessageState::Pending if message.attempt == 0 => ("scheduled", 0),
+        MessageState::Pending => ("retrying", message.attempt),
+        MessageState::Delivered { at_ms } => {
+            body["delivered_at"] = json!(format_ms(*at_ms));
+            ("delivered", message.attempt + 1)
+        }
+        MessageState::Dead { at_ms, reason } => {
+            body["dead_at"] = json!(format_ms(*at_ms));
+            body["reason"] = json!(reason);
+            ("dead", message.attempt + 1)
+        }
+        MessageState::Cancelled { at_ms } => {
+            body["cancelled_at"] = json!(format_ms(*at_ms));
+            ("cancelled", message.attempt)
+        }
+    };
+    body["status"] = json!(name);
+    body["attempts"] = json!(attempts);
+    if let (Some(reason), MessageState::Pending) = (&status.last_retry_reason, &status.state) {
+        body["reason"] = json!(reason);
+    }
+    Ok(Json(body).into_response())
+}
+
+pub async fn cancel(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    let log = state.log.clone();
+    let found = tokio::task::spawn_blocking(move || log.lookup(id))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    let Some(status) = found else {
+        return Err(ApiError::not_found("no message has this id"));
+    };
+    match status.state {
+        MessageState::Delivered { .. } => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "already_delivered",
+            "the message was delivered already",
+        )),
+        MessageState::Dead { .. } => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "already_dead",
+            "the message is dead (it will not be delivered)",
+        )),
+        MessageState::Cancelled { .. } => {
+            Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
+        }
+        MessageState::Pending => {
+            state.scheduler.cancel(status.location).await?;
+            metrics::counter!("delayd_messages_cancelled_total").increment(1);
+            Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
+        }
+    }
+}

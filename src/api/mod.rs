@@ -1,0 +1,251 @@
+//! The HTTP API v1 (DESIGN.md §6): routes, shared state, request checks, authentication and the
+//! per-request metric. Handlers live in `messages` (schedule, status, cancel) and `consume` (the built-in
+//! broker's topics, pulls and group offsets).
+
+mod consume;
+pub mod error;
+mod messages;
+
+use crate::broker::Broker;
+use crate::config::Config;
+use crate::scheduler::Scheduler;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, MatchedPath, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::Router;
+use error::ApiError;
+use metrics_exporter_prometheus::PrometheusHandle;
+use schedulelog::{Clock, ScheduleLog};
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What every handler gets.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub log: Arc<ScheduleLog>,
+    pub scheduler: Arc<Scheduler>,
+    pub broker: Arc<Broker>,
+    pub config: Arc<Config>,
+    pub clock: Arc<dyn Clock>,
+    pub metrics: PrometheusHandle,
+}
+
+/// Topic, sink and group names: `[A-Za-z0-9._-]{1,200}`, and not only dots (so no name is `.` or `..`
+/// and none can leave the data dir when used as a directory name).
+pub fn valid_name(name: &str) -> bool {
+    (1..=200).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && !name.bytes().all(|b| b == b'.')
+}
+
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/messages", post(messages::schedule))
+        .route("/v1/messages/batch", post(messages::schedule_batch))
+        .route(
+            "/v1/messages/{id}",
+            get(messages::status).delete(messages::cancel),
+        )
+        .route("/v1/topics", get(consume::topics))
+        .route("/v1/topics/{topic}", get(consume::topic))
+        .route(
+            "/v1/topics/{topic}/queues/{queue}/messages",
+            get(consume::pull),
+        )
+        .route(
+            "/v1/groups/{group}/offsets/{topic}/{queue}",
+            put(consume::commit_offset),
+        )
+        .route(
+            "/v1/groups/{group}/offsets/{topic}",
+            get(consume::group_offsets),
+        )
+        .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    Router::new()
+        .merge(v1)
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::not_found("no such route") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "this route does not take that method",
+            )
+        })
+        .layer(middleware::from_fn(count_requests))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            state.config.limits.max_request_bytes,
+        ))
+        .with_state(state)
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    match state.log.poisoned() {
+        None => "ready\n".into_response(),
+        Some(cause) => {
+            let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);
+            error.retry_after_secs = Some(60);
+            error.into_response()
+        }
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// `delayd_http_requests_total{route, status}`: the route pattern, never the path (ids are unbounded).
+async fn count_requests(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let started = Instant::now();
+    let response = next.run(request).await;
+    let status = response.status().as_u16().to_string();
+    metrics::counter!("delayd_http_requests_total", "route" => route.clone(), "status" => status)
+        .increment(1);
+    metrics::histogram!("delayd_http_request_seconds", "route" => route)
+        .record(started.elapsed().as_secs_f64());
+    response
+}
+
+/// Bearer-token check for `/v1/*` when `auth.tokens` is set.
+async fn authenticate(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let tokens = &state.config.auth.tokens;
+    if tokens.is_empty() {
+        return next.run(request).await;
+    }
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(given)
+            if tokens
+                .iter()
+                .any(|t| constant_time_eq(t.as_bytes(), given.as_bytes())) =>
+        {
+            next.run(request).await
+        }
+        Some(_) => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "the bearer token is not valid",
+        )
+        .into_response(),
+        None => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "send Authorization: Bearer <token>",
+        )
+        .into_response(),
+    }
+}
+
+/// Compares without an early exit, so the time taken does not tell how much of a token matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, x) in a.iter().enumerate() {
+        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
+}
+
+/// A JSON request body whose failures are problem+json: 413 over the size limit, 400 `invalid_json`
+/// with serde's explanation for malformed JSON or wrong types.
+#[derive(Debug)]
+pub struct JsonBody<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        let bytes = Bytes::from_request(request, state)
+            .await
+            .map_err(|rejection| {
+                if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    ApiError::too_large("the request body is larger than limits.max_request_bytes")
+                } else {
+                    ApiError::bad_request("invalid_body", rejection.body_text())
+                }
+            })?;
+        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
+            ApiError::bad_request(
+                "invalid_json",
+                format!("the body is not the expected JSON: {e}"),
+            )
+        })
+    }
+}
+
+/// `2026-12-01T09:30:00.000Z`: RFC 3339, UTC, milliseconds.
+pub fn format_ms(unix_ms: i64) -> String {
+    let format = time::macros::format_description!(
+        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+    );
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(unix_ms) * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&format).ok())
+        .unwrap_or_else(|| unix_ms.to_string())
+}
+
+/// Parses an RFC 3339 time with any offset to unix milliseconds.
+pub fn parse_rfc3339(text: &str) -> Option<i64> {
+    let parsed =
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()?;
+    i64::try_from(parsed.unix_timestamp_nanos().div_euclid(1_000_000)).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(valid_name("orders.timeout"));
+        assert!(valid_name("a-b_c.9"));
+        assert!(!valid_name(""));
+        assert!(!valid_name(".."));
+        assert!(!valid_name("."));
+        assert!(!valid_name("a/b"));
+        assert!(!valid_name("$dead"));
+        assert!(!valid_name(&"x".repeat(201)));
+    }
+
+    #[test]
+    fn times() {
+        assert_eq!(format_ms(1_796_117_400_123), "2026-12-01T09:30:00.123Z");
+        assert_eq!(
+            parse_rfc3339("2026-12-01T09:30:00.123Z"),
+            Some(1_796_117_400_123)
+        );
+        assert_eq!(
+            parse_rfc3339("2026-12-01T10:30:00+01:00"),
+            Some(1_796_117_400_000)
+        );
+        assert_eq!(parse_rfc3339("2026-12-01 09:30"), None);
+        assert_eq!(parse_rfc3339("tomorrow"), None);
+    }
+
+    #[test]
+    fn token_comparison() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(!constant_time_eq(b"abcd", b"abc"));
+    }
+}

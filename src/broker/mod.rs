@@ -1,0 +1,799 @@
+//! The built-in broker: where the `broker` sink delivers, and what consumers pull from over HTTP.
+//!
+//! RocketMQ-style: one commit log for all topics, a consume queue of fixed 20-byte units per
+//! (topic, queue), consumer group offsets, and long polling woken by arrivals.
+//!
+//! ```text
+//! broker/commitlog/00000000000000000000   file header (schedulelog's, magic DLYDBRK\0), then frames of
+//!                                         kind 5 whose payload is:
+//!     0   4  meta_len u32
+//!     4   ..  meta: JSON {"topic","queue","queue_offset","id","key"?,"headers","deliver_at_ms",
+//!                          "delivered_at_ms","attempt"}
+//!     ..  ..  body bytes
+//! broker/consumequeue/{topic}/{queue}     20-byte units: commit log offset u64 | frame size u32 |
+//!                                         tag hash u64 (CRC-32C of the key, 0 without one), LE
+//! broker/checkpoint                       commit log position below which every record has its unit
+//!                                         synced (u64 LE + CRC-32C), replaced atomically
+//! broker/offsets                          JSON {group: {topic: {queue: offset}}}, replaced atomically
+//! ```
+//!
+//! Invariants and recovery:
+//! - A delivery is acknowledged to the scheduler only after its record and unit are synced, so the
+//!   dispatch log never records a delivery the broker could lose.
+//! - On open the commit log's torn tail is cut (schedulelog's tail policy); units pointing past its end
+//!   are cut; records after the checkpoint whose unit is missing get it back (each record carries its
+//!   queue offset, so this is idempotent). A record whose queue offset leaves a gap is corruption.
+//! - Topic names match `[A-Za-z0-9._-]{1,200}` and are not all dots, so no name reaches outside the
+//!   data dir.
+
+use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome};
+use schedulelog::frame::{self, Frames, Kind, Stop};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+const UNIT_LEN: u64 = 20;
+const LOG_HEADER_LEN: u64 = 32;
+const LOG_MAGIC: &[u8; 8] = b"DLYDBRK\0";
+
+/// A broker failure; the HTTP edge maps it to 500 (or 507 for a full disk).
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    #[error("broker I/O on {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("broker data corrupt in {path} at offset {offset}: {reason}")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        reason: String,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> BrokerError + '_ {
+    move |source| BrokerError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The part of a stored message that is not the body.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StoredMeta {
+    pub topic: String,
+    pub queue: u32,
+    pub queue_offset: u64,
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    pub headers: BTreeMap<String, String>,
+    pub deliver_at_ms: i64,
+    pub delivered_at_ms: i64,
+    pub attempt: u16,
+}
+
+/// Committed offsets: group → topic → queue → offset.
+type GroupOffsets = BTreeMap<String, BTreeMap<String, BTreeMap<u32, u64>>>;
+
+/// A message as a consumer gets it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    pub offset: u64,
+    pub meta: StoredMeta,
+    pub body: Vec<u8>,
+}
+
+/// A message to store.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    pub topic: String,
+    pub id: String,
+    pub key: Option<String>,
+    pub headers: BTreeMap<String, String>,
+    pub deliver_at_ms: i64,
+    pub delivered_at_ms: i64,
+    pub attempt: u16,
+    pub body: Vec<u8>,
+}
+
+#[derive(Debug)]
+struct Queue {
+    file: File,
+    path: PathBuf,
+    units: u64,
+}
+
+#[derive(Debug, Default)]
+struct Topic {
+    queues: Vec<Queue>,
+    next_round_robin: u32,
+}
+
+#[derive(Debug)]
+struct Store {
+    log: File,
+    log_path: PathBuf,
+    log_end: u64,
+    topics: BTreeMap<String, Topic>,
+    /// Units written since the broker checkpoint.
+    unsynced_since_checkpoint: u64,
+}
+
+/// The broker store. Cheap to share (`Arc`); blocking I/O, so async callers use `spawn_blocking`.
+#[derive(Debug)]
+pub struct Broker {
+    dir: PathBuf,
+    queues_per_topic: u32,
+    store: Mutex<Store>,
+    offsets: Mutex<GroupOffsets>,
+    /// Woken on every append; long polls re-check their queue.
+    arrivals: tokio::sync::Notify,
+}
+
+/// Whether `name` is a valid topic (or sink) name.
+pub fn valid_topic(name: &str) -> bool {
+    crate::api::valid_name(name)
+}
+
+impl Broker {
+    pub fn open(data_dir: &Path, queues_per_topic: u32) -> Result<Broker, BrokerError> {
+        let dir = data_dir.join("broker");
+        for sub in ["commitlog", "consumequeue"] {
+            let path = dir.join(sub);
+            fs::create_dir_all(&path).map_err(io_err(&path))?;
+        }
+        let log_path = dir.join("commitlog").join(format!("{:020}", 0));
+        let log = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&log_path)
+            .map_err(io_err(&log_path))?;
+        let bytes = fs::read(&log_path).map_err(io_err(&log_path))?;
+        let log_end = if bytes.len() < LOG_HEADER_LEN as usize && bytes.iter().all(|&b| b == 0) {
+            let mut header = [0u8; LOG_HEADER_LEN as usize];
+            header[..8].copy_from_slice(LOG_MAGIC);
+            log.set_len(0)
+                .and_then(|()| log.write_all_at(&header, 0))
+                .and_then(|()| log.sync_all())
+                .map_err(io_err(&log_path))?;
+            LOG_HEADER_LEN
+        } else {
+            if &bytes[..8.min(bytes.len())] != LOG_MAGIC {
+                return Err(BrokerError::Corrupt {
+                    path: log_path,
+                    offset: 0,
+                    reason: "not a broker commit log".into(),
+                });
+            }
+            scan_end(&log_path, &bytes)?
+        };
+        if log_end < bytes.len() as u64 {
+            log.set_len(log_end)
+                .and_then(|()| log.sync_all())
+                .map_err(io_err(&log_path))?;
+        }
+        let mut store = Store {
+            log,
+            log_path,
+            log_end,
+            topics: BTreeMap::new(),
+            unsynced_since_checkpoint: 0,
+        };
+        load_topics(&dir, &mut store)?;
+        let broker = Broker {
+            dir: dir.clone(),
+            queues_per_topic,
+            store: Mutex::new(store),
+            offsets: Mutex::new(load_offsets(&dir)?),
+            arrivals: tokio::sync::Notify::new(),
+        };
+        broker.repair(&bytes)?;
+        Ok(broker)
+    }
+
+    fn store(&self) -> MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Cuts units that point past the commit log and restores units missing after the checkpoint.
+    fn repair(&self, bytes: &[u8]) -> Result<(), BrokerError> {
+        let mut store = self.store();
+        let log_end = store.log_end;
+        for topic in store.topics.values_mut() {
+            for queue in &mut topic.queues {
+                while queue.units > 0 {
+                    let unit = read_unit(queue, queue.units - 1)?;
+                    if unit.0 + u64::from(unit.1) <= log_end {
+                        break;
+                    }
+                    queue.units -= 1;
+                }
+                queue
+                    .file
+                    .set_len(queue.units * UNIT_LEN)
+                    .and_then(|()| queue.file.sync_all())
+                    .map_err(io_err(&queue.path))?;
+            }
+        }
+        let from = read_checkpoint(&self.dir).clamp(LOG_HEADER_LEN, log_end);
+        let mut pos = from as usize;
+        let end = log_end as usize;
+        while pos < end {
+            let Some((meta, _, len)) = decode_record(&bytes[pos..end]) else {
+                return Err(BrokerError::Corrupt {
+                    path: store.log_path.clone(),
+                    offset: pos as u64,
+                    reason: "undecodable record before the end of the log".into(),
+                });
+            };
+            let queue = self.queue_mut(&mut store, &meta.topic, meta.queue)?;
+            if meta.queue_offset == queue.units {
+                let unit = encode_unit(pos as u64, len, meta.key.as_deref());
+                queue
+                    .file
+                    .write_all_at(&unit, queue.units * UNIT_LEN)
+                    .map_err(io_err(&queue.path))?;
+                queue.units += 1;
+            } else if meta.queue_offset > queue.units {
+                let path = queue.path.clone();
+                return Err(BrokerError::Corrupt {
+                    path,
+                    offset: queue.units * UNIT_LEN,
+                    reason: format!(
+                        "commit log record for queue offset {} leaves a gap",
+                        meta.queue_offset
+                    ),
+                });
+            }
+            pos += len as usize;
+        }
+        self.sync_and_checkpoint(&mut store)
+    }
+
+    fn queue_mut<'a>(
+        &self,
+        store: &'a mut Store,
+        topic: &str,
+        queue: u32,
+    ) -> Result<&'a mut Queue, BrokerError> {
+        if !store.topics.contains_key(topic) {
+            let created = create_topic(&self.dir, topic, self.queues_per_topic)?;
+            store.topics.insert(topic.to_string(), created);
+        }
+        let topic_state = store.topics.get_mut(topic).expect("inserted above");
+        let count = topic_state.queues.len();
+        topic_state
+            .queues
+            .get_mut(queue as usize)
+            .ok_or_else(|| BrokerError::Corrupt {
+                path: PathBuf::from(topic),
+                offset: 0,
+                reason: format!("queue {queue} of a topic with {count} queues"),
+            })
+    }
+
+    /// Stores messages durably (commit log synced, then units synced) and wakes long polls.
+    pub fn append(&self, messages: &[Incoming]) -> Result<Vec<(u32, u64)>, BrokerError> {
+        let mut store = self.store();
+        let mut placed = Vec::with_capacity(messages.len());
+        let mut buf = Vec::new();
+        let mut units: Vec<(String, u32, [u8; 20])> = Vec::new();
+        let mut pos = store.log_end;
+        for message in messages {
+            let (queue_index, queue_offset) = {
+                let queues_per_topic = self.queues_per_topic;
+                let topic_exists = store.topics.contains_key(&message.topic);
+                if !topic_exists {
+                    let created = create_topic(&self.dir, &message.topic, queues_per_topic)?;
+                    store.topics.insert(message.topic.clone(), created);
+                }
+                let topic = store.topics.get_mut(&message.topic).expect("created above");
+                let count = topic.queues.len() as u32;
+                let index = match &message.key {
+                    Some(key) => crc32c::crc32c(key.as_bytes()) % count,
+                    None => {
+                        topic.next_round_robin = topic.next_round_robin.wrapping_add(1);
+                        topic.next_round_robin % count
+                    }
+                };
+                let pending = units
+                    .iter()
+                    .filter(|(t, q, _)| *t == message.topic && *q == index)
+                    .count() as u64;
+                (index, topic.queues[index as usize].units + pending)
+            };
+            let meta = StoredMeta {
+                topic: message.topic.clone(),
+                queue: queue_index,
+                queue_offset,
+                id: message.id.clone(),
+                key: message.key.clone(),
+                headers: message.headers.clone(),
+                deliver_at_ms: message.deliver_at_ms,
+                delivered_at_ms: message.delivered_at_ms,
+                attempt: message.attempt,
+            };
+            let start = buf.len();
+            encode_record(&mut buf, &meta, &message.body);
+            let len = (buf.len() - start) as u32;
+            units.push((
+                message.topic.clone(),
+                queue_index,
+                encode_unit(pos, len, message.key.as_deref()),
+            ));
+            pos += u64::from(len);
+            placed.push((queue_index, queue_offset));
+        }
+        let log_end = store.log_end;
+        store
+            .log
+            .write_all_at(&buf, log_end)
+            .and_then(|()| store.log.sync_data())
+            .map_err(io_err(&store.log_path))?;
+        store.log_end = pos;
+        let mut touched: Vec<(String, u32)> = Vec::new();
+        for (topic, queue_index, unit) in &units {
+            let queue = &mut store.topics.get_mut(topic).expect("created above").queues
+                [*queue_index as usize];
+            queue
+                .file
+                .write_all_at(unit, queue.units * UNIT_LEN)
+                .map_err(io_err(&queue.path))?;
+            queue.units += 1;
+            if !touched.contains(&(topic.clone(), *queue_index)) {
+                touched.push((topic.clone(), *queue_index));
+            }
+        }
+        for (topic, queue_index) in touched {
+            let queue = &store.topics[&topic].queues[queue_index as usize];
+            queue.file.sync_data().map_err(io_err(&queue.path))?;
+        }
+        store.unsynced_since_checkpoint += units.len() as u64;
+        if store.unsynced_since_checkpoint >= 10_000 {
+            self.sync_and_checkpoint(&mut store)?;
+        }
+        drop(store);
+        self.arrivals.notify_waiters();
+        Ok(placed)
+    }
+
+    fn sync_and_checkpoint(&self, store: &mut Store) -> Result<(), BrokerError> {
+        for topic in store.topics.values() {
+            for queue in &topic.queues {
+                queue.file.sync_data().map_err(io_err(&queue.path))?;
+            }
+        }
+        let mut bytes = store.log_end.to_le_bytes().to_vec();
+        let crc = crc32c::crc32c(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        let path = self.dir.join("checkpoint");
+        write_atomically(&path, &bytes)?;
+        store.unsynced_since_checkpoint = 0;
+        Ok(())
+    }
+
+    /// Topics and their queue counts.
+    pub fn topics(&self) -> Vec<(String, u32)> {
+        self.store()
+            .topics
+            .iter()
+            .map(|(name, t)| (name.clone(), t.queues.len() as u32))
+            .collect()
+    }
+
+    /// `(min_offset, max_offset)` of every queue of a topic; `None` for an unknown topic.
+    pub fn queue_offsets(&self, topic: &str) -> Option<Vec<(u64, u64)>> {
+        self.store()
+            .topics
+            .get(topic)
+            .map(|t| t.queues.iter().map(|q| (0, q.units)).collect())
+    }
+
+    /// Up to `max` messages of a queue from `offset`. `None` for an unknown topic or queue.
+    pub fn read(
+        &self,
+        topic: &str,
+        queue: u32,
+        offset: u64,
+        max: usize,
+    ) -> Result<Option<Vec<Stored>>, BrokerError> {
+        let store = self.store();
+        let Some(q) = store
+            .topics
+            .get(topic)
+            .and_then(|t| t.queues.get(queue as usize))
+        else {
+            return Ok(None);
+        };
+        let end = q.units.min(offset.saturating_add(max as u64));
+        let mut out = Vec::new();
+        for at in offset..end {
+            let (log_offset, len, _) = read_unit(q, at)?;
+            let mut bytes = vec![0u8; len as usize];
+            store
+                .log
+                .read_exact_at(&mut bytes, log_offset)
+                .map_err(io_err(&store.log_path))?;
+            let Some((meta, body, _)) = decode_record(&bytes) else {
+                return Err(BrokerError::Corrupt {
+                    path: store.log_path.clone(),
+                    offset: log_offset,
+                    reason: "unit points at an undecodable record".into(),
+                });
+            };
+            out.push(Stored {
+                offset: at,
+                meta,
+                body: body.to_vec(),
+            });
+        }
+        Ok(Some(out))
+    }
+
+    /// A future that completes at the next append after it was created (enable it before checking).
+    pub fn arrivals(&self) -> tokio::sync::futures::Notified<'_> {
+        self.arrivals.notified()
+    }
+
+    /// Long poll: messages from `offset`, waiting up to `wait` for the first one to arrive.
+    pub async fn pull(
+        self: &Arc<Self>,
+        topic: &str,
+        queue: u32,
+        offset: u64,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Option<Vec<Stored>>, BrokerError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.arrivals();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let this = self.clone();
+            let (t, o) = (topic.to_string(), offset);
+            let read = tokio::task::spawn_blocking(move || this.read(&t, queue, o, max))
+                .await
+                .map_err(|e| BrokerError::Io {
+                    path: PathBuf::from("broker"),
+                    source: io::Error::other(e.to_string()),
+                })??;
+            match read {
+                Some(messages) if messages.is_empty() && tokio::time::Instant::now() < deadline => {
+                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                        return Ok(Some(messages));
+                    }
+                }
+                other => return Ok(other),
+            }
+        }
+    }
+
+    /// Stores a consumer group's offset for one queue (durably).
+    pub fn commit_offset(
+        &self,
+        group: &str,
+        topic: &str,
+        queue: u32,
+        offset: u64,
+    ) -> Result<(), BrokerError> {
+        let mut offsets = self.offsets.lock().unwrap_or_else(|p| p.into_inner());
+        offsets
+            .entry(group.to_string())
+            .or_default()
+            .entry(topic.to_string())
+            .or_default()
+            .insert(queue, offset);
+        let bytes = serde_json::to_vec(&*offsets).unwrap_or_default();
+        write_atomically(&self.dir.join("offsets"), &bytes)
+    }
+
+    /// A group's committed offsets for a topic, by queue.
+    pub fn group_offsets(&self, group: &str, topic: &str) -> BTreeMap<u32, u64> {
+        self.offsets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(group)
+            .and_then(|g| g.get(topic))
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+fn encode_record(buf: &mut Vec<u8>, meta: &StoredMeta, body: &[u8]) {
+    let at = frame::start(buf);
+    let meta_json = serde_json::to_vec(meta).unwrap_or_default();
+    buf.extend_from_slice(&(meta_json.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&meta_json);
+    buf.extend_from_slice(body);
+    frame::finish(buf, at, Kind::Broker);
+}
+
+/// (meta, body, frame length) of the record at the start of `bytes`.
+fn decode_record(bytes: &[u8]) -> Option<(StoredMeta, &[u8], u32)> {
+    match frame::decode(bytes) {
+        frame::Next::Frame {
+            kind: Kind::Broker,
+            payload,
+        } => {
+            let meta_len = u32::from_le_bytes(payload.get(..4)?.try_into().ok()?) as usize;
+            let meta: StoredMeta = serde_json::from_slice(payload.get(4..4 + meta_len)?).ok()?;
+            let body = payload.get(4 + meta_len..)?;
+            Some((meta, body, (frame::HEADER_LEN + payload.len()) as u32))
+        }
+        _ => None,
+    }
+}
+
+fn encode_unit(log_offset: u64, len: u32, key: Option<&str>) -> [u8; 20] {
+    let mut unit = [0u8; 20];
+    unit[..8].copy_from_slice(&log_offset.to_le_bytes());
+    unit[8..12].copy_from_slice(&len.to_le_bytes());
+    let tag = key.map_or(0, |k| u64::from(crc32c::crc32c(k.as_bytes())));
+    unit[12..].copy_from_slice(&tag.to_le_bytes());
+    unit
+}
+
+fn read_unit(queue: &Queue, index: u64) -> Result<(u64, u32, u64), BrokerError> {
+    let mut unit = [0u8; 20];
+    queue
+        .file
+        .read_exact_at(&mut unit, index * UNIT_LEN)
+        .map_err(io_err(&queue.path))?;
+    let u64_at = |r: std::ops::Range<usize>| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&unit[r]);
+        u64::from_le_bytes(b)
+    };
+    let offset = u64_at(0..8);
+    let tag = u64_at(12..20);
+    Ok((
+        offset,
+        u32::from_le_bytes([unit[8], unit[9], unit[10], unit[11]]),
+        tag,
+    ))
+}
+
+/// The end of the valid records of a commit log, applying schedulelog's tail policy.
+fn scan_end(path: &Path, bytes: &[u8]) -> Result<u64, BrokerError> {
+    let body = &bytes[LOG_HEADER_LEN as usize..];
+    let mut frames = Frames::new(body);
+    for _ in frames.by_ref() {}
+    match frames.stop() {
+        Some(Stop::End { at }) if at == body.len() => Ok(LOG_HEADER_LEN + at as u64),
+        Some(Stop::End { at }) | Some(Stop::Invalid { at, .. }) => {
+            frame::check_torn_tail(path, body, LOG_HEADER_LEN, at, "torn broker record").map_err(
+                |e| BrokerError::Corrupt {
+                    path: path.to_path_buf(),
+                    offset: LOG_HEADER_LEN + at as u64,
+                    reason: e.to_string(),
+                },
+            )?;
+            Ok(LOG_HEADER_LEN + at as u64)
+        }
+        None => Ok(bytes.len() as u64),
+    }
+}
+
+fn create_topic(dir: &Path, topic: &str, queues: u32) -> Result<Topic, BrokerError> {
+    if !valid_topic(topic) {
+        return Err(BrokerError::Corrupt {
+            path: PathBuf::from(topic),
+            offset: 0,
+            reason: "invalid topic name".into(),
+        });
+    }
+    let topic_dir = dir.join("consumequeue").join(topic);
+    fs::create_dir_all(&topic_dir).map_err(io_err(&topic_dir))?;
+    let mut state = Topic::default();
+    for queue in 0..queues {
+        state.queues.push(open_queue(&topic_dir, queue)?);
+    }
+    sync_dir(&topic_dir)?;
+    sync_dir(&dir.join("consumequeue"))?;
+    Ok(state)
+}
+
+fn open_queue(topic_dir: &Path, queue: u32) -> Result<Queue, BrokerError> {
+    let path = topic_dir.join(queue.to_string());
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io_err(&path))?;
+    let len = file.metadata().map_err(io_err(&path))?.len();
+    Ok(Queue {
+        file,
+        path,
+        units: len / UNIT_LEN,
+    })
+}
+
+fn load_topics(dir: &Path, store: &mut Store) -> Result<(), BrokerError> {
+    let queues_dir = dir.join("consumequeue");
+    for entry in fs::read_dir(&queues_dir).map_err(io_err(&queues_dir))? {
+        let entry = entry.map_err(io_err(&queues_dir))?;
+        let Some(name) = entry.file_name().to_str().map(String::from) else {
+            continue;
+        };
+        if !valid_topic(&name) {
+            continue;
+        }
+        let mut count = 0;
+        while entry.path().join(count.to_string()).exists() {
+            count += 1;
+        }
+        let mut topic = Topic::default();
+        for queue in 0..count {
+            topic.queues.push(open_queue(&entry.path(), queue)?);
+        }
+        store.topics.insert(name, topic);
+    }
+    Ok(())
+}
+
+fn load_offsets(dir: &Path) -> Result<GroupOffsets, BrokerError> {
+    let path = dir.join("offsets");
+    match fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| BrokerError::Corrupt {
+            path,
+            offset: 0,
+            reason: e.to_string(),
+        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(BTreeMap::new()),
+        Err(e) => Err(io_err(&path)(e)),
+    }
+}
+
+fn read_checkpoint(dir: &Path) -> u64 {
+    let Ok(bytes) = fs::read(dir.join("checkpoint")) else {
+        return 0;
+    };
+    if bytes.len() != 12 || crc32c::crc32c(&bytes[..8]).to_le_bytes() != bytes[8..12] {
+        return 0; // replaying from the start is always correct, only slower
+    }
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&bytes[..8]);
+    u64::from_le_bytes(b)
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), BrokerError> {
+    let tmp = path.with_extension("tmp");
+    fs::write(&tmp, bytes)
+        .and_then(|()| File::open(&tmp)?.sync_all())
+        .and_then(|()| fs::rename(&tmp, path))
+        .map_err(io_err(path))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), BrokerError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir))
+}
+
+/// The `broker` sink: stores each delivery in the broker, durably, before answering.
+#[derive(Debug)]
+pub struct BrokerSink {
+    pub broker: Arc<Broker>,
+    pub clock: Arc<dyn schedulelog::Clock>,
+}
+
+impl Sink for BrokerSink {
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+        Box::pin(async move {
+            let now = self.clock.now_ms();
+            let incoming: Vec<Incoming> = batch
+                .iter()
+                .map(|d| Incoming {
+                    topic: d.message.topic.clone(),
+                    id: d.id.to_string(),
+                    key: d.message.key.clone(),
+                    headers: d.message.headers.iter().cloned().collect(),
+                    deliver_at_ms: d.message.deliver_at_ms,
+                    delivered_at_ms: now,
+                    attempt: d.message.attempt,
+                    body: d.message.body.clone(),
+                })
+                .collect();
+            let broker = self.broker.clone();
+            let stored = tokio::task::spawn_blocking(move || broker.append(&incoming)).await;
+            match stored {
+                Ok(Ok(_)) => vec![SinkOutcome::Delivered; batch.len()],
+                other => {
+                    let reason = match other {
+                        Ok(Err(e)) => e.to_string(),
+                        Err(e) => e.to_string(),
+                        Ok(Ok(_)) => unreachable!("matched above"),
+                    };
+                    tracing::error!(%reason, "storing deliveries in the broker failed");
+                    let retry = SinkOutcome::Retry {
+                        after: Some(Duration::from_secs(5)),
+                        reason,
+                    };
+                    vec![retry; batch.len()]
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn incoming(topic: &str, key: Option<&str>, body: &str) -> Incoming {
+        Incoming {
+            topic: topic.into(),
+            id: format!("id-{body}"),
+            key: key.map(String::from),
+            headers: BTreeMap::new(),
+            deliver_at_ms: 1,
+            delivered_at_ms: 2,
+            attempt: 0,
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    #[test]
+    fn append_read_reopen_and_repair() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), 2).unwrap();
+        let placed = broker
+            .append(&[
+                incoming("t", Some("k"), "a"),
+                incoming("t", Some("k"), "b"),
+                incoming("u", None, "c"),
+            ])
+            .unwrap();
+        assert_eq!(placed[0].0, placed[1].0, "same key, same queue");
+        assert_eq!(placed[1].1, placed[0].1 + 1);
+        let q = placed[0].0;
+        let read = broker.read("t", q, 0, 10).unwrap().unwrap();
+        assert_eq!(
+            read.iter().map(|s| s.body.clone()).collect::<Vec<_>>(),
+            vec![b"a".to_vec(), b"b".to_vec()]
+        );
+        assert_eq!(read[1].offset, 1);
+        assert_eq!(broker.read("nope", 0, 0, 10).unwrap(), None);
+        drop(broker);
+
+        // Lose the last unit of queue q: reopening restores it from the commit log.
+        let path = dir.path().join(format!("broker/consumequeue/t/{q}"));
+        let f = OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(UNIT_LEN).unwrap();
+        fs::remove_file(dir.path().join("broker/checkpoint")).unwrap();
+        // And append garbage to the commit log (a torn write).
+        let log = dir.path().join("broker/commitlog/00000000000000000000");
+        let lf = OpenOptions::new().append(true).open(&log).unwrap();
+        lf.write_all_at(&[7u8; 13], lf.metadata().unwrap().len())
+            .unwrap();
+        let broker = Broker::open(dir.path(), 2).unwrap();
+        let read = broker.read("t", q, 0, 10).unwrap().unwrap();
+        assert_eq!(read.len(), 2);
+        assert_eq!(
+            broker.topics(),
+            vec![("t".to_string(), 2), ("u".to_string(), 2)]
+        );
+        broker.append(&[incoming("t", Some("k"), "d")]).unwrap();
+        assert_eq!(broker.read("t", q, 2, 10).unwrap().unwrap()[0].body, b"d");
+    }
+
+    #[test]
+    fn offsets_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), 1).unwrap();
+        broker.commit_offset("g", "t", 0, 13).unwrap();
+        drop(broker);
+        let broker = Broker::open(dir.path(), 1).unwrap();
+        assert_eq!(broker.group_offsets("g", "t"), BTreeMap::from([(0, 13)]));
+        assert!(broker.group_offsets("other", "t").is_empty());
+    }
+}

@@ -1,0 +1,505 @@
+//! Configuration: embedded defaults, then a TOML file (`--config`), then `DELAYD_*` environment
+//! variables, then command-line flags; each layer overrides the one before. Every key is documented in
+//! the README; unknown keys in the file are an error, not a silent no-op.
+
+use serde::{Deserialize, Deserializer};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("{key}: {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+/// A duration written as `"1500ms"`, `"30s"`, `"30m"`, `"2h"`, `"7d"` or an integer of milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Millis(pub Duration);
+
+impl Millis {
+    pub fn as_ms(self) -> i64 {
+        i64::try_from(self.0.as_millis()).unwrap_or(i64::MAX)
+    }
+}
+
+/// Parses `"1500ms"`, `"30s"`, `"30m"`, `"2h"`, `"7d"` (a whole number and a unit).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().map_err(|_| {
+        format!("{text:?} is not a duration such as \"30s\", \"5m\", \"2h\" or \"7d\"")
+    })?;
+    let unit_ms: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => {
+            return Err(format!(
+                "{text:?} has no unit: use ms, s, m, h or d (\"30s\", \"5m\")"
+            ))
+        }
+    };
+    number
+        .checked_mul(unit_ms)
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("{text:?} is too long"))
+}
+
+impl<'de> Deserialize<'de> for Millis {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Millis, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Ms(u64),
+            Text(String),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Ms(ms) => Ok(Millis(Duration::from_millis(ms))),
+            Raw::Text(text) => parse_duration(&text)
+                .map(Millis)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest message body accepted (413 above).
+    pub max_message_bytes: usize,
+    /// Largest HTTP request body accepted (413 above).
+    pub max_request_bytes: usize,
+    /// Most messages in one batch request.
+    pub max_batch_messages: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_message_bytes: 1 << 20,
+            max_request_bytes: 16 << 20,
+            max_batch_messages: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Auth {
+    /// Bearer tokens accepted on `/v1/*`; empty turns authentication off.
+    pub tokens: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BrokerConfig {
+    /// Consume queues per topic (fixed when a topic is created).
+    pub queues_per_topic: u32,
+    /// Most messages one pull returns.
+    pub max_pull_messages: usize,
+    /// Longest `wait_ms` a long poll may ask for.
+    pub max_wait: Millis,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> BrokerConfig {
+        BrokerConfig {
+            queues_per_topic: 4,
+            max_pull_messages: 1024,
+            max_wait: Millis(Duration::from_secs(30)),
+        }
+    }
+}
+
+/// One `[sinks.NAME]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SinkConfig {
+    /// `broker` (the built-in store).
+    pub kind: String,
+    pub max_attempts: u16,
+    pub rate_per_sec: Option<f64>,
+    pub burst: u32,
+    pub max_in_flight: usize,
+    pub max_batch: usize,
+    pub backoff_initial: Millis,
+    pub backoff_multiplier: f64,
+    pub backoff_cap: Millis,
+}
+
+impl Default for SinkConfig {
+    fn default() -> SinkConfig {
+        SinkConfig {
+            kind: "broker".into(),
+            max_attempts: 10,
+            rate_per_sec: None,
+            burst: 100,
+            max_in_flight: 4,
+            max_batch: 256,
+            backoff_initial: Millis(Duration::from_secs(1)),
+            backoff_multiplier: 2.0,
+            backoff_cap: Millis(Duration::from_secs(3600)),
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub data_dir: PathBuf,
+    pub listen: String,
+    pub segment_minutes: u16,
+    pub tick_ms: u32,
+    pub max_delay: Millis,
+    /// `"always"`, or an interval such as `"5ms"`: acknowledge after the next periodic `fdatasync`.
+    pub fsync: String,
+    pub preload: Millis,
+    pub retention: Millis,
+    /// RocketMQ's delay levels: `delay_level = n` means the n-th entry (1-based).
+    pub delay_levels: Vec<Millis>,
+    pub log_format: LogFormat,
+    pub limits: Limits,
+    pub auth: Auth,
+    pub broker: BrokerConfig,
+    pub sinks: BTreeMap<String, SinkConfig>,
+}
+
+/// RocketMQ's 18 levels.
+const DEFAULT_LEVELS: [&str; 18] = [
+    "1s", "5s", "10s", "30s", "1m", "2m", "3m", "4m", "5m", "6m", "7m", "8m", "9m", "10m", "20m",
+    "30m", "1h", "2h",
+];
+
+impl Default for Config {
+    fn default() -> Config {
+        let levels = DEFAULT_LEVELS
+            .iter()
+            .map(|l| Millis(parse_duration(l).unwrap_or_default()))
+            .collect();
+        Config {
+            data_dir: PathBuf::from("./data"),
+            listen: "127.0.0.1:7070".into(),
+            segment_minutes: 60,
+            tick_ms: 500,
+            max_delay: Millis(Duration::from_secs(730 * 86_400)),
+            fsync: "always".into(),
+            preload: Millis(Duration::from_secs(300)),
+            retention: Millis(Duration::from_secs(86_400)),
+            delay_levels: levels,
+            log_format: LogFormat::Text,
+            limits: Limits::default(),
+            auth: Auth::default(),
+            broker: BrokerConfig::default(),
+            sinks: BTreeMap::new(),
+        }
+    }
+}
+
+/// Overrides from the command line (`None`: not given).
+#[derive(Debug, Clone, Default)]
+pub struct Flags {
+    pub data_dir: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub fsync: Option<String>,
+    pub segment_minutes: Option<u16>,
+    pub log_format: Option<LogFormat>,
+    pub auth_tokens: Vec<String>,
+}
+
+impl Config {
+    /// Defaults, then the file (if any), then `env` (the `DELAYD_*` variables), then `flags`.
+    pub fn load(
+        file: Option<&std::path::Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        flags: &Flags,
+    ) -> Result<Config, ConfigError> {
+        let mut config = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.into(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: path.into(),
+                    source: Box::new(source),
+                })?
+            }
+            None => Config::default(),
+        };
+        for (key, value) in env {
+            config.apply_env(&key, &value)?;
+        }
+        if let Some(dir) = &flags.data_dir {
+            config.data_dir = dir.clone();
+        }
+        if let Some(listen) = &flags.listen {
+            config.listen = listen.clone();
+        }
+        if let Some(fsync) = &flags.fsync {
+            config.fsync = fsync.clone();
+        }
+        if let Some(minutes) = flags.segment_minutes {
+            config.segment_minutes = minutes;
+        }
+        if let Some(format) = flags.log_format {
+            config.log_format = format;
+        }
+        if !flags.auth_tokens.is_empty() {
+            config.auth.tokens = flags.auth_tokens.clone();
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn apply_env(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        let number = |v: &str| -> Result<u64, ConfigError> {
+            v.trim()
+                .parse()
+                .map_err(|_| invalid(key, format!("{v:?} is not a whole number")))
+        };
+        let duration = |v: &str| parse_duration(v).map(Millis).map_err(|e| invalid(key, e));
+        match key {
+            "DELAYD_DATA_DIR" => self.data_dir = value.into(),
+            "DELAYD_LISTEN" => self.listen = value.into(),
+            "DELAYD_SEGMENT_MINUTES" => {
+                self.segment_minutes =
+                    u16::try_from(number(value)?).map_err(|_| invalid(key, "too large"))?
+            }
+            "DELAYD_TICK_MS" => {
+                self.tick_ms =
+                    u32::try_from(number(value)?).map_err(|_| invalid(key, "too large"))?
+            }
+            "DELAYD_MAX_DELAY" => self.max_delay = duration(value)?,
+            "DELAYD_FSYNC" => self.fsync = value.into(),
+            "DELAYD_PRELOAD" => self.preload = duration(value)?,
+            "DELAYD_RETENTION" => self.retention = duration(value)?,
+            "DELAYD_LOG_FORMAT" => {
+                self.log_format = match value {
+                    "text" => LogFormat::Text,
+                    "json" => LogFormat::Json,
+                    _ => return Err(invalid(key, "use text or json")),
+                }
+            }
+            "DELAYD_MAX_MESSAGE_BYTES" => self.limits.max_message_bytes = number(value)? as usize,
+            "DELAYD_MAX_REQUEST_BYTES" => self.limits.max_request_bytes = number(value)? as usize,
+            "DELAYD_AUTH_TOKENS" => {
+                self.auth.tokens = value
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|t| !t.is_empty())
+                    .map(String::from)
+                    .collect()
+            }
+            _ if key.starts_with("DELAYD_") => {
+                return Err(invalid(
+                    key,
+                    "not a delayd setting (see the README for the list)",
+                ))
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The `fsync` setting as a policy.
+    pub fn fsync_policy(&self) -> Result<schedulelog::FsyncPolicy, ConfigError> {
+        if self.fsync == "always" {
+            return Ok(schedulelog::FsyncPolicy::Always);
+        }
+        let every = parse_duration(&self.fsync)
+            .map_err(|e| invalid("fsync", format!("use \"always\" or an interval: {e}")))?;
+        if every.is_zero() || every > Duration::from_secs(1) {
+            return Err(invalid("fsync", "the interval must be between 1ms and 1s"));
+        }
+        Ok(schedulelog::FsyncPolicy::Interval(every))
+    }
+
+    fn validate(&mut self) -> Result<(), ConfigError> {
+        if schedulelog::SegmentMinutes::new(self.segment_minutes).is_none() {
+            return Err(invalid("segment_minutes", "must be between 5 and 60"));
+        }
+        if !(1..=60_000).contains(&self.tick_ms) {
+            return Err(invalid("tick_ms", "must be between 1 and 60000"));
+        }
+        if self.max_delay.0 > Duration::from_secs(100 * 365 * 86_400) {
+            return Err(invalid("max_delay", "at most 100 years"));
+        }
+        self.fsync_policy()?;
+        if self.delay_levels.is_empty() || self.delay_levels.len() > 255 {
+            return Err(invalid("delay_levels", "between 1 and 255 levels"));
+        }
+        // The record format's own limit leaves room for the fields around the body.
+        let format_limit = schedulelog::frame::MAX_PAYLOAD - 64 * 1024;
+        if self.limits.max_message_bytes == 0 || self.limits.max_message_bytes > format_limit {
+            return Err(invalid(
+                "limits.max_message_bytes",
+                format!("must be between 1 and {format_limit}"),
+            ));
+        }
+        if self.limits.max_request_bytes < self.limits.max_message_bytes {
+            return Err(invalid(
+                "limits.max_request_bytes",
+                "must be at least limits.max_message_bytes",
+            ));
+        }
+        if self.limits.max_batch_messages == 0 {
+            return Err(invalid("limits.max_batch_messages", "must be at least 1"));
+        }
+        if self.broker.queues_per_topic == 0 || self.broker.queues_per_topic > 1024 {
+            return Err(invalid(
+                "broker.queues_per_topic",
+                "must be between 1 and 1024",
+            ));
+        }
+        if self.auth.tokens.iter().any(|t| t.len() < 16) {
+            return Err(invalid(
+                "auth.tokens",
+                "tokens must be at least 16 characters",
+            ));
+        }
+        for (name, sink) in &self.sinks {
+            let key = format!("sinks.{name}");
+            if !crate::api::valid_name(name) {
+                return Err(invalid(&key, "sink names match [A-Za-z0-9._-]{1,200}"));
+            }
+            if sink.kind != "broker" {
+                return Err(invalid(
+                    &format!("{key}.kind"),
+                    format!(
+                        "unknown sink kind {:?}: this version has \"broker\"",
+                        sink.kind
+                    ),
+                ));
+            }
+        }
+        // The built-in broker sink always exists; a [sinks.broker] table only tunes it.
+        self.sinks.entry("broker".into()).or_default();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert!(parse_duration("30").is_err());
+        assert!(parse_duration("1.5s").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("99999999999999999999d").is_err());
+    }
+
+    #[test]
+    fn embedded_defaults() {
+        let config = Config::load(None, Vec::new(), &Flags::default()).unwrap();
+        assert_eq!(config.listen, "127.0.0.1:7070");
+        assert_eq!(config.data_dir, PathBuf::from("./data"));
+        assert_eq!(config.delay_levels.len(), 18);
+        assert_eq!(config.delay_levels[17].0, Duration::from_secs(7200));
+        assert!(config.sinks.contains_key("broker"));
+    }
+
+    #[test]
+    fn file_then_env_then_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("delayd.toml");
+        std::fs::write(
+            &path,
+            "listen = \"127.0.0.1:1\"\nfsync = \"5ms\"\nmax_delay = \"3d\"\n[limits]\nmax_message_bytes = 1000\n",
+        )
+        .unwrap();
+        let env = env(&[("DELAYD_LISTEN", "127.0.0.1:2"), ("HOME", "/root")]);
+        let flags = Flags {
+            data_dir: Some("/tmp/x".into()),
+            ..Flags::default()
+        };
+        let config = Config::load(Some(&path), env.clone(), &flags).unwrap();
+        assert_eq!(config.listen, "127.0.0.1:2");
+        assert_eq!(config.data_dir, PathBuf::from("/tmp/x"));
+        assert_eq!(config.max_delay.0, Duration::from_secs(3 * 86_400));
+        assert_eq!(config.limits.max_message_bytes, 1000);
+        assert_eq!(
+            config.fsync_policy().unwrap(),
+            schedulelog::FsyncPolicy::Interval(Duration::from_millis(5))
+        );
+        let flags = Flags {
+            listen: Some("127.0.0.1:3".into()),
+            ..Flags::default()
+        };
+        assert_eq!(
+            Config::load(Some(&path), env, &flags).unwrap().listen,
+            "127.0.0.1:3"
+        );
+    }
+
+    #[test]
+    fn mistakes_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, "lisen = \"x\"\n").unwrap();
+        let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+        assert!(err.to_string().contains("lisen"), "{err}");
+        let err = Config::load(
+            None,
+            env(&[("DELAYD_SEGMENT_MINUTES", "90")]),
+            &Flags::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("segment_minutes"), "{err}");
+        let err = Config::load(
+            None,
+            env(&[("DELAYD_FSYNC", "sometimes")]),
+            &Flags::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().starts_with("fsync"), "{err}");
+        let err = Config::load(None, env(&[("DELAYD_NOPE", "1")]), &Flags::default()).unwrap_err();
+        assert!(err.to_string().contains("DELAYD_NOPE"), "{err}");
+        std::fs::write(&path, "[sinks.billing]\nkind = \"carrier-pigeon\"\n").unwrap();
+        let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+        assert!(err.to_string().contains("carrier-pigeon"), "{err}");
+    }
+}

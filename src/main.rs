@@ -1,0 +1,344 @@
+//! The `delayd` command: `serve` runs the service; `send`, `tail` and `inspect` are tools around it.
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use delayd::config::{Config, Flags, LogFormat};
+use serde_json::{json, Value};
+use std::io::Read;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "delayd",
+    version,
+    about = "A durable, millisecond-precise delay / scheduled-message service"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the service (embedded defaults: data in ./data, listening on 127.0.0.1:7070)
+    Serve(ServeArgs),
+    /// Schedule one message through the HTTP API
+    Send(SendArgs),
+    /// Print the messages of a broker topic as they arrive, one JSON object per line
+    Tail(TailArgs),
+    /// Dump a data file (WAL, schedule segment or index, dispatch log) and verify its checksums
+    Inspect {
+        /// The file to read
+        path: PathBuf,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// TOML configuration file
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Address to listen on, e.g. 127.0.0.1:7070 (port 0 picks a free one)
+    #[arg(long)]
+    listen: Option<String>,
+    /// "always" or an interval such as "5ms"
+    #[arg(long)]
+    fsync: Option<String>,
+    #[arg(long)]
+    segment_minutes: Option<u16>,
+    /// text or json
+    #[arg(long, value_parser = ["text", "json"])]
+    log_format: Option<String>,
+    /// A bearer token accepted on /v1/* (repeatable); turns authentication on
+    #[arg(long = "auth-token")]
+    auth_tokens: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct Client {
+    /// The service's address
+    #[arg(long, env = "DELAYD_URL", default_value = "http://127.0.0.1:7070")]
+    url: String,
+    /// Bearer token, when the service has authentication on
+    #[arg(long, env = "DELAYD_TOKEN")]
+    token: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct SendArgs {
+    #[command(flatten)]
+    client: Client,
+    #[arg(long)]
+    topic: String,
+    /// e.g. 30s, 5m, 2h, 7d
+    #[arg(long, group = "when")]
+    delay: Option<String>,
+    /// RFC 3339, e.g. 2026-12-01T09:30:00Z
+    #[arg(long, group = "when")]
+    deliver_at: Option<String>,
+    /// RocketMQ delay level, 1..=18
+    #[arg(long, group = "when")]
+    delay_level: Option<u32>,
+    #[arg(long)]
+    key: Option<String>,
+    /// name=value (repeatable)
+    #[arg(long = "header")]
+    headers: Vec<String>,
+    #[arg(long)]
+    sink: Option<String>,
+    /// The message body; "-" reads standard input
+    body: String,
+}
+
+#[derive(Debug, Args)]
+struct TailArgs {
+    #[command(flatten)]
+    client: Client,
+    #[arg(long)]
+    topic: String,
+    /// One queue; all queues when absent
+    #[arg(long)]
+    queue: Option<u32>,
+    /// Start at the first message instead of the end (ignored for queues the group has an offset for)
+    #[arg(long)]
+    from_beginning: bool,
+    /// Consumer group: start from its offsets and commit them as messages are printed
+    #[arg(long)]
+    group: Option<String>,
+    /// Exit after this many messages
+    #[arg(long)]
+    count: Option<u64>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Send(args) => send(args),
+        Command::Tail(args) => tail(args),
+        Command::Inspect { path } => {
+            let clean = schedulelog::inspect(&path, &mut std::io::stdout().lock())
+                .with_context(|| format!("reading {}", path.display()))?;
+            if !clean {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let flags = Flags {
+        data_dir: args.data_dir,
+        listen: args.listen,
+        fsync: args.fsync,
+        segment_minutes: args.segment_minutes,
+        log_format: args.log_format.as_deref().map(|f| {
+            if f == "json" {
+                LogFormat::Json
+            } else {
+                LogFormat::Text
+            }
+        }),
+        auth_tokens: args.auth_tokens,
+    };
+    let env = std::env::vars()
+        .filter(|(k, _)| k.starts_with("DELAYD_") && k != "DELAYD_URL" && k != "DELAYD_TOKEN");
+    let config = Config::load(args.config.as_deref(), env, &flags)?;
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    match config.log_format {
+        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init(),
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&config.listen)
+            .await
+            .with_context(|| format!("binding {}", config.listen))?;
+        // Scripts and tests read this line to learn the port when listening on port 0.
+        println!("delayd listening on http://{}", listener.local_addr()?);
+        delayd::run(config, listener, shutdown_signal()).await
+    })
+}
+
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    let mut terminate =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = interrupt => {},
+        _ = async { match terminate.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => {},
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(60)))
+        .build()
+        .into()
+}
+
+/// Sends a request and returns the JSON answer, or fails with the problem's detail.
+fn call(client: &Client, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<Value> {
+    let url = format!("{}{path}", client.url.trim_end_matches('/'));
+    let agent = agent();
+    let auth = client.token.as_ref().map(|t| format!("Bearer {t}"));
+    let mut response = match (method, body) {
+        ("GET", _) => {
+            let mut request = agent.get(&url);
+            if let Some(auth) = &auth {
+                request = request.header("Authorization", auth);
+            }
+            request.call()
+        }
+        (_, Some(body)) => {
+            let mut request = if method == "PUT" {
+                agent.put(&url)
+            } else {
+                agent.post(&url)
+            };
+            if let Some(auth) = &auth {
+                request = request.header("Authorization", auth);
+            }
+            request.send_json(body)
+        }
+        _ => bail!("unsupported request"),
+    }
+    .with_context(|| format!("{method} {url}"))?;
+    let status = response.status();
+    let value: Value = response.body_mut().read_json().unwrap_or(Value::Null);
+    if !status.is_success() {
+        let detail = value["detail"].as_str().unwrap_or("no detail");
+        let code = value["code"].as_str().unwrap_or("?");
+        bail!("{method} {path}: {status} {code}: {detail}");
+    }
+    Ok(value)
+}
+
+fn send(args: SendArgs) -> anyhow::Result<()> {
+    let body = if args.body == "-" {
+        let mut text = String::new();
+        std::io::stdin().read_to_string(&mut text)?;
+        text
+    } else {
+        args.body
+    };
+    let mut request = json!({"topic": args.topic, "body": body});
+    match (args.delay, args.deliver_at, args.delay_level) {
+        (Some(delay), _, _) => request["delay"] = json!(delay),
+        (_, Some(at), _) => request["deliver_at"] = json!(at),
+        (_, _, Some(level)) => request["delay_level"] = json!(level),
+        _ => request["delay"] = json!(0),
+    }
+    if let Some(key) = args.key {
+        request["key"] = json!(key);
+    }
+    if let Some(sink) = args.sink {
+        request["sink"] = json!(sink);
+    }
+    let mut headers = serde_json::Map::new();
+    for header in args.headers {
+        let (name, value) = header
+            .split_once('=')
+            .with_context(|| format!("--header {header:?}: expected name=value"))?;
+        headers.insert(name.into(), json!(value));
+    }
+    request["headers"] = Value::Object(headers);
+    let answer = call(&args.client, "POST", "/v1/messages", Some(&request))?;
+    println!("{answer}");
+    Ok(())
+}
+
+fn tail(args: TailArgs) -> anyhow::Result<()> {
+    let topic = &args.topic;
+    let queues: Vec<u32> = match args.queue {
+        Some(q) => vec![q],
+        None => {
+            // Wait for the topic to exist (it does once a message was delivered to it).
+            loop {
+                let topics = call(&args.client, "GET", "/v1/topics", None)?;
+                let found = topics["topics"]
+                    .as_array()
+                    .and_then(|ts| ts.iter().find(|t| t["name"] == json!(topic)))
+                    .and_then(|t| t["queues"].as_u64());
+                if let Some(n) = found {
+                    break (0..n as u32).collect();
+                }
+                call(
+                    &args.client,
+                    "GET",
+                    &format!("/v1/topics/{topic}/queues/0/messages?wait_ms=20000"),
+                    None,
+                )
+                .ok();
+            }
+        }
+    };
+    let info = call(&args.client, "GET", &format!("/v1/topics/{topic}"), None)?;
+    let committed = match &args.group {
+        Some(group) => call(
+            &args.client,
+            "GET",
+            &format!("/v1/groups/{group}/offsets/{topic}"),
+            None,
+        )?,
+        None => json!({"queues": []}),
+    };
+    let mut offsets: Vec<u64> = queues
+        .iter()
+        .map(|q| {
+            let group_offset = committed["queues"]
+                .as_array()
+                .and_then(|qs| qs.iter().find(|e| e["queue"] == json!(q)))
+                .and_then(|e| e["offset"].as_u64());
+            let end = info["queues"][*q as usize]["max_offset"]
+                .as_u64()
+                .unwrap_or(0);
+            group_offset.unwrap_or(if args.from_beginning { 0 } else { end })
+        })
+        .collect();
+    let mut printed = 0u64;
+    loop {
+        // With one queue, long-poll it; with several, poll each briefly in turn.
+        let wait = if queues.len() == 1 { 20_000 } else { 500 };
+        for (i, queue) in queues.iter().enumerate() {
+            let path = format!(
+                "/v1/topics/{topic}/queues/{queue}/messages?offset={}&max=256&wait_ms={wait}",
+                offsets[i]
+            );
+            let answer = call(&args.client, "GET", &path, None)?;
+            for message in answer["messages"].as_array().into_iter().flatten() {
+                println!("{message}");
+                printed += 1;
+                if args.count.is_some_and(|c| printed >= c) {
+                    offsets[i] = message["offset"].as_u64().unwrap_or(offsets[i]) + 1;
+                    commit(&args, *queue, offsets[i])?;
+                    return Ok(());
+                }
+            }
+            let next = answer["next_offset"].as_u64().unwrap_or(offsets[i]);
+            if next != offsets[i] {
+                offsets[i] = next;
+                commit(&args, *queue, next)?;
+            }
+        }
+    }
+}
+
+fn commit(args: &TailArgs, queue: u32, offset: u64) -> anyhow::Result<()> {
+    if let Some(group) = &args.group {
+        let path = format!("/v1/groups/{group}/offsets/{}/{queue}", args.topic);
+        call(&args.client, "PUT", &path, Some(&json!({"offset": offset})))?;
+    }
+    Ok(())
+}
