@@ -1,0 +1,628 @@
+//! Integration tests: the real service on a loopback port (in-process through `delayd::run`, or the real
+//! binary where a process must die), real files, real HTTP. All in one binary so they link once.
+
+#![allow(clippy::unwrap_used, reason = "tests stop at the first failure")]
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(60)))
+        .build()
+        .into()
+}
+
+/// An HTTP answer: status, content type and JSON body (Null when the body is not JSON).
+struct Answer {
+    status: u16,
+    content_type: String,
+    json: Value,
+}
+
+fn request(
+    base: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> Answer {
+    let url = format!("{base}{path}");
+    let agent = agent();
+    let mut response = match method {
+        "GET" | "DELETE" => {
+            let mut r = if method == "GET" {
+                agent.get(&url)
+            } else {
+                agent.delete(&url)
+            };
+            if let Some(t) = token {
+                r = r.header("Authorization", &format!("Bearer {t}"));
+            }
+            r.call().unwrap()
+        }
+        _ => {
+            let mut r = match method {
+                "PUT" => agent.put(&url),
+                "PATCH" => agent.patch(&url),
+                _ => agent.post(&url),
+            };
+            if let Some(t) = token {
+                r = r.header("Authorization", &format!("Bearer {t}"));
+            }
+            r.header("Content-Type", "application/json")
+                .send(body.unwrap_or(""))
+                .unwrap()
+        }
+    };
+    let status = response.status().as_u16();
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let text = response.body_mut().read_to_string().unwrap_or_default();
+    Answer {
+        status,
+        content_type,
+        json: serde_json::from_str(&text).unwrap_or(Value::Null),
+    }
+}
+
+/// The service running in-process on port 0.
+struct Server {
+    base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<anyhow::Result<()>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn start(edit: impl FnOnce(&mut delayd::config::Config)) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config =
+            delayd::config::Config::load(None, Vec::new(), &delayd::config::Flags::default())
+                .unwrap();
+        config.data_dir = dir.path().to_path_buf();
+        config.broker.queues_per_topic = 1;
+        edit(&mut config);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            runtime.block_on(delayd::run(config, listener, async {
+                let _ = stopped.await;
+            }))
+        });
+        Server {
+            base,
+            stop: Some(stop),
+            thread: Some(thread),
+            _dir: dir,
+        }
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Answer {
+        request(
+            &self.base,
+            method,
+            path,
+            body.map(|b| b.to_string()).as_deref(),
+            None,
+        )
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            thread.join().unwrap().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_message_is_invisible_before_deliver_at_and_visible_after() {
+    let server = Server::start(|_| {});
+    let sent = server.call("POST", "/v1/messages", Some(json!({"topic": "orders.timeout", "body": "order 42 unpaid", "delay": "800ms", "key": "order-42", "headers": {"traceparent": "00-abc"}})));
+    assert_eq!(sent.status, 201, "{}", sent.json);
+    assert_eq!(sent.json["status"], "scheduled");
+    let id = sent.json["id"].as_str().unwrap().to_string();
+    // Before deliver_at: not in the broker (the topic does not even exist yet).
+    assert_eq!(
+        server.call("GET", "/v1/topics/orders.timeout", None).status,
+        404
+    );
+    assert_eq!(
+        server.call("GET", &format!("/v1/messages/{id}"), None).json["status"],
+        "scheduled"
+    );
+    // Long poll until it arrives.
+    let pulled = server.call(
+        "GET",
+        "/v1/topics/orders.timeout/queues/0/messages?offset=0&wait_ms=10000",
+        None,
+    );
+    let arrived_ms = now_ms();
+    assert_eq!(pulled.status, 200, "{}", pulled.json);
+    let message = &pulled.json["messages"][0];
+    assert_eq!(message["id"], json!(id));
+    assert_eq!(message["body"], "order 42 unpaid");
+    assert_eq!(message["key"], "order-42");
+    assert_eq!(message["headers"]["traceparent"], "00-abc");
+    let deliver_at = parse(&message["deliver_at"]);
+    let delivered_at = parse(&message["delivered_at"]);
+    assert!(delivered_at >= deliver_at, "never early");
+    assert!(arrived_ms >= deliver_at);
+    println!(
+        "lateness: delivered {} ms after deliver_at; visible to the consumer {} ms after",
+        delivered_at - deliver_at,
+        arrived_ms - deliver_at
+    );
+    assert!(delivered_at - deliver_at < 2_000, "loosely prompt");
+    let status = server.call("GET", &format!("/v1/messages/{id}"), None);
+    assert_eq!(status.json["status"], "delivered");
+    assert_eq!(status.json["attempts"], 1);
+    // Cancelling a delivered message is a conflict.
+    let cancel = server.call("DELETE", &format!("/v1/messages/{id}"), None);
+    assert_eq!(
+        (cancel.status, cancel.json["code"].as_str()),
+        (409, Some("already_delivered"))
+    );
+}
+
+fn parse(value: &Value) -> i64 {
+    let text = value.as_str().unwrap();
+    let parsed =
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).unwrap();
+    (parsed.unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+#[test]
+fn a_long_poll_returns_as_soon_as_a_message_arrives() {
+    let server = Server::start(|_| {});
+    assert_eq!(
+        server
+            .call(
+                "POST",
+                "/v1/messages",
+                Some(json!({"topic": "t", "body": "first", "delay": 0}))
+            )
+            .status,
+        201
+    );
+    let first = server.call(
+        "GET",
+        "/v1/topics/t/queues/0/messages?offset=0&wait_ms=10000",
+        None,
+    );
+    assert_eq!(first.json["next_offset"], 1);
+    let base = server.base.clone();
+    let started = Instant::now();
+    let poll = std::thread::spawn(move || {
+        request(
+            &base,
+            "GET",
+            "/v1/topics/t/queues/0/messages?offset=1&wait_ms=20000",
+            None,
+            None,
+        )
+    });
+    // The poll is parked on an empty queue; a new message wakes it.
+    assert_eq!(
+        server
+            .call(
+                "POST",
+                "/v1/messages",
+                Some(json!({"topic": "t", "body": "second", "delay": "300ms"}))
+            )
+            .status,
+        201
+    );
+    let answer = poll.join().unwrap();
+    let waited = started.elapsed();
+    assert_eq!(answer.json["messages"][0]["body"], "second");
+    assert_eq!(answer.json["next_offset"], 2);
+    println!("long poll answered after {waited:?} (message due after 300 ms; the poll would have waited 20 s)");
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(10),
+        "{waited:?}"
+    );
+    // A poll with nothing to wake it waits out its time and answers empty.
+    let started = Instant::now();
+    let empty = server.call(
+        "GET",
+        "/v1/topics/t/queues/0/messages?offset=2&wait_ms=300",
+        None,
+    );
+    assert_eq!(empty.json["messages"], json!([]));
+    assert!(started.elapsed() >= Duration::from_millis(300));
+}
+
+#[test]
+fn batches_status_cancel_and_group_offsets() {
+    let server = Server::start(|_| {});
+    let batch = server.call(
+        "POST",
+        "/v1/messages/batch",
+        Some(json!({"messages": [
+            {"topic": "b", "body": "one", "delay": "1h"},
+            {"topic": "b/..", "body": "bad", "delay": "1h"},
+            {"topic": "b", "body_base64": "AAEC", "deliver_at": now_ms() + 3_600_000},
+            {"topic": "b", "body": "level", "delay_level": 3},
+        ]})),
+    );
+    assert_eq!(batch.status, 200);
+    let results = batch.json["results"].as_array().unwrap();
+    assert_eq!(results.len(), 4);
+    assert_eq!(results[0]["status"], "scheduled");
+    assert_eq!(results[1]["error"]["code"], "invalid_topic");
+    assert_eq!(results[2]["status"], "scheduled");
+    let id = results[0]["id"].as_str().unwrap();
+    let cancelled = server.call("DELETE", &format!("/v1/messages/{id}"), None);
+    assert_eq!(
+        (cancelled.status, &cancelled.json),
+        (200, &json!({"id": id, "status": "cancelled"}))
+    );
+    assert_eq!(
+        server.call("GET", &format!("/v1/messages/{id}"), None).json["status"],
+        "cancelled"
+    );
+    assert_eq!(
+        server
+            .call("DELETE", &format!("/v1/messages/{id}"), None)
+            .status,
+        200,
+        "idempotent"
+    );
+
+    let put = server.call(
+        "PUT",
+        "/v1/groups/g1/offsets/b/0",
+        Some(json!({"offset": 13})),
+    );
+    assert_eq!(put.status, 200, "{}", put.json);
+    let got = server.call("GET", "/v1/groups/g1/offsets/b", None);
+    assert_eq!(got.json, json!({"queues": [{"queue": 0, "offset": 13}]}));
+    let metrics = request(&server.base, "GET", "/metrics", None, None);
+    assert_eq!(metrics.status, 200);
+    assert_eq!(
+        request(&server.base, "GET", "/healthz", None, None).status,
+        200
+    );
+    assert_eq!(
+        request(&server.base, "GET", "/readyz", None, None).status,
+        200
+    );
+}
+
+#[test]
+fn every_class_of_bad_input_gets_its_code() {
+    let token = "a-long-enough-test-token";
+    let server = Server::start(|c| {
+        c.limits.max_message_bytes = 1000;
+        c.limits.max_request_bytes = 64 * 1024;
+        c.auth.tokens = vec![token.to_string()];
+    });
+    let cases: Vec<(&str, &str, String, u16, &str)> = vec![
+        ("POST", "/v1/messages", "{".into(), 400, "invalid_json"),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": 5, "delay": 1}"#.into(),
+            400,
+            "invalid_json",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay": "1s", "surprise": 1}"#.into(),
+            400,
+            "invalid_json",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay": "1s", "deliver_at": 5}"#.into(),
+            400,
+            "conflicting_time_fields",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x"}"#.into(),
+            400,
+            "missing_deliver_time",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay": "800d"}"#.into(),
+            400,
+            "delay_too_long",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay": "soon"}"#.into(),
+            400,
+            "invalid_delay",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "deliver_at": "tomorrow"}"#.into(),
+            400,
+            "invalid_deliver_at",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay_level": 19}"#.into(),
+            400,
+            "invalid_delay_level",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            format!(
+                r#"{{"topic": "t", "body": "{}", "delay": 1}}"#,
+                "x".repeat(1001)
+            ),
+            413,
+            "payload_too_large",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            format!(
+                r#"{{"topic": "t", "body": "{}", "delay": 1}}"#,
+                "x".repeat(70_000)
+            ),
+            413,
+            "payload_too_large",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "a/b", "body": "x", "delay": 1}"#.into(),
+            400,
+            "invalid_topic",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "..", "body": "x", "delay": 1}"#.into(),
+            400,
+            "invalid_topic",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "", "body": "x", "delay": 1}"#.into(),
+            400,
+            "invalid_topic",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay": 1, "sink": "nope"}"#.into(),
+            400,
+            "unknown_sink",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body_base64": "!!", "delay": 1}"#.into(),
+            400,
+            "invalid_body",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay": 1, "headers": {"a b": "c"}}"#.into(),
+            400,
+            "invalid_header",
+        ),
+        (
+            "GET",
+            "/v1/messages/aaaadsgboqaaaaaaaaaaaai",
+            String::new(),
+            404,
+            "not_found",
+        ),
+        (
+            "GET",
+            "/v1/messages/not-an-id",
+            String::new(),
+            404,
+            "not_found",
+        ),
+        (
+            "DELETE",
+            "/v1/messages/aaaadsgboqaaaaaaaaaaaai",
+            String::new(),
+            404,
+            "not_found",
+        ),
+        ("GET", "/v1/topics/nope", String::new(), 404, "not_found"),
+        (
+            "GET",
+            "/v1/topics/t/queues/x/messages",
+            String::new(),
+            400,
+            "invalid_queue",
+        ),
+        ("GET", "/v1/nothing-here", String::new(), 404, "not_found"),
+        (
+            "PATCH",
+            "/v1/messages",
+            "{}".into(),
+            405,
+            "method_not_allowed",
+        ),
+    ];
+    for (method, path, body, status, code) in &cases {
+        let answer = request(&server.base, method, path, Some(body), Some(token));
+        assert_eq!(
+            (answer.status, answer.json["code"].as_str()),
+            (*status, Some(*code)),
+            "{method} {path} {body:.60}: {}",
+            answer.json
+        );
+        assert_eq!(
+            answer.content_type, "application/problem+json",
+            "{method} {path}"
+        );
+        assert_eq!(answer.json["status"], json!(status));
+        assert!(answer.json["detail"]
+            .as_str()
+            .is_some_and(|d| !d.is_empty()));
+    }
+    let wrong = request(
+        &server.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic":"t","body":"x","delay":1}"#),
+        Some("wrong-token-wrong-token"),
+    );
+    assert_eq!(
+        (wrong.status, wrong.json["code"].as_str()),
+        (401, Some("unauthorized"))
+    );
+    let missing = request(&server.base, "GET", "/v1/topics", None, None);
+    assert_eq!(
+        (missing.status, missing.json["code"].as_str()),
+        (401, Some("unauthorized"))
+    );
+    // Operations routes stay open.
+    assert_eq!(
+        request(&server.base, "GET", "/healthz", None, None).status,
+        200
+    );
+    // And a good request with the token works.
+    let ok = request(
+        &server.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic":"t","body":"x","delay":1}"#),
+        Some(token),
+    );
+    assert_eq!(ok.status, 201);
+}
+
+/// The real binary, listening on a port it picked.
+struct Process {
+    child: Child,
+    base: String,
+}
+
+fn spawn(data_dir: &std::path::Path) -> Process {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_delayd"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .trim()
+        .strip_prefix("delayd listening on ")
+        .expect("the address line")
+        .to_string();
+    Process { child, base }
+}
+
+#[test]
+fn kill_nine_after_acks_then_restart_delivers_every_acknowledged_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut acked = std::collections::BTreeMap::new();
+    for round in 0..3 {
+        let mut process = spawn(dir.path());
+        // Acknowledged messages, due 0.5–2.5 s from now, some in batches.
+        for i in 0..60 {
+            let delay = 500 + (i * 37) % 2000;
+            let body = json!({"topic": "soak", "body": format!("r{round}-{i}"), "delay": delay})
+                .to_string();
+            let answer = request(&process.base, "POST", "/v1/messages", Some(&body), None);
+            assert_eq!(answer.status, 201);
+            acked.insert(
+                answer.json["id"].as_str().unwrap().to_string(),
+                format!("r{round}-{i}"),
+            );
+        }
+        process.child.kill().unwrap(); // SIGKILL, right after the acks
+        process.child.wait().unwrap();
+    }
+    // Restart and consume until every acknowledged message arrived.
+    let mut process = spawn(dir.path());
+    let mut seen = std::collections::BTreeMap::<String, u32>::new();
+    let mut offsets = vec![0u64; 4]; // the binary runs with the default 4 queues per topic
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while acked.keys().any(|id| !seen.contains_key(id)) && Instant::now() < deadline {
+        for (queue, offset) in offsets.iter_mut().enumerate() {
+            let path = format!(
+                "/v1/topics/soak/queues/{queue}/messages?offset={offset}&max=1000&wait_ms=500"
+            );
+            let answer = request(&process.base, "GET", &path, None, None);
+            if answer.status == 404 {
+                continue; // the topic exists once the first delivery is stored
+            }
+            for message in answer.json["messages"].as_array().unwrap() {
+                assert!(
+                    parse(&message["delivered_at"]) >= parse(&message["deliver_at"]),
+                    "never early"
+                );
+                *seen
+                    .entry(message["id"].as_str().unwrap().to_string())
+                    .or_default() += 1;
+            }
+            *offset = answer.json["next_offset"].as_u64().unwrap();
+        }
+    }
+    let lost: Vec<_> = acked
+        .iter()
+        .filter(|(id, _)| !seen.contains_key(*id))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "acknowledged but never delivered: {lost:?}"
+    );
+    let duplicates: u32 = seen.values().map(|n| n - 1).sum();
+    println!(
+        "{} acknowledged, {} delivered, {duplicates} duplicates after 3 kill -9",
+        acked.len(),
+        seen.len()
+    );
+    // A graceful stop exits 0.
+    let stopped = Command::new("kill")
+        .args(["-TERM", &process.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    assert!(process.child.wait().unwrap().success());
+}
