@@ -581,7 +581,7 @@ fn kill_nine_after_acks_then_restart_delivers_every_acknowledged_message() {
     // Restart and consume until every acknowledged message arrived.
     let mut process = spawn(dir.path());
     let mut seen = std::collections::BTreeMap::<String, u32>::new();
-    let mut offsets = vec![0u64; 4]; // the binary runs with the default 4 queues per topic
+    let mut offsets = [0u64; 4]; // the binary runs with the default 4 queues per topic
     let deadline = Instant::now() + Duration::from_secs(60);
     while acked.keys().any(|id| !seen.contains_key(id)) && Instant::now() < deadline {
         for (queue, offset) in offsets.iter_mut().enumerate() {
