@@ -26,7 +26,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 /// Segment files kept open for append at most; the least recently used is synced and closed past this.
-const MAX_OPEN_SEGMENTS: usize = 128;
+#[cfg(not(test))]
+const MAX_OPEN_SEGMENTS: usize = 256;
+/// Tests keep two open, so that eviction and the checkpoint's sync of closed segments run constantly.
+#[cfg(test)]
+const MAX_OPEN_SEGMENTS: usize = 2;
 
 /// The bucket a message is filed under.
 pub(crate) fn placement(head: &MessageHead, width: SegmentMinutes) -> Bucket {
@@ -66,6 +70,7 @@ pub(crate) struct Replay {
     pub checkpointed_seq: u64,
     created_since_checkpoint: bool,
     use_counter: u64,
+    open_writers: usize,
     /// Buckets whose new records and cancels are reported to `tap`.
     pub watched: HashSet<Bucket>,
     pub tap: Option<crossbeam_channel::Sender<Replayed>>,
@@ -114,6 +119,7 @@ impl Replay {
             checkpointed_seq: checkpoint.next_seq,
             created_since_checkpoint: false,
             use_counter: 0,
+            open_writers: 0,
             watched: Default::default(),
             tap: None,
         })
@@ -192,17 +198,15 @@ impl Replay {
     /// The state of `bucket`'s segment with an open writer, creating the segment if needed.
     fn writer(&mut self, bucket: Bucket) -> Result<&mut SegmentState> {
         self.use_counter += 1;
-        let open_count = self
-            .segments
-            .values()
-            .filter(|s| s.writer.is_some())
-            .count();
         let needs_open = self
             .segments
             .get(&bucket)
             .is_none_or(|s| s.writer.is_none());
-        if needs_open && open_count >= MAX_OPEN_SEGMENTS {
-            self.evict_one()?;
+        if needs_open {
+            if self.open_writers >= MAX_OPEN_SEGMENTS {
+                self.evict_one()?;
+            }
+            self.open_writers += 1;
         }
         let (dir, width, now) = (self.schedule_dir.clone(), self.width, self.use_counter);
         match self.segments.get_mut(&bucket) {
@@ -230,7 +234,7 @@ impl Replay {
         Ok(self.segments.get_mut(&bucket).expect("present"))
     }
 
-    /// Syncs and closes the least recently used open segment.
+    /// Writes out and closes the least recently used open segment.
     fn evict_one(&mut self) -> Result<()> {
         let victim = self
             .segments
@@ -241,13 +245,11 @@ impl Replay {
         if let Some(bucket) = victim {
             let state = self.segments.get_mut(&bucket).expect("present");
             if let Some(mut writer) = state.writer.take() {
-                state.synced = writer.sync()?;
-                state.written = state.synced;
-            }
-            if self.created_since_checkpoint {
-                // The victim may be new: its name must be durable before a checkpoint lists it.
-                sync_dir(&self.schedule_dir)?;
-                self.created_since_checkpoint = false;
+                // No sync here: the next checkpoint syncs every segment written since the last one,
+                // open or not. (Syncing on eviction cost two fsyncs per bucket per batch when batches
+                // spread over many buckets.)
+                state.written = writer.flush()?;
+                self.open_writers -= 1;
             }
         }
         Ok(())
@@ -256,11 +258,15 @@ impl Replay {
     /// Syncs every written segment, stores a checkpoint at `next_seq`, and deletes the WAL files that are
     /// entirely below it.
     pub(crate) fn checkpoint(&mut self) -> Result<()> {
-        for state in self.segments.values_mut() {
+        for (bucket, state) in &mut self.segments {
             if state.synced != state.written {
-                if let Some(writer) = state.writer.as_mut() {
-                    state.synced = writer.sync()?;
-                }
+                state.synced = match state.writer.as_mut() {
+                    Some(writer) => writer.sync()?,
+                    None => {
+                        segment::sync_closed(&self.schedule_dir, *bucket, state.written.log_len)?;
+                        state.written
+                    }
+                };
             }
         }
         if self.created_since_checkpoint {
@@ -304,7 +310,10 @@ impl Replay {
 
     /// Forgets a segment and deletes its files, after a checkpoint that no longer lists it.
     pub(crate) fn remove(&mut self, bucket: Bucket) -> Result<()> {
-        if self.segments.remove(&bucket).is_some() {
+        if let Some(state) = self.segments.remove(&bucket) {
+            if state.writer.is_some() {
+                self.open_writers -= 1;
+            }
             self.checkpoint()?;
             segment::remove(&self.schedule_dir, bucket)?;
             sync_dir(&self.schedule_dir)?;

@@ -388,6 +388,22 @@ pub(crate) fn list(dir: &Path) -> Result<Vec<Bucket>> {
     Ok(buckets)
 }
 
+/// Syncs the files of a segment that is not open for append (written, then closed before a checkpoint),
+/// and drops its `.log` pages from the cache as [`SegmentWriter::sync`] does.
+pub(crate) fn sync_closed(dir: &Path, bucket: Bucket, log_len: u64) -> Result<()> {
+    for path in [log_path(dir, bucket), index_path(dir, bucket)] {
+        let file = OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(Error::io(&path))?;
+        file.sync_data().map_err(Error::io(&path))?;
+        if path.extension().is_some_and(|e| e == "log") {
+            let _ = crate::sys::drop_cached_pages(&file, 0, log_len);
+        }
+    }
+    Ok(())
+}
+
 /// Deletes a segment's files (missing files are fine: a crash may have left one of the two).
 pub(crate) fn remove(dir: &Path, bucket: Bucket) -> Result<()> {
     for path in [log_path(dir, bucket), index_path(dir, bucket)] {

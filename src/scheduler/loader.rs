@@ -79,6 +79,7 @@ impl Loader {
             self.shared
                 .unloaded_records
                 .store(unloaded, std::sync::atomic::Ordering::Relaxed);
+            self.shared.report_pending();
             if now >= next_retire {
                 match self.shared.log.retire() {
                     Ok(retired) if !retired.is_empty() => {

@@ -31,6 +31,7 @@ use crossbeam_channel::{select, Receiver, Sender};
 use rate::TokenBucket;
 use schedulelog::{Bucket, BucketSnapshot, Clock, Location, MessageId, Replayed, ScheduleLog};
 use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -75,10 +76,20 @@ pub(crate) struct Shared {
     pub cancelled: Mutex<HashSet<Location>>,
     pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
     /// Records in buckets not loaded yet (set by the loader; part of `delayd_pending_messages`).
-    pub unloaded_records: std::sync::atomic::AtomicU64,
+    pub unloaded_records: AtomicU64,
+    /// Entries in the wheel and the sink backlogs (set by the wheel thread).
+    pub in_memory: AtomicU64,
 }
 
 impl Shared {
+    /// `delayd_pending_messages`: what the wheel holds plus what unloaded buckets hold (cancelled
+    /// messages in unloaded buckets count until their bucket is loaded).
+    pub fn report_pending(&self) {
+        let pending =
+            self.in_memory.load(Ordering::Relaxed) + self.unloaded_records.load(Ordering::Relaxed);
+        metrics::gauge!("delayd_pending_messages").set(pending as f64);
+    }
+
     pub fn cancelled(&self) -> std::sync::MutexGuard<'_, HashSet<Location>> {
         self.cancelled.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -117,7 +128,8 @@ impl Scheduler {
             clock: clock.clone(),
             cancelled: Mutex::default(),
             settled: config.settled.clone(),
-            unloaded_records: Default::default(),
+            unloaded_records: AtomicU64::default(),
+            in_memory: AtomicU64::default(),
         });
         let (tap_tx, tap_rx) = crossbeam_channel::unbounded();
         log.set_tap(tap_tx);
@@ -286,13 +298,10 @@ impl WheelThread {
                 }
                 backlog += gate.backlog.len();
             }
-            let in_memory = (self.wheel.len() + backlog) as f64;
-            metrics::gauge!("delayd_wheel_entries").set(in_memory);
-            let unloaded = self
-                .shared
-                .unloaded_records
-                .load(std::sync::atomic::Ordering::Relaxed);
-            metrics::gauge!("delayd_pending_messages").set(in_memory + unloaded as f64);
+            let in_memory = (self.wheel.len() + backlog) as u64;
+            metrics::gauge!("delayd_wheel_entries").set(in_memory as f64);
+            self.shared.in_memory.store(in_memory, Ordering::Relaxed);
+            self.shared.report_pending();
 
             let timeout = match next {
                 Some(deadline) => self.shared.clock.real_wait(deadline),
