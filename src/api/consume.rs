@@ -118,10 +118,13 @@ pub async fn pull(
             format!("wait_ms must be at most {}", max_wait.as_millis()),
         ));
     }
-    // A long poll on a topic that does not exist yet waits for its first message.
+    // A long poll on a topic that does not exist yet waits for the next delivery to any topic, then
+    // answers with what is there (the first message may have gone to another queue).
+    let mut wait = wait;
     if state.broker.queue_offsets(&topic).is_none() && !wait.is_zero() {
         let notified = state.broker.arrivals();
         let _ = tokio::time::timeout(wait, notified).await;
+        wait = Duration::ZERO;
     }
     let Some(offsets) = state.broker.queue_offsets(&topic) else {
         return Err(ApiError::not_found(format!("no topic {topic:?}")));

@@ -10,7 +10,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
-use schedulelog::{Appended, EncodedMessage, MessageId, MessageState, NewMessage};
+use schedulelog::{Appended, EncodedMessage, MessageId, MessageState, MessageStatus, NewMessage};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -310,26 +310,28 @@ pub async fn schedule_batch(
     Ok(Json(json!({"results": answers})).into_response())
 }
 
-fn parse_id(text: &str) -> Result<MessageId, ApiError> {
-    text.parse()
-        .map_err(|_| ApiError::not_found(format!("{text:?} is not a message id")))
+/// Parses an id and finds its message (following retries), off the async threads: a 404 for text that
+/// is not an id, for an unknown id and for one retired after its retention.
+async fn find(state: &AppState, text: &str) -> Result<(MessageId, MessageStatus), ApiError> {
+    let id: MessageId = text
+        .parse()
+        .map_err(|_| ApiError::not_found(format!("{text:?} is not a message id")))?;
+    let log = state.log.clone();
+    let found = tokio::task::spawn_blocking(move || log.lookup(id))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)?;
+    let status = found.ok_or_else(|| {
+        ApiError::not_found("no message has this id (or it was retired after its retention)")
+    })?;
+    Ok((id, status))
 }
 
 pub async fn status(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let id = parse_id(&id)?;
-    let log = state.log.clone();
-    let found = tokio::task::spawn_blocking(move || log.lookup(id))
-        .await
-        .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)?;
-    let Some(status) = found else {
-        return Err(ApiError::not_found(
-            "no message has this id (or it was retired after its retention)",
-        ));
-    };
+    let (id, status) = find(&state, &id).await?;
     let message = &status.message;
     let mut body = json!({
         "id": id.to_string(),
@@ -365,15 +367,7 @@ pub async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let id = parse_id(&id)?;
-    let log = state.log.clone();
-    let found = tokio::task::spawn_blocking(move || log.lookup(id))
-        .await
-        .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)?;
-    let Some(status) = found else {
-        return Err(ApiError::not_found("no message has this id"));
-    };
+    let (id, status) = find(&state, &id).await?;
     match status.state {
         MessageState::Delivered { .. } => Err(ApiError::new(
             StatusCode::CONFLICT,

@@ -626,3 +626,89 @@ fn kill_nine_after_acks_then_restart_delivers_every_acknowledged_message() {
     assert!(stopped.success());
     assert!(process.child.wait().unwrap().success());
 }
+
+#[test]
+fn the_cli_sends_tails_and_inspects() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut process = spawn(dir.path());
+    let cli = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_delayd"))
+            .args(args)
+            .env("DELAYD_URL", &process.base)
+            .output()
+            .unwrap();
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).to_string(),
+        )
+    };
+    let (ok, sent) = cli(&[
+        "send",
+        "--topic",
+        "cli",
+        "--delay",
+        "200ms",
+        "--key",
+        "k1",
+        "--header",
+        "trace=abc",
+        "hello from the shell",
+    ]);
+    assert!(ok, "{sent}");
+    let sent: Value = serde_json::from_str(sent.trim()).unwrap();
+    assert_eq!(sent["status"], "scheduled");
+    let (ok, tailed) = cli(&[
+        "tail",
+        "--topic",
+        "cli",
+        "--from-beginning",
+        "--group",
+        "g",
+        "--count",
+        "1",
+    ]);
+    assert!(ok, "{tailed}");
+    let message: Value = serde_json::from_str(tailed.lines().next().unwrap()).unwrap();
+    assert_eq!(
+        (message["body"].as_str(), message["id"].as_str()),
+        (Some("hello from the shell"), sent["id"].as_str())
+    );
+    assert_eq!(message["headers"]["trace"], "abc");
+    // The group's offset was committed past the message.
+    let queue = message_queue(&process.base, "cli");
+    let offsets = request(&process.base, "GET", "/v1/groups/g/offsets/cli", None, None);
+    assert_eq!(
+        offsets.json["queues"],
+        json!([{"queue": queue, "offset": 1}])
+    );
+    // A bad request is reported with the problem's code and a non-zero exit.
+    let (ok, _) = cli(&["send", "--topic", "a/b", "--delay", "1s", "x"]);
+    assert!(!ok);
+    // inspect verifies the files the server wrote.
+    let segment = std::fs::read_dir(dir.path().join("schedule"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "log"))
+        .unwrap();
+    let (ok, dump) = cli(&["inspect", segment.to_str().unwrap()]);
+    assert!(ok, "{dump}");
+    assert!(
+        dump.contains("topic \"cli\"") && dump.contains("1 records; clean end"),
+        "{dump}"
+    );
+    process.child.kill().unwrap();
+    process.child.wait().unwrap();
+}
+
+/// The queue of a topic that holds its only message.
+fn message_queue(base: &str, topic: &str) -> u64 {
+    let info = request(base, "GET", &format!("/v1/topics/{topic}"), None, None);
+    info.json["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["max_offset"] == 1)
+        .unwrap()["queue"]
+        .as_u64()
+        .unwrap()
+}
