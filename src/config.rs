@@ -147,8 +147,14 @@ impl Default for BrokerConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SinkConfig {
-    /// `broker` (the built-in store).
+    /// `broker` (the built-in store) or `webhook`.
     pub kind: String,
+    /// Webhook: where to POST (http:// or https://).
+    pub url: Option<String>,
+    /// Webhook: the signing secret, `whsec_<base64>`.
+    pub secret: Option<String>,
+    /// Webhook: how long one request may take.
+    pub timeout: Millis,
     pub max_attempts: u16,
     pub rate_per_sec: Option<f64>,
     pub burst: u32,
@@ -163,6 +169,9 @@ impl Default for SinkConfig {
     fn default() -> SinkConfig {
         SinkConfig {
             kind: "broker".into(),
+            url: None,
+            secret: None,
+            timeout: Millis(Duration::from_secs(10)),
             max_attempts: 10,
             rate_per_sec: None,
             burst: 100,
@@ -395,14 +404,26 @@ impl Config {
             if !crate::api::valid_name(name) {
                 return Err(invalid(&key, "sink names match [A-Za-z0-9._-]{1,200}"));
             }
-            if sink.kind != "broker" {
-                return Err(invalid(
-                    &format!("{key}.kind"),
-                    format!(
-                        "unknown sink kind {:?}: this version has \"broker\"",
-                        sink.kind
-                    ),
-                ));
+            match (sink.kind.as_str(), &sink.url, &sink.secret) {
+                ("broker", None, None) => {}
+                ("broker", _, _) => {
+                    return Err(invalid(&key, "a broker sink takes no url or secret"))
+                }
+                ("webhook", Some(url), Some(secret)) => {
+                    let clock: std::sync::Arc<dyn schedulelog::Clock> =
+                        std::sync::Arc::new(schedulelog::SystemClock);
+                    crate::sink::webhook::WebhookSink::new(url, secret, sink.timeout.0, clock)
+                        .map_err(|e| invalid(&key, e.to_string()))?;
+                }
+                ("webhook", _, _) => {
+                    return Err(invalid(&key, "a webhook sink needs url and secret"))
+                }
+                (kind, _, _) => {
+                    return Err(invalid(
+                        &format!("{key}.kind"),
+                        format!("unknown sink kind {kind:?}: use \"broker\" or \"webhook\""),
+                    ))
+                }
             }
         }
         // The built-in broker sink always exists; a [sinks.broker] table only tunes it.

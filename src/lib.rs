@@ -74,15 +74,27 @@ pub async fn run_with_clock(
                 cap: sink.backoff_cap.0,
             },
         };
-        let target = Arc::new(BrokerSink {
-            broker: broker.clone(),
-            clock: clock.clone(),
-        });
+        let target: Arc<dyn sink::Sink> = match (sink.kind.as_str(), &sink.url, &sink.secret) {
+            ("webhook", Some(url), Some(secret)) => Arc::new(sink::webhook::WebhookSink::new(
+                url,
+                secret,
+                sink.timeout.0,
+                clock.clone(),
+            )?),
+            _ => Arc::new(BrokerSink {
+                broker: broker.clone(),
+                clock: clock.clone(),
+            }),
+        };
         sinks.register(name, target, policy)?;
     }
     let scheduler_config = SchedulerConfig {
         tick_ms: i64::from(config.tick_ms),
         preload: config.preload.0,
+        dead_letters: Some(Arc::new(BrokerSink {
+            broker: broker.clone(),
+            clock: clock.clone(),
+        })),
         ..SchedulerConfig::default()
     };
     let scheduler = Arc::new(Scheduler::start(

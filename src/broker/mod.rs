@@ -134,9 +134,9 @@ pub struct Broker {
     arrivals: tokio::sync::Notify,
 }
 
-/// Whether `name` is a valid topic (or sink) name.
+/// Whether `name` is a valid topic: a valid name, or `$dead` (where dead messages go).
 pub fn valid_topic(name: &str) -> bool {
-    crate::api::valid_name(name)
+    crate::api::valid_name(name) || name == crate::scheduler::DEAD_TOPIC
 }
 
 impl Broker {

@@ -118,6 +118,7 @@ impl Lane {
         let mut records: Vec<(Bucket, Outcome)> = Vec::new();
         let mut retries = Vec::new();
         let mut labels = Vec::with_capacity(deliveries.len());
+        let mut dead = Vec::new();
         for (delivery, outcome) in deliveries.iter().zip(outcomes) {
             let attempt = delivery.message.attempt;
             let record = |kind| Outcome {
@@ -132,6 +133,7 @@ impl Lane {
                     "ok"
                 }
                 SinkOutcome::Dead { reason } => {
+                    dead.push(dead_letter(delivery, &reason));
                     records.push((
                         delivery.location.bucket,
                         record(OutcomeKind::Dead { reason }),
@@ -142,6 +144,7 @@ impl Lane {
                     let next_attempt = attempt.saturating_add(1);
                     if next_attempt >= self.policy.max_attempts {
                         let reason = format!("gave up after {next_attempt} attempts: {reason}");
+                        dead.push(dead_letter(delivery, &reason));
                         records.push((
                             delivery.location.bucket,
                             record(OutcomeKind::Dead { reason }),
@@ -168,6 +171,13 @@ impl Lane {
         }
         if !retries.is_empty() {
             self.write_retries(&retries, &mut records).await;
+        }
+        // Dead letters are stored before the outcome is, so a crash in between repeats rather than loses.
+        if let (Some(letters), false) = (&self.shared.dead_letters, dead.is_empty()) {
+            let stored = letters.deliver(&dead).await;
+            if stored.iter().any(|o| *o != SinkOutcome::Delivered) {
+                tracing::error!(sink = %self.name, ?stored, "storing dead letters failed");
+            }
         }
         if !records.is_empty() {
             let log = self.shared.log.clone();
@@ -241,6 +251,25 @@ impl Lane {
     }
 }
 
+/// A copy of a dead message for the `$dead` topic, with why it died and where it was going.
+fn dead_letter(delivery: &Delivery, reason: &str) -> Delivery {
+    let mut copy = delivery.clone();
+    copy.message
+        .headers
+        .push(("delayd-dead-reason".into(), reason.to_string()));
+    copy.message
+        .headers
+        .push(("delayd-original-topic".into(), copy.message.topic.clone()));
+    copy.message
+        .headers
+        .push(("delayd-sink".into(), copy.message.sink.clone()));
+    copy.message.topic = DEAD_TOPIC.into();
+    copy
+}
+
+/// The broker topic that receives dead messages.
+pub const DEAD_TOPIC: &str = "$dead";
+
 /// Reads the records of a batch, skipping cancelled ones. A record that cannot be read stays pending
 /// (it is logged and counted; the engine's corruption error names the file and offset).
 fn read_batch(shared: &Shared, batch: &[Entry]) -> Vec<Delivery> {
@@ -288,6 +317,7 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> Vec<Delivery> {
 }
 
 /// The sink of messages that name a sink nobody configured: they are dead, with the reason.
+#[derive(Debug)]
 struct UnknownSink;
 
 impl Sink for UnknownSink {

@@ -26,7 +26,7 @@ mod loader;
 pub mod rate;
 pub mod wheel;
 
-use crate::sink::SinkRegistry;
+use crate::sink::{Sink, SinkRegistry};
 use crossbeam_channel::{select, Receiver, Sender};
 use rate::TokenBucket;
 use schedulelog::{Bucket, BucketSnapshot, Clock, Location, MessageId, Replayed, ScheduleLog};
@@ -37,10 +37,11 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use wheel::{Entry, Wheel};
 
+pub use dispatcher::DEAD_TOPIC;
 pub use schedulelog::{ManualClock, SystemClock};
 
 /// Scheduler settings.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct SchedulerConfig {
     /// Width of a wheel slot. Paging granularity only: entries are released at their exact millisecond.
     pub tick_ms: i64,
@@ -53,6 +54,18 @@ pub struct SchedulerConfig {
     /// Receives, for every batch, each message's id and outcome label (`ok`, `retry`, `dead`,
     /// `cancelled`) once the outcomes are durable. For tests and embedding; `None` in the service.
     pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
+    /// Where dead messages are copied, under the topic `$dead` (the service uses the broker).
+    pub dead_letters: Option<Arc<dyn Sink>>,
+}
+
+impl std::fmt::Debug for SchedulerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SchedulerConfig")
+            .field("tick_ms", &self.tick_ms)
+            .field("preload", &self.preload)
+            .field("lane_queue", &self.lane_queue)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -63,6 +76,7 @@ impl Default for SchedulerConfig {
             lane_queue: 4096,
             retire_every: Duration::from_secs(60),
             settled: None,
+            dead_letters: None,
         }
     }
 }
@@ -75,6 +89,7 @@ pub(crate) struct Shared {
     /// Cancels reported for watched buckets; a lane drops such a message instead of delivering it.
     pub cancelled: Mutex<HashSet<Location>>,
     pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
+    pub dead_letters: Option<Arc<dyn Sink>>,
     /// Records in buckets not loaded yet (set by the loader; part of `delayd_pending_messages`).
     pub unloaded_records: AtomicU64,
     /// Entries in the wheel and the sink backlogs (set by the wheel thread).
@@ -128,6 +143,7 @@ impl Scheduler {
             clock: clock.clone(),
             cancelled: Mutex::default(),
             settled: config.settled.clone(),
+            dead_letters: config.dead_letters.clone(),
             unloaded_records: AtomicU64::default(),
             in_memory: AtomicU64::default(),
         });

@@ -30,6 +30,7 @@ struct Received {
 
 /// Reports every delivery; answers from a script keyed by body (default: delivered); optionally holds
 /// every call until released.
+#[derive(Debug)]
 struct TestSink {
     name: &'static str,
     clock: Arc<dyn Clock>,

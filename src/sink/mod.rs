@@ -4,6 +4,8 @@
 //! or dead. The scheduler does everything else: rate limits, in-flight caps, retries through the WAL,
 //! outcome records. A sink never sees a message before its `deliver_at`.
 
+pub mod webhook;
+
 use schedulelog::record::sink_tag;
 use schedulelog::{Location, Message, MessageId};
 use std::collections::HashMap;
@@ -43,7 +45,7 @@ pub enum SinkOutcome {
 }
 
 /// A destination for due messages.
-pub trait Sink: Send + Sync + 'static {
+pub trait Sink: Send + Sync + fmt::Debug + 'static {
     /// Delivers a batch; returns one outcome per delivery, in the same order.
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>>;
 }
@@ -206,6 +208,7 @@ impl SinkRegistry {
 mod tests {
     use super::*;
 
+    #[derive(Debug)]
     struct Nothing;
     impl Sink for Nothing {
         fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
