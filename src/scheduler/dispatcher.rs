@@ -60,6 +60,9 @@ impl Lane {
         let permits = Arc::new(Semaphore::new(lane.policy.max_in_flight));
         let mut running = JoinSet::new();
         while let Some(first) = due.recv().await {
+            if lane.shared.stopping.load(Ordering::SeqCst) {
+                break;
+            }
             let mut batch = vec![first];
             while batch.len() < lane.policy.max_batch {
                 match due.try_recv() {

@@ -94,6 +94,8 @@ pub(crate) struct Shared {
     pub unloaded_records: AtomicU64,
     /// Entries in the wheel and the sink backlogs (set by the wheel thread).
     pub in_memory: AtomicU64,
+    /// Set at shutdown: lanes start no new batch (what they did not start stays pending on disk).
+    pub stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -146,6 +148,7 @@ impl Scheduler {
             dead_letters: config.dead_letters.clone(),
             unloaded_records: AtomicU64::default(),
             in_memory: AtomicU64::default(),
+            stopping: Default::default(),
         });
         let (tap_tx, tap_rx) = crossbeam_channel::unbounded();
         log.set_tap(tap_tx);
@@ -225,6 +228,7 @@ impl Scheduler {
         else {
             return;
         };
+        self.shared.stopping.store(true, Ordering::SeqCst);
         drop(stop);
         let _ = tokio::task::spawn_blocking(move || {
             for thread in threads {

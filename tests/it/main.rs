@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used, reason = "tests stop at the first failure")]
 
+mod webhook;
+
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -85,16 +87,26 @@ struct Server {
     base: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<anyhow::Result<()>>>,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl Server {
     fn start(edit: impl FnOnce(&mut delayd::config::Config)) -> Server {
         let dir = tempfile::tempdir().unwrap();
+        let mut server = Server::start_in(dir.path(), edit);
+        server._dir = Some(dir);
+        server
+    }
+
+    /// A server on an existing data dir (to restart one).
+    fn start_in(
+        data_dir: &std::path::Path,
+        edit: impl FnOnce(&mut delayd::config::Config),
+    ) -> Server {
         let mut config =
             delayd::config::Config::load(None, Vec::new(), &delayd::config::Flags::default())
                 .unwrap();
-        config.data_dir = dir.path().to_path_buf();
+        config.data_dir = data_dir.to_path_buf();
         config.broker.queues_per_topic = 1;
         edit(&mut config);
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -116,7 +128,7 @@ impl Server {
             base,
             stop: Some(stop),
             thread: Some(thread),
-            _dir: dir,
+            _dir: None,
         }
     }
 

@@ -1,0 +1,499 @@
+//! Webhook sinks against a real HTTP receiver on a loopback port. The receiver verifies every signature
+//! with the Standard Webhooks algorithm, answers from a script per message body, and records when each
+//! attempt arrived; the tests measure retry gaps, rate limits and lateness from those records.
+
+use super::*;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use base64::Engine;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+
+#[derive(Debug, Clone)]
+struct Hit {
+    body: Vec<u8>,
+    id: String,
+    attempt: u16,
+    headers: HeaderMap,
+    at: Instant,
+    at_ms: i64,
+}
+
+#[derive(Clone, Default)]
+struct Receiver {
+    script: Arc<Mutex<HashMap<String, Vec<&'static str>>>>,
+    hits: Arc<Mutex<Vec<Hit>>>,
+    bad_signatures: Arc<Mutex<u32>>,
+}
+
+/// A receiver listening on a port of its own, until the test ends.
+struct Endpoint {
+    url: String,
+    receiver: Receiver,
+    _runtime: tokio::runtime::Runtime,
+}
+
+fn verify(headers: &HeaderMap, body: &[u8]) -> bool {
+    let get = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(SECRET.trim_start_matches("whsec_"))
+        .unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
+    mac.update(format!("{}.{}.", get("webhook-id"), get("webhook-timestamp")).as_bytes());
+    mac.update(body);
+    let expected = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+    // The header may carry several space-separated signatures; one valid v1 is enough.
+    get("webhook-signature")
+        .split(' ')
+        .any(|s| s == format!("v1,{expected}"))
+}
+
+async fn receive(
+    State(receiver): State<Receiver>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
+    if !verify(&headers, &body) {
+        *receiver.bad_signatures.lock().unwrap() += 1;
+    }
+    let text = String::from_utf8_lossy(&body).to_string();
+    let attempt = headers
+        .get("delayd-attempt")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(u16::MAX);
+    receiver.hits.lock().unwrap().push(Hit {
+        body: body.to_vec(),
+        id: headers
+            .get("webhook-id")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string(),
+        attempt,
+        headers: headers.clone(),
+        at: Instant::now(),
+        at_ms: now_ms(),
+    });
+    let answer = {
+        let mut script = receiver.script.lock().unwrap();
+        match script.get_mut(&text) {
+            Some(answers) if !answers.is_empty() => answers.remove(0),
+            _ => "ok",
+        }
+    };
+    match answer.split_once(':') {
+        Some(("429", secs)) => (
+            StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", secs.to_string())],
+            "slow down",
+        )
+            .into_response(),
+        Some(("sleep", ms)) => {
+            tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+            StatusCode::OK.into_response()
+        }
+        _ => match answer {
+            "503" => (StatusCode::SERVICE_UNAVAILABLE, "try later").into_response(),
+            "400" => (StatusCode::BAD_REQUEST, "bad payload").into_response(),
+            _ => StatusCode::NO_CONTENT.into_response(),
+        },
+    }
+}
+
+fn endpoint(script: &[(&str, Vec<&'static str>)]) -> Endpoint {
+    let receiver = Receiver::default();
+    receiver.script.lock().unwrap().extend(
+        script
+            .iter()
+            .map(|(body, answers)| (body.to_string(), answers.clone())),
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let url = format!("http://{}/hooks", listener.local_addr().unwrap());
+    let app = axum::Router::new()
+        .route("/hooks", axum::routing::post(receive))
+        .with_state(receiver.clone());
+    runtime.spawn(async move { axum::serve(listener, app).await });
+    Endpoint {
+        url,
+        receiver,
+        _runtime: runtime,
+    }
+}
+
+fn webhook_sink(
+    url: &str,
+    edit: impl FnOnce(&mut delayd::config::SinkConfig),
+) -> delayd::config::SinkConfig {
+    let mut sink = delayd::config::SinkConfig {
+        kind: "webhook".into(),
+        url: Some(url.into()),
+        secret: Some(SECRET.into()),
+        max_batch: 1,
+        ..Default::default()
+    };
+    edit(&mut sink);
+    sink
+}
+
+impl Endpoint {
+    fn hits(&self) -> Vec<Hit> {
+        self.receiver.hits.lock().unwrap().clone()
+    }
+
+    fn hits_for(&self, body: &str) -> Vec<Hit> {
+        self.hits()
+            .into_iter()
+            .filter(|h| h.body == body.as_bytes())
+            .collect()
+    }
+
+    /// Waits (on the receiver's records, with a deadline) until `count` requests for `body` arrived.
+    fn wait_for(&self, body: &str, count: usize) -> Vec<Hit> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let hits = self.hits_for(body);
+            if hits.len() >= count || Instant::now() > deadline {
+                return hits;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn settled_status(server: &Server, id: &str, status: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let answer = server.call("GET", &format!("/v1/messages/{id}"), None);
+        if answer.json["status"] == status || Instant::now() > deadline {
+            return answer.json;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn schedule(server: &Server, sink: &str, body: Value) -> String {
+    let mut request = json!({"topic": "hooks.test", "delay": 0, "sink": sink});
+    for (k, v) in body.as_object().unwrap() {
+        request[k] = v.clone();
+    }
+    let answer = server.call("POST", "/v1/messages", Some(request));
+    assert_eq!(answer.status, 201, "{}", answer.json);
+    answer.json["id"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn webhook_requests_are_signed_and_carry_the_message() {
+    let hook = endpoint(&[]);
+    let server = Server::start(|c| {
+        c.sinks
+            .insert("billing".into(), webhook_sink(&hook.url, |_| {}));
+    });
+    let id = schedule(
+        &server,
+        "billing",
+        json!({"body_base64": "AAECA/8=", "headers": {"x-trace": "abc", "connection": "close", "content-type": "application/x-raw", "webhook-id": "forged"}}),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hook.hits().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let hit = hook.hits().pop().expect("the webhook was called");
+    assert_eq!(
+        hit.body,
+        vec![0, 1, 2, 3, 255],
+        "the body exactly as stored"
+    );
+    assert_eq!(
+        *hook.receiver.bad_signatures.lock().unwrap(),
+        0,
+        "the signature verifies"
+    );
+    assert_eq!(
+        hit.id, id,
+        "webhook-id is the message id, not the message's own header"
+    );
+    assert_eq!(hit.attempt, 0);
+    let header = |name: &str| {
+        hit.headers
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    assert_eq!(header("delayd-topic").as_deref(), Some("hooks.test"));
+    assert!(header("delayd-deliver-at").is_some_and(|v| v.ends_with('Z')));
+    assert_eq!(header("x-trace").as_deref(), Some("abc"));
+    assert_eq!(header("content-type").as_deref(), Some("application/x-raw"));
+    assert_ne!(
+        header("connection").as_deref(),
+        Some("close"),
+        "hop-by-hop headers are not forwarded"
+    );
+    let timestamp: i64 = header("webhook-timestamp").unwrap().parse().unwrap();
+    assert!((timestamp - hit.at_ms / 1000).abs() <= 1);
+    assert_eq!(
+        settled_status(&server, &id, "delivered")["status"],
+        "delivered"
+    );
+}
+
+#[test]
+fn retries_follow_the_backoff_and_retry_after_then_dead_letters() {
+    let hook = endpoint(&[
+        ("flaky", vec!["503", "503", "ok"]),
+        ("told", vec!["429:1", "ok"]),
+        ("bad", vec!["400"]),
+        ("doomed", vec!["503", "503", "503", "503"]),
+        ("slow", vec!["sleep:1500", "ok"]),
+    ]);
+    let server = Server::start(|c| {
+        let sink = webhook_sink(&hook.url, |s| {
+            s.backoff_initial = delayd::config::Millis(Duration::from_millis(200));
+            s.backoff_multiplier = 2.0;
+            s.max_attempts = 4;
+            s.timeout = delayd::config::Millis(Duration::from_millis(500));
+            s.max_in_flight = 8;
+        });
+        c.sinks.insert("hooks".into(), sink);
+    });
+    let ids: HashMap<&str, String> = ["flaky", "told", "bad", "doomed", "slow"]
+        .into_iter()
+        .map(|body| (body, schedule(&server, "hooks", json!({"body": body}))))
+        .collect();
+
+    let gaps = |hits: &[Hit]| -> Vec<u128> {
+        hits.windows(2)
+            .map(|w| (w[1].at - w[0].at).as_millis())
+            .collect()
+    };
+    // 503, 503, then delivered; waits of 200 ms and 400 ms, each jittered down to half.
+    let flaky = hook.wait_for("flaky", 3);
+    assert_eq!(
+        flaky.iter().map(|h| h.attempt).collect::<Vec<_>>(),
+        vec![0, 1, 2]
+    );
+    let g = gaps(&flaky);
+    println!("flaky: gaps {g:?} ms (backoff 200 then 400, jitter 50–100%)");
+    assert!(
+        (100..1_000).contains(&g[0]) && (200..1_200).contains(&g[1]),
+        "{g:?}"
+    );
+    // 429 with Retry-After: 1 waits the second it was told.
+    let told = hook.wait_for("told", 2);
+    let g = gaps(&told);
+    println!("told: gap {g:?} ms (Retry-After: 1)");
+    assert!((1_000..3_000).contains(&g[0]), "{g:?}");
+    // A timeout is retried.
+    let slow = hook.wait_for("slow", 2);
+    assert_eq!(
+        slow.iter().map(|h| h.attempt).collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+    assert_eq!(
+        settled_status(&server, &ids["slow"], "delivered")["attempts"],
+        2
+    );
+    // 400 is dead at once; 503 four times is dead after the last attempt.
+    let bad = settled_status(&server, &ids["bad"], "dead");
+    assert_eq!(bad["status"], "dead");
+    assert!(
+        bad["reason"].as_str().unwrap().starts_with("HTTP 400"),
+        "{bad}"
+    );
+    assert_eq!(hook.hits_for("bad").len(), 1);
+    let doomed = settled_status(&server, &ids["doomed"], "dead");
+    assert_eq!(
+        doomed["reason"],
+        "gave up after 4 attempts: HTTP 503: try later"
+    );
+    assert_eq!(hook.hits_for("doomed").len(), 4);
+    assert_eq!(
+        settled_status(&server, &ids["flaky"], "delivered")["attempts"],
+        3
+    );
+    // Dead messages land in the broker topic $dead with why.
+    let letters = server.call(
+        "GET",
+        "/v1/topics/$dead/queues/0/messages?offset=0&max=10&wait_ms=5000",
+        None,
+    );
+    let letters = letters.json["messages"].as_array().unwrap().clone();
+    let bodies: Vec<&str> = letters
+        .iter()
+        .map(|m| m["body"].as_str().unwrap())
+        .collect();
+    assert!(bodies.contains(&"bad"), "{letters:?}");
+    let bad_letter = letters.iter().find(|m| m["body"] == "bad").unwrap();
+    assert!(bad_letter["headers"]["delayd-dead-reason"]
+        .as_str()
+        .unwrap()
+        .starts_with("HTTP 400"));
+    assert_eq!(bad_letter["headers"]["delayd-original-topic"], "hooks.test");
+    assert_eq!(bad_letter["id"], json!(ids["bad"]));
+    assert_eq!(*hook.receiver.bad_signatures.lock().unwrap(), 0);
+}
+
+#[test]
+fn the_rate_limit_holds_by_measurement() {
+    let hook = endpoint(&[]);
+    let server = Server::start(|c| {
+        let sink = webhook_sink(&hook.url, |s| {
+            s.rate_per_sec = Some(20.0);
+            s.burst = 1;
+            s.max_in_flight = 8;
+        });
+        c.sinks.insert("paced".into(), sink);
+    });
+    let at = now_ms() + 300;
+    let messages: Vec<Value> = (0..30)
+        .map(|i| json!({"topic": "t", "body": format!("p{i}"), "deliver_at": at, "sink": "paced"}))
+        .collect();
+    assert_eq!(
+        server
+            .call(
+                "POST",
+                "/v1/messages/batch",
+                Some(json!({"messages": messages}))
+            )
+            .status,
+        200
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hook.hits().len() < 30 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let hits = hook.hits();
+    assert_eq!(hits.len(), 30);
+    let span = hits.last().unwrap().at - hits[0].at;
+    let rate = 29.0 / span.as_secs_f64();
+    println!("30 deliveries at 20/s: span {span:?}, {rate:.1}/s");
+    assert!(
+        span >= Duration::from_millis(1_400),
+        "faster than the limit: {span:?}"
+    );
+    assert!(rate > 12.0, "far slower than the limit: {rate:.1}/s");
+}
+
+#[test]
+fn a_failing_sink_does_not_delay_a_healthy_one() {
+    let down = endpoint(
+        &(0..40)
+            .map(|i| {
+                (
+                    Box::leak(format!("d{i}").into_boxed_str()) as &str,
+                    vec!["sleep:3000"],
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    let up = endpoint(&[]);
+    let server = Server::start(|c| {
+        c.sinks.insert(
+            "down".into(),
+            webhook_sink(&down.url, |s| s.max_in_flight = 2),
+        );
+        c.sinks
+            .insert("up".into(), webhook_sink(&up.url, |s| s.max_in_flight = 4));
+    });
+    let at = now_ms() + 500;
+    let mut messages = Vec::new();
+    for i in 0..40 {
+        messages
+            .push(json!({"topic": "t", "body": format!("d{i}"), "deliver_at": at, "sink": "down"}));
+        messages.push(
+            json!({"topic": "t", "body": format!("u{i}"), "deliver_at": at + i, "sink": "up"}),
+        );
+    }
+    assert_eq!(
+        server
+            .call(
+                "POST",
+                "/v1/messages/batch",
+                Some(json!({"messages": messages}))
+            )
+            .status,
+        200
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while up.hits().len() < 40 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut lateness: Vec<i64> = up
+        .hits()
+        .iter()
+        .map(|h| {
+            let i: i64 = String::from_utf8_lossy(&h.body)[1..].parse().unwrap();
+            h.at_ms - (at + i)
+        })
+        .collect();
+    lateness.sort();
+    assert_eq!(lateness.len(), 40);
+    println!(
+        "healthy sink beside a stuck one: lateness p50 {} ms, max {} ms",
+        lateness[20], lateness[39]
+    );
+    assert!(lateness[0] >= 0, "never early");
+    assert!(
+        lateness[39] < 1_000,
+        "the stuck sink's 3 s calls did not hold the healthy one back"
+    );
+    assert!(
+        down.hits().len() <= 4,
+        "the stuck sink has at most its in-flight calls open"
+    );
+}
+
+#[test]
+fn a_restart_in_the_middle_of_a_retry_series_continues_it() {
+    let hook = endpoint(&[("again", vec!["503", "503", "ok"])]);
+    let dir = tempfile::tempdir().unwrap();
+    let configure = |c: &mut delayd::config::Config| {
+        let sink = webhook_sink(&hook.url, |s| {
+            s.backoff_initial = delayd::config::Millis(Duration::from_millis(1_500));
+            s.backoff_multiplier = 1.0;
+        });
+        c.sinks.insert("hooks".into(), sink);
+    };
+    let server = Server::start_in(dir.path(), configure);
+    let id = schedule(&server, "hooks", json!({"body": "again"}));
+    assert_eq!(hook.wait_for("again", 1).len(), 1);
+    // The retry is written (status shows it) before the stop.
+    assert_eq!(
+        settled_status(&server, &id, "retrying")["status"],
+        "retrying"
+    );
+    drop(server);
+    let server = Server::start_in(dir.path(), configure);
+    let hits = hook.wait_for("again", 3);
+    assert_eq!(
+        hits.iter().map(|h| h.attempt).collect::<Vec<_>>(),
+        vec![0, 1, 2],
+        "attempt numbers carry on"
+    );
+    assert!(
+        hits.iter().all(|h| h.id == id),
+        "the same id across attempts and restarts"
+    );
+    let status = settled_status(&server, &id, "delivered");
+    assert_eq!(
+        (status["status"].as_str(), status["attempts"].as_u64()),
+        (Some("delivered"), Some(3))
+    );
+}
