@@ -104,6 +104,13 @@ pub async fn run_with_clock(
         clock.clone(),
         &tokio::runtime::Handle::current(),
     )?);
+    // The idempotency index is rebuilt from the pending messages that carry an idempotency key.
+    let pending = log.clone();
+    let dedup: api::DedupIndex = tokio::task::spawn_blocking(move || pending.pending_dedup())
+        .await??
+        .into_iter()
+        .filter_map(|(_, m)| Some(((m.topic, m.key?), m.id)))
+        .collect();
     let state = api::AppState {
         log: log.clone(),
         scheduler: scheduler.clone(),
@@ -111,6 +118,7 @@ pub async fn run_with_clock(
         config: config.clone(),
         clock,
         metrics,
+        dedup: Arc::new(tokio::sync::Mutex::new(dedup)),
     };
     let router = api::router(state);
     tracing::info!(address = %listener.local_addr()?, data_dir = %config.data_dir.display(), "delayd is serving");

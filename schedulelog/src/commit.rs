@@ -291,6 +291,7 @@ impl Writer {
                         deliver_at_ms: message.deliver_at_ms,
                         created_at_ms,
                         sink_tag: message.sink_tag,
+                        dedup: message.dedup,
                     };
                     let location = Location {
                         bucket: placement(&head, self.width),

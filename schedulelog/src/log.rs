@@ -425,6 +425,37 @@ impl ScheduleLog {
         })
     }
 
+    /// Every unfinished message that carries an idempotency key, with where it is: what an idempotency
+    /// index is rebuilt from on start. Reads each bucket's index and outcomes, and only the flagged records.
+    pub fn pending_dedup(&self) -> Result<Vec<(Location, Message)>> {
+        self.wait_replayed(0);
+        let mut found = Vec::new();
+        for bucket in self.buckets() {
+            let Some(reader) = self.reader(bucket)? else {
+                continue;
+            };
+            let flagged: Vec<IndexEntry> = reader
+                .entries(0, reader.len())?
+                .into_iter()
+                .filter(|e| e.dedup)
+                .collect();
+            if flagged.is_empty() {
+                continue;
+            }
+            let finished: HashSet<u64> = self.outcomes(bucket)?.iter().map(|o| o.seq).collect();
+            for entry in flagged.iter().filter(|e| !finished.contains(&e.seq)) {
+                found.push((
+                    Location {
+                        bucket,
+                        seq: entry.seq,
+                    },
+                    reader.read(entry)?,
+                ));
+            }
+        }
+        Ok(found)
+    }
+
     /// Stops reporting a bucket.
     pub fn unwatch(&self, bucket: Bucket) {
         self.shared.replay().watched.remove(&bucket);

@@ -11,7 +11,8 @@
 //! 38  2  shard          u16
 //! 40  1  topic len, then topic (UTF-8)
 //! ..  1  sink len, then sink name (UTF-8)
-//! ..  2  key len u16, 0xFFFF = no key, then key (UTF-8)
+//! ..  2  key len u16: 0xFFFF = no key; else bits 0..15 the length (at most 32767) and bit 15 set
+//!        when the key is an idempotency key (`dedup`); then the key (UTF-8)
 //! ..  2  header count u16, then per header: name len u16, name, value len u32, value (UTF-8)
 //! ..  4  body len u32, then body bytes
 //!
@@ -46,6 +47,7 @@ const ID_SEQ: usize = 28;
 const SHARD: usize = 38;
 const VARIABLE: usize = 40;
 const NO_KEY: u16 = u16::MAX;
+const DEDUP_KEY: u16 = 0x8000;
 /// Outcome reasons are for people; longer ones are cut at a character boundary rather than refused.
 pub const MAX_REASON_BYTES: usize = 512;
 
@@ -60,6 +62,9 @@ pub struct NewMessage {
     pub body: Vec<u8>,
     /// `None` for a new message; for a retry, the id and number of the new attempt.
     pub retry_of: Option<(MessageId, u16)>,
+    /// The key is an idempotency key: while this message is pending, the same key gets it back.
+    /// Ignored without a key.
+    pub dedup: bool,
 }
 
 /// A message as stored.
@@ -72,6 +77,8 @@ pub struct Message {
     pub attempt: u16,
     pub topic: String,
     pub key: Option<String>,
+    /// The key is an idempotency key.
+    pub dedup: bool,
     pub headers: Vec<(String, String)>,
     pub sink: String,
     pub body: Vec<u8>,
@@ -91,6 +98,7 @@ pub struct EncodedMessage {
     pub(crate) frame: Vec<u8>,
     pub(crate) deliver_at_ms: i64,
     pub(crate) sink_tag: u16,
+    pub(crate) dedup: bool,
     pub(crate) retry_of: Option<MessageId>,
 }
 
@@ -122,7 +130,13 @@ impl NewMessage {
         put_str8(&mut buf, &self.topic, "topic")?;
         put_str8(&mut buf, &self.sink, "sink")?;
         match &self.key {
-            Some(key) => put_str16(&mut buf, key, "key", usize::from(NO_KEY) - 1)?,
+            Some(key) => {
+                put_str16(&mut buf, key, "key", usize::from(DEDUP_KEY) - 1)?;
+                if self.dedup {
+                    let at = buf.len() - key.len() - 2;
+                    buf[at + 1] |= 0x80;
+                }
+            }
             None => buf.extend_from_slice(&NO_KEY.to_le_bytes()),
         }
         let count = u16::try_from(self.headers.len()).map_err(|_| TooLarge {
@@ -146,6 +160,7 @@ impl NewMessage {
             frame: buf,
             deliver_at_ms: self.deliver_at_ms,
             sink_tag: sink_tag(&self.sink),
+            dedup: self.dedup && self.key.is_some(),
             retry_of: id,
         })
     }
@@ -257,6 +272,8 @@ pub struct MessageHead {
     pub created_at_ms: i64,
     /// [`sink_tag`] of the message's sink name.
     pub sink_tag: u16,
+    /// The message has an idempotency key.
+    pub dedup: bool,
 }
 
 /// A 16-bit tag of a sink name, stored in index entries so that the scheduler can route a due message to
@@ -285,11 +302,14 @@ impl MessageHead {
         let sink_len = usize::from(r.u8()?);
         let sink =
             std::str::from_utf8(r.take(sink_len)?).map_err(|_| Malformed("text is not UTF-8"))?;
+        let key_len = r.u16()?;
+        let dedup = key_len != NO_KEY && key_len & DEDUP_KEY != 0;
         Ok(MessageHead {
             seq,
             deliver_at_ms,
             created_at_ms,
             sink_tag: sink_tag(sink),
+            dedup,
         })
     }
 }
@@ -312,9 +332,12 @@ impl Message {
         let topic = r.str(topic_len)?;
         let sink_len = usize::from(r.u8()?);
         let sink = r.str(sink_len)?;
-        let key = match r.u16()? {
-            NO_KEY => None,
-            len => Some(r.str(usize::from(len))?),
+        let (key, dedup) = match r.u16()? {
+            NO_KEY => (None, false),
+            len => (
+                Some(r.str(usize::from(len & !DEDUP_KEY))?),
+                len & DEDUP_KEY != 0,
+            ),
         };
         let count = r.u16()?;
         let mut headers = Vec::with_capacity(usize::from(count).min(64));
@@ -342,6 +365,7 @@ impl Message {
             attempt,
             topic,
             key,
+            dedup,
             headers,
             sink,
             body,
@@ -488,12 +512,14 @@ mod tests {
             "[a-z]{0,8}",
             proptest::collection::vec(any::<u8>(), 0..200),
             proptest::option::of((any::<u32>(), any::<u64>(), any::<u16>())),
+            any::<bool>(),
         )
-            .prop_map(|(deliver_at_ms, topic, key, headers, sink, body, retry)| {
-                NewMessage {
+            .prop_map(
+                |(deliver_at_ms, topic, key, headers, sink, body, retry, dedup)| NewMessage {
                     deliver_at_ms,
                     topic,
                     key,
+                    dedup,
                     headers,
                     sink,
                     body,
@@ -504,8 +530,8 @@ mod tests {
                         };
                         (MessageId::new(first), attempt)
                     }),
-                }
-            })
+                },
+            )
     }
 
     proptest! {
@@ -521,12 +547,13 @@ mod tests {
             prop_assert_eq!(message.id, id);
             prop_assert_eq!(message.attempt, new.retry_of.map_or(0, |r| r.1));
             prop_assert_eq!(&message.topic, &new.topic);
-            prop_assert_eq!(&message.key, &new.key);
+                        prop_assert_eq!(&message.key, &new.key);
+            prop_assert_eq!(message.dedup, new.dedup && new.key.is_some());
             prop_assert_eq!(&message.headers, &new.headers);
             prop_assert_eq!(&message.sink, &new.sink);
             prop_assert_eq!(&message.body, &new.body);
             let head = MessageHead::decode(payload(&frame_bytes)).unwrap();
-            prop_assert_eq!(head, MessageHead { seq, deliver_at_ms: new.deliver_at_ms, created_at_ms: created, sink_tag: sink_tag(&new.sink) });
+            prop_assert_eq!(head, MessageHead { seq, deliver_at_ms: new.deliver_at_ms, created_at_ms: created, sink_tag: sink_tag(&new.sink), dedup: new.dedup && new.key.is_some() });
         }
 
         #[test]

@@ -10,7 +10,8 @@
 //!   8   8  deliver_at_ms  i64
 //!   16  8  offset | tag   u64  bits 16..64: offset of the frame in the .log file (segments are below
 //!                              256 TiB); bits 0..16: the sink tag of the message (record.rs `sink_tag`)
-//!   24  4  frame_len      u32  header included
+//!   24  4  frame_len      u32  bits 0..31: the frame's length, header included; bit 31: the message
+//!                              has an idempotency key (`dedup`)
 //!   28  4  crc            u32  CRC-32C of bytes 0..28
 //! ```
 //!
@@ -41,6 +42,8 @@ pub struct IndexEntry {
     pub offset: u64,
     pub frame_len: u32,
     pub sink_tag: u16,
+    /// The message has an idempotency key.
+    pub dedup: bool,
 }
 
 impl IndexEntry {
@@ -49,7 +52,8 @@ impl IndexEntry {
         out[0..8].copy_from_slice(&self.seq.to_le_bytes());
         out[8..16].copy_from_slice(&self.deliver_at_ms.to_le_bytes());
         out[16..24].copy_from_slice(&(self.offset << 16 | u64::from(self.sink_tag)).to_le_bytes());
-        out[24..28].copy_from_slice(&self.frame_len.to_le_bytes());
+        let flagged = self.frame_len | if self.dedup { 1 << 31 } else { 0 };
+        out[24..28].copy_from_slice(&flagged.to_le_bytes());
         let crc = crc32c::crc32c(&out[..28]);
         out[28..32].copy_from_slice(&crc.to_le_bytes());
         out
@@ -67,7 +71,9 @@ impl IndexEntry {
             deliver_at_ms: i64::from_le_bytes(field(8..16)),
             offset: u64::from_le_bytes(field(16..24)) >> 16,
             sink_tag: (u64::from_le_bytes(field(16..24)) & 0xffff) as u16,
-            frame_len: u32::from_le_bytes([bytes[24], bytes[25], bytes[26], bytes[27]]),
+            frame_len: u32::from_le_bytes([bytes[24], bytes[25], bytes[26], bytes[27]])
+                & !(1 << 31),
+            dedup: bytes[27] & 0x80 != 0,
         })
     }
 }
@@ -212,6 +218,7 @@ impl SegmentWriter {
             seq,
             deliver_at_ms: head.deliver_at_ms,
             sink_tag: head.sink_tag,
+            dedup: head.dedup,
             offset: self.written.log_len + self.pending_log.len() as u64,
             frame_len: u32::try_from(frame_bytes.len()).expect("frames are bounded by MAX_PAYLOAD"),
         };

@@ -48,6 +48,9 @@ pub struct ScheduleRequest {
     #[serde(default)]
     headers: BTreeMap<String, String>,
     sink: Option<String>,
+    /// With a key: while a message with this topic and key is pending, return it instead of adding one.
+    #[serde(default)]
+    dedup: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -189,6 +192,9 @@ fn validate(
             ));
         }
     }
+    if request.dedup && request.key.is_none() {
+        return Err(ApiError::bad_request("invalid_key", "dedup needs a key"));
+    }
     let sink = request.sink.unwrap_or_else(|| "broker".into());
     if !config.sinks.contains_key(&sink) {
         return Err(ApiError::bad_request(
@@ -205,6 +211,7 @@ fn validate(
         sink,
         body,
         retry_of: None,
+        dedup: request.dedup,
     };
     Ok((message, topic))
 }
@@ -235,12 +242,46 @@ pub async fn schedule(
 ) -> Result<Response, ApiError> {
     let (message, topic) = validate(&state, request, state.clock.now_ms())?;
     let encoded = encode(&message)?;
+    // Idempotency: check and append under one lock, so two requests with one key make one message.
+    let mut index = match (&message.dedup, &message.key) {
+        (true, Some(key)) => {
+            let mut index = state.dedup.clone().lock_owned().await;
+            let dedup_key = (message.topic.clone(), key.clone());
+            if let Some(existing) = index.get(&dedup_key).copied() {
+                match lookup(&state, existing).await? {
+                    Some(status) if status.state == MessageState::Pending => {
+                        let mut answer = scheduled_status(existing, &status);
+                        answer["duplicate"] = json!(true);
+                        return Ok(Json(answer).into_response());
+                    }
+                    _ => {
+                        index.remove(&dedup_key);
+                    }
+                }
+            }
+            Some((index, dedup_key))
+        }
+        _ => None,
+    };
     let appended = state.log.append(vec![encoded]).await?;
     count_received(&message);
     let appended = appended
         .first()
         .ok_or_else(|| ApiError::internal("an append returned no id"))?;
+    if let Some((index, dedup_key)) = index.as_mut() {
+        index.insert(dedup_key.clone(), appended.id);
+    }
     Ok((StatusCode::CREATED, Json(scheduled(appended, &topic))).into_response())
+}
+
+/// The answer for an existing pending message returned again.
+fn scheduled_status(id: MessageId, status: &MessageStatus) -> Value {
+    json!({
+        "id": id.to_string(),
+        "topic": status.message.topic,
+        "deliver_at": format_ms(status.message.deliver_at_ms),
+        "status": if status.message.attempt == 0 { "scheduled" } else { "retrying" },
+    })
 }
 
 pub async fn schedule_batch(
@@ -267,6 +308,16 @@ pub async fn schedule_batch(
                 )
             })
             .and_then(|request| validate(&state, request, now))
+            .and_then(|(message, topic)| {
+                if message.dedup {
+                    Err(ApiError::bad_request(
+                        "dedup_not_in_batch",
+                        "send messages with dedup one at a time (POST /v1/messages)",
+                    ))
+                } else {
+                    Ok((message, topic))
+                }
+            })
             .and_then(|(message, topic)| Ok((encode(&message)?, message, topic)));
         results.push(checked.map(|(one, message, topic)| {
             encoded.push(one);
@@ -310,18 +361,22 @@ pub async fn schedule_batch(
     Ok(Json(json!({"results": answers})).into_response())
 }
 
+/// Finds a message by id off the async threads.
+async fn lookup(state: &AppState, id: MessageId) -> Result<Option<MessageStatus>, ApiError> {
+    let log = state.log.clone();
+    tokio::task::spawn_blocking(move || log.lookup(id))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::internal)
+}
+
 /// Parses an id and finds its message (following retries), off the async threads: a 404 for text that
 /// is not an id, for an unknown id and for one retired after its retention.
 async fn find(state: &AppState, text: &str) -> Result<(MessageId, MessageStatus), ApiError> {
     let id: MessageId = text
         .parse()
         .map_err(|_| ApiError::not_found(format!("{text:?} is not a message id")))?;
-    let log = state.log.clone();
-    let found = tokio::task::spawn_blocking(move || log.lookup(id))
-        .await
-        .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)?;
-    let status = found.ok_or_else(|| {
+    let status = lookup(state, id).await?.ok_or_else(|| {
         ApiError::not_found("no message has this id (or it was retired after its retention)")
     })?;
     Ok((id, status))

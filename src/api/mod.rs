@@ -32,7 +32,12 @@ pub struct AppState {
     pub config: Arc<Config>,
     pub clock: Arc<dyn Clock>,
     pub metrics: PrometheusHandle,
+    /// Idempotency index: (topic, key) → the pending message sent with `dedup`.
+    pub dedup: Arc<tokio::sync::Mutex<DedupIndex>>,
 }
+
+/// (topic, key) → message id, for messages sent with `dedup: true`.
+pub type DedupIndex = std::collections::HashMap<(String, String), schedulelog::MessageId>;
 
 /// Topic, sink and group names: `[A-Za-z0-9._-]{1,200}`, and not only dots (so no name is `.` or `..`
 /// and none can leave the data dir when used as a directory name).

@@ -211,6 +211,7 @@ impl Lane {
                 sink: m.sink.clone(),
                 body: m.body.clone(),
                 retry_of: Some((delivery.id, *next_attempt)),
+                dedup: m.dedup,
             };
             match next.encode() {
                 Ok(next) => encoded.push(next),

@@ -724,3 +724,77 @@ fn message_queue(base: &str, topic: &str) -> u64 {
         .as_u64()
         .unwrap()
 }
+
+#[test]
+fn dedup_keys_return_the_pending_message_even_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), |_| {});
+    let message = json!({"topic": "orders.timeout", "body": "cancel order 42", "delay": "1h", "key": "order-42", "dedup": true});
+    // Eight producers retrying at once: one message.
+    let base = server.base.clone();
+    let answers: Vec<Answer> = (0..8)
+        .map(|_| {
+            let (base, body) = (base.clone(), message.to_string());
+            std::thread::spawn(move || request(&base, "POST", "/v1/messages", Some(&body), None))
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    assert_eq!(answers.iter().filter(|a| a.status == 201).count(), 1);
+    let id = answers.iter().find(|a| a.status == 201).unwrap().json["id"].clone();
+    for answer in answers.iter().filter(|a| a.status != 201) {
+        assert_eq!(
+            (answer.status, &answer.json["id"], &answer.json["duplicate"]),
+            (200, &id, &json!(true))
+        );
+    }
+    // Another topic with the same key is another message.
+    let other = server.call(
+        "POST",
+        "/v1/messages",
+        Some(
+            json!({"topic": "other", "body": "x", "delay": "1h", "key": "order-42", "dedup": true}),
+        ),
+    );
+    assert_eq!(other.status, 201);
+    assert_ne!(other.json["id"], id);
+    drop(server);
+
+    let server = Server::start_in(dir.path(), |_| {});
+    let again = server.call("POST", "/v1/messages", Some(message.clone()));
+    assert_eq!(
+        (again.status, &again.json["id"]),
+        (200, &id),
+        "the key holds across a restart"
+    );
+    // Once the message is no longer pending, the key is free again.
+    assert_eq!(
+        server
+            .call(
+                "DELETE",
+                &format!("/v1/messages/{}", id.as_str().unwrap()),
+                None
+            )
+            .status,
+        200
+    );
+    let fresh = server.call("POST", "/v1/messages", Some(message));
+    assert_eq!(fresh.status, 201);
+    assert_ne!(fresh.json["id"], id);
+    // dedup needs a key, and goes one message at a time.
+    let keyless = server.call(
+        "POST",
+        "/v1/messages",
+        Some(json!({"topic": "t", "body": "x", "delay": 1, "dedup": true})),
+    );
+    assert_eq!(
+        (keyless.status, keyless.json["code"].as_str()),
+        (400, Some("invalid_key"))
+    );
+    let batch = server.call("POST", "/v1/messages/batch", Some(json!({"messages": [{"topic": "t", "body": "x", "delay": 1, "key": "k", "dedup": true}]})));
+    assert_eq!(
+        batch.json["results"][0]["error"]["code"],
+        "dedup_not_in_batch"
+    );
+}

@@ -35,6 +35,7 @@ pub(crate) fn message(deliver_at_ms: i64, body: &str) -> EncodedMessage {
         sink: "broker".into(),
         body: body.as_bytes().to_vec(),
         retry_of: None,
+        dedup: false,
     }
     .encode()
     .unwrap()

@@ -116,7 +116,8 @@ proptest! {
                         headers: vec![("traceparent".into(), "00-abc".into())],
                         sink: "broker".into(),
                         body: m.body.as_bytes().to_vec(),
-                        retry_of: Some((m.id, m.attempt + 1)),
+                                                retry_of: Some((m.id, m.attempt + 1)),
+                        dedup: false,
                     };
                     let next = current.append(vec![retry.encode().unwrap()]).wait().unwrap()[0];
                     let kind = OutcomeKind::Retried { next: next.location, reason: "503".into() };
