@@ -155,6 +155,8 @@ pub struct SinkConfig {
     pub secret: Option<String>,
     /// Webhook: how long one request may take.
     pub timeout: Millis,
+    /// Webhook: a PEM file of extra CA certificates to trust (a private CA), besides the public roots.
+    pub ca_file: Option<PathBuf>,
     pub max_attempts: u16,
     pub rate_per_sec: Option<f64>,
     pub burst: u32,
@@ -172,6 +174,7 @@ impl Default for SinkConfig {
             url: None,
             secret: None,
             timeout: Millis(Duration::from_secs(10)),
+            ca_file: None,
             max_attempts: 10,
             rate_per_sec: None,
             burst: 100,
@@ -412,8 +415,14 @@ impl Config {
                 ("webhook", Some(url), Some(secret)) => {
                     let clock: std::sync::Arc<dyn schedulelog::Clock> =
                         std::sync::Arc::new(schedulelog::SystemClock);
-                    crate::sink::webhook::WebhookSink::new(url, secret, sink.timeout.0, clock)
-                        .map_err(|e| invalid(&key, e.to_string()))?;
+                    crate::sink::webhook::WebhookSink::new(
+                        url,
+                        secret,
+                        sink.timeout.0,
+                        sink.ca_file.as_deref(),
+                        clock,
+                    )
+                    .map_err(|e| invalid(&key, e.to_string()))?;
                 }
                 ("webhook", _, _) => {
                     return Err(invalid(&key, "a webhook sink needs url and secret"))

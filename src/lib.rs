@@ -79,6 +79,7 @@ pub async fn run_with_clock(
                 url,
                 secret,
                 sink.timeout.0,
+                sink.ca_file.as_deref(),
                 clock.clone(),
             )?),
             _ => Arc::new(BrokerSink {

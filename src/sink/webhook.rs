@@ -57,10 +57,12 @@ pub struct WebhookSink {
 }
 
 impl WebhookSink {
+    /// `ca_file`: PEM certificates to trust in addition to the public roots (for a private CA).
     pub fn new(
         url: &str,
         secret: &str,
         timeout: Duration,
+        ca_file: Option<&std::path::Path>,
         clock: Arc<dyn Clock>,
     ) -> Result<WebhookSink, WebhookError> {
         let parsed = reqwest::Url::parse(url).map_err(|_| WebhookError::Url(url.into()))?;
@@ -72,7 +74,17 @@ impl WebhookSink {
             .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
             .filter(|s| s.len() >= 16)
             .ok_or(WebhookError::Secret)?;
-        let client = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder();
+        if let Some(path) = ca_file {
+            let pem = std::fs::read(path)
+                .map_err(|e| WebhookError::Client(format!("reading {}: {e}", path.display())))?;
+            let certificates = reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| WebhookError::Client(format!("{}: {e}", path.display())))?;
+            for certificate in certificates {
+                builder = builder.add_root_certificate(certificate);
+            }
+        }
+        let client = builder
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("delayd/", env!("CARGO_PKG_VERSION")))
@@ -224,36 +236,37 @@ mod tests {
     fn bad_urls_and_secrets_are_refused() {
         let clock: Arc<dyn Clock> = Arc::new(schedulelog::SystemClock);
         let ok_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
-        assert!(
-            WebhookSink::new("ftp://x/", ok_secret, Duration::from_secs(1), clock.clone()).is_err()
-        );
-        assert!(WebhookSink::new(
-            "not a url",
-            ok_secret,
-            Duration::from_secs(1),
-            clock.clone()
-        )
-        .is_err());
+        let second = Duration::from_secs(1);
+        assert!(WebhookSink::new("ftp://x/", ok_secret, second, None, clock.clone()).is_err());
+        assert!(WebhookSink::new("not a url", ok_secret, second, None, clock.clone()).is_err());
+        let no_prefix = "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
         assert!(WebhookSink::new(
             "http://127.0.0.1:9/h",
-            "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
-            Duration::from_secs(1),
+            no_prefix,
+            second,
+            None,
             clock.clone()
         )
         .is_err());
         assert!(WebhookSink::new(
             "http://127.0.0.1:9/h",
             "whsec_c2hvcnQ=",
-            Duration::from_secs(1),
+            second,
+            None,
             clock.clone()
         )
         .is_err());
+        let missing = Some(std::path::Path::new("/nonexistent/ca.pem"));
         assert!(WebhookSink::new(
             "https://example.com/hooks",
             ok_secret,
-            Duration::from_secs(1),
-            clock
+            second,
+            missing,
+            clock.clone()
         )
-        .is_ok());
+        .is_err());
+        assert!(
+            WebhookSink::new("https://example.com/hooks", ok_secret, second, None, clock).is_ok()
+        );
     }
 }

@@ -107,6 +107,11 @@ async fn receive(
         _ => match answer {
             "503" => (StatusCode::SERVICE_UNAVAILABLE, "try later").into_response(),
             "400" => (StatusCode::BAD_REQUEST, "bad payload").into_response(),
+            "302" => (
+                StatusCode::FOUND,
+                [("location", "http://127.0.0.1:9/elsewhere")],
+            )
+                .into_response(),
             _ => StatusCode::NO_CONTENT.into_response(),
         },
     }
@@ -262,6 +267,7 @@ fn retries_follow_the_backoff_and_retry_after_then_dead_letters() {
         ("bad", vec!["400"]),
         ("doomed", vec!["503", "503", "503", "503"]),
         ("slow", vec!["sleep:1500", "ok"]),
+        ("moved", vec!["302"]),
     ]);
     let server = Server::start(|c| {
         let sink = webhook_sink(&hook.url, |s| {
@@ -273,7 +279,7 @@ fn retries_follow_the_backoff_and_retry_after_then_dead_letters() {
         });
         c.sinks.insert("hooks".into(), sink);
     });
-    let ids: HashMap<&str, String> = ["flaky", "told", "bad", "doomed", "slow"]
+    let ids: HashMap<&str, String> = ["flaky", "told", "bad", "doomed", "slow", "moved"]
         .into_iter()
         .map(|body| (body, schedule(&server, "hooks", json!({"body": body}))))
         .collect();
@@ -328,6 +334,13 @@ fn retries_follow_the_backoff_and_retry_after_then_dead_letters() {
         settled_status(&server, &ids["flaky"], "delivered")["attempts"],
         3
     );
+    // A redirect is not followed: a webhook reaches only the URL its configuration names.
+    let moved = settled_status(&server, &ids["moved"], "dead");
+    assert!(
+        moved["reason"].as_str().unwrap().starts_with("HTTP 302"),
+        "{moved}"
+    );
+    assert_eq!(hook.hits_for("moved").len(), 1);
     // Dead messages land in the broker topic $dead with why.
     let letters = server.call(
         "GET",
@@ -495,5 +508,128 @@ fn a_restart_in_the_middle_of_a_retry_series_continues_it() {
     assert_eq!(
         (status["status"].as_str(), status["attempts"].as_u64()),
         (Some("delivered"), Some(3))
+    );
+}
+
+/// A TLS receiver for `127.0.0.1` with a certificate from a fresh private CA. Answers 204 to every
+/// request and reports each request's head and body on a channel. Returns (url, CA PEM, requests).
+fn tls_endpoint(
+    runtime: &tokio::runtime::Runtime,
+) -> (String, String, std::sync::mpsc::Receiver<String>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls;
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, rcgen::KeyPair::generate().unwrap())
+        .unwrap();
+    let server_key = rcgen::KeyPair::generate().unwrap();
+    let server_cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&server_key, &ca)
+        .unwrap();
+    let key = rustls::pki_types::PrivateKeyDer::try_from(server_key.serialize_der()).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![server_cert.der().clone()], key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let url = format!("https://{}/hooks", listener.local_addr().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    runtime.spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                // Read the head, then as many body bytes as content-length says.
+                loop {
+                    let Ok(n) = tls.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&request).to_string();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length: usize = text[..end]
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse().unwrap_or(0))
+                            })
+                            .unwrap_or(0);
+                        if request.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                let _ = tx.send(String::from_utf8_lossy(&request).to_string());
+                let _ = tls
+                    .write_all(b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n")
+                    .await;
+                let _ = tls.shutdown().await;
+            });
+        }
+    });
+    (url, ca.pem(), rx)
+}
+
+#[test]
+fn https_endpoints_work_and_their_certificates_are_checked() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (url, ca_pem, requests) = tls_endpoint(&runtime);
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca_pem).unwrap();
+    let server = Server::start(|c| {
+        c.sinks.insert(
+            "secure".into(),
+            webhook_sink(&url, |s| s.ca_file = Some(ca_file.clone())),
+        );
+        // The same endpoint without trusting its CA: the certificate must be refused.
+        c.sinks
+            .insert("untrusting".into(), webhook_sink(&url, |_| {}));
+    });
+    let id = schedule(&server, "secure", json!({"body": "over tls"}));
+    let request = requests
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the TLS receiver got the webhook");
+    assert!(request.starts_with("POST /hooks HTTP/1.1"), "{request}");
+    assert!(request.contains(&format!("webhook-id: {id}")), "{request}");
+    assert!(request.ends_with("over tls"));
+    assert_eq!(
+        settled_status(&server, &id, "delivered")["status"],
+        "delivered"
+    );
+
+    let refused = schedule(&server, "untrusting", json!({"body": "should not arrive"}));
+    let status = settled_status(&server, &refused, "retrying");
+    assert_eq!(status["status"], "retrying", "{status}");
+    assert!(
+        status["reason"].as_str().unwrap().contains("certificate"),
+        "{status}"
+    );
+    assert!(
+        requests.try_recv().is_err(),
+        "nothing reached the receiver without a trusted certificate"
     );
 }
