@@ -10,15 +10,15 @@ use std::time::Duration;
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("reading {path}: {source}")]
+    #[error("reading {path}: {error}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
-    #[error("parsing {path}: {source}")]
+    #[error("parsing {path}: {error}")]
     Parse {
         path: PathBuf,
-        source: Box<toml::de::Error>,
+        error: Box<toml::de::Error>,
     },
     #[error("{key}: {reason}")]
     Invalid { key: String, reason: String },
@@ -260,13 +260,13 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let mut config = match file {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
                     path: path.into(),
-                    source,
+                    error,
                 })?;
-                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                toml::from_str(&text).map_err(|error| ConfigError::Parse {
                     path: path.into(),
-                    source: Box::new(source),
+                    error: Box::new(error),
                 })?
             }
             None => Config::default(),

@@ -113,8 +113,18 @@ struct TailArgs {
     count: Option<u64>,
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            // The cause chain on one line; no backtrace: these are operator-facing messages.
+            eprintln!("delayd: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::Send(args) => send(args),
