@@ -29,6 +29,8 @@ struct Hit {
 struct Receiver {
     script: Arc<Mutex<HashMap<String, Vec<&'static str>>>>,
     hits: Arc<Mutex<Vec<Hit>>>,
+    /// Signalled on every hit, so tests wait for arrivals instead of polling.
+    arrived: Arc<std::sync::Condvar>,
     bad_signatures: Arc<Mutex<u32>>,
 }
 
@@ -86,6 +88,7 @@ async fn receive(
         at: Instant::now(),
         at_ms: now_ms(),
     });
+    receiver.arrived.notify_all();
     let answer = {
         let mut script = receiver.script.lock().unwrap();
         match script.get_mut(&text) {
@@ -164,6 +167,20 @@ impl Endpoint {
         self.receiver.hits.lock().unwrap().clone()
     }
 
+    /// Waits until the receiver has `count` hits that match, woken by each arrival (30 s at most).
+    fn wait_until(&self, count: usize, matches: impl Fn(&Hit) -> bool) -> Vec<Hit> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut hits = self.receiver.hits.lock().unwrap();
+        loop {
+            let matching: Vec<Hit> = hits.iter().filter(|h| matches(h)).cloned().collect();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if matching.len() >= count || left.is_zero() {
+                return matching;
+            }
+            hits = self.receiver.arrived.wait_timeout(hits, left).unwrap().0;
+        }
+    }
+
     fn hits_for(&self, body: &str) -> Vec<Hit> {
         self.hits()
             .into_iter()
@@ -171,19 +188,22 @@ impl Endpoint {
             .collect()
     }
 
-    /// Waits (on the receiver's records, with a deadline) until `count` requests for `body` arrived.
+    /// Waits until `count` requests for `body` arrived.
     fn wait_for(&self, body: &str, count: usize) -> Vec<Hit> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let hits = self.hits_for(body);
-            if hits.len() >= count || Instant::now() > deadline {
-                return hits;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.wait_until(count, |h| h.body == body.as_bytes())
     }
 }
 
+fn post_batch(server: &Server, messages: Vec<Value>) {
+    let answer = server.call(
+        "POST",
+        "/v1/messages/batch",
+        Some(json!({"messages": messages})),
+    );
+    assert_eq!(answer.status, 200, "{}", answer.json);
+}
+
+/// Polls the status API (it has no change notification) until the message reaches `status`.
 fn settled_status(server: &Server, id: &str, status: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -217,11 +237,10 @@ fn webhook_requests_are_signed_and_carry_the_message() {
         "billing",
         json!({"body_base64": "AAECA/8=", "headers": {"x-trace": "abc", "connection": "close", "content-type": "application/x-raw", "webhook-id": "forged"}}),
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while hook.hits().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let hit = hook.hits().pop().expect("the webhook was called");
+    let hit = hook
+        .wait_until(1, |_| true)
+        .pop()
+        .expect("the webhook was called");
     assert_eq!(
         hit.body,
         vec![0, 1, 2, 3, 255],
@@ -378,21 +397,8 @@ fn the_rate_limit_holds_by_measurement() {
     let messages: Vec<Value> = (0..30)
         .map(|i| json!({"topic": "t", "body": format!("p{i}"), "deliver_at": at, "sink": "paced"}))
         .collect();
-    assert_eq!(
-        server
-            .call(
-                "POST",
-                "/v1/messages/batch",
-                Some(json!({"messages": messages}))
-            )
-            .status,
-        200
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while hook.hits().len() < 30 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let hits = hook.hits();
+    post_batch(&server, messages);
+    let hits = hook.wait_until(30, |_| true);
     assert_eq!(hits.len(), 30);
     let span = hits.last().unwrap().at - hits[0].at;
     let rate = 29.0 / span.as_secs_f64();
@@ -434,20 +440,8 @@ fn a_failing_sink_does_not_delay_a_healthy_one() {
             json!({"topic": "t", "body": format!("u{i}"), "deliver_at": at + i, "sink": "up"}),
         );
     }
-    assert_eq!(
-        server
-            .call(
-                "POST",
-                "/v1/messages/batch",
-                Some(json!({"messages": messages}))
-            )
-            .status,
-        200
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while up.hits().len() < 40 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    post_batch(&server, messages);
+    up.wait_until(40, |_| true);
     let mut lateness: Vec<i64> = up
         .hits()
         .iter()
