@@ -17,7 +17,10 @@ use base64::Engine;
 use hmac::{Hmac, Mac};
 use schedulelog::Clock;
 use sha2::Sha256;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 /// Headers a message may not set on its webhook request.
@@ -159,6 +162,30 @@ impl WebhookSink {
     }
 }
 
+/// Runs futures concurrently on the current task and returns their outputs in order.
+async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    Poll::Ready(value) => *output = Some(value),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
+}
+
 async fn classify(response: reqwest::Response) -> SinkOutcome {
     let status = response.status();
     if status.is_success() {
@@ -206,13 +233,10 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 
 impl Sink for WebhookSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
-        Box::pin(async move {
-            let mut outcomes = Vec::with_capacity(batch.len());
-            for delivery in batch {
-                outcomes.push(self.deliver_one(delivery).await);
-            }
-            outcomes
-        })
+        // The requests of a batch go out together; the answers come back in batch order.
+        Box::pin(join_all(
+            batch.iter().map(|d| self.deliver_one(d)).collect(),
+        ))
     }
 }
 
@@ -230,6 +254,29 @@ mod tests {
         let signature =
             WebhookSink::sign(&secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1_614_265_330, body);
         assert_eq!(signature, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn join_all_runs_together_and_keeps_order() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let started = std::time::Instant::now();
+        let outputs = runtime.block_on(join_all(
+            [300u64, 100, 200]
+                .into_iter()
+                .map(|ms| async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    ms
+                })
+                .collect(),
+        ));
+        assert_eq!(outputs, vec![300, 100, 200]);
+        assert!(
+            started.elapsed() < Duration::from_millis(550),
+            "concurrent, not one after another"
+        );
     }
 
     #[test]
