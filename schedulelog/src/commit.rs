@@ -38,6 +38,16 @@ const GROUP_TARGET_BYTES: usize = 4 << 20;
 #[cfg(test)]
 const GROUP_TARGET_BYTES: usize = 2 << 10;
 
+/// A failure in the middle of a request is a poisoning one, whatever its cause.
+fn mid_request(error: AppendError) -> AppendError {
+    match error {
+        AppendError::DiskFull => AppendError::Poisoned(
+            "disk full in the middle of a request larger than a WAL file".into(),
+        ),
+        other => other,
+    }
+}
+
 /// The most bytes `len` bytes of frames take once padded to a block boundary.
 fn padded(len: u64) -> u64 {
     len + (frame::BLOCK + frame::HEADER_LEN) as u64
@@ -281,6 +291,9 @@ impl Writer {
                 let mut appended = Vec::with_capacity(messages.len());
                 for message in &messages {
                     if let Err(e) = self.make_room(message.frame.len(), group) {
+                        // Part of this request may be written already: the log's state no longer matches
+                        // what its submitters were told, even for a full disk, so nothing more is taken.
+                        let e = mid_request(e);
                         self.poison(&e);
                         return drop(reply.send(Err(e)));
                     }
@@ -316,6 +329,7 @@ impl Writer {
             }
             Request::Cancel { target, reply } => {
                 if let Err(e) = self.make_room(frame::HEADER_LEN + CANCEL_PAYLOAD_LEN, group) {
+                    let e = mid_request(e);
                     self.poison(&e);
                     return drop(reply.send(Err(e)));
                 }
@@ -388,6 +402,8 @@ impl Writer {
     /// Makes the group durable, answers its submitters and hands it to the replayer.
     fn commit(&mut self, group: &mut Group) {
         if group.answers.is_empty() {
+            // Nothing to answer (every request failed before joining): no interval is running.
+            group.started = None;
             return;
         }
         let fresh = self.fresh_group();

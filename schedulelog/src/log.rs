@@ -351,10 +351,18 @@ impl ScheduleLog {
             if message.id != id {
                 return Ok(None);
             }
-            let outcome = self
+            // A retried attempt leads on to the next one, whatever else was recorded for it (a cancel
+            // that raced the retry); otherwise the first outcome recorded is the one that counts.
+            let outcomes: Vec<Outcome> = self
                 .outcomes(location.bucket)?
                 .into_iter()
-                .find(|o| o.seq == location.seq);
+                .filter(|o| o.seq == location.seq)
+                .collect();
+            let outcome = outcomes
+                .iter()
+                .find(|o| matches!(o.kind, OutcomeKind::Retried { .. }))
+                .or(outcomes.first())
+                .cloned();
             let state = match outcome.map(|o| (o.at_ms, o.kind)) {
                 None => MessageState::Pending,
                 Some((at_ms, OutcomeKind::Delivered)) => MessageState::Delivered { at_ms },

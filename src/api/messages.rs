@@ -438,7 +438,18 @@ pub async fn cancel(
             Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
         }
         MessageState::Pending => {
-            state.scheduler.cancel(status.location).await?;
+            // A retry may have been written while this cancel was on its way: then the newer attempt
+            // is cancelled too, so that nothing of this id is delivered after a 200.
+            let mut location = status.location;
+            for _ in 0..8 {
+                state.scheduler.cancel(location).await?;
+                match lookup(&state, id).await? {
+                    Some(now) if now.state == MessageState::Pending && now.location != location => {
+                        location = now.location
+                    }
+                    _ => break,
+                }
+            }
             metrics::counter!("delayd_messages_cancelled_total").increment(1);
             Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
         }

@@ -155,7 +155,11 @@ impl Broker {
             .open(&log_path)
             .map_err(io_err(&log_path))?;
         let bytes = fs::read(&log_path).map_err(io_err(&log_path))?;
-        let log_end = if bytes.len() < LOG_HEADER_LEN as usize && bytes.iter().all(|&b| b == 0) {
+        // Shorter than its header: created just before a crash (whatever of the header got written).
+        let torn_header = bytes.len() < LOG_HEADER_LEN as usize
+            && (bytes.iter().all(|&b| b == 0)
+                || LOG_MAGIC.starts_with(&bytes[..bytes.len().min(8)]));
+        let log_end = if torn_header {
             let mut header = [0u8; LOG_HEADER_LEN as usize];
             header[..8].copy_from_slice(LOG_MAGIC);
             log.set_len(0)
@@ -415,6 +419,15 @@ impl Broker {
         let mut out = Vec::new();
         for at in offset..end {
             let (log_offset, len, _) = read_unit(q, at)?;
+            if len as usize > frame::MAX_PAYLOAD + frame::HEADER_LEN
+                || log_offset.saturating_add(u64::from(len)) > store.log_end
+            {
+                return Err(BrokerError::Corrupt {
+                    path: q.path.clone(),
+                    offset: at * UNIT_LEN,
+                    reason: format!("unit points outside the commit log ({log_offset}+{len})"),
+                });
+            }
             let mut bytes = vec![0u8; len as usize];
             store
                 .log
@@ -784,6 +797,22 @@ mod tests {
         );
         broker.append(&[incoming("t", Some("k"), "d")]).unwrap();
         assert_eq!(broker.read("t", q, 2, 10).unwrap().unwrap()[0].body, b"d");
+    }
+
+    #[test]
+    fn a_commit_log_torn_inside_its_header_is_started_afresh() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("broker/commitlog/00000000000000000000");
+        fs::create_dir_all(log.parent().unwrap()).unwrap();
+        let mut torn = LOG_MAGIC.to_vec();
+        torn.extend([0u8; 12]);
+        fs::write(&log, &torn).unwrap();
+        let broker = Broker::open(dir.path(), 1).unwrap();
+        broker.append(&[incoming("t", None, "after")]).unwrap();
+        assert_eq!(
+            broker.read("t", 0, 0, 1).unwrap().unwrap()[0].body,
+            b"after"
+        );
     }
 
     #[test]

@@ -88,8 +88,8 @@ impl Lane {
     async fn deliver(&self, batch: Vec<Entry>) {
         let shared = self.shared.clone();
         let read = tokio::task::spawn_blocking(move || read_batch(&shared, &batch)).await;
-        let deliveries: Vec<Delivery> = match read {
-            Ok(deliveries) => deliveries,
+        let (entries, deliveries) = match read {
+            Ok(read) => read,
             Err(e) => {
                 tracing::error!(sink = %self.name, error = %e, "reading due messages panicked");
                 return;
@@ -112,17 +112,17 @@ impl Lane {
                 reason: "the sink gave no answer for this message".into(),
             },
         );
-        self.settle(&deliveries, outcomes).await;
+        self.settle(&entries, &deliveries, outcomes).await;
     }
 
     /// Makes the sink's answers durable: retries through the WAL, then every outcome in the dispatch logs.
-    async fn settle(&self, deliveries: &[Delivery], outcomes: Vec<SinkOutcome>) {
+    async fn settle(&self, entries: &[Entry], deliveries: &[Delivery], outcomes: Vec<SinkOutcome>) {
         let now = self.shared.clock.now_ms();
         let mut records: Vec<(Bucket, Outcome)> = Vec::new();
         let mut retries = Vec::new();
         let mut labels = Vec::with_capacity(deliveries.len());
         let mut dead = Vec::new();
-        for (delivery, outcome) in deliveries.iter().zip(outcomes) {
+        for ((entry, delivery), outcome) in entries.iter().zip(deliveries).zip(outcomes) {
             let attempt = delivery.message.attempt;
             let record = |kind| Outcome {
                 seq: delivery.location.seq,
@@ -136,18 +136,24 @@ impl Lane {
                     "ok"
                 }
                 SinkOutcome::Dead { reason } => {
-                    dead.push(dead_letter(delivery, &reason));
+                    dead.push((*entry, dead_letter(delivery, &reason)));
                     records.push((
                         delivery.location.bucket,
                         record(OutcomeKind::Dead { reason }),
                     ));
                     "dead"
                 }
+                SinkOutcome::Retry { .. }
+                    if self.shared.cancelled().contains(&delivery.location) =>
+                {
+                    // Cancelled while the sink was answering: no next attempt (the tombstone records it).
+                    "cancelled"
+                }
                 SinkOutcome::Retry { after, reason } => {
                     let next_attempt = attempt.saturating_add(1);
                     if next_attempt >= self.policy.max_attempts {
                         let reason = format!("gave up after {next_attempt} attempts: {reason}");
-                        dead.push(dead_letter(delivery, &reason));
+                        dead.push((*entry, dead_letter(delivery, &reason)));
                         records.push((
                             delivery.location.bucket,
                             record(OutcomeKind::Dead { reason }),
@@ -159,6 +165,7 @@ impl Lane {
                         });
                         let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
                         retries.push((
+                            *entry,
                             delivery,
                             next_attempt,
                             now.saturating_add(delay_ms),
@@ -175,11 +182,23 @@ impl Lane {
         if !retries.is_empty() {
             self.write_retries(&retries, &mut records).await;
         }
-        // Dead letters are stored before the outcome is, so a crash in between repeats rather than loses.
+        // Dead letters are stored before the outcome is, so a crash in between repeats rather than loses;
+        // a dead letter that could not be stored gets no outcome and its message comes round again.
         if let (Some(letters), false) = (&self.shared.dead_letters, dead.is_empty()) {
-            let stored = letters.deliver(&dead).await;
-            if stored.iter().any(|o| *o != SinkOutcome::Delivered) {
-                tracing::error!(sink = %self.name, ?stored, "storing dead letters failed");
+            let copies: Vec<Delivery> = dead.iter().map(|(_, copy)| copy.clone()).collect();
+            let stored = letters.deliver(&copies).await;
+            for ((entry, copy), answer) in dead.iter().zip(
+                stored
+                    .iter()
+                    .chain(std::iter::repeat(&SinkOutcome::Delivered)),
+            ) {
+                if *answer != SinkOutcome::Delivered {
+                    tracing::error!(sink = %self.name, ?answer, "storing a dead letter failed; the message comes round again");
+                    records.retain(|(bucket, o)| {
+                        !(*bucket == copy.location.bucket && o.seq == copy.location.seq)
+                    });
+                    self.shared.requeue(*entry, now);
+                }
             }
         }
         if !records.is_empty() {
@@ -197,11 +216,11 @@ impl Lane {
 
     async fn write_retries(
         &self,
-        retries: &[(&Delivery, u16, i64, String)],
+        retries: &[(Entry, &Delivery, u16, i64, String)],
         records: &mut Vec<(Bucket, Outcome)>,
     ) {
         let mut encoded = Vec::with_capacity(retries.len());
-        for (delivery, next_attempt, deliver_at_ms, _) in retries {
+        for (_, delivery, next_attempt, deliver_at_ms, _) in retries {
             let m = &delivery.message;
             let next = NewMessage {
                 deliver_at_ms: *deliver_at_ms,
@@ -216,7 +235,12 @@ impl Lane {
             match next.encode() {
                 Ok(next) => encoded.push(next),
                 Err(e) => {
-                    tracing::error!(error = %e, "a stored message no longer encodes");
+                    // Cannot happen for a message that was stored; if it does, nothing is lost.
+                    tracing::error!(error = %e, "a stored message no longer encodes; trying again shortly");
+                    let now = self.shared.clock.now_ms();
+                    for (entry, ..) in retries {
+                        self.shared.requeue(*entry, now);
+                    }
                     return;
                 }
             }
@@ -224,7 +248,7 @@ impl Lane {
         match self.shared.log.append(encoded).await {
             Ok(appended) => {
                 let now = self.shared.clock.now_ms();
-                for ((delivery, _, _, reason), next) in retries.iter().zip(appended) {
+                for ((_, delivery, _, _, reason), next) in retries.iter().zip(appended) {
                     let kind = OutcomeKind::Retried {
                         next: next.location,
                         reason: reason.clone(),
@@ -238,8 +262,14 @@ impl Lane {
                     records.push((delivery.location.bucket, outcome));
                 }
             }
-            // The messages stay pending (no outcome) and are delivered again after a restart.
-            Err(e) => tracing::error!(sink = %self.name, error = %e, "writing retries failed"),
+            // The messages stay pending (no outcome) and come round again shortly.
+            Err(e) => {
+                tracing::error!(sink = %self.name, error = %e, "writing retries failed; trying again shortly");
+                let now = self.shared.clock.now_ms();
+                for (entry, ..) in retries {
+                    self.shared.requeue(*entry, now);
+                }
+            }
         }
     }
 
@@ -276,8 +306,9 @@ pub const DEAD_TOPIC: &str = "$dead";
 
 /// Reads the records of a batch, skipping cancelled ones. A record that cannot be read stays pending
 /// (it is logged and counted; the engine's corruption error names the file and offset).
-fn read_batch(shared: &Shared, batch: &[Entry]) -> Vec<Delivery> {
+fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     let mut readers = HashMap::new();
+    let mut entries = Vec::with_capacity(batch.len());
     let mut deliveries = Vec::with_capacity(batch.len());
     for entry in batch {
         let bucket = entry_bucket(entry);
@@ -300,11 +331,14 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> Vec<Delivery> {
                     seq: message.seq,
                 };
                 if shared.take_cancelled(&location) {
+                    // Kept until the cancel is durable: if writing it fails, the entry goes back.
+                    shared.dropped().insert(location, *entry);
                     if let Some(settled) = &shared.settled {
                         let _ = settled.send(vec![(message.id, "cancelled")]);
                     }
                     continue;
                 }
+                entries.push(*entry);
                 deliveries.push(Delivery {
                     id: message.id,
                     location,
@@ -317,7 +351,7 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> Vec<Delivery> {
             }
         }
     }
-    deliveries
+    (entries, deliveries)
 }
 
 /// The sink of messages that name a sink nobody configured: they are dead, with the reason.

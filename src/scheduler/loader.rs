@@ -15,8 +15,9 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How long after its end a bucket stays watched (covers a commit at the very end of the bucket).
-const UNWATCH_GRACE_MS: i64 = 60_000;
+/// How long after its end a bucket stays watched: a record committed at the very end of a bucket is
+/// filed into it when replayed, normally milliseconds later; an hour covers any stall of the replayer.
+const UNWATCH_GRACE_MS: i64 = 3_600_000;
 
 pub(crate) struct Loader {
     shared: Arc<Shared>,
@@ -141,6 +142,7 @@ impl Loader {
             self.live.remove(&bucket);
             self.shared.log.unwatch(bucket);
             self.shared.cancelled().retain(|l| l.bucket != bucket);
+            self.shared.dropped().retain(|l, _| l.bucket != bucket);
         }
     }
 }

@@ -30,7 +30,7 @@ use crate::sink::{Sink, SinkRegistry};
 use crossbeam_channel::{select, Receiver, Sender};
 use rate::TokenBucket;
 use schedulelog::{Bucket, BucketSnapshot, Clock, Location, MessageId, Replayed, ScheduleLog};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -96,6 +96,10 @@ pub(crate) struct Shared {
     pub in_memory: AtomicU64,
     /// Set at shutdown: lanes start no new batch (what they did not start stays pending on disk).
     pub stopping: std::sync::atomic::AtomicBool,
+    /// Entries a lane skipped for a cancel whose tombstone is not durable yet; put back if it fails.
+    pub dropped: Mutex<HashMap<Location, Entry>>,
+    /// Entries handed back to the wheel (a failed retry write, a failed cancel, a lost dead letter).
+    pub requeued: Sender<Entry>,
 }
 
 impl Shared {
@@ -109,6 +113,15 @@ impl Shared {
 
     pub fn cancelled(&self) -> std::sync::MutexGuard<'_, HashSet<Location>> {
         self.cancelled.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn dropped(&self) -> std::sync::MutexGuard<'_, HashMap<Location, Entry>> {
+        self.dropped.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands an entry back to the wheel, due a second from `now_ms`.
+    pub fn requeue(&self, entry: Entry, now_ms: i64) {
+        let _ = self.requeued.send(entry.due_at(now_ms + 1_000));
     }
 
     /// Whether the attempt at `location` was cancelled; forgets it (it will not come up again).
@@ -140,6 +153,7 @@ impl Scheduler {
         clock: Arc<dyn Clock>,
         runtime: &tokio::runtime::Handle,
     ) -> std::io::Result<Scheduler> {
+        let (requeued, requeued_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
             log: log.clone(),
             clock: clock.clone(),
@@ -149,6 +163,8 @@ impl Scheduler {
             unloaded_records: AtomicU64::default(),
             in_memory: AtomicU64::default(),
             stopping: Default::default(),
+            dropped: Mutex::default(),
+            requeued,
         });
         let (tap_tx, tap_rx) = crossbeam_channel::unbounded();
         log.set_tap(tap_tx);
@@ -185,7 +201,7 @@ impl Scheduler {
         let wheel_stop = stop_rx.clone();
         let wheel_thread = std::thread::Builder::new()
             .name("delayd-wheel".into())
-            .spawn(move || wheel.run(tap_rx, loaded_rx, space_rx, wheel_stop))?;
+            .spawn(move || wheel.run(tap_rx, loaded_rx, space_rx, requeued_rx, wheel_stop))?;
         let loader = loader::Loader::new(shared.clone(), width, preload_ms, config.retire_every);
         let loader_thread = std::thread::Builder::new()
             .name("delayd-loader".into())
@@ -206,8 +222,13 @@ impl Scheduler {
     pub async fn cancel(&self, location: Location) -> Result<u64, schedulelog::AppendError> {
         self.shared.cancelled().insert(location);
         let result = self.shared.log.cancel(location).await;
+        let skipped = self.shared.dropped().remove(&location);
         if result.is_err() {
             self.shared.cancelled().remove(&location);
+            // A lane skipped the message for this cancel, which did not happen: it goes back.
+            if let Some(entry) = skipped {
+                self.shared.requeue(entry, self.shared.clock.now_ms());
+            }
         }
         result
     }
@@ -290,6 +311,7 @@ impl WheelThread {
         tap: Receiver<Replayed>,
         loaded: Receiver<BucketSnapshot>,
         space: Receiver<()>,
+        requeued: Receiver<Entry>,
         stop: Receiver<()>,
     ) {
         let changes = self.shared.clock.changes();
@@ -299,6 +321,9 @@ impl WheelThread {
             }
             for snapshot in loaded.try_iter() {
                 self.on_loaded(&snapshot);
+            }
+            for entry in requeued.try_iter() {
+                self.wheel.insert(entry);
             }
             let now = self.shared.clock.now_ms();
             self.wheel.advance(now);
@@ -338,7 +363,8 @@ impl WheelThread {
                     Ok(snapshot) => self.on_loaded(&snapshot),
                     Err(_) => return,
                 },
-                recv(space) -> _ => {},
+                                recv(space) -> _ => {},
+                recv(requeued) -> entry => if let Ok(entry) = entry { self.wheel.insert(entry) },
                 recv(changes) -> _ => {},
                 recv(timeout) -> _ => {},
             }

@@ -37,6 +37,8 @@ struct TestSink {
     tx: Sender<Received>,
     script: Mutex<HashMap<String, Vec<SinkOutcome>>>,
     gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// Signalled when a call starts, before it waits at the gate.
+    entered: Sender<()>,
 }
 
 impl Sink for TestSink {
@@ -47,6 +49,7 @@ impl Sink for TestSink {
                 .duration_since(UNIX_EPOCH)
                 .unwrap()
                 .as_micros() as i64;
+            let _ = self.entered.send(());
             if let Some(gate) = &self.gate {
                 let _ = gate.acquire().await.unwrap();
             }
@@ -90,6 +93,9 @@ struct Harness {
         Option<Arc<tokio::sync::Semaphore>>,
     )>,
     script: HashMap<String, Vec<SinkOutcome>>,
+    dead_letters: Option<Arc<dyn Sink>>,
+    entered: Receiver<()>,
+    entered_tx: Sender<()>,
 }
 
 impl Harness {
@@ -101,6 +107,7 @@ impl Harness {
     fn with_clock(clock: Arc<dyn Clock>, manual: Option<Arc<ManualClock>>) -> Harness {
         let (received_tx, received) = crossbeam_channel::unbounded();
         let (settled_tx, settled) = crossbeam_channel::unbounded();
+        let (entered_tx, entered) = crossbeam_channel::unbounded();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -119,6 +126,9 @@ impl Harness {
             settled_tx,
             sinks: vec![("a", SinkPolicy::default(), None)],
             script: HashMap::new(),
+            dead_letters: None,
+            entered,
+            entered_tx,
         };
         harness.open_log();
         harness
@@ -152,6 +162,7 @@ impl Harness {
                 tx: self.received_tx.clone(),
                 script: Mutex::new(self.script.clone()),
                 gate: gate.clone(),
+                entered: self.entered_tx.clone(),
             };
             registry
                 .register(name, Arc::new(sink), policy.clone())
@@ -159,6 +170,7 @@ impl Harness {
         }
         let config = SchedulerConfig {
             settled: Some(self.settled_tx.clone()),
+            dead_letters: self.dead_letters.clone(),
             ..SchedulerConfig::default()
         };
         let scheduler = Scheduler::start(
@@ -589,4 +601,104 @@ fn real_clock_lateness() {
         pct(0.99) < 1_000.0,
         "p99 lateness under a second even on a loaded machine"
     );
+}
+
+#[test]
+fn a_cancel_that_races_a_retry_stops_the_series() {
+    let mut h = Harness::manual();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    h.sinks = vec![("a", SinkPolicy::default(), Some(gate.clone()))];
+    let retry = SinkOutcome::Retry {
+        after: None,
+        reason: "503".into(),
+    };
+    h.script.insert("racy".into(), vec![retry.clone(), retry]);
+    let id = h.schedule("a", T0, "racy");
+    h.start();
+    let location = h.log().lookup(id).unwrap().unwrap().location;
+    // The sink is in its call (it will answer "retry") when the cancel is acknowledged.
+    h.entered
+        .recv_timeout(WAIT)
+        .expect("attempt 0 reached the sink");
+    let scheduler = h.scheduler.as_ref().unwrap();
+    h.runtime.block_on(scheduler.cancel(location)).unwrap();
+    gate.add_permits(10);
+    assert_eq!(h.recv().attempt, 0);
+    assert_eq!(
+        h.settle(1),
+        vec![(id, "cancelled")],
+        "no retry is written for a cancelled attempt"
+    );
+    h.set(T0 + HOUR);
+    h.schedule("a", T0 + HOUR, "sentinel");
+    assert_eq!(h.recv().body, "sentinel");
+    assert!(
+        h.received.try_recv().is_err(),
+        "the cancelled message never came back"
+    );
+    assert!(matches!(
+        h.log().lookup(id).unwrap().unwrap().state,
+        MessageState::Cancelled { .. }
+    ));
+}
+
+/// Fails to store the first dead letter it is given, then stores them.
+#[derive(Debug, Default)]
+struct FlakyLetters {
+    calls: Mutex<u32>,
+    stored: Mutex<Vec<String>>,
+}
+
+impl Sink for FlakyLetters {
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+        Box::pin(async move {
+            let mut calls = self.calls.lock().unwrap();
+            *calls += 1;
+            if *calls == 1 {
+                return vec![
+                    SinkOutcome::Retry {
+                        after: None,
+                        reason: "disk full".into()
+                    };
+                    batch.len()
+                ];
+            }
+            let mut stored = self.stored.lock().unwrap();
+            stored.extend(batch.iter().map(|d| d.message.topic.clone()));
+            vec![SinkOutcome::Delivered; batch.len()]
+        })
+    }
+}
+
+#[test]
+fn a_dead_letter_that_cannot_be_stored_comes_round_again() {
+    let mut h = Harness::manual();
+    let letters = Arc::new(FlakyLetters::default());
+    h.dead_letters = Some(letters.clone());
+    h.script.insert(
+        "poison".into(),
+        vec![
+            SinkOutcome::Dead {
+                reason: "HTTP 400".into()
+            };
+            2
+        ],
+    );
+    let id = h.schedule("a", T0, "poison");
+    h.start();
+    assert_eq!(h.recv().attempt, 0);
+    // The dead letter could not be stored: no outcome, the message is handed back a second later.
+    assert_eq!(h.settle(1), vec![(id, "dead")]);
+    assert!(matches!(
+        h.log().lookup(id).unwrap().unwrap().state,
+        MessageState::Pending
+    ));
+    h.set(T0 + 1_000);
+    assert_eq!(h.recv().body, "poison");
+    h.settle(1);
+    assert!(matches!(
+        h.log().lookup(id).unwrap().unwrap().state,
+        MessageState::Dead { .. }
+    ));
+    assert_eq!(*letters.stored.lock().unwrap(), vec!["$dead".to_string()]);
 }

@@ -41,6 +41,14 @@ impl Entry {
         }
     }
 
+    /// The same entry, due at `deliver_at_ms` instead (for an entry handed back to the wheel).
+    pub fn due_at(self, deliver_at_ms: i64) -> Entry {
+        Entry {
+            deliver_at_ms,
+            ..self
+        }
+    }
+
     pub fn offset(&self) -> u64 {
         self.offset_and_tag >> 16
     }
