@@ -195,8 +195,7 @@ async fn classify(response: reqwest::Response) -> SinkOutcome {
         .headers()
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
+        .and_then(parse_retry_after);
     let mut detail = response.text().await.unwrap_or_default();
     detail.truncate(detail.floor_char_boundary(200));
     let reason = format!(
@@ -217,6 +216,23 @@ async fn classify(response: reqwest::Response) -> SinkOutcome {
     } else {
         SinkOutcome::Dead { reason }
     }
+}
+
+/// `Retry-After` as seconds (`120`) or as an HTTP date (`Wed, 21 Oct 2026 07:28:00 GMT`, relative to the
+/// system clock, as the receiver meant it).
+fn parse_retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let format = time::macros::format_description!(
+        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+    );
+    let at = time::PrimitiveDateTime::parse(value, &format)
+        .ok()?
+        .assume_utc();
+    let wait = at - time::OffsetDateTime::now_utc();
+    Some(Duration::try_from(wait).unwrap_or(Duration::ZERO))
 }
 
 /// An error and its causes on one line (reqwest's own message hides the cause, e.g. "connection refused").
@@ -254,6 +270,26 @@ mod tests {
         let signature =
             WebhookSink::sign(&secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1_614_265_330, body);
         assert_eq!(signature, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn retry_after_in_seconds_or_as_an_http_date() {
+        assert_eq!(parse_retry_after("120"), Some(Duration::from_secs(120)));
+        assert_eq!(
+            parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::ZERO),
+            "in the past: now"
+        );
+        let soon = time::OffsetDateTime::now_utc() + time::Duration::seconds(90);
+        let format = time::macros::format_description!(
+            "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+        );
+        let wait = parse_retry_after(&soon.format(&format).unwrap()).unwrap();
+        assert!(
+            wait > Duration::from_secs(85) && wait <= Duration::from_secs(90),
+            "{wait:?}"
+        );
+        assert_eq!(parse_retry_after("soon"), None);
     }
 
     #[test]
