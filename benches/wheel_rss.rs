@@ -9,6 +9,10 @@
 
 use delayd::scheduler::wheel::{Entry, Wheel};
 
+#[path = "common/entries.rs"]
+mod common;
+use common::{entries, HOUR_MS, T0};
+
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
     let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -17,27 +21,11 @@ fn rss_bytes() -> u64 {
 
 fn main() {
     const N: usize = 10_000_000;
-    const HOUR_MS: i64 = 3_600_000;
-    const T0: i64 = 1_796_115_600_000;
     let before = rss_bytes();
     let mut wheel = Wheel::new(500, 2 * HOUR_MS + 300_000, T0);
-    let mut x = 0x2545_f491_4f6c_dd1d_u64;
     // One bucket's snapshot, paged in with one `insert_all` as the loader does; the snapshot is freed
     // before measuring (it is returned to the system: allocations this large are mapped, not heaped).
-    let entries: Vec<Entry> = (0..N)
-        .map(|i| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            Entry::new(
-                T0 + (x % HOUR_MS as u64) as i64,
-                29_935_260,
-                i as u64 * 1024,
-                1024,
-                7,
-            )
-        })
-        .collect();
+    let entries = entries(N);
     wheel.insert_all(&entries);
     drop(entries);
     let after = rss_bytes();
