@@ -110,30 +110,27 @@ struct Delayd {
 
 impl Target for Delayd {
     async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
-        let message = |j: &Job| json!({"topic": "loadgen", "body": j.body, "deliver_at": j.due_ms});
+                // The JSON is written directly (bodies are digits, ':' and 'x', nothing to escape): the generator
+        // shares the CPU with the server, and building `Value` trees would bill it for the client's work.
+        let message = |j: &Job| format!(r#"{{"topic":"loadgen","body":"{}","deliver_at":{}}}"#, j.body, j.due_ms);
         let (path, body) = if self.batch {
-            (
-                "/v1/messages/batch",
-                json!({"messages": jobs.iter().map(message).collect::<Vec<_>>()}),
-            )
+            let messages: Vec<String> = jobs.iter().map(message).collect();
+            ("/v1/messages/batch", format!(r#"{{"messages":[{}]}}"#, messages.join(",")))
         } else {
             ("/v1/messages", message(&jobs[0]))
         };
         let response = self
             .client
             .post(format!("{}{path}", self.url))
-            .json(&body)
+            .header("content-type", "application/json")
+            .body(body)
             .send()
             .await?;
         anyhow::ensure!(response.status().is_success(), "HTTP {}", response.status());
-        if self.batch {
-            let answer: Value = response.json().await?;
-            anyhow::ensure!(
-                answer["results"]
-                    .as_array()
-                    .is_some_and(|r| r.iter().all(|x| x["id"].is_string())),
-                "a message was refused"
-            );
+                if self.batch {
+            // Every result is an id or an error object; a scan is enough to tell.
+            let answer = response.text().await?;
+            anyhow::ensure!(!answer.contains(r#""error""#), "a message was refused: {answer:.300}");
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ use base64::Engine;
 use schedulelog::{Appended, EncodedMessage, MessageId, MessageState, MessageStatus, NewMessage};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 const MAX_KEY_BYTES: usize = 1024;
 const MAX_HEADERS: usize = 64;
@@ -56,7 +56,8 @@ pub struct ScheduleRequest {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BatchRequest {
-    messages: Vec<Value>,
+    /// Kept raw, so that each message is parsed once, straight into a request, with its own error.
+    messages: Vec<Box<serde_json::value::RawValue>>,
 }
 
 /// Checks a request and turns it into a message for the log.
@@ -222,18 +223,34 @@ fn encode(message: &NewMessage) -> Result<EncodedMessage, ApiError> {
         .map_err(|e| ApiError::too_large(e.to_string()))
 }
 
-fn scheduled(appended: &Appended, topic: &str) -> Value {
-    json!({
-        "id": appended.id.to_string(),
-        "topic": topic,
-        "deliver_at": format_ms(appended.deliver_at_ms),
-        "status": "scheduled",
-    })
+/// The answer for a scheduled message (typed, not a `Value`: a batch answers thousands of them).
+#[derive(Debug, serde::Serialize)]
+struct Scheduled {
+    id: String,
+    topic: String,
+    deliver_at: String,
+    status: &'static str,
 }
 
-fn count_received(message: &NewMessage) {
-    metrics::counter!("delayd_messages_received_total", "sink" => message.sink.clone())
-        .increment(1);
+/// One result of a batch, in request order.
+#[derive(Debug, serde::Serialize)]
+#[serde(untagged)]
+enum BatchResult {
+    Scheduled(Scheduled),
+    Error { error: super::error::Problem },
+}
+
+fn scheduled(appended: &Appended, topic: &str) -> Scheduled {
+    Scheduled {
+        id: appended.id.to_string(),
+        topic: topic.to_string(),
+        deliver_at: format_ms(appended.deliver_at_ms),
+        status: "scheduled",
+    }
+}
+
+fn count_received(sink: &str, count: u64) {
+    metrics::counter!("delayd_messages_received_total", "sink" => sink.to_string()).increment(count);
 }
 
 pub async fn schedule(
@@ -264,7 +281,7 @@ pub async fn schedule(
         _ => None,
     };
     let appended = state.log.append(vec![encoded]).await?;
-    count_received(&message);
+        count_received(&message.sink, 1);
     let appended = appended
         .first()
         .ok_or_else(|| ApiError::internal("an append returned no id"))?;
@@ -300,7 +317,7 @@ pub async fn schedule_batch(
         Vec::with_capacity(batch.messages.len());
     let mut encoded = Vec::new();
     for value in batch.messages {
-        let checked = serde_json::from_value::<ScheduleRequest>(value)
+                let checked = serde_json::from_str::<ScheduleRequest>(value.get())
             .map_err(|e| {
                 ApiError::bad_request(
                     "invalid_json",
@@ -331,32 +348,37 @@ pub async fn schedule_batch(
     };
     let mut appended = match appended {
         Ok(appended) => appended.into_iter(),
-        Err(error) => {
-            let problem = serde_json::to_value(error.problem()).unwrap_or_default();
-            let answers: Vec<Value> = results
+                Err(error) => {
+            let answers: Vec<BatchResult> = results
                 .iter()
-                .map(|r| match r {
-                    Ok(_) => json!({"error": problem.clone()}),
-                    Err(e) => json!({"error": e.problem()}),
+                .map(|r| BatchResult::Error {
+                    error: match r {
+                        Ok(_) => error.problem(),
+                        Err(e) => e.problem(),
+                    },
                 })
                 .collect();
             return Ok((error.status, Json(json!({"results": answers}))).into_response());
         }
     };
     let mut answers = Vec::with_capacity(results.len());
+    let mut received: HashMap<&str, u64> = HashMap::new();
     for result in &results {
         match result {
             Ok((message, topic)) => {
-                count_received(message);
+                *received.entry(message.sink.as_str()).or_default() += 1;
                 let Some(one) = appended.next() else {
                     return Err(ApiError::internal(
                         "a batch append returned fewer ids than messages",
                     ));
                 };
-                answers.push(scheduled(&one, topic));
+                answers.push(BatchResult::Scheduled(scheduled(&one, topic)));
             }
-            Err(e) => answers.push(json!({"error": e.problem()})),
+            Err(e) => answers.push(BatchResult::Error { error: e.problem() }),
         }
+    }
+    for (sink, count) in received {
+        count_received(sink, count);
     }
     Ok(Json(json!({"results": answers})).into_response())
 }
