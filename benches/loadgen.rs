@@ -110,12 +110,20 @@ struct Delayd {
 
 impl Target for Delayd {
     async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
-                // The JSON is written directly (bodies are digits, ':' and 'x', nothing to escape): the generator
+        // The JSON is written directly (bodies are digits, ':' and 'x', nothing to escape): the generator
         // shares the CPU with the server, and building `Value` trees would bill it for the client's work.
-        let message = |j: &Job| format!(r#"{{"topic":"loadgen","body":"{}","deliver_at":{}}}"#, j.body, j.due_ms);
+        let message = |j: &Job| {
+            format!(
+                r#"{{"topic":"loadgen","body":"{}","deliver_at":{}}}"#,
+                j.body, j.due_ms
+            )
+        };
         let (path, body) = if self.batch {
             let messages: Vec<String> = jobs.iter().map(message).collect();
-            ("/v1/messages/batch", format!(r#"{{"messages":[{}]}}"#, messages.join(",")))
+            (
+                "/v1/messages/batch",
+                format!(r#"{{"messages":[{}]}}"#, messages.join(",")),
+            )
         } else {
             ("/v1/messages", message(&jobs[0]))
         };
@@ -127,10 +135,13 @@ impl Target for Delayd {
             .send()
             .await?;
         anyhow::ensure!(response.status().is_success(), "HTTP {}", response.status());
-                if self.batch {
+        if self.batch {
             // Every result is an id or an error object; a scan is enough to tell.
             let answer = response.text().await?;
-            anyhow::ensure!(!answer.contains(r#""error""#), "a message was refused: {answer:.300}");
+            anyhow::ensure!(
+                !answer.contains(r#""error""#),
+                "a message was refused: {answer:.300}"
+            );
         }
         Ok(())
     }

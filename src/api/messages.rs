@@ -250,7 +250,8 @@ fn scheduled(appended: &Appended, topic: &str) -> Scheduled {
 }
 
 fn count_received(sink: &str, count: u64) {
-    metrics::counter!("delayd_messages_received_total", "sink" => sink.to_string()).increment(count);
+    metrics::counter!("delayd_messages_received_total", "sink" => sink.to_string())
+        .increment(count);
 }
 
 pub async fn schedule(
@@ -281,7 +282,7 @@ pub async fn schedule(
         _ => None,
     };
     let appended = state.log.append(vec![encoded]).await?;
-        count_received(&message.sink, 1);
+    count_received(&message.sink, 1);
     let appended = appended
         .first()
         .ok_or_else(|| ApiError::internal("an append returned no id"))?;
@@ -317,7 +318,7 @@ pub async fn schedule_batch(
         Vec::with_capacity(batch.messages.len());
     let mut encoded = Vec::new();
     for value in batch.messages {
-                let checked = serde_json::from_str::<ScheduleRequest>(value.get())
+        let checked = serde_json::from_str::<ScheduleRequest>(value.get())
             .map_err(|e| {
                 ApiError::bad_request(
                     "invalid_json",
@@ -348,7 +349,7 @@ pub async fn schedule_batch(
     };
     let mut appended = match appended {
         Ok(appended) => appended.into_iter(),
-                Err(error) => {
+        Err(error) => {
             let answers: Vec<BatchResult> = results
                 .iter()
                 .map(|r| BatchResult::Error {
