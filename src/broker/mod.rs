@@ -287,34 +287,29 @@ impl Broker {
         let mut store = self.store();
         let mut placed = Vec::with_capacity(messages.len());
         let mut buf = Vec::new();
-        let mut units: Vec<(String, u32, [u8; 20])> = Vec::new();
+        // The new units of each queue, in order: one write and one sync per touched queue.
+        let mut units: BTreeMap<(String, u32), Vec<u8>> = BTreeMap::new();
         let mut pos = store.log_end;
         for message in messages {
-            let (queue_index, queue_offset) = {
-                let queues_per_topic = self.queues_per_topic;
-                let topic_exists = store.topics.contains_key(&message.topic);
-                if !topic_exists {
-                    let created = create_topic(&self.dir, &message.topic, queues_per_topic)?;
-                    store.topics.insert(message.topic.clone(), created);
+            if !store.topics.contains_key(&message.topic) {
+                let created = create_topic(&self.dir, &message.topic, self.queues_per_topic)?;
+                store.topics.insert(message.topic.clone(), created);
+            }
+            let topic = store.topics.get_mut(&message.topic).expect("created above");
+            let count = topic.queues.len() as u32;
+            let queue = match &message.key {
+                Some(key) => crc32c::crc32c(key.as_bytes()) % count,
+                None => {
+                    topic.next_round_robin = topic.next_round_robin.wrapping_add(1);
+                    topic.next_round_robin % count
                 }
-                let topic = store.topics.get_mut(&message.topic).expect("created above");
-                let count = topic.queues.len() as u32;
-                let index = match &message.key {
-                    Some(key) => crc32c::crc32c(key.as_bytes()) % count,
-                    None => {
-                        topic.next_round_robin = topic.next_round_robin.wrapping_add(1);
-                        topic.next_round_robin % count
-                    }
-                };
-                let pending = units
-                    .iter()
-                    .filter(|(t, q, _)| *t == message.topic && *q == index)
-                    .count() as u64;
-                (index, topic.queues[index as usize].units + pending)
             };
+            let queue_units = units.entry((message.topic.clone(), queue)).or_default();
+            let queue_offset =
+                topic.queues[queue as usize].units + (queue_units.len() as u64) / UNIT_LEN;
             let meta = StoredMeta {
                 topic: message.topic.clone(),
-                queue: queue_index,
+                queue,
                 queue_offset,
                 id: message.id.clone(),
                 key: message.key.clone(),
@@ -326,13 +321,9 @@ impl Broker {
             let start = buf.len();
             encode_record(&mut buf, &meta, &message.body);
             let len = (buf.len() - start) as u32;
-            units.push((
-                message.topic.clone(),
-                queue_index,
-                encode_unit(pos, len, message.key.as_deref()),
-            ));
+            queue_units.extend_from_slice(&encode_unit(pos, len, message.key.as_deref()));
             pos += u64::from(len);
-            placed.push((queue_index, queue_offset));
+            placed.push((queue, queue_offset));
         }
         let log_end = store.log_end;
         store
@@ -341,24 +332,17 @@ impl Broker {
             .and_then(|()| store.log.sync_data())
             .map_err(io_err(&store.log_path))?;
         store.log_end = pos;
-        let mut touched: Vec<(String, u32)> = Vec::new();
-        for (topic, queue_index, unit) in &units {
-            let queue = &mut store.topics.get_mut(topic).expect("created above").queues
-                [*queue_index as usize];
+        for ((topic, index), bytes) in &units {
+            let queue =
+                &mut store.topics.get_mut(topic).expect("created above").queues[*index as usize];
             queue
                 .file
-                .write_all_at(unit, queue.units * UNIT_LEN)
+                .write_all_at(bytes, queue.units * UNIT_LEN)
+                .and_then(|()| queue.file.sync_data())
                 .map_err(io_err(&queue.path))?;
-            queue.units += 1;
-            if !touched.contains(&(topic.clone(), *queue_index)) {
-                touched.push((topic.clone(), *queue_index));
-            }
+            queue.units += bytes.len() as u64 / UNIT_LEN;
         }
-        for (topic, queue_index) in touched {
-            let queue = &store.topics[&topic].queues[queue_index as usize];
-            queue.file.sync_data().map_err(io_err(&queue.path))?;
-        }
-        store.unsynced_since_checkpoint += units.len() as u64;
+        store.unsynced_since_checkpoint += messages.len() as u64;
         if store.unsynced_since_checkpoint >= 10_000 {
             self.sync_and_checkpoint(&mut store)?;
         }

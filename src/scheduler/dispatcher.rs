@@ -27,6 +27,11 @@ pub(crate) struct Lane {
     pub policy: SinkPolicy,
     shared: Arc<Shared>,
     seed: AtomicU64,
+    /// Metric handles, looked up once rather than per message.
+    lateness: metrics::Histogram,
+    delivered_ok: metrics::Counter,
+    delivered_retry: metrics::Counter,
+    delivered_dead: metrics::Counter,
 }
 
 /// One lane per registered sink, in registry order, then the lane for messages naming an unknown sink.
@@ -36,25 +41,43 @@ pub(crate) fn lanes(shared: &Arc<Shared>, sinks: &SinkRegistry) -> Vec<Lane> {
         .entries()
         .iter()
         .enumerate()
-        .map(|(i, e)| Lane {
-            name: e.name.clone(),
-            sink: e.sink.clone(),
-            policy: e.policy.clone(),
-            shared: shared.clone(),
-            seed: AtomicU64::new(seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+        .map(|(i, e)| {
+            let seed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            Lane::new(&e.name, e.sink.clone(), e.policy.clone(), shared, seed)
         })
         .collect();
-    lanes.push(Lane {
-        name: "(unknown)".into(),
-        sink: Arc::new(UnknownSink),
-        policy: SinkPolicy::default(),
-        shared: shared.clone(),
-        seed: AtomicU64::new(seed),
-    });
+    lanes.push(Lane::new(
+        "(unknown)",
+        Arc::new(UnknownSink),
+        SinkPolicy::default(),
+        shared,
+        seed,
+    ));
     lanes
 }
 
 impl Lane {
+    fn new(
+        name: &str,
+        sink: Arc<dyn Sink>,
+        policy: SinkPolicy,
+        shared: &Arc<Shared>,
+        seed: u64,
+    ) -> Lane {
+        let delivered = |outcome: &'static str| metrics::counter!("delayd_messages_delivered_total", "sink" => name.to_string(), "outcome" => outcome);
+        Lane {
+            name: name.to_string(),
+            sink,
+            policy,
+            shared: shared.clone(),
+            seed: AtomicU64::new(seed),
+            lateness: metrics::histogram!("delayd_delivery_lateness_seconds", "sink" => name.to_string()),
+            delivered_ok: delivered("ok"),
+            delivered_retry: delivered("retry"),
+            delivered_dead: delivered("dead"),
+        }
+    }
+
     pub(crate) async fn run(self, mut due: mpsc::Receiver<Entry>, room: Sender<()>) {
         let lane = Arc::new(self);
         let permits = Arc::new(Semaphore::new(lane.policy.max_in_flight));
@@ -101,8 +124,7 @@ impl Lane {
         let now = self.shared.clock.now_ms();
         for delivery in &deliveries {
             let late_ms = (now - delivery.message.deliver_at_ms).max(0);
-            metrics::histogram!("delayd_delivery_lateness_seconds", "sink" => self.name.clone())
-                .record(late_ms as f64 / 1000.0);
+            self.lateness.record(late_ms as f64 / 1000.0);
         }
         let mut outcomes = self.sink.deliver(&deliveries).await;
         outcomes.resize(
@@ -175,8 +197,12 @@ impl Lane {
                     }
                 }
             };
-            metrics::counter!("delayd_messages_delivered_total", "sink" => self.name.clone(), "outcome" => label)
-                .increment(1);
+            // A retry answered for a cancelled attempt counts as the retry it was.
+            match label {
+                "ok" => self.delivered_ok.increment(1),
+                "dead" => self.delivered_dead.increment(1),
+                _ => self.delivered_retry.increment(1),
+            }
             labels.push((delivery.id, label));
         }
         if !retries.is_empty() {

@@ -83,6 +83,19 @@ fn request(
     }
 }
 
+/// A tokio runtime with `workers` threads and a listener on a free loopback port.
+fn runtime_and_listener(workers: usize) -> (tokio::runtime::Runtime, tokio::net::TcpListener) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    (runtime, listener)
+}
+
 /// The service running in-process on port 0.
 struct Server {
     base: String,
@@ -110,14 +123,7 @@ impl Server {
         config.data_dir = data_dir.to_path_buf();
         config.broker.queues_per_topic = 1;
         edit(&mut config);
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = runtime
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
+        let (runtime, listener) = runtime_and_listener(2);
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {

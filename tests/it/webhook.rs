@@ -127,14 +127,7 @@ fn endpoint(script: &[(&str, Vec<&'static str>)]) -> Endpoint {
             .iter()
             .map(|(body, answers)| (body.to_string(), answers.clone())),
     );
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
+    let (runtime, listener) = runtime_and_listener(1);
     let url = format!("http://{}/hooks", listener.local_addr().unwrap());
     let app = axum::Router::new()
         .route("/hooks", axum::routing::post(receive))
