@@ -258,6 +258,7 @@ fn a_long_poll_returns_as_soon_as_a_message_arrives() {
         201
     );
     let answer = poll.join().unwrap();
+    let answered_ms = now_ms();
     let waited = started.elapsed();
     assert_eq!(answer.json["messages"][0]["body"], "second");
     assert_eq!(answer.json["next_offset"], 2);
@@ -265,6 +266,18 @@ fn a_long_poll_returns_as_soon_as_a_message_arrives() {
     assert!(
         waited >= Duration::from_millis(300) && waited < Duration::from_secs(10),
         "{waited:?}"
+    );
+    // Woken by the arrival: the answer follows the broker's store of the message closely, not a
+    // polling period or the end of the wait.
+    let stored_ms = parse(&answer.json["messages"][0]["delivered_at"]);
+    println!(
+        "answered {} ms after the message was stored",
+        answered_ms - stored_ms
+    );
+    assert!(
+        answered_ms - stored_ms < 1_000,
+        "answered {} ms after the arrival",
+        answered_ms - stored_ms
     );
     // A poll with nothing to wake it waits out its time and answers empty.
     let started = Instant::now();
