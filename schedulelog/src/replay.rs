@@ -260,10 +260,17 @@ impl Replay {
     pub(crate) fn checkpoint(&mut self) -> Result<()> {
         for (bucket, state) in &mut self.segments {
             if state.synced != state.written {
+                // A watched bucket is being delivered from: its pages are read back soon.
+                let drop_cache = !self.watched.contains(bucket);
                 state.synced = match state.writer.as_mut() {
-                    Some(writer) => writer.sync()?,
+                    Some(writer) => writer.sync(drop_cache)?,
                     None => {
-                        segment::sync_closed(&self.schedule_dir, *bucket, state.written.log_len)?;
+                        segment::sync_closed(
+                            &self.schedule_dir,
+                            *bucket,
+                            state.written.log_len,
+                            drop_cache,
+                        )?;
                         state.written
                     }
                 };

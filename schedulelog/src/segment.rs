@@ -249,10 +249,11 @@ impl SegmentWriter {
 
     /// Makes everything written durable; returns the mark the checkpoint may record.
     ///
-    /// The synced pages of the `.log` are then dropped from the page cache: a segment is read again only
-    /// when its bucket comes due, usually much later, and written-once pages kept in the cache only push
-    /// useful ones out.
-    pub(crate) fn sync(&mut self) -> Result<SegmentMark> {
+    /// With `drop_cache` the synced pages of the `.log` are then dropped from the page cache: a segment
+    /// is read again only when its bucket comes due, usually much later, and written-once pages kept in
+    /// the cache only push useful ones out. The caller keeps them for a bucket being delivered from,
+    /// whose records are read back within seconds (dropping them turns every delivery into a disk read).
+    pub(crate) fn sync(&mut self, drop_cache: bool) -> Result<SegmentMark> {
         let mark = self.flush()?;
         if self.dirty {
             self.log.sync_data().map_err(Error::io(&self.log_path))?;
@@ -260,8 +261,10 @@ impl SegmentWriter {
                 .sync_data()
                 .map_err(Error::io(&self.index_path))?;
             self.dirty = false;
-            // Advice only: a failure changes nothing that matters.
-            let _ = crate::sys::drop_cached_pages(&self.log, 0, mark.log_len);
+            if drop_cache {
+                // Advice only: a failure changes nothing that matters.
+                let _ = crate::sys::drop_cached_pages(&self.log, 0, mark.log_len);
+            }
         }
         Ok(mark)
     }
@@ -397,14 +400,19 @@ pub(crate) fn list(dir: &Path) -> Result<Vec<Bucket>> {
 
 /// Syncs the files of a segment that is not open for append (written, then closed before a checkpoint),
 /// and drops its `.log` pages from the cache as [`SegmentWriter::sync`] does.
-pub(crate) fn sync_closed(dir: &Path, bucket: Bucket, log_len: u64) -> Result<()> {
+pub(crate) fn sync_closed(
+    dir: &Path,
+    bucket: Bucket,
+    log_len: u64,
+    drop_cache: bool,
+) -> Result<()> {
     for path in [log_path(dir, bucket), index_path(dir, bucket)] {
         let file = OpenOptions::new()
             .write(true)
             .open(&path)
             .map_err(Error::io(&path))?;
         file.sync_data().map_err(Error::io(&path))?;
-        if path.extension().is_some_and(|e| e == "log") {
+        if drop_cache && path.extension().is_some_and(|e| e == "log") {
             let _ = crate::sys::drop_cached_pages(&file, 0, log_len);
         }
     }
