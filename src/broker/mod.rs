@@ -13,16 +13,21 @@
 //! broker/consumequeue/{topic}/{queue}     20-byte units: commit log offset u64 | frame size u32 |
 //!                                         tag hash u64 (CRC-32C of the key, 0 without one), LE
 //! broker/checkpoint                       commit log position below which every record has its unit
-//!                                         synced (u64 LE + CRC-32C), replaced atomically
+//!                                         synced (u64 LE + CRC-32C), replaced atomically every 10,000
+//!                                         messages
 //! broker/offsets                          JSON {group: {topic: {queue: offset}}}, replaced atomically
 //! ```
 //!
 //! Invariants and recovery:
-//! - A delivery is acknowledged to the scheduler only after its record and unit are synced, so the
-//!   dispatch log never records a delivery the broker could lose.
-//! - On open the commit log's torn tail is cut (schedulelog's tail policy); units pointing past its end
-//!   are cut; records after the checkpoint whose unit is missing get it back (each record carries its
-//!   queue offset, so this is idempotent). A record whose queue offset leaves a gap is corruption.
+//! - A delivery is acknowledged to the scheduler only after its record is synced, so the dispatch log
+//!   never records a delivery the broker could lose. Its unit is written then, and synced only at the
+//!   next checkpoint: units are derived data (each record carries its queue offset), and syncing every
+//!   queue a batch touched cost one `fdatasync` per queue per batch.
+//! - A unit is published to readers only after its record is synced.
+//! - On open the commit log's torn tail is cut (schedulelog's tail policy); units at the end of a queue
+//!   that are zero or point past the log's end are cut; every record after the checkpoint writes its unit
+//!   again (idempotent), which restores units lost or torn in a crash. A record whose queue offset leaves
+//!   a gap is corruption.
 //! - Topic names match `[A-Za-z0-9._-]{1,200}` and are not all dots, so no name reaches outside the
 //!   data dir.
 
@@ -205,15 +210,16 @@ impl Broker {
         self.store.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Cuts units that point past the commit log and restores units missing after the checkpoint.
+    /// Cuts units that are zero or point past the commit log, and rewrites the unit of every record after
+    /// the checkpoint.
     fn repair(&self, bytes: &[u8]) -> Result<(), BrokerError> {
         let mut store = self.store();
         let log_end = store.log_end;
         for topic in store.topics.values_mut() {
             for queue in &mut topic.queues {
                 while queue.units > 0 {
-                    let unit = read_unit(queue, queue.units - 1)?;
-                    if unit.0 + u64::from(unit.1) <= log_end {
+                    let (offset, len, _) = read_unit(queue, queue.units - 1)?;
+                    if offset >= LOG_HEADER_LEN && len > 0 && offset + u64::from(len) <= log_end {
                         break;
                     }
                     queue.units -= 1;
@@ -237,14 +243,15 @@ impl Broker {
                 });
             };
             let queue = self.queue_mut(&mut store, &meta.topic, meta.queue)?;
-            if meta.queue_offset == queue.units {
+            if meta.queue_offset <= queue.units {
+                // Written again even when present: an unsynced unit may be torn or zero.
                 let unit = encode_unit(pos as u64, len, meta.key.as_deref());
                 queue
                     .file
-                    .write_all_at(&unit, queue.units * UNIT_LEN)
+                    .write_all_at(&unit, meta.queue_offset * UNIT_LEN)
                     .map_err(io_err(&queue.path))?;
-                queue.units += 1;
-            } else if meta.queue_offset > queue.units {
+                queue.units = queue.units.max(meta.queue_offset + 1);
+            } else {
                 let path = queue.path.clone();
                 return Err(BrokerError::Corrupt {
                     path,
@@ -282,12 +289,12 @@ impl Broker {
             })
     }
 
-    /// Stores messages durably (commit log synced, then units synced) and wakes long polls.
+    /// Stores messages durably (commit log synced, then units written) and wakes long polls.
     pub fn append(&self, messages: &[Incoming]) -> Result<Vec<(u32, u64)>, BrokerError> {
         let mut store = self.store();
         let mut placed = Vec::with_capacity(messages.len());
         let mut buf = Vec::new();
-        // The new units of each queue, in order: one write and one sync per touched queue.
+        // The new units of each queue, in order: one write per touched queue.
         let mut units: BTreeMap<(String, u32), Vec<u8>> = BTreeMap::new();
         let mut pos = store.log_end;
         for message in messages {
@@ -338,7 +345,6 @@ impl Broker {
             queue
                 .file
                 .write_all_at(bytes, queue.units * UNIT_LEN)
-                .and_then(|()| queue.file.sync_data())
                 .map_err(io_err(&queue.path))?;
             queue.units += bytes.len() as u64 / UNIT_LEN;
         }
@@ -781,6 +787,39 @@ mod tests {
         );
         broker.append(&[incoming("t", Some("k"), "d")]).unwrap();
         assert_eq!(broker.read("t", q, 2, 10).unwrap().unwrap()[0].body, b"d");
+    }
+
+    #[test]
+    fn units_written_after_the_checkpoint_are_rewritten_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), 2).unwrap();
+        let bodies = ["a", "b", "c", "d", "e"];
+        let placed = broker
+            .append(&bodies.map(|b| incoming("t", Some("k"), b)))
+            .unwrap();
+        let q = placed[0].0;
+        drop(broker);
+
+        // Units are not synced per append; a crash may leave them zero, torn, or the file longer than
+        // what was written.
+        let path = dir.path().join(format!("broker/consumequeue/t/{q}"));
+        let f = OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(&[0; UNIT_LEN as usize], UNIT_LEN).unwrap();
+        f.write_all_at(&[9; 8], 3 * UNIT_LEN).unwrap();
+        f.write_all_at(&[0; 4], 3 * UNIT_LEN + 8).unwrap();
+        f.set_len(7 * UNIT_LEN).unwrap();
+
+        let broker = Broker::open(dir.path(), 2).unwrap();
+        let read = broker.read("t", q, 0, 10).unwrap().unwrap();
+        assert_eq!(
+            read.iter().map(|s| s.body.clone()).collect::<Vec<_>>(),
+            bodies.map(|b| b.as_bytes().to_vec()).to_vec()
+        );
+        assert_eq!(
+            broker.append(&[incoming("t", Some("k"), "f")]).unwrap()[0],
+            (q, 5),
+            "the zero units past the end were cut"
+        );
     }
 
     #[test]
