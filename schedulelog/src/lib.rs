@@ -35,7 +35,7 @@ pub use error::{AppendError, Error, Result};
 pub use id::{InvalidId, Location, MessageId};
 pub use inspect::inspect;
 pub use log::{BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog};
-pub use record::{EncodedMessage, Message, NewMessage, Outcome, OutcomeKind, TooLarge};
+pub use record::{EncodedMessage, Message, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge};
 pub use replay::Replayed;
 pub use segment::{IndexEntry, SegmentReader};
 

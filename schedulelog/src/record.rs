@@ -109,7 +109,45 @@ impl EncodedMessage {
     }
 }
 
+/// A message to append, borrowed: for callers that hold its parts elsewhere (the HTTP edge parses a
+/// batch in place) and would otherwise copy each part once more only to encode it.
+#[derive(Debug, Clone, Default)]
+pub struct MessageRef<'a> {
+    pub deliver_at_ms: i64,
+    pub topic: &'a str,
+    pub key: Option<&'a str>,
+    pub headers: &'a [(&'a str, &'a str)],
+    pub sink: &'a str,
+    pub body: &'a [u8],
+    /// As in [`NewMessage`].
+    pub retry_of: Option<(MessageId, u16)>,
+    /// As in [`NewMessage`].
+    pub dedup: bool,
+}
+
 impl NewMessage {
+    /// Encodes the message into a frame, checking every length against the format's limits.
+    pub fn encode(&self) -> Result<EncodedMessage, TooLarge> {
+        let headers: Vec<(&str, &str)> = self
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        MessageRef {
+            deliver_at_ms: self.deliver_at_ms,
+            topic: &self.topic,
+            key: self.key.as_deref(),
+            headers: &headers,
+            sink: &self.sink,
+            body: &self.body,
+            retry_of: self.retry_of,
+            dedup: self.dedup,
+        }
+        .encode()
+    }
+}
+
+impl MessageRef<'_> {
     /// Encodes the message into a frame, checking every length against the format's limits.
     pub fn encode(&self) -> Result<EncodedMessage, TooLarge> {
         let mut buf = Vec::with_capacity(64 + self.topic.len() + self.body.len());
@@ -127,9 +165,9 @@ impl NewMessage {
         buf.extend_from_slice(&first.map_or(0, |l| l.seq).to_le_bytes());
         buf.extend_from_slice(&attempt.to_le_bytes());
         buf.extend_from_slice(&id.map_or(0, |id| id.shard).to_le_bytes());
-        put_str8(&mut buf, &self.topic, "topic")?;
-        put_str8(&mut buf, &self.sink, "sink")?;
-        match &self.key {
+        put_str8(&mut buf, self.topic, "topic")?;
+        put_str8(&mut buf, self.sink, "sink")?;
+        match self.key {
             Some(key) => {
                 put_str16(&mut buf, key, "key", usize::from(DEDUP_KEY) - 1)?;
                 if self.dedup {
@@ -144,11 +182,11 @@ impl NewMessage {
             max: usize::from(u16::MAX),
         })?;
         buf.extend_from_slice(&count.to_le_bytes());
-        for (name, value) in &self.headers {
+        for (name, value) in self.headers {
             put_str16(&mut buf, name, "header name", usize::from(u16::MAX))?;
             put_bytes32(&mut buf, value.as_bytes(), "header value")?;
         }
-        put_bytes32(&mut buf, &self.body, "body")?;
+        put_bytes32(&mut buf, self.body, "body")?;
         if buf.len() - frame::HEADER_LEN > frame::MAX_PAYLOAD {
             return Err(TooLarge {
                 field: "message",
@@ -159,7 +197,7 @@ impl NewMessage {
         Ok(EncodedMessage {
             frame: buf,
             deliver_at_ms: self.deliver_at_ms,
-            sink_tag: sink_tag(&self.sink),
+            sink_tag: sink_tag(self.sink),
             dedup: self.dedup && self.key.is_some(),
             retry_of: id,
         })

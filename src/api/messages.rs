@@ -4,50 +4,83 @@
 //! after the group commit that holds it returned from `fdatasync`.
 
 use super::error::ApiError;
-use super::{format_ms, parse_rfc3339, valid_name, AppState, JsonBody};
+use super::{format_ms, parse_json, parse_rfc3339, valid_name, AppState, RawBody, Text};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
-use schedulelog::{Appended, EncodedMessage, MessageId, MessageState, MessageStatus, NewMessage};
+use schedulelog::{Appended, EncodedMessage, MessageId, MessageRef, MessageState, MessageStatus};
+use serde::de::{Deserializer, Visitor};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 
 const MAX_KEY_BYTES: usize = 1024;
 const MAX_HEADERS: usize = 64;
 const MAX_HEADER_VALUE_BYTES: usize = 8 * 1024;
 
-/// `deliver_at`: an RFC 3339 string or unix milliseconds.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum TimeField {
-    Ms(i64),
-    Text(String),
+/// `deliver_at` (RFC 3339 or unix milliseconds) and `delay` (`"30s"`-style or milliseconds): a number
+/// or a string. Read by a visitor: serde's untagged enums buffer every value before trying each variant.
+#[derive(Debug)]
+pub enum NumberOrText<'a> {
+    Number(i64),
+    Text(Cow<'a, str>),
 }
 
-/// `delay`: `"30s"`-style text or milliseconds.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum DelayField {
-    Ms(u64),
-    Text(String),
+impl<'de: 'a, 'a> Deserialize<'de> for NumberOrText<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<NumberOrText<'a>, D::Error> {
+        struct NumberOrTextVisitor;
+        impl<'de> Visitor<'de> for NumberOrTextVisitor {
+            type Value = NumberOrText<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an integer or a string")
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                Ok(NumberOrText::Number(v))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                i64::try_from(v)
+                    .map(NumberOrText::Number)
+                    .map_err(|_| E::custom(format!("{v} is out of range")))
+            }
+            fn visit_borrowed_str<E: serde::de::Error>(
+                self,
+                v: &'de str,
+            ) -> Result<Self::Value, E> {
+                Ok(NumberOrText::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(NumberOrText::Text(Cow::Owned(v.to_string())))
+            }
+        }
+        deserializer.deserialize_any(NumberOrTextVisitor)
+    }
 }
 
+/// One message to schedule, borrowing its strings from the request body where it can.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ScheduleRequest {
-    topic: String,
-    body: Option<String>,
-    body_base64: Option<String>,
-    deliver_at: Option<TimeField>,
-    delay: Option<DelayField>,
+pub struct ScheduleRequest<'a> {
+    #[serde(borrow)]
+    topic: Text<'a>,
+    #[serde(borrow)]
+    body: Option<Text<'a>>,
+    #[serde(borrow)]
+    body_base64: Option<Text<'a>>,
+    #[serde(borrow)]
+    deliver_at: Option<NumberOrText<'a>>,
+    #[serde(borrow)]
+    delay: Option<NumberOrText<'a>>,
     delay_level: Option<i64>,
-    key: Option<String>,
+    #[serde(borrow)]
+    key: Option<Text<'a>>,
     #[serde(default)]
     headers: BTreeMap<String, String>,
-    sink: Option<String>,
+    #[serde(borrow)]
+    sink: Option<Text<'a>>,
     /// With a key: while a message with this topic and key is pending, return it instead of adding one.
     #[serde(default)]
     dedup: bool,
@@ -55,34 +88,64 @@ pub struct ScheduleRequest {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BatchRequest {
+pub struct BatchRequest<'a> {
     /// Kept raw, so that each message is parsed once, straight into a request, with its own error.
-    messages: Vec<Box<serde_json::value::RawValue>>,
+    #[serde(borrow)]
+    messages: Vec<&'a RawValue>,
+}
+
+/// A checked request, still borrowing from it.
+#[derive(Debug)]
+struct Checked<'a> {
+    deliver_at_ms: i64,
+    topic: &'a str,
+    key: Option<&'a str>,
+    headers: Vec<(&'a str, &'a str)>,
+    sink: &'a str,
+    body: Cow<'a, [u8]>,
+    dedup: bool,
+}
+
+impl Checked<'_> {
+    fn encode(&self) -> Result<EncodedMessage, ApiError> {
+        MessageRef {
+            deliver_at_ms: self.deliver_at_ms,
+            topic: self.topic,
+            key: self.key,
+            headers: &self.headers,
+            sink: self.sink,
+            body: &self.body,
+            retry_of: None,
+            dedup: self.dedup,
+        }
+        .encode()
+        .map_err(|e| ApiError::too_large(e.to_string()))
+    }
 }
 
 /// Checks a request and turns it into a message for the log.
-fn validate(
+fn validate<'a>(
     state: &AppState,
-    request: ScheduleRequest,
+    request: &'a ScheduleRequest<'_>,
     now_ms: i64,
-) -> Result<(NewMessage, String), ApiError> {
+) -> Result<Checked<'a>, ApiError> {
     let config = &state.config;
-    if !valid_name(&request.topic) {
+    if !valid_name(&request.topic.0) {
         return Err(ApiError::bad_request(
             "invalid_topic",
             "topic must match [A-Za-z0-9._-]{1,200} and not be only dots",
         ));
     }
-    let deliver_at_ms = match (request.deliver_at, request.delay, request.delay_level) {
+    let deliver_at_ms = match (&request.deliver_at, &request.delay, request.delay_level) {
         (Some(at), None, None) => match at {
-            TimeField::Ms(ms) if ms >= 0 => ms,
-            TimeField::Ms(_) => {
+            NumberOrText::Number(ms) if *ms >= 0 => *ms,
+            NumberOrText::Number(_) => {
                 return Err(ApiError::bad_request(
                     "invalid_deliver_at",
                     "deliver_at must not be negative",
                 ))
             }
-            TimeField::Text(text) => parse_rfc3339(&text).ok_or_else(|| {
+            NumberOrText::Text(text) => parse_rfc3339(text).ok_or_else(|| {
                 ApiError::bad_request(
                     "invalid_deliver_at",
                     format!(
@@ -93,8 +156,13 @@ fn validate(
         },
         (None, Some(delay), None) => {
             let delay = match delay {
-                DelayField::Ms(ms) => std::time::Duration::from_millis(ms),
-                DelayField::Text(text) => crate::config::parse_duration(&text)
+                NumberOrText::Number(ms) => {
+                    let ms = u64::try_from(*ms).map_err(|_| {
+                        ApiError::bad_request("invalid_delay", "delay must not be negative")
+                    })?;
+                    std::time::Duration::from_millis(ms)
+                }
+                NumberOrText::Text(text) => crate::config::parse_duration(text)
                     .map_err(|e| ApiError::bad_request("invalid_delay", e))?,
             };
             now_ms.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
@@ -134,13 +202,15 @@ fn validate(
             ),
         ));
     }
-    let body = match (request.body, request.body_base64) {
-        (Some(text), None) => text.into_bytes(),
-        (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
-            .decode(encoded.as_bytes())
-            .map_err(|e| {
-                ApiError::bad_request("invalid_body", format!("body_base64 is not base64: {e}"))
-            })?,
+    let body: Cow<'a, [u8]> = match (&request.body, &request.body_base64) {
+        (Some(text), None) => Cow::Borrowed(text.0.as_bytes()),
+        (None, Some(encoded)) => Cow::Owned(
+            base64::engine::general_purpose::STANDARD
+                .decode(encoded.0.as_bytes())
+                .map_err(|e| {
+                    ApiError::bad_request("invalid_body", format!("body_base64 is not base64: {e}"))
+                })?,
+        ),
         (None, None) => {
             return Err(ApiError::bad_request(
                 "invalid_body",
@@ -161,7 +231,8 @@ fn validate(
             config.limits.max_message_bytes
         )));
     }
-    if let Some(key) = &request.key {
+    let key = request.key.as_ref().map(|k| &*k.0);
+    if let Some(key) = key {
         if key.is_empty() || key.len() > MAX_KEY_BYTES {
             return Err(ApiError::bad_request(
                 "invalid_key",
@@ -193,34 +264,29 @@ fn validate(
             ));
         }
     }
-    if request.dedup && request.key.is_none() {
+    if request.dedup && key.is_none() {
         return Err(ApiError::bad_request("invalid_key", "dedup needs a key"));
     }
-    let sink = request.sink.unwrap_or_else(|| "broker".into());
-    if !config.sinks.contains_key(&sink) {
+    let sink = request.sink.as_ref().map_or("broker", |s| &*s.0);
+    if !config.sinks.contains_key(sink) {
         return Err(ApiError::bad_request(
             "unknown_sink",
             format!("no sink named {sink:?} is configured"),
         ));
     }
-    let topic = request.topic.clone();
-    let message = NewMessage {
+    Ok(Checked {
         deliver_at_ms,
-        topic: request.topic,
-        key: request.key,
-        headers: request.headers.into_iter().collect(),
+        topic: &request.topic.0,
+        key,
+        headers: request
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect(),
         sink,
         body,
-        retry_of: None,
         dedup: request.dedup,
-    };
-    Ok((message, topic))
-}
-
-fn encode(message: &NewMessage) -> Result<EncodedMessage, ApiError> {
-    message
-        .encode()
-        .map_err(|e| ApiError::too_large(e.to_string()))
+    })
 }
 
 /// The answer for a scheduled message (typed and borrowed, not a `Value`: a batch answers thousands).
@@ -270,15 +336,16 @@ fn count_received(sink: &str, count: u64) {
 
 pub async fn schedule(
     State(state): State<AppState>,
-    JsonBody(request): JsonBody<ScheduleRequest>,
+    RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
-    let (message, topic) = validate(&state, request, state.clock.now_ms())?;
-    let encoded = encode(&message)?;
+    let request: ScheduleRequest = parse_json(&bytes)?;
+    let message = validate(&state, &request, state.clock.now_ms())?;
+    let encoded = message.encode()?;
     // Idempotency: check and append under one lock, so two requests with one key make one message.
-    let mut index = match (&message.dedup, &message.key) {
+    let mut index = match (message.dedup, message.key) {
         (true, Some(key)) => {
             let mut index = state.dedup.clone().lock_owned().await;
-            let dedup_key = (message.topic.clone(), key.clone());
+            let dedup_key = (message.topic.to_string(), key.to_string());
             if let Some(existing) = index.get(&dedup_key).copied() {
                 match lookup(&state, existing).await? {
                     Some(status) if status.state == MessageState::Pending => {
@@ -296,14 +363,18 @@ pub async fn schedule(
         _ => None,
     };
     let appended = state.log.append(vec![encoded]).await?;
-    count_received(&message.sink, 1);
+    count_received(message.sink, 1);
     let appended = appended
         .first()
         .ok_or_else(|| ApiError::internal("an append returned no id"))?;
     if let Some((index, dedup_key)) = index.as_mut() {
         index.insert(dedup_key.clone(), appended.id);
     }
-    Ok((StatusCode::CREATED, Json(scheduled(appended, &topic))).into_response())
+    Ok((
+        StatusCode::CREATED,
+        Json(scheduled(appended, message.topic)),
+    )
+        .into_response())
 }
 
 /// The answer for an existing pending message returned again.
@@ -318,8 +389,9 @@ fn scheduled_status(id: MessageId, status: &MessageStatus) -> Value {
 
 pub async fn schedule_batch(
     State(state): State<AppState>,
-    JsonBody(batch): JsonBody<BatchRequest>,
+    RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
+    let batch: BatchRequest = parse_json(&bytes)?;
     let max = state.config.limits.max_batch_messages;
     if batch.messages.len() > max {
         return Err(ApiError::too_large(format!(
@@ -328,32 +400,40 @@ pub async fn schedule_batch(
     }
     let now = state.clock.now_ms();
     // Validate each; the valid ones go to the log together, in one group commit.
-    let mut results: Vec<Result<(NewMessage, String), ApiError>> =
-        Vec::with_capacity(batch.messages.len());
-    let mut encoded = Vec::new();
-    for value in batch.messages {
-        let checked = serde_json::from_str::<ScheduleRequest>(value.get())
-            .map_err(|e| {
+    // Parsed first and kept: the results borrow their sink and topic from them.
+    let requests: Vec<Result<ScheduleRequest, ApiError>> = batch
+        .messages
+        .iter()
+        .map(|raw| {
+            serde_json::from_str(raw.get()).map_err(|e| {
                 ApiError::bad_request(
                     "invalid_json",
                     format!("the message is not the expected JSON: {e}"),
                 )
             })
+        })
+        .collect();
+    // (sink, topic) of each valid message, or why it is not.
+    let mut results: Vec<Result<(&str, &str), ApiError>> = Vec::with_capacity(requests.len());
+    let mut encoded = Vec::new();
+    for request in &requests {
+        let checked = request
+            .as_ref()
+            .map_err(ApiError::clone)
             .and_then(|request| validate(&state, request, now))
-            .and_then(|(message, topic)| {
+            .and_then(|message| {
                 if message.dedup {
                     Err(ApiError::bad_request(
                         "dedup_not_in_batch",
                         "send messages with dedup one at a time (POST /v1/messages)",
                     ))
                 } else {
-                    Ok((message, topic))
+                    Ok((message.encode()?, message.sink, message.topic))
                 }
-            })
-            .and_then(|(message, topic)| Ok((encode(&message)?, message, topic)));
-        results.push(checked.map(|(one, message, topic)| {
+            });
+        results.push(checked.map(|(one, sink, topic)| {
             encoded.push(one);
-            (message, topic)
+            (sink, topic)
         }));
     }
     let appended = if encoded.is_empty() {
@@ -380,8 +460,8 @@ pub async fn schedule_batch(
     let mut received: HashMap<&str, u64> = HashMap::new();
     for result in &results {
         match result {
-            Ok((message, topic)) => {
-                *received.entry(message.sink.as_str()).or_default() += 1;
+            Ok((sink, topic)) => {
+                *received.entry(sink).or_default() += 1;
                 let Some(one) = appended.next() else {
                     return Err(ApiError::internal(
                         "a batch append returned fewer ids than messages",

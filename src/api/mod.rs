@@ -19,7 +19,9 @@ use axum::Router;
 use error::ApiError;
 use metrics_exporter_prometheus::PrometheusHandle;
 use schedulelog::{Clock, ScheduleLog};
-use serde::de::DeserializeOwned;
+use serde::de::{DeserializeOwned, Visitor};
+use serde::{Deserialize, Deserializer};
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -179,21 +181,66 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
-        let bytes = Bytes::from_request(request, state)
+        let RawBody(bytes) = RawBody::from_request(request, state).await?;
+        parse_json(&bytes).map(JsonBody)
+    }
+}
+
+/// A request body as bytes, for handlers that parse it in place with [`parse_json`] (borrowing from
+/// it); 413 over the size limit as with [`JsonBody`].
+#[derive(Debug)]
+pub struct RawBody(pub Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for RawBody {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        Bytes::from_request(request, state)
             .await
+            .map(RawBody)
             .map_err(|rejection| {
                 if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                     ApiError::too_large("the request body is larger than limits.max_request_bytes")
                 } else {
                     ApiError::bad_request("invalid_body", rejection.body_text())
                 }
-            })?;
-        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
-            ApiError::bad_request(
-                "invalid_json",
-                format!("the body is not the expected JSON: {e}"),
-            )
-        })
+            })
+    }
+}
+
+/// Parses a JSON body; 400 `invalid_json` with serde's explanation for malformed JSON or wrong types.
+pub fn parse_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("the body is not the expected JSON: {e}"),
+        )
+    })
+}
+
+/// A JSON string borrowed from the request when it has no escapes (most do not), copied when it has.
+#[derive(Debug)]
+pub struct Text<'a>(pub Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Text<'a>, D::Error> {
+        struct TextVisitor;
+        impl<'de> Visitor<'de> for TextVisitor {
+            type Value = Text<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(v)))
+            }
+        }
+        deserializer.deserialize_str(TextVisitor)
     }
 }
 

@@ -162,7 +162,9 @@ impl Drop for Server {
 #[test]
 fn a_message_is_invisible_before_deliver_at_and_visible_after() {
     let server = Server::start(|_| {});
-    let sent = server.call("POST", "/v1/messages", Some(json!({"topic": "orders.timeout", "body": "order 42 unpaid", "delay": "800ms", "key": "order-42", "headers": {"traceparent": "00-abc"}})));
+    // The body and key have JSON escapes (parsed into copies), the topic none (borrowed from the request).
+    let body = "order 42 \"unpaid\"\n\u{1F4E6} 5 €";
+    let sent = server.call("POST", "/v1/messages", Some(json!({"topic": "orders.timeout", "body": body, "delay": "800ms", "key": "order\t42", "headers": {"traceparent": "00-abc"}})));
     assert_eq!(sent.status, 201, "{}", sent.json);
     assert_eq!(sent.json["status"], "scheduled");
     let id = sent.json["id"].as_str().unwrap().to_string();
@@ -185,8 +187,8 @@ fn a_message_is_invisible_before_deliver_at_and_visible_after() {
     assert_eq!(pulled.status, 200, "{}", pulled.json);
     let message = &pulled.json["messages"][0];
     assert_eq!(message["id"], json!(id));
-    assert_eq!(message["body"], "order 42 unpaid");
-    assert_eq!(message["key"], "order-42");
+    assert_eq!(message["body"], body);
+    assert_eq!(message["key"], "order\t42");
     assert_eq!(message["headers"]["traceparent"], "00-abc");
     let deliver_at = parse(&message["deliver_at"]);
     let delivered_at = parse(&message["delivered_at"]);
@@ -398,6 +400,27 @@ fn every_class_of_bad_input_gets_its_code() {
             r#"{"topic": "t", "body": "x", "delay": "soon"}"#.into(),
             400,
             "invalid_delay",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay": -5}"#.into(),
+            400,
+            "invalid_delay",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "deliver_at": 1.5}"#.into(),
+            400,
+            "invalid_json",
+        ),
+        (
+            "POST",
+            "/v1/messages",
+            r#"{"topic": "t", "body": "x", "delay": 18446744073709551615}"#.into(),
+            400,
+            "invalid_json",
         ),
         (
             "POST",
