@@ -133,26 +133,14 @@ impl Replay {
         dispatch: &DispatchLogs,
     ) -> Result<()> {
         let mut cancels = Vec::new();
-        let mut touched = Vec::new();
+        let mut messages = Vec::new();
         for record in records {
             if record.seq() < self.next_seq {
                 continue; // already applied (recovery overlaps the checkpoint)
             }
             match record {
                 WalRecord::Message { head, frame } => {
-                    let bucket = placement(head, self.width);
-                    let state = self.writer(bucket)?;
-                    let writer = state.writer.as_mut().expect("writer() opens it");
-                    if head.seq <= writer.last_seq() {
-                        continue;
-                    }
-                    let entry = writer.append(&bytes[frame.clone()], head);
-                    touched.push(bucket);
-                    if self.watched.contains(&bucket) {
-                        if let Some(tap) = &self.tap {
-                            let _ = tap.send(Replayed::Scheduled { bucket, entry });
-                        }
-                    }
+                    messages.push((placement(head, self.width), head, frame));
                 }
                 WalRecord::Cancel(cancel) => {
                     if self.segments.contains_key(&cancel.target.bucket) {
@@ -167,16 +155,27 @@ impl Replay {
                 }
             }
         }
-        touched.sort();
-        touched.dedup();
-        for bucket in touched {
-            let state = self
-                .segments
-                .get_mut(&bucket)
-                .expect("touched segments exist");
-            if let Some(writer) = state.writer.as_mut() {
-                state.written = writer.flush()?;
+        // One bucket at a time (a stable sort keeps seq order within each): a group spread over more
+        // buckets than there are open writers would otherwise reopen a segment for nearly every record.
+        messages.sort_by_key(|(bucket, _, _)| *bucket);
+        for run in messages.chunk_by(|a, b| a.0 == b.0) {
+            let bucket = run[0].0;
+            let tap = match self.watched.contains(&bucket) {
+                true => self.tap.clone(),
+                false => None,
+            };
+            let state = self.writer(bucket)?;
+            let writer = state.writer.as_mut().expect("writer() opens it");
+            for (_, head, frame) in run {
+                if head.seq <= writer.last_seq() {
+                    continue;
+                }
+                let entry = writer.append(&bytes[(*frame).clone()], head);
+                if let Some(tap) = &tap {
+                    let _ = tap.send(Replayed::Scheduled { bucket, entry });
+                }
             }
+            state.written = writer.flush()?;
         }
         if !cancels.is_empty() {
             let outcomes: Vec<_> = cancels.iter().map(|(b, o, _)| (*b, o.clone())).collect();
