@@ -50,12 +50,17 @@ start_delayd() {
   DELAYD_PID=$!
   for _ in $(seq 100); do grep -q listening "$WORK/delayd.out" && break; sleep 0.1; done
 }
-pid_of() {
+# The process whose peak RSS is reported, with its peak reset first. None for PostgreSQL: its memory is
+# spread over a process per connection sharing its buffers, and no one process's peak stands for it.
+pid_args() {
+  local pid
   case $1 in
-    delayd) echo "$DELAYD_PID" ;;
-    redis) cat "$WORK/redis.pid" ;;
-    postgres) head -1 "$WORK/pg/data/postmaster.pid" ;;
+    delayd) pid=$DELAYD_PID ;;
+    redis) pid=$(cat "$WORK/redis.pid") ;;
+    *) return ;;
   esac
+  echo 5 >"/proc/$pid/clear_refs"
+  echo --pid "$pid"
 }
 
 RESULTS="$WORK/results.jsonl"
@@ -71,7 +76,7 @@ for workload in single batch single-5k batch-50k; do
     [ "$target" = redis ] && redis-cli -p 6399 flushall >/dev/null
     echo "== $workload / $target" >&2
     "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 "${args[@]}" --delay-min-ms 1000 \
-      --delay-max-ms 10000 --pid "$(pid_of "$target")" --label "$workload" >>"$RESULTS"
+      --delay-max-ms 10000 $(pid_args "$target") --label "$workload" >>"$RESULTS"
   done
 done
 
@@ -82,7 +87,7 @@ if [ "$N_RSS" -gt 0 ]; then
     echo "== memory / $target" >&2
     "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 --mode batch --batch 1000 --concurrency 8 \
       --messages "$N_RSS" --delay-min-ms 86400000 --delay-max-ms 2592000000 --no-consume \
-      --pid "$(pid_of "$target")" --label rss >>"$RESULTS"
+      $(pid_args "$target") --label rss >>"$RESULTS"
   done
 fi
 

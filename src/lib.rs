@@ -112,7 +112,7 @@ pub async fn run_with_clock(
         .into_iter()
         .filter_map(|(_, m)| Some(((m.topic, m.key?), m.id)))
         .collect();
-    let state = api::AppState {
+    let state = Arc::new(api::Services {
         log: log.clone(),
         scheduler: scheduler.clone(),
         broker,
@@ -120,7 +120,7 @@ pub async fn run_with_clock(
         clock,
         metrics,
         dedup: Arc::new(tokio::sync::Mutex::new(dedup)),
-    };
+    });
     let router = api::router(state);
     tracing::info!(address = %listener.local_addr()?, data_dir = %config.data_dir.display(), "delayd is serving");
     axum::serve(listener, router)

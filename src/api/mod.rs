@@ -25,9 +25,12 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// What every handler gets.
-#[derive(Clone, Debug)]
-pub struct AppState {
+/// What every handler gets: one `Arc`, so that a request clones one pointer, not each service's.
+pub type AppState = Arc<Services>;
+
+/// The services behind the API.
+#[derive(Debug)]
+pub struct Services {
     pub log: Arc<ScheduleLog>,
     pub scheduler: Arc<Scheduler>,
     pub broker: Arc<Broker>,
