@@ -7,11 +7,12 @@
 //! ```
 //!
 //! It schedules `--messages` messages (one per request, or `--batch` per request) from `--concurrency`
-//! producers, with delivery times uniform in [now + delay-min, now + delay-max]; consumes the deliveries;
-//! and prints one JSON line: durable ingest rate, request latency p50/p99, delivery lateness p50/p99/max
-//! (time the consumer got it minus the due time), early deliveries, duplicates, losses, and the target
-//! process's peak RSS (`--pid`). `--no-consume` only ingests (for memory figures); `--rate` offers a
-//! fixed load instead of as much as the target takes (for lateness under a nominal load).
+//! producers, each due uniformly between delay-min and delay-max after its request is sent; consumes
+//! the deliveries (a progress bar on stderr); and prints one JSON line: durable ingest rate, request
+//! latency p50/p99, delivery lateness p50/p99/max (time the consumer got it minus the due time), early
+//! deliveries, duplicates, losses, and the target process's peak RSS (`--pid`). `--no-consume` only
+//! ingests (for memory figures); `--rate` offers a fixed load instead of as much as the target takes
+//! (for lateness under a nominal load); `--dump FILE` writes every delivery.
 //!
 //! Peers, as a competent team would build them:
 //! - Redis (`appendonly yes`, `appendfsync always`): the payload in a hash field, the due time in a
