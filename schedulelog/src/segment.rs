@@ -107,7 +107,12 @@ pub(crate) struct SegmentWriter {
     pending_index: Vec<u8>,
     /// Has data been written since the last sync?
     dirty: bool,
+    /// Where the `.log`'s next writeback chunk starts (see `flush`).
+    writeback_from: u64,
 }
+
+/// The `.log` is handed to the kernel for writeback in chunks of this size as it fills.
+const WRITEBACK_CHUNK: u64 = 4 << 20;
 
 impl SegmentWriter {
     /// Creates a new, empty segment (files with headers only; the caller syncs the directory).
@@ -147,6 +152,7 @@ impl SegmentWriter {
             pending_log: Vec::new(),
             pending_index: Vec::new(),
             dirty: true,
+            writeback_from: 0,
         })
     }
 
@@ -202,6 +208,7 @@ impl SegmentWriter {
             pending_log: Vec::new(),
             pending_index: Vec::new(),
             dirty: false,
+            writeback_from: mark.log_len / WRITEBACK_CHUNK * WRITEBACK_CHUNK,
         })
     }
 
@@ -243,6 +250,18 @@ impl SegmentWriter {
             self.pending_log.clear();
             self.pending_index.clear();
             self.dirty = true;
+            // Whole written-out chunks start their way to the disk now: left to the checkpoint, a burst
+            // makes one fdatasync of hundreds of megabytes that stalls every other sync behind it.
+            let full = self.written.log_len / WRITEBACK_CHUNK * WRITEBACK_CHUNK;
+            if full > self.writeback_from {
+                // Advice only: the checkpoint's fdatasync is what makes the data durable.
+                let _ = crate::sys::start_writeback(
+                    &self.log,
+                    self.writeback_from,
+                    full - self.writeback_from,
+                );
+                self.writeback_from = full;
+            }
         }
         Ok(self.written)
     }
