@@ -143,15 +143,13 @@ impl Replay {
                     messages.push((placement(head, self.width), head, frame));
                 }
                 WalRecord::Cancel(cancel) => {
-                    if self.segments.contains_key(&cancel.target.bucket) {
-                        let outcome = Outcome {
-                            seq: cancel.target.seq,
-                            at_ms: cancel.created_at_ms,
-                            attempt: 0,
-                            kind: OutcomeKind::Cancelled,
-                        };
-                        cancels.push((cancel.target.bucket, outcome, cancel.target));
-                    }
+                    let outcome = Outcome {
+                        seq: cancel.target.seq,
+                        at_ms: cancel.created_at_ms,
+                        attempt: 0,
+                        kind: OutcomeKind::Cancelled,
+                    };
+                    cancels.push((cancel.target.bucket, outcome, cancel.target));
                 }
             }
         }
@@ -177,6 +175,9 @@ impl Replay {
             }
             state.written = writer.flush()?;
         }
+        // Checked only now: in recovery a cancel may come in the same call as its message, whose
+        // bucket then exists only once the messages above are applied.
+        cancels.retain(|(bucket, _, _)| self.segments.contains_key(bucket));
         if !cancels.is_empty() {
             let outcomes: Vec<_> = cancels.iter().map(|(b, o, _)| (*b, o.clone())).collect();
             dispatch.append(&outcomes)?;

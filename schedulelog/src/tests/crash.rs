@@ -307,3 +307,34 @@ fn dispatch_log_cut_inside_its_last_outcome() {
         log.close().unwrap();
     }
 }
+
+#[test]
+fn a_cancel_recovered_with_its_message_still_cancels_it() {
+    // Both records in one WAL file, so that recovery applies them in one call, and in a bucket that no
+    // checkpoint lists yet: the cancel must be kept even though its bucket appears only in that call.
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let options = || Options {
+        wal_segment_bytes: 1 << 20,
+        ..options(&clock)
+    };
+    let log = ScheduleLog::open(dir.path(), options()).unwrap();
+    let kept = append_one(&log, T0 + 5 * HOUR_MS, "kept");
+    let cancelled = append_one(&log, T0 + 5 * HOUR_MS, "cancelled");
+    log.cancel(cancelled.location).wait().unwrap();
+    log.crash();
+    // As if the crash came before the replayer got to the cancel (it trails the WAL writer): the
+    // dispatch log holds nothing but that cancel's outcome.
+    fs::remove_dir_all(dir.path().join("dispatch")).unwrap();
+    fs::create_dir(dir.path().join("dispatch")).unwrap();
+
+    let log = ScheduleLog::open(dir.path(), options()).unwrap();
+    assert_eq!(
+        log.lookup(cancelled.id).unwrap().unwrap().state,
+        MessageState::Cancelled { at_ms: T0 }
+    );
+    assert_eq!(
+        log.lookup(kept.id).unwrap().unwrap().state,
+        MessageState::Pending
+    );
+}
