@@ -26,8 +26,11 @@
 //! - A unit is published to readers only after its record is synced.
 //! - On open the commit log's torn tail is cut (schedulelog's tail policy); units at the end of a queue
 //!   that are zero or point past the log's end are cut; every record after the checkpoint writes its unit
-//!   again (idempotent), which restores units lost or torn in a crash. A record whose queue offset leaves
-//!   a gap is corruption.
+//!   again (idempotent), which restores units lost or torn in a crash, and a queue that got records after
+//!   the checkpoint is cut to end right after the last of them. A record whose queue offset leaves a gap
+//!   is corruption.
+//! - A failed append cuts the commit log back to where it began; after a failed checkpoint sync no
+//!   further checkpoint is written until a restart (the kernel may have dropped those units' pages).
 //! - Topic names match `[A-Za-z0-9._-]{1,200}` and are not all dots, so no name reaches outside the
 //!   data dir.
 
@@ -126,6 +129,9 @@ struct Store {
     topics: BTreeMap<String, Topic>,
     /// Units written since the broker checkpoint.
     unsynced_since_checkpoint: u64,
+    /// A checkpoint's sync failed: the kernel may have dropped those units' pages, so no later
+    /// checkpoint may claim them; the next open rewrites every unit since the last good one.
+    checkpoint_failed: bool,
 }
 
 /// The broker store. Cheap to share (`Arc`); blocking I/O, so async callers use `spawn_blocking`.
@@ -193,6 +199,7 @@ impl Broker {
             log_end,
             topics: BTreeMap::new(),
             unsynced_since_checkpoint: 0,
+            checkpoint_failed: false,
         };
         load_topics(&dir, &mut store)?;
         let broker = Broker {
@@ -234,6 +241,9 @@ impl Broker {
         let from = read_checkpoint(&self.dir).clamp(LOG_HEADER_LEN, log_end);
         let mut pos = from as usize;
         let end = log_end as usize;
+        // Queues that got records after the checkpoint end exactly after the last of them: a unit past
+        // it can only be left over from a crash, however valid it looks.
+        let mut ends: BTreeMap<(String, u32), u64> = BTreeMap::new();
         while pos < end {
             let Some((meta, _, len)) = decode_record(&bytes[pos..end]) else {
                 return Err(BrokerError::Corrupt {
@@ -251,6 +261,7 @@ impl Broker {
                     .write_all_at(&unit, meta.queue_offset * UNIT_LEN)
                     .map_err(io_err(&queue.path))?;
                 queue.units = queue.units.max(meta.queue_offset + 1);
+                ends.insert((meta.topic.clone(), meta.queue), meta.queue_offset + 1);
             } else {
                 let path = queue.path.clone();
                 return Err(BrokerError::Corrupt {
@@ -263,6 +274,16 @@ impl Broker {
                 });
             }
             pos += len as usize;
+        }
+        for ((topic, index), units) in ends {
+            let queue = self.queue_mut(&mut store, &topic, index)?;
+            if queue.units > units {
+                queue.units = units;
+                queue
+                    .file
+                    .set_len(units * UNIT_LEN)
+                    .map_err(io_err(&queue.path))?;
+            }
         }
         self.sync_and_checkpoint(&mut store)
     }
@@ -333,11 +354,16 @@ impl Broker {
             placed.push((queue, queue_offset));
         }
         let log_end = store.log_end;
-        store
+        let written = store
             .log
             .write_all_at(&buf, log_end)
-            .and_then(|()| store.log.sync_data())
-            .map_err(io_err(&store.log_path))?;
+            .and_then(|()| store.log.sync_data());
+        if let Err(e) = written {
+            // Whatever part of the batch reached the file goes: whole frames left past the end would
+            // come back on the next open as records no one acknowledged.
+            let _ = store.log.set_len(log_end);
+            return Err(io_err(&store.log_path)(e));
+        }
         store.log_end = pos;
         for ((topic, index), bytes) in &units {
             let queue =
@@ -349,8 +375,13 @@ impl Broker {
             queue.units += bytes.len() as u64 / UNIT_LEN;
         }
         store.unsynced_since_checkpoint += messages.len() as u64;
-        if store.unsynced_since_checkpoint >= 10_000 {
-            self.sync_and_checkpoint(&mut store)?;
+        if store.unsynced_since_checkpoint >= 10_000 && !store.checkpoint_failed {
+            // The messages are stored either way; a failed checkpoint only makes the next open
+            // rewrite more units.
+            if let Err(e) = self.sync_and_checkpoint(&mut store) {
+                tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
+                store.checkpoint_failed = true;
+            }
         }
         drop(store);
         self.arrivals.notify_waiters();
@@ -803,11 +834,19 @@ mod tests {
         // Units are not synced per append; a crash may leave them zero, torn, or the file longer than
         // what was written.
         let path = dir.path().join(format!("broker/consumequeue/t/{q}"));
-        let f = OpenOptions::new().write(true).open(&path).unwrap();
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
         f.write_all_at(&[0; UNIT_LEN as usize], UNIT_LEN).unwrap();
         f.write_all_at(&[9; 8], 3 * UNIT_LEN).unwrap();
         f.write_all_at(&[0; 4], 3 * UNIT_LEN + 8).unwrap();
         f.set_len(7 * UNIT_LEN).unwrap();
+        // And stale bytes that look like a unit (a copy of the first) past the last record's.
+        let mut first = [0; UNIT_LEN as usize];
+        f.read_exact_at(&mut first, 0).unwrap();
+        f.write_all_at(&first, 6 * UNIT_LEN).unwrap();
 
         let broker = Broker::open(dir.path(), 2).unwrap();
         let read = broker.read("t", q, 0, 10).unwrap().unwrap();
@@ -818,7 +857,7 @@ mod tests {
         assert_eq!(
             broker.append(&[incoming("t", Some("k"), "f")]).unwrap()[0],
             (q, 5),
-            "the zero units past the end were cut"
+            "the units past the last record were cut"
         );
     }
 
