@@ -166,6 +166,7 @@ impl Http {
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| anyhow::anyhow!("bad status line {line:?}"))?;
         let mut length = 0;
+        let mut keep_alive = true;
         loop {
             line.clear();
             anyhow::ensure!(stream.read_line(&mut line).await? > 0, "connection closed");
@@ -177,6 +178,9 @@ impl Http {
                 if name.eq_ignore_ascii_case("content-length") {
                     length = value.trim().parse()?;
                 }
+                if name.eq_ignore_ascii_case("connection") && value.trim() == "close" {
+                    keep_alive = false;
+                }
                 anyhow::ensure!(
                     !name.eq_ignore_ascii_case("transfer-encoding"),
                     "chunked answers are not expected"
@@ -185,7 +189,9 @@ impl Http {
         }
         let mut answer = vec![0; length];
         stream.read_exact(&mut answer).await?;
-        self.idle.lock().unwrap().push(stream);
+        if keep_alive {
+            self.idle.lock().unwrap().push(stream);
+        }
         Ok((status, String::from_utf8(answer)?))
     }
 }
@@ -462,10 +468,14 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
                     if r >= requests {
                         return;
                     }
+                    // Latency counts from when the request was due to go out: a producer held up by a
+                    // slow answer sends late, and that wait is the target's too.
+                    let mut due_to_send = None;
                     if args.rate > 0 {
                         let at = r as f64 * per_request as f64 / args.rate as f64;
-                        tokio::time::sleep_until((started + Duration::from_secs_f64(at)).into())
-                            .await;
+                        let at = started + Duration::from_secs_f64(at);
+                        tokio::time::sleep_until(at.into()).await;
+                        due_to_send = Some(at);
                     }
                     let from = (r as usize) * per_request;
                     let to = (from + per_request).min(jobs.len());
@@ -487,7 +497,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
                             due.insert(j.id, j.due_ms);
                         }
                     }
-                    let sent = Instant::now();
+                    let sent = due_to_send.unwrap_or_else(Instant::now);
                     target.schedule(batch).await.unwrap();
                     latencies
                         .lock()
@@ -542,7 +552,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
         eprintln!();
         consuming.store(false, Ordering::Relaxed);
         for consumer in consumers {
-            let _ = consumer.await;
+            consumer.await.unwrap(); // a consumer that failed would show as losses
         }
         let delivered = delivered.lock().unwrap();
         let due = due.lock().unwrap();
