@@ -98,11 +98,15 @@ struct Job {
     body: String,
 }
 
-/// A delay queue under test: durable on return from `schedule`; `consume` returns what became
-/// deliverable (id, due time) and waits a little when nothing did.
+/// A delay queue under test: durable on return from `schedule`; `consume` (called in a loop by each
+/// consumer task, numbered from 0) returns what became deliverable (id, due time) and waits a little
+/// when nothing did.
 trait Target: Send + Sync + 'static {
     fn schedule(&self, jobs: Vec<Job>) -> impl Future<Output = anyhow::Result<()>> + Send;
-    fn consume(&self) -> impl Future<Output = anyhow::Result<Vec<(u64, i64)>>> + Send;
+    fn consume(
+        &self,
+        consumer: usize,
+    ) -> impl Future<Output = anyhow::Result<Vec<(u64, i64)>>> + Send;
 }
 
 // ---------------------------------------------------------------- delayd
@@ -110,10 +114,9 @@ trait Target: Send + Sync + 'static {
 struct Delayd {
     http: Http,
     batch: bool,
-    /// Consume-queue offsets; each `consume` call long-polls the next queue in turn, so that several
-    /// consumer tasks keep one long poll open per queue.
+    /// Consume-queue offsets; consumer task `i` long-polls queue `i`, so every queue always has a long
+    /// poll open (taking turns over the queues could leave one unpolled until a task came round to it).
     offsets: Vec<tokio::sync::Mutex<u64>>,
-    turn: AtomicU64,
 }
 
 /// A minimal HTTP/1.1 keep-alive client: a pool of plain connections, one request at a time on each.
@@ -225,12 +228,9 @@ impl Target for Delayd {
         Ok(())
     }
 
-    async fn consume(&self) -> anyhow::Result<Vec<(u64, i64)>> {
-        let queue = self.turn.fetch_add(1, Ordering::Relaxed) as usize % self.offsets.len();
-        let Ok(mut offset) = self.offsets[queue].try_lock() else {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-            return Ok(Vec::new());
-        };
+    async fn consume(&self, consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
+        let queue = consumer % self.offsets.len();
+        let mut offset = self.offsets[queue].lock().await;
         let path = format!(
             "/v1/topics/loadgen/queues/{queue}/messages?offset={}&max=1000&wait_ms=1000",
             *offset
@@ -294,7 +294,7 @@ impl Target for Redis {
         Ok(())
     }
 
-    async fn consume(&self) -> anyhow::Result<Vec<(u64, i64)>> {
+    async fn consume(&self, _consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
         let mut connection = self.connection.clone();
         let moved: i64 = self
             .mover
@@ -390,7 +390,7 @@ impl Target for Postgres {
         Ok(())
     }
 
-    async fn consume(&self) -> anyhow::Result<Vec<(u64, i64)>> {
+    async fn consume(&self, _consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
         let client = self.client().lock().await;
         let rows = client
             .query(
@@ -516,12 +516,12 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     // One consumer per delayd queue (each holds a long poll); two pollers for the peers.
     let consumer_count = if args.target == "delayd" { 4 } else { 2 };
     let consumers: Vec<_> = (0..consumer_count)
-        .map(|_| {
+        .map(|consumer| {
             let (target, delivered, consuming) =
                 (target.clone(), delivered.clone(), consuming.clone());
             tokio::spawn(async move {
                 while consuming.load(Ordering::Relaxed) {
-                    let got = target.consume().await.unwrap();
+                    let got = target.consume(consumer).await.unwrap();
                     let at = now_ms();
                     delivered
                         .lock()
@@ -625,7 +625,6 @@ fn main() -> anyhow::Result<()> {
                     http: Http::new(&args.url)?,
                     batch: args.mode == "batch",
                     offsets: (0..4).map(|_| tokio::sync::Mutex::new(0)).collect(),
-                    turn: AtomicU64::new(0),
                 };
                 run(Arc::new(target), args.clone()).await
             }
