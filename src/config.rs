@@ -161,7 +161,9 @@ pub struct SinkConfig {
     pub rate_per_sec: Option<f64>,
     pub burst: u32,
     pub max_in_flight: usize,
-    pub max_batch: usize,
+    /// Messages per sink call; by default 1,024 for the broker (a batch costs it one commit-log sync
+    /// however large) and 256 for a webhook (a batch is that many concurrent requests).
+    pub max_batch: Option<usize>,
     pub backoff_initial: Millis,
     pub backoff_multiplier: f64,
     pub backoff_cap: Millis,
@@ -179,7 +181,7 @@ impl Default for SinkConfig {
             rate_per_sec: None,
             burst: 100,
             max_in_flight: 4,
-            max_batch: 256,
+            max_batch: None,
             backoff_initial: Millis(Duration::from_secs(1)),
             backoff_multiplier: 2.0,
             backoff_cap: Millis(Duration::from_secs(3600)),

@@ -148,7 +148,7 @@ fn webhook_sink(
         kind: "webhook".into(),
         url: Some(url.into()),
         secret: Some(SECRET.into()),
-        max_batch: 1,
+        max_batch: Some(1),
         ..Default::default()
     };
     edit(&mut sink);
