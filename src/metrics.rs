@@ -74,6 +74,11 @@ fn describe() {
         Unit::Seconds,
         "Duration of each WAL fdatasync"
     );
+    describe_histogram!(
+        "delayd_sync_seconds",
+        Unit::Seconds,
+        "Write and fdatasync of other files, by file: broker (commit log, per delivered batch), dispatch (outcomes, per batch), checkpoint (a whole replay checkpoint, under the replayer's lock)"
+    );
     describe_histogram!("delayd_wal_batch_records", "Records per WAL group commit");
     describe_counter!(
         "delayd_wal_bytes_written_total",

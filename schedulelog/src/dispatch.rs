@@ -76,10 +76,13 @@ impl DispatchLogs {
             }
             let target = open.get_mut(bucket).expect("inserted above");
             let path = path(&self.dir, *bucket);
+            let started = std::time::Instant::now();
             let write = target
                 .file
                 .write_all_at(bytes, target.len)
                 .and_then(|()| target.file.sync_data());
+            metrics::histogram!("delayd_sync_seconds", "file" => "dispatch")
+                .record(started.elapsed().as_secs_f64());
             if let Err(e) = write {
                 // The handle's end is now unknown; reopen (and re-check the tail) next time.
                 open.remove(bucket);

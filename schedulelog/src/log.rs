@@ -685,7 +685,10 @@ fn run_replayer(
         let due = last_checkpoint.elapsed() >= options.checkpoint_interval
             || bytes_since >= options.checkpoint_bytes;
         if due && replay.checkpointed_seq != replay.next_seq {
+            let started = Instant::now();
             replay.checkpoint()?;
+            metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")
+                .record(started.elapsed().as_secs_f64());
             last_checkpoint = Instant::now();
             bytes_since = 0;
         }

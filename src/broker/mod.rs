@@ -354,10 +354,13 @@ impl Broker {
             placed.push((queue, queue_offset));
         }
         let log_end = store.log_end;
+        let started = std::time::Instant::now();
         let written = store
             .log
             .write_all_at(&buf, log_end)
             .and_then(|()| store.log.sync_data());
+        metrics::histogram!("delayd_sync_seconds", "file" => "broker")
+            .record(started.elapsed().as_secs_f64());
         if let Err(e) = written {
             // Whatever part of the batch reached the file goes: whole frames left past the end would
             // come back on the next open as records no one acknowledged.
