@@ -116,7 +116,7 @@ struct Delayd {
     batch: bool,
     /// Consume-queue offsets; consumer task `i` long-polls queue `i`, so every queue always has a long
     /// poll open (taking turns over the queues could leave one unpolled until a task came round to it).
-    offsets: Vec<tokio::sync::Mutex<u64>>,
+    offsets: Vec<AtomicU64>,
 }
 
 /// A minimal HTTP/1.1 keep-alive client: a pool of plain connections, one request at a time on each.
@@ -230,10 +230,9 @@ impl Target for Delayd {
 
     async fn consume(&self, consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
         let queue = consumer % self.offsets.len();
-        let mut offset = self.offsets[queue].lock().await;
+        let offset = self.offsets[queue].load(Ordering::Relaxed);
         let path = format!(
-            "/v1/topics/loadgen/queues/{queue}/messages?offset={}&max=1000&wait_ms=1000",
-            *offset
+            "/v1/topics/loadgen/queues/{queue}/messages?offset={offset}&max=1000&wait_ms=1000"
         );
         let (status, answer) = self.http.request("GET", &path, "").await?;
         if status == 404 {
@@ -248,7 +247,8 @@ impl Target for Delayd {
             .flatten()
             .map(|m| parse_body(m["body"].as_str().unwrap_or("")))
             .collect();
-        *offset = answer["next_offset"].as_u64().unwrap_or(*offset);
+        let next = answer["next_offset"].as_u64().unwrap_or(offset);
+        self.offsets[queue].store(next, Ordering::Relaxed);
         Ok(got)
     }
 }
@@ -624,7 +624,7 @@ fn main() -> anyhow::Result<()> {
                 let target = Delayd {
                     http: Http::new(&args.url)?,
                     batch: args.mode == "batch",
-                    offsets: (0..4).map(|_| tokio::sync::Mutex::new(0)).collect(),
+                    offsets: (0..4).map(|_| AtomicU64::new(0)).collect(),
                 };
                 run(Arc::new(target), args.clone()).await
             }

@@ -189,6 +189,14 @@ impl Default for SinkConfig {
     }
 }
 
+impl SinkConfig {
+    /// `max_batch`, or the default for the sink's kind.
+    pub fn batch_limit(&self) -> usize {
+        self.max_batch
+            .unwrap_or(if self.kind == "broker" { 1024 } else { 256 })
+    }
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -471,7 +479,17 @@ mod tests {
         assert_eq!(config.data_dir, PathBuf::from("./data"));
         assert_eq!(config.delay_levels.len(), 18);
         assert_eq!(config.delay_levels[17].0, Duration::from_secs(7200));
-        assert!(config.sinks.contains_key("broker"));
+        assert_eq!(config.sinks["broker"].batch_limit(), 1024);
+        let webhook = SinkConfig {
+            kind: "webhook".into(),
+            ..SinkConfig::default()
+        };
+        assert_eq!(webhook.batch_limit(), 256);
+        let set = SinkConfig {
+            max_batch: Some(7),
+            ..SinkConfig::default()
+        };
+        assert_eq!(set.batch_limit(), 7);
     }
 
     #[test]

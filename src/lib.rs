@@ -64,9 +64,7 @@ pub async fn run_with_clock(
     for (name, sink) in &config.sinks {
         let policy = SinkPolicy {
             max_in_flight: sink.max_in_flight,
-            max_batch: sink
-                .max_batch
-                .unwrap_or(if sink.kind == "broker" { 1024 } else { 256 }),
+            max_batch: sink.batch_limit(),
             rate_per_sec: sink.rate_per_sec,
             burst: sink.burst,
             max_attempts: sink.max_attempts,

@@ -418,7 +418,7 @@ pub(crate) fn list(dir: &Path) -> Result<Vec<Bucket>> {
 }
 
 /// Syncs the files of a segment that is not open for append (written, then closed before a checkpoint),
-/// and drops its `.log` pages from the cache as [`SegmentWriter::sync`] does.
+/// and with `drop_cache` drops its `.log` pages from the cache as [`SegmentWriter::sync`] does.
 pub(crate) fn sync_closed(
     dir: &Path,
     bucket: Bucket,
