@@ -103,6 +103,9 @@ pub struct Limits {
     pub max_request_bytes: usize,
     /// Most messages in one batch request.
     pub max_batch_messages: usize,
+    /// New messages are refused (507 `disk_full`) while the data dir's file system has less free space
+    /// than this, so that deliveries, retries and cancels still have room; 0 turns the check off.
+    pub min_free_disk_bytes: u64,
 }
 
 impl Default for Limits {
@@ -111,6 +114,7 @@ impl Default for Limits {
             max_message_bytes: 1 << 20,
             max_request_bytes: 16 << 20,
             max_batch_messages: 10_000,
+            min_free_disk_bytes: 256 << 20,
         }
     }
 }
@@ -131,6 +135,14 @@ pub struct BrokerConfig {
     pub max_pull_messages: usize,
     /// Longest `wait_ms` a long poll may ask for.
     pub max_wait: Millis,
+    /// Delivered messages stored longer ago than this are deleted, a commit log segment at a time.
+    pub retention: Millis,
+    /// The same for dead letters (topic `$dead`), kept in a commit log of their own.
+    pub dead_retention: Millis,
+    /// Size of a commit log segment, the unit retention deletes.
+    pub segment_bytes: u64,
+    /// Optional cap on the commit logs' bytes: past it the oldest segments go, retention or not.
+    pub max_bytes: Option<u64>,
 }
 
 impl Default for BrokerConfig {
@@ -139,6 +151,23 @@ impl Default for BrokerConfig {
             queues_per_topic: 4,
             max_pull_messages: 1024,
             max_wait: Millis(Duration::from_secs(30)),
+            retention: Millis(Duration::from_secs(72 * 3600)),
+            dead_retention: Millis(Duration::from_secs(7 * 86_400)),
+            segment_bytes: 1 << 30,
+            max_bytes: None,
+        }
+    }
+}
+
+impl BrokerConfig {
+    /// The broker's own settings.
+    pub fn options(&self) -> crate::broker::BrokerOptions {
+        crate::broker::BrokerOptions {
+            queues_per_topic: self.queues_per_topic,
+            segment_bytes: self.segment_bytes,
+            retention: self.retention.0,
+            dead_retention: self.dead_retention.0,
+            max_bytes: self.max_bytes,
         }
     }
 }
@@ -337,6 +366,9 @@ impl Config {
             }
             "DELAYD_MAX_MESSAGE_BYTES" => self.limits.max_message_bytes = number(value)? as usize,
             "DELAYD_MAX_REQUEST_BYTES" => self.limits.max_request_bytes = number(value)? as usize,
+            "DELAYD_MIN_FREE_DISK_BYTES" => self.limits.min_free_disk_bytes = number(value)?,
+            "DELAYD_BROKER_RETENTION" => self.broker.retention = duration(value)?,
+            "DELAYD_BROKER_MAX_BYTES" => self.broker.max_bytes = Some(number(value)?),
             "DELAYD_AUTH_TOKENS" => {
                 self.auth.tokens = value
                     .split(',')
@@ -404,6 +436,19 @@ impl Config {
             return Err(invalid(
                 "broker.queues_per_topic",
                 "must be between 1 and 1024",
+            ));
+        }
+        if self.broker.segment_bytes < 64 << 10 {
+            return Err(invalid("broker.segment_bytes", "must be at least 65536"));
+        }
+        if self
+            .broker
+            .max_bytes
+            .is_some_and(|max| max < 2 * self.broker.segment_bytes)
+        {
+            return Err(invalid(
+                "broker.max_bytes",
+                "must be at least two segments (2 × broker.segment_bytes)",
             ));
         }
         if self.auth.tokens.iter().any(|t| t.len() < 16) {

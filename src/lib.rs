@@ -51,11 +51,11 @@ pub async fn run_with_clock(
         ..Options::default()
     };
     let data_dir = config.data_dir.clone();
-    let queues = config.broker.queues_per_topic;
+    let broker_options = config.broker.options();
     let (log, broker) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let log = ScheduleLog::open(&data_dir, options)
             .with_context(|| format!("opening the data dir {}", data_dir.display()))?;
-        let broker = Broker::open(&data_dir, queues).context("opening the broker store")?;
+        let broker = Broker::open(&data_dir, broker_options).context("opening the broker store")?;
         Ok((Arc::new(log), Arc::new(broker)))
     })
     .await??;

@@ -144,15 +144,22 @@ pub async fn pull(
             ),
         ));
     }
-    let messages = state
+    let pulled = state
         .broker
         .pull(&topic, queue, query.offset, query.max, wait)
         .await
-        .map_err(ApiError::internal)?
-        .unwrap_or_default();
-    let next_offset = messages.last().map_or(query.offset, |m| m.offset + 1);
+        .map_err(ApiError::from)?;
+    let (from, messages) = pulled.map_or((query.offset, Vec::new()), |p| (p.from, p.messages));
+    // Below min_offset (retention deleted those messages) the answer starts at min_offset and says how
+    // many were skipped; next_offset moves past them even when nothing is there yet.
+    let next_offset = messages.last().map_or(from, |m| m.offset + 1);
     let messages: Vec<Value> = messages.iter().map(message_json).collect();
-    Ok(Json(json!({"messages": messages, "next_offset": next_offset})).into_response())
+    Ok(Json(json!({
+        "messages": messages,
+        "next_offset": next_offset,
+        "skipped": from.saturating_sub(query.offset),
+    }))
+    .into_response())
 }
 
 #[derive(Debug, Deserialize)]
@@ -175,8 +182,7 @@ pub async fn commit_offset(
     let (g, t) = (group.clone(), topic.clone());
     tokio::task::spawn_blocking(move || broker.commit_offset(&g, &t, queue, body.offset))
         .await
-        .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)?;
+        .map_err(ApiError::internal)??;
     Ok(Json(
         json!({"group": group, "topic": topic, "queue": queue, "offset": body.offset}),
     ))

@@ -107,6 +107,21 @@ impl From<AppendError> for ApiError {
     }
 }
 
+impl From<crate::broker::BrokerError> for ApiError {
+    fn from(error: crate::broker::BrokerError) -> ApiError {
+        if error.is_disk_full() {
+            tracing::warn!(%error, "a broker write found the disk full");
+            ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "disk_full",
+                "the disk is full; nothing was stored",
+            )
+        } else {
+            ApiError::internal(error)
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::to_vec(&self.problem()).unwrap_or_default();

@@ -1,53 +1,53 @@
 //! The built-in broker: where the `broker` sink delivers, and what consumers pull from over HTTP.
 //!
-//! RocketMQ-style: one commit log for all topics, a consume queue of fixed 20-byte units per
-//! (topic, queue), consumer group offsets, and long polling woken by arrivals.
+//! RocketMQ-style: a commit log of all topics in segment files, a consume queue of fixed 20-byte units
+//! per (topic, queue), consumer group offsets, long polling woken by arrivals, and retention that deletes
+//! whole segments once their messages are old enough (or the store is over its size cap).
 //!
 //! ```text
-//! broker/commitlog/00000000000000000000   file header (schedulelog's, magic DLYDBRK\0), then frames of
-//!                                         kind 5 whose payload is:
-//!     0   4  meta_len u32
-//!     4   ..  meta: JSON {"topic","queue","queue_offset","id","key"?,"headers","deliver_at_ms",
-//!                          "delivered_at_ms","attempt"}
-//!     ..  ..  body bytes
-//! broker/consumequeue/{topic}/{queue}     20-byte units: commit log offset u64 | frame size u32 |
-//!                                         tag hash u64 (CRC-32C of the key, 0 without one), LE
-//! broker/checkpoint                       commit log position below which every record has its unit
-//!                                         synced (u64 LE + CRC-32C), replaced atomically every 10,000
-//!                                         messages
+//! broker/commitlog/, consumequeue/, checkpoint   the main store (store.rs): every topic but `$dead`
+//! broker/dead/commitlog/, consumequeue/, checkpoint   dead letters (`$dead`), a store of their own so
+//!                                         that they can be kept longer than the messages around them
 //! broker/offsets                          JSON {group: {topic: {queue: offset}}}, replaced atomically
 //! ```
 //!
-//! Invariants and recovery:
-//! - A delivery is acknowledged to the scheduler only after its record is synced, so the dispatch log
-//!   never records a delivery the broker could lose. Its unit is written then, and synced only at the
-//!   next checkpoint: units are derived data (each record carries its queue offset), and syncing every
-//!   queue a batch touched cost one `fdatasync` per queue per batch.
-//! - A unit is published to readers only after its record is synced.
-//! - On open the commit log's torn tail is cut (schedulelog's tail policy); units at the end of a queue
-//!   that are zero or point past the log's end are cut; every record after the checkpoint writes its unit
-//!   again (idempotent), which restores units lost or torn in a crash, and a queue that got records after
-//!   the checkpoint is cut to end right after the last of them. A record whose queue offset leaves a gap
-//!   is corruption.
-//! - A failed append cuts the commit log back to where it began; after a failed checkpoint sync no
-//!   further checkpoint is written until a restart (the kernel may have dropped those units' pages).
-//! - Topic names match `[A-Za-z0-9._-]{1,200}` and are not all dots, so no name reaches outside the
-//!   data dir.
+//! A record in a commit log is a frame of kind 5 whose payload is:
+//!
+//! ```text
+//! 0   4   meta_len u32 LE
+//! 4   ..  meta: JSON {"topic","queue","queue_offset","id","key"?,"headers","deliver_at_ms",
+//!                     "delivered_at_ms","attempt"}
+//! ..  ..  body bytes
+//! ```
+//!
+//! Invariants:
+//! - A delivery is acknowledged only once its record is synced (store.rs has the details and recovery).
+//! - Retention runs beside appends and pulls, holding the stores' locks only to take segments out of the
+//!   logs; files are deleted after the locks are released (a pull that already holds one keeps reading
+//!   it). A segment goes when its newest message was stored more than `retention` ago (`dead_retention`
+//!   for `$dead`), or, oldest first across both stores, while they hold more than `max_bytes`. The
+//!   segment taking appends is never deleted.
+//! - A pull below a queue's `min_offset` is answered from `min_offset`; the answer says where it started.
+//!   Messages retention deletes before a consumer group with a committed offset on their queue read them
+//!   are counted (`delayd_broker_unread_retired_total`).
+//! - Topic names match `[A-Za-z0-9._-]{1,200}` and are not all dots (or are `$dead`), so no name reaches
+//!   outside the data dir.
+
+mod commitlog;
+mod queue;
+mod store;
 
 use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome};
-use schedulelog::frame::{self, Frames, Kind, Stop};
+use schedulelog::frame::{self, Kind};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-
-const UNIT_LEN: u64 = 20;
-const LOG_HEADER_LEN: u64 = 32;
-const LOG_MAGIC: &[u8; 8] = b"DLYDBRK\0";
+use store::Store;
 
 /// A broker failure; the HTTP edge maps it to 500 (or 507 for a full disk).
 #[derive(Debug, thiserror::Error)]
@@ -62,10 +62,45 @@ pub enum BrokerError {
     },
 }
 
+impl BrokerError {
+    /// Whether the failure was for want of disk space (nothing was stored; a later try may succeed).
+    pub fn is_disk_full(&self) -> bool {
+        matches!(self, BrokerError::Io { source, .. }
+            if matches!(source.kind(), io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded))
+    }
+}
+
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> BrokerError + '_ {
     move |source| BrokerError::Io {
         path: path.to_path_buf(),
         source,
+    }
+}
+
+/// How the broker stores and keeps messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerOptions {
+    /// Consume queues of a new topic.
+    pub queues_per_topic: u32,
+    /// Size of a commit log segment (a record larger than this gets one of its own).
+    pub segment_bytes: u64,
+    /// Messages stored longer ago than this are deleted, a segment at a time.
+    pub retention: Duration,
+    /// The same for dead letters (`$dead`).
+    pub dead_retention: Duration,
+    /// A cap on the commit logs' bytes: the oldest segments go first past it.
+    pub max_bytes: Option<u64>,
+}
+
+impl Default for BrokerOptions {
+    fn default() -> BrokerOptions {
+        BrokerOptions {
+            queues_per_topic: 4,
+            segment_bytes: 1 << 30,
+            retention: Duration::from_secs(72 * 3600),
+            dead_retention: Duration::from_secs(7 * 86_400),
+            max_bytes: None,
+        }
     }
 }
 
@@ -95,6 +130,14 @@ pub struct Stored {
     pub body: Vec<u8>,
 }
 
+/// What a pull got: the queue offset it read from (the one asked for, or the queue's `min_offset` when
+/// retention deleted the messages before it) and the messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pulled {
+    pub from: u64,
+    pub messages: Vec<Stored>,
+}
+
 /// A message to store.
 #[derive(Debug, Clone)]
 pub struct Incoming {
@@ -108,41 +151,27 @@ pub struct Incoming {
     pub body: Vec<u8>,
 }
 
-#[derive(Debug)]
-struct Queue {
-    file: File,
-    path: PathBuf,
-    units: u64,
+/// What one retention pass deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Retired {
+    pub segments: usize,
+    pub bytes: u64,
+    /// Messages deleted before a consumer group with a committed offset on their queue read them.
+    pub unread: u64,
 }
 
-#[derive(Debug, Default)]
-struct Topic {
-    queues: Vec<Queue>,
-    next_round_robin: u32,
-}
-
-#[derive(Debug)]
-struct Store {
-    log: File,
-    log_path: PathBuf,
-    log_end: u64,
-    topics: BTreeMap<String, Topic>,
-    /// Units written since the broker checkpoint.
-    unsynced_since_checkpoint: u64,
-    /// A checkpoint's sync failed: the kernel may have dropped those units' pages, so no later
-    /// checkpoint may claim them; the next open rewrites every unit since the last good one.
-    checkpoint_failed: bool,
-}
-
-/// The broker store. Cheap to share (`Arc`); blocking I/O, so async callers use `spawn_blocking`.
+/// The broker. Cheap to share (`Arc`); blocking I/O, so async callers use `spawn_blocking`.
 #[derive(Debug)]
 pub struct Broker {
     dir: PathBuf,
-    queues_per_topic: u32,
-    store: Mutex<Store>,
+    options: BrokerOptions,
+    main: Mutex<Store>,
+    dead: Mutex<Store>,
     offsets: Mutex<GroupOffsets>,
     /// Woken on every append; long polls re-check their queue.
     arrivals: tokio::sync::Notify,
+    /// Why the last write failed for want of space, until a write succeeds again.
+    disk_full: Mutex<Option<String>>,
 }
 
 /// Whether `name` is a valid topic: a valid name, or `$dead` (where dead messages go).
@@ -150,327 +179,160 @@ pub fn valid_topic(name: &str) -> bool {
     crate::api::valid_name(name) || name == crate::scheduler::DEAD_TOPIC
 }
 
+/// The stores' names in metric labels: the main store, then dead letters.
+pub const STORE_NAMES: [&str; 2] = ["main", "dead"];
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
 impl Broker {
-    pub fn open(data_dir: &Path, queues_per_topic: u32) -> Result<Broker, BrokerError> {
+    pub fn open(data_dir: &Path, options: BrokerOptions) -> Result<Broker, BrokerError> {
         let dir = data_dir.join("broker");
-        for sub in ["commitlog", "consumequeue"] {
-            let path = dir.join(sub);
-            fs::create_dir_all(&path).map_err(io_err(&path))?;
-        }
-        let log_path = dir.join("commitlog").join(format!("{:020}", 0));
-        let log = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&log_path)
-            .map_err(io_err(&log_path))?;
-        let bytes = fs::read(&log_path).map_err(io_err(&log_path))?;
-        // Shorter than its header: created just before a crash (whatever of the header got written).
-        let torn_header = bytes.len() < LOG_HEADER_LEN as usize
-            && (bytes.iter().all(|&b| b == 0)
-                || LOG_MAGIC.starts_with(&bytes[..bytes.len().min(8)]));
-        let log_end = if torn_header {
-            let mut header = [0u8; LOG_HEADER_LEN as usize];
-            header[..8].copy_from_slice(LOG_MAGIC);
-            log.set_len(0)
-                .and_then(|()| log.write_all_at(&header, 0))
-                .and_then(|()| log.sync_all())
-                .map_err(io_err(&log_path))?;
-            LOG_HEADER_LEN
-        } else {
-            if &bytes[..8.min(bytes.len())] != LOG_MAGIC {
-                return Err(BrokerError::Corrupt {
-                    path: log_path,
-                    offset: 0,
-                    reason: "not a broker commit log".into(),
-                });
-            }
-            scan_end(&log_path, &bytes)?
-        };
-        if log_end < bytes.len() as u64 {
-            log.set_len(log_end)
-                .and_then(|()| log.sync_all())
-                .map_err(io_err(&log_path))?;
-        }
-        let mut store = Store {
-            log,
-            log_path,
-            log_end,
-            topics: BTreeMap::new(),
-            unsynced_since_checkpoint: 0,
-            checkpoint_failed: false,
-        };
-        load_topics(&dir, &mut store)?;
+        let (queues, segment_bytes) = (options.queues_per_topic, options.segment_bytes);
+        let main = Store::open(&dir, queues, segment_bytes)?;
+        let dead = Store::open(&dir.join("dead"), queues, segment_bytes)?;
         let broker = Broker {
-            dir: dir.clone(),
-            queues_per_topic,
-            store: Mutex::new(store),
             offsets: Mutex::new(load_offsets(&dir)?),
+            dir,
+            options,
+            main: Mutex::new(main),
+            dead: Mutex::new(dead),
             arrivals: tokio::sync::Notify::new(),
+            disk_full: Mutex::new(None),
         };
-        broker.repair(&bytes)?;
+        broker.report_sizes();
         Ok(broker)
     }
 
-    fn store(&self) -> MutexGuard<'_, Store> {
-        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    fn store(&self, topic: &str) -> MutexGuard<'_, Store> {
+        if topic == crate::scheduler::DEAD_TOPIC {
+            lock(&self.dead)
+        } else {
+            lock(&self.main)
+        }
     }
 
-    /// Cuts units that are zero or point past the commit log, and rewrites the unit of every record after
-    /// the checkpoint.
-    fn repair(&self, bytes: &[u8]) -> Result<(), BrokerError> {
-        let mut store = self.store();
-        let log_end = store.log_end;
-        for topic in store.topics.values_mut() {
-            for queue in &mut topic.queues {
-                while queue.units > 0 {
-                    let (offset, len, _) = read_unit(queue, queue.units - 1)?;
-                    if offset >= LOG_HEADER_LEN && len > 0 && offset + u64::from(len) <= log_end {
-                        break;
-                    }
-                    queue.units -= 1;
-                }
-                queue
-                    .file
-                    .set_len(queue.units * UNIT_LEN)
-                    .and_then(|()| queue.file.sync_all())
-                    .map_err(io_err(&queue.path))?;
-            }
-        }
-        let from = read_checkpoint(&self.dir).clamp(LOG_HEADER_LEN, log_end);
-        let mut pos = from as usize;
-        let end = log_end as usize;
-        // Queues that got records after the checkpoint end exactly after the last of them: a unit past
-        // it can only be left over from a crash, however valid it looks.
-        let mut ends: BTreeMap<(String, u32), u64> = BTreeMap::new();
-        while pos < end {
-            let Some((meta, _, len)) = decode_record(&bytes[pos..end]) else {
-                return Err(BrokerError::Corrupt {
-                    path: store.log_path.clone(),
-                    offset: pos as u64,
-                    reason: "undecodable record before the end of the log".into(),
-                });
-            };
-            let queue = self.queue_mut(&mut store, &meta.topic, meta.queue)?;
-            if meta.queue_offset <= queue.units {
-                // Written again even when present: an unsynced unit may be torn or zero.
-                let unit = encode_unit(pos as u64, len, meta.key.as_deref());
-                queue
-                    .file
-                    .write_all_at(&unit, meta.queue_offset * UNIT_LEN)
-                    .map_err(io_err(&queue.path))?;
-                queue.units = queue.units.max(meta.queue_offset + 1);
-                ends.insert((meta.topic.clone(), meta.queue), meta.queue_offset + 1);
-            } else {
-                let path = queue.path.clone();
-                return Err(BrokerError::Corrupt {
-                    path,
-                    offset: queue.units * UNIT_LEN,
-                    reason: format!(
-                        "commit log record for queue offset {} leaves a gap",
-                        meta.queue_offset
-                    ),
-                });
-            }
-            pos += len as usize;
-        }
-        for ((topic, index), units) in ends {
-            let queue = self.queue_mut(&mut store, &topic, index)?;
-            if queue.units > units {
-                queue.units = units;
-                queue
-                    .file
-                    .set_len(units * UNIT_LEN)
-                    .map_err(io_err(&queue.path))?;
-            }
-        }
-        self.sync_and_checkpoint(&mut store)
+    /// Remembers whether a write failed for want of space (for [`Broker::disk_full`]).
+    fn note<T>(&self, result: &Result<T, BrokerError>) {
+        let full = match result {
+            Err(e) if e.is_disk_full() => Some(e.to_string()),
+            Err(_) => return,
+            Ok(_) => None,
+        };
+        *lock(&self.disk_full) = full;
     }
 
-    fn queue_mut<'a>(
-        &self,
-        store: &'a mut Store,
-        topic: &str,
-        queue: u32,
-    ) -> Result<&'a mut Queue, BrokerError> {
-        if !store.topics.contains_key(topic) {
-            let created = create_topic(&self.dir, topic, self.queues_per_topic)?;
-            store.topics.insert(topic.to_string(), created);
-        }
-        let topic_state = store.topics.get_mut(topic).expect("inserted above");
-        let count = topic_state.queues.len();
-        topic_state
-            .queues
-            .get_mut(queue as usize)
-            .ok_or_else(|| BrokerError::Corrupt {
-                path: PathBuf::from(topic),
-                offset: 0,
-                reason: format!("queue {queue} of a topic with {count} queues"),
-            })
+    /// Why the last write failed for want of disk space, if it did and no write has succeeded since.
+    pub fn disk_full(&self) -> Option<String> {
+        lock(&self.disk_full).clone()
     }
 
-    /// Stores messages durably (commit log synced, then units written) and wakes long polls.
+    /// Stores messages durably (commit log synced, then units written), wakes long polls, and returns
+    /// each message's queue and queue offset, in order.
     pub fn append(&self, messages: &[Incoming]) -> Result<Vec<(u32, u64)>, BrokerError> {
-        let mut store = self.store();
-        let mut placed = Vec::with_capacity(messages.len());
-        let mut buf = Vec::new();
-        // The new units of each queue, in order: one write per touched queue.
-        let mut units: BTreeMap<(String, u32), Vec<u8>> = BTreeMap::new();
-        let mut pos = store.log_end;
-        for message in messages {
-            if !store.topics.contains_key(&message.topic) {
-                let created = create_topic(&self.dir, &message.topic, self.queues_per_topic)?;
-                store.topics.insert(message.topic.clone(), created);
-            }
-            let topic = store.topics.get_mut(&message.topic).expect("created above");
-            let count = topic.queues.len() as u32;
-            let queue = match &message.key {
-                Some(key) => crc32c::crc32c(key.as_bytes()) % count,
-                None => {
-                    topic.next_round_robin = topic.next_round_robin.wrapping_add(1);
-                    topic.next_round_robin % count
-                }
-            };
-            let queue_units = units.entry((message.topic.clone(), queue)).or_default();
-            let queue_offset =
-                topic.queues[queue as usize].units + (queue_units.len() as u64) / UNIT_LEN;
-            let meta = StoredMeta {
-                topic: message.topic.clone(),
-                queue,
-                queue_offset,
-                id: message.id.clone(),
-                key: message.key.clone(),
-                headers: message.headers.clone(),
-                deliver_at_ms: message.deliver_at_ms,
-                delivered_at_ms: message.delivered_at_ms,
-                attempt: message.attempt,
-            };
-            let start = buf.len();
-            encode_record(&mut buf, &meta, &message.body);
-            let len = (buf.len() - start) as u32;
-            queue_units.extend_from_slice(&encode_unit(pos, len, message.key.as_deref()));
-            pos += u64::from(len);
-            placed.push((queue, queue_offset));
+        let result = self.append_to_stores(messages);
+        self.note(&result);
+        if result.is_ok() {
+            self.arrivals.notify_waiters();
         }
-        let log_end = store.log_end;
-        let started = std::time::Instant::now();
-        let written = store
-            .log
-            .write_all_at(&buf, log_end)
-            .and_then(|()| store.log.sync_data());
-        metrics::histogram!("delayd_sync_seconds", "file" => "broker")
-            .record(started.elapsed().as_secs_f64());
-        if let Err(e) = written {
-            // Whatever part of the batch reached the file goes: whole frames left past the end would
-            // come back on the next open as records no one acknowledged.
-            let _ = store.log.set_len(log_end);
-            return Err(io_err(&store.log_path)(e));
-        }
-        store.log_end = pos;
-        for ((topic, index), bytes) in &units {
-            let queue =
-                &mut store.topics.get_mut(topic).expect("created above").queues[*index as usize];
-            queue
-                .file
-                .write_all_at(bytes, queue.units * UNIT_LEN)
-                .map_err(io_err(&queue.path))?;
-            queue.units += bytes.len() as u64 / UNIT_LEN;
-        }
-        store.unsynced_since_checkpoint += messages.len() as u64;
-        if store.unsynced_since_checkpoint >= 10_000 && !store.checkpoint_failed {
-            // The messages are stored either way; a failed checkpoint only makes the next open
-            // rewrite more units.
-            if let Err(e) = self.sync_and_checkpoint(&mut store) {
-                tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
-                store.checkpoint_failed = true;
-            }
-        }
-        drop(store);
-        self.arrivals.notify_waiters();
-        Ok(placed)
+        result
     }
 
-    fn sync_and_checkpoint(&self, store: &mut Store) -> Result<(), BrokerError> {
-        for topic in store.topics.values() {
-            for queue in &topic.queues {
-                queue.file.sync_data().map_err(io_err(&queue.path))?;
+    fn append_to_stores(&self, messages: &[Incoming]) -> Result<Vec<(u32, u64)>, BrokerError> {
+        let stored_at_ms = messages
+            .iter()
+            .map(|m| m.delivered_at_ms)
+            .max()
+            .unwrap_or(0);
+        let is_dead = |m: &&Incoming| m.topic == crate::scheduler::DEAD_TOPIC;
+        let main: Vec<(usize, &Incoming)> = messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| !is_dead(m))
+            .collect();
+        let dead: Vec<(usize, &Incoming)> = messages
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| is_dead(m))
+            .collect();
+        let mut placed = vec![(0, 0); messages.len()];
+        for (store, part) in [(&self.main, main), (&self.dead, dead)] {
+            if part.is_empty() {
+                continue;
+            }
+            let batch: Vec<&Incoming> = part.iter().map(|(_, m)| *m).collect();
+            let stored = lock(store).append(&batch, stored_at_ms)?;
+            for ((i, _), at) in part.iter().zip(stored) {
+                placed[*i] = at;
             }
         }
-        let mut bytes = store.log_end.to_le_bytes().to_vec();
-        let crc = crc32c::crc32c(&bytes);
-        bytes.extend_from_slice(&crc.to_le_bytes());
-        let path = self.dir.join("checkpoint");
-        write_atomically(&path, &bytes)?;
-        store.unsynced_since_checkpoint = 0;
-        Ok(())
+        Ok(placed)
     }
 
     /// Topics and their queue counts.
     pub fn topics(&self) -> Vec<(String, u32)> {
-        self.store()
-            .topics
+        let mut topics: Vec<(String, u32)> = [&self.main, &self.dead]
             .iter()
-            .map(|(name, t)| (name.clone(), t.queues.len() as u32))
-            .collect()
+            .flat_map(|store| {
+                lock(store)
+                    .topics()
+                    .map(|(n, q)| (n.clone(), q))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        topics.sort();
+        topics.dedup_by(|a, b| a.0 == b.0);
+        topics
     }
 
     /// `(min_offset, max_offset)` of every queue of a topic; `None` for an unknown topic.
     pub fn queue_offsets(&self, topic: &str) -> Option<Vec<(u64, u64)>> {
-        self.store()
-            .topics
-            .get(topic)
-            .map(|t| t.queues.iter().map(|q| (0, q.units)).collect())
+        self.store(topic).queue_offsets(topic)
     }
 
-    /// Up to `max` messages of a queue from `offset`. `None` for an unknown topic or queue.
+    /// Up to `max` messages of a queue from `offset` (from `min_offset` when `offset` is below it).
+    /// `None` for an unknown topic or queue. The records are read after the store's lock is released.
     pub fn read(
         &self,
         topic: &str,
         queue: u32,
         offset: u64,
         max: usize,
-    ) -> Result<Option<Vec<Stored>>, BrokerError> {
-        let store = self.store();
-        let Some(q) = store
-            .topics
-            .get(topic)
-            .and_then(|t| t.queues.get(queue as usize))
-        else {
+    ) -> Result<Option<Pulled>, BrokerError> {
+        let (plan, log_dir) = {
+            let store = self.store(topic);
+            (store.plan_read(topic, queue, offset, max)?, store.log_dir())
+        };
+        let Some(plan) = plan else {
             return Ok(None);
         };
-        let end = q.units.min(offset.saturating_add(max as u64));
-        let mut out = Vec::new();
-        for at in offset..end {
-            let (log_offset, len, _) = read_unit(q, at)?;
-            if len as usize > frame::MAX_PAYLOAD + frame::HEADER_LEN
-                || log_offset.saturating_add(u64::from(len)) > store.log_end
-            {
-                return Err(BrokerError::Corrupt {
-                    path: q.path.clone(),
-                    offset: at * UNIT_LEN,
-                    reason: format!("unit points outside the commit log ({log_offset}+{len})"),
-                });
-            }
+        let mut messages = Vec::with_capacity(plan.records.len());
+        for (at, file, pos, len) in plan.records {
             let mut bytes = vec![0u8; len as usize];
-            store
-                .log
-                .read_exact_at(&mut bytes, log_offset)
-                .map_err(io_err(&store.log_path))?;
-            let Some((meta, body, _)) = decode_record(&bytes) else {
+            file.read_exact_at(&mut bytes, pos)
+                .map_err(io_err(&log_dir))?;
+            let Some((meta, body)) = decode_record(&bytes) else {
                 return Err(BrokerError::Corrupt {
-                    path: store.log_path.clone(),
-                    offset: log_offset,
-                    reason: "unit points at an undecodable record".into(),
+                    path: log_dir,
+                    offset: pos,
+                    reason: format!("queue offset {at} points at an undecodable record"),
                 });
             };
-            out.push(Stored {
+            messages.push(Stored {
                 offset: at,
                 meta,
                 body: body.to_vec(),
             });
         }
-        Ok(Some(out))
+        Ok(Some(Pulled {
+            from: plan.from,
+            messages,
+        }))
     }
 
     /// A future that completes at the next append after it was created (enable it before checking).
@@ -486,7 +348,7 @@ impl Broker {
         offset: u64,
         max: usize,
         wait: Duration,
-    ) -> Result<Option<Vec<Stored>>, BrokerError> {
+    ) -> Result<Option<Pulled>, BrokerError> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let notified = self.arrivals();
@@ -501,9 +363,11 @@ impl Broker {
                     source: io::Error::other(e.to_string()),
                 })??;
             match read {
-                Some(messages) if messages.is_empty() && tokio::time::Instant::now() < deadline => {
+                Some(pulled)
+                    if pulled.messages.is_empty() && tokio::time::Instant::now() < deadline =>
+                {
                     if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                        return Ok(Some(messages));
+                        return Ok(Some(pulled));
                     }
                 }
                 other => return Ok(other),
@@ -519,26 +383,123 @@ impl Broker {
         queue: u32,
         offset: u64,
     ) -> Result<(), BrokerError> {
-        let mut offsets = self.offsets.lock().unwrap_or_else(|p| p.into_inner());
-        offsets
+        let mut offsets = lock(&self.offsets);
+        let previous = offsets
             .entry(group.to_string())
             .or_default()
             .entry(topic.to_string())
             .or_default()
             .insert(queue, offset);
         let bytes = serde_json::to_vec(&*offsets).unwrap_or_default();
-        write_atomically(&self.dir.join("offsets"), &bytes)
+        let written = write_atomically(&self.dir.join("offsets"), &bytes);
+        if written.is_err() {
+            // Not stored: the group keeps the offset it had.
+            let queues = offsets
+                .get_mut(group)
+                .and_then(|g| g.get_mut(topic))
+                .expect("inserted above");
+            match previous {
+                Some(previous) => queues.insert(queue, previous),
+                None => queues.remove(&queue),
+            };
+        }
+        drop(offsets);
+        self.note(&written);
+        written
     }
 
     /// A group's committed offsets for a topic, by queue.
     pub fn group_offsets(&self, group: &str, topic: &str) -> BTreeMap<u32, u64> {
-        self.offsets
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        lock(&self.offsets)
             .get(group)
             .and_then(|g| g.get(topic))
             .cloned()
             .unwrap_or_default()
+    }
+
+    /// Deletes the segments whose messages are past their retention, then the oldest ones while the
+    /// stores hold more than `max_bytes`, with the consume-queue files that pointed only into them.
+    pub fn enforce_retention(&self, now_ms: i64) -> Result<Retired, BrokerError> {
+        let retention = [
+            millis(self.options.retention),
+            millis(self.options.dead_retention),
+        ];
+        let mut main = lock(&self.main);
+        let mut dead = lock(&self.dead);
+        let stores: [&mut Store; 2] = [&mut main, &mut dead];
+        let mut taken: [Vec<commitlog::Segment>; 2] = [Vec::new(), Vec::new()];
+        loop {
+            let oldest = [
+                stores[0].log.oldest_sealed_ms(),
+                stores[1].log.oldest_sealed_ms(),
+            ];
+            let expired = (0..2).find(|&i| {
+                oldest[i].is_some_and(|newest| newest.saturating_add(retention[i]) <= now_ms)
+            });
+            let bytes = stores[0].log.bytes() + stores[1].log.bytes();
+            let over_cap = self.options.max_bytes.is_some_and(|max| bytes > max);
+            let oldest_first = match oldest {
+                [Some(a), Some(b)] => Some(if b < a { 1 } else { 0 }),
+                [Some(_), None] => Some(0),
+                [None, Some(_)] => Some(1),
+                [None, None] => None,
+            };
+            let Some(i) = expired.or(oldest_first.filter(|_| over_cap)) else {
+                break;
+            };
+            match stores[i].take_oldest() {
+                Some(segment) => taken[i].push(segment),
+                None => break,
+            }
+        }
+        let mut retired = Retired::default();
+        let mut doomed: [(PathBuf, Vec<PathBuf>); 2] = Default::default();
+        for (i, store) in stores.into_iter().enumerate() {
+            if taken[i].is_empty() {
+                continue;
+            }
+            let (moved, files) = store.retire_queues()?;
+            retired.unread += self.unread(&moved);
+            doomed[i] = (store.log_dir(), files);
+        }
+        drop(main);
+        drop(dead);
+        for (i, name) in STORE_NAMES.iter().enumerate() {
+            if taken[i].is_empty() {
+                continue;
+            }
+            commitlog::remove(&doomed[i].0, &taken[i])?;
+            store::remove_files(&doomed[i].1)?;
+            let bytes: u64 = taken[i].iter().map(|s| s.len).sum();
+            retired.segments += taken[i].len();
+            retired.bytes += bytes;
+            metrics::counter!("delayd_broker_retired_bytes_total", "store" => *name)
+                .increment(bytes);
+        }
+        metrics::counter!("delayd_broker_unread_retired_total").increment(retired.unread);
+        self.report_sizes();
+        Ok(retired)
+    }
+
+    /// Messages in the ranges retention moved queues past that a consumer group had not read yet.
+    fn unread(&self, moved: &[store::Moved]) -> u64 {
+        let offsets = lock(&self.offsets);
+        let mut unread = 0;
+        for (topic, queue, from, to) in moved {
+            for group in offsets.values() {
+                if let Some(&at) = group.get(topic).and_then(|t| t.get(queue)) {
+                    unread += to.saturating_sub(at.max(*from));
+                }
+            }
+        }
+        unread
+    }
+
+    fn report_sizes(&self) {
+        for (store, name) in [&self.main, &self.dead].into_iter().zip(STORE_NAMES) {
+            let bytes = lock(store).log.bytes();
+            metrics::gauge!("delayd_broker_bytes", "store" => name).set(bytes as f64);
+        }
     }
 }
 
@@ -551,129 +512,22 @@ fn encode_record(buf: &mut Vec<u8>, meta: &StoredMeta, body: &[u8]) {
     frame::finish(buf, at, Kind::Broker);
 }
 
-/// (meta, body, frame length) of the record at the start of `bytes`.
-fn decode_record(bytes: &[u8]) -> Option<(StoredMeta, &[u8], u32)> {
+/// (meta, body) of a whole record frame.
+fn decode_record(bytes: &[u8]) -> Option<(StoredMeta, &[u8])> {
     match frame::decode(bytes) {
         frame::Next::Frame {
             kind: Kind::Broker,
             payload,
-        } => {
-            let meta_len = u32::from_le_bytes(payload.get(..4)?.try_into().ok()?) as usize;
-            let meta: StoredMeta = serde_json::from_slice(payload.get(4..4 + meta_len)?).ok()?;
-            let body = payload.get(4 + meta_len..)?;
-            Some((meta, body, (frame::HEADER_LEN + payload.len()) as u32))
-        }
+        } if frame::HEADER_LEN + payload.len() == bytes.len() => decode_payload(payload),
         _ => None,
     }
 }
 
-fn encode_unit(log_offset: u64, len: u32, key: Option<&str>) -> [u8; 20] {
-    let mut unit = [0u8; 20];
-    unit[..8].copy_from_slice(&log_offset.to_le_bytes());
-    unit[8..12].copy_from_slice(&len.to_le_bytes());
-    let tag = key.map_or(0, |k| u64::from(crc32c::crc32c(k.as_bytes())));
-    unit[12..].copy_from_slice(&tag.to_le_bytes());
-    unit
-}
-
-fn read_unit(queue: &Queue, index: u64) -> Result<(u64, u32, u64), BrokerError> {
-    let mut unit = [0u8; 20];
-    queue
-        .file
-        .read_exact_at(&mut unit, index * UNIT_LEN)
-        .map_err(io_err(&queue.path))?;
-    let u64_at = |r: std::ops::Range<usize>| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&unit[r]);
-        u64::from_le_bytes(b)
-    };
-    let offset = u64_at(0..8);
-    let tag = u64_at(12..20);
-    Ok((
-        offset,
-        u32::from_le_bytes([unit[8], unit[9], unit[10], unit[11]]),
-        tag,
-    ))
-}
-
-/// The end of the valid records of a commit log, applying schedulelog's tail policy.
-fn scan_end(path: &Path, bytes: &[u8]) -> Result<u64, BrokerError> {
-    let body = &bytes[LOG_HEADER_LEN as usize..];
-    let mut frames = Frames::new(body);
-    for _ in frames.by_ref() {}
-    match frames.stop() {
-        Some(Stop::End { at }) if at == body.len() => Ok(LOG_HEADER_LEN + at as u64),
-        Some(Stop::End { at }) | Some(Stop::Invalid { at, .. }) => {
-            frame::check_torn_tail(path, body, LOG_HEADER_LEN, at, "torn broker record").map_err(
-                |e| BrokerError::Corrupt {
-                    path: path.to_path_buf(),
-                    offset: LOG_HEADER_LEN + at as u64,
-                    reason: e.to_string(),
-                },
-            )?;
-            Ok(LOG_HEADER_LEN + at as u64)
-        }
-        None => Ok(bytes.len() as u64),
-    }
-}
-
-fn create_topic(dir: &Path, topic: &str, queues: u32) -> Result<Topic, BrokerError> {
-    if !valid_topic(topic) {
-        return Err(BrokerError::Corrupt {
-            path: PathBuf::from(topic),
-            offset: 0,
-            reason: "invalid topic name".into(),
-        });
-    }
-    let topic_dir = dir.join("consumequeue").join(topic);
-    fs::create_dir_all(&topic_dir).map_err(io_err(&topic_dir))?;
-    let mut state = Topic::default();
-    for queue in 0..queues {
-        state.queues.push(open_queue(&topic_dir, queue)?);
-    }
-    sync_dir(&topic_dir)?;
-    sync_dir(&dir.join("consumequeue"))?;
-    Ok(state)
-}
-
-fn open_queue(topic_dir: &Path, queue: u32) -> Result<Queue, BrokerError> {
-    let path = topic_dir.join(queue.to_string());
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(io_err(&path))?;
-    let len = file.metadata().map_err(io_err(&path))?.len();
-    Ok(Queue {
-        file,
-        path,
-        units: len / UNIT_LEN,
-    })
-}
-
-fn load_topics(dir: &Path, store: &mut Store) -> Result<(), BrokerError> {
-    let queues_dir = dir.join("consumequeue");
-    for entry in fs::read_dir(&queues_dir).map_err(io_err(&queues_dir))? {
-        let entry = entry.map_err(io_err(&queues_dir))?;
-        let Some(name) = entry.file_name().to_str().map(String::from) else {
-            continue;
-        };
-        if !valid_topic(&name) {
-            continue;
-        }
-        let mut count = 0;
-        while entry.path().join(count.to_string()).exists() {
-            count += 1;
-        }
-        let mut topic = Topic::default();
-        for queue in 0..count {
-            topic.queues.push(open_queue(&entry.path(), queue)?);
-        }
-        store.topics.insert(name, topic);
-    }
-    Ok(())
+/// (meta, body) of a record's payload.
+fn decode_payload(payload: &[u8]) -> Option<(StoredMeta, &[u8])> {
+    let meta_len = u32::from_le_bytes(payload.get(..4)?.try_into().ok()?) as usize;
+    let meta: StoredMeta = serde_json::from_slice(payload.get(4..4 + meta_len)?).ok()?;
+    Some((meta, payload.get(4 + meta_len..)?))
 }
 
 fn load_offsets(dir: &Path) -> Result<GroupOffsets, BrokerError> {
@@ -689,24 +543,15 @@ fn load_offsets(dir: &Path) -> Result<GroupOffsets, BrokerError> {
     }
 }
 
-fn read_checkpoint(dir: &Path) -> u64 {
-    let Ok(bytes) = fs::read(dir.join("checkpoint")) else {
-        return 0;
-    };
-    if bytes.len() != 12 || crc32c::crc32c(&bytes[..8]).to_le_bytes() != bytes[8..12] {
-        return 0; // replaying from the start is always correct, only slower
-    }
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&bytes[..8]);
-    u64::from_le_bytes(b)
-}
-
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), BrokerError> {
     let tmp = path.with_extension("tmp");
-    fs::write(&tmp, bytes)
+    let written = fs::write(&tmp, bytes)
         .and_then(|()| File::open(&tmp)?.sync_all())
-        .and_then(|()| fs::rename(&tmp, path))
-        .map_err(io_err(path))?;
+        .and_then(|()| fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(io_err(path)(e));
+    }
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 
@@ -767,22 +612,61 @@ mod tests {
     use super::*;
 
     fn incoming(topic: &str, key: Option<&str>, body: &str) -> Incoming {
+        stored_at(topic, key, body, 2)
+    }
+
+    fn stored_at(topic: &str, key: Option<&str>, body: &str, at_ms: i64) -> Incoming {
         Incoming {
             topic: topic.into(),
             id: format!("id-{body}"),
             key: key.map(String::from),
             headers: BTreeMap::new(),
             deliver_at_ms: 1,
-            delivered_at_ms: 2,
+            delivered_at_ms: at_ms,
             attempt: 0,
             body: body.as_bytes().to_vec(),
         }
     }
 
+    fn options(queues: u32) -> BrokerOptions {
+        BrokerOptions {
+            queues_per_topic: queues,
+            ..BrokerOptions::default()
+        }
+    }
+
+    /// Small segments, so that a few hundred messages make several.
+    fn small(queues: u32) -> BrokerOptions {
+        BrokerOptions {
+            segment_bytes: 64 << 10,
+            retention: Duration::from_secs(3600),
+            ..options(queues)
+        }
+    }
+
+    fn bodies(pulled: &Pulled) -> Vec<String> {
+        pulled
+            .messages
+            .iter()
+            .map(|m| String::from_utf8(m.body.clone()).unwrap())
+            .collect()
+    }
+
+    fn files(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+
+    const LOG_0: &str = "broker/commitlog/00000000000000000000";
+
     #[test]
     fn append_read_reopen_and_repair() {
         let dir = tempfile::tempdir().unwrap();
-        let broker = Broker::open(dir.path(), 2).unwrap();
+        let broker = Broker::open(dir.path(), options(2)).unwrap();
         let placed = broker
             .append(&[
                 incoming("t", Some("k"), "a"),
@@ -794,69 +678,69 @@ mod tests {
         assert_eq!(placed[1].1, placed[0].1 + 1);
         let q = placed[0].0;
         let read = broker.read("t", q, 0, 10).unwrap().unwrap();
-        assert_eq!(
-            read.iter().map(|s| s.body.clone()).collect::<Vec<_>>(),
-            vec![b"a".to_vec(), b"b".to_vec()]
-        );
-        assert_eq!(read[1].offset, 1);
+        assert_eq!(bodies(&read), ["a", "b"]);
+        assert_eq!(read.messages[1].offset, 1);
         assert_eq!(broker.read("nope", 0, 0, 10).unwrap(), None);
         drop(broker);
 
         // Lose the last unit of queue q: reopening restores it from the commit log.
-        let path = dir.path().join(format!("broker/consumequeue/t/{q}"));
-        let f = OpenOptions::new().write(true).open(&path).unwrap();
-        f.set_len(UNIT_LEN).unwrap();
+        let path = dir
+            .path()
+            .join(format!("broker/consumequeue/t/{q}/00000000000000000000"));
+        let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(queue::UNIT_LEN).unwrap();
         fs::remove_file(dir.path().join("broker/checkpoint")).unwrap();
         // And append garbage to the commit log (a torn write).
-        let log = dir.path().join("broker/commitlog/00000000000000000000");
-        let lf = OpenOptions::new().append(true).open(&log).unwrap();
+        let log = dir.path().join(LOG_0);
+        let lf = fs::OpenOptions::new().append(true).open(&log).unwrap();
         lf.write_all_at(&[7u8; 13], lf.metadata().unwrap().len())
             .unwrap();
-        let broker = Broker::open(dir.path(), 2).unwrap();
+        let broker = Broker::open(dir.path(), options(2)).unwrap();
         let read = broker.read("t", q, 0, 10).unwrap().unwrap();
-        assert_eq!(read.len(), 2);
+        assert_eq!(read.messages.len(), 2);
         assert_eq!(
             broker.topics(),
             vec![("t".to_string(), 2), ("u".to_string(), 2)]
         );
         broker.append(&[incoming("t", Some("k"), "d")]).unwrap();
-        assert_eq!(broker.read("t", q, 2, 10).unwrap().unwrap()[0].body, b"d");
+        assert_eq!(bodies(&broker.read("t", q, 2, 10).unwrap().unwrap()), ["d"]);
     }
 
     #[test]
     fn units_written_after_the_checkpoint_are_rewritten_on_open() {
         let dir = tempfile::tempdir().unwrap();
-        let broker = Broker::open(dir.path(), 2).unwrap();
-        let bodies = ["a", "b", "c", "d", "e"];
+        let broker = Broker::open(dir.path(), options(2)).unwrap();
+        let names = ["a", "b", "c", "d", "e"];
         let placed = broker
-            .append(&bodies.map(|b| incoming("t", Some("k"), b)))
+            .append(&names.map(|b| incoming("t", Some("k"), b)))
             .unwrap();
         let q = placed[0].0;
         drop(broker);
 
         // Units are not synced per append; a crash may leave them zero, torn, or the file longer than
         // what was written.
-        let path = dir.path().join(format!("broker/consumequeue/t/{q}"));
-        let f = OpenOptions::new()
+        let path = dir
+            .path()
+            .join(format!("broker/consumequeue/t/{q}/00000000000000000000"));
+        let f = fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open(&path)
             .unwrap();
-        f.write_all_at(&[0; UNIT_LEN as usize], UNIT_LEN).unwrap();
-        f.write_all_at(&[9; 8], 3 * UNIT_LEN).unwrap();
-        f.write_all_at(&[0; 4], 3 * UNIT_LEN + 8).unwrap();
-        f.set_len(7 * UNIT_LEN).unwrap();
+        let unit = queue::UNIT_LEN;
+        f.write_all_at(&[0; queue::UNIT_LEN as usize], unit)
+            .unwrap();
+        f.write_all_at(&[9; 8], 3 * unit).unwrap();
+        f.write_all_at(&[0; 4], 3 * unit + 8).unwrap();
+        f.set_len(7 * unit).unwrap();
         // And stale bytes that look like a unit (a copy of the first) past the last record's.
-        let mut first = [0; UNIT_LEN as usize];
+        let mut first = [0; queue::UNIT_LEN as usize];
         f.read_exact_at(&mut first, 0).unwrap();
-        f.write_all_at(&first, 6 * UNIT_LEN).unwrap();
+        f.write_all_at(&first, 6 * unit).unwrap();
 
-        let broker = Broker::open(dir.path(), 2).unwrap();
+        let broker = Broker::open(dir.path(), options(2)).unwrap();
         let read = broker.read("t", q, 0, 10).unwrap().unwrap();
-        assert_eq!(
-            read.iter().map(|s| s.body.clone()).collect::<Vec<_>>(),
-            bodies.map(|b| b.as_bytes().to_vec()).to_vec()
-        );
+        assert_eq!(bodies(&read), names);
         assert_eq!(
             broker.append(&[incoming("t", Some("k"), "f")]).unwrap()[0],
             (q, 5),
@@ -867,27 +751,257 @@ mod tests {
     #[test]
     fn a_commit_log_torn_inside_its_header_is_started_afresh() {
         let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("broker/commitlog/00000000000000000000");
+        let log = dir.path().join(LOG_0);
         fs::create_dir_all(log.parent().unwrap()).unwrap();
-        let mut torn = LOG_MAGIC.to_vec();
+        let mut torn = b"DLYDBRK\0".to_vec();
         torn.extend([0u8; 12]);
         fs::write(&log, &torn).unwrap();
-        let broker = Broker::open(dir.path(), 1).unwrap();
+        let broker = Broker::open(dir.path(), options(1)).unwrap();
         broker.append(&[incoming("t", None, "after")]).unwrap();
         assert_eq!(
-            broker.read("t", 0, 0, 1).unwrap().unwrap()[0].body,
-            b"after"
+            bodies(&broker.read("t", 0, 0, 1).unwrap().unwrap()),
+            ["after"]
         );
     }
 
     #[test]
     fn offsets_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
-        let broker = Broker::open(dir.path(), 1).unwrap();
+        let broker = Broker::open(dir.path(), options(1)).unwrap();
         broker.commit_offset("g", "t", 0, 13).unwrap();
         drop(broker);
-        let broker = Broker::open(dir.path(), 1).unwrap();
+        let broker = Broker::open(dir.path(), options(1)).unwrap();
         assert_eq!(broker.group_offsets("g", "t"), BTreeMap::from([(0, 13)]));
         assert!(broker.group_offsets("other", "t").is_empty());
+    }
+
+    /// 600 messages of 1 KiB in batches of 50, stored an hour apart per batch from `t0`.
+    fn fill(broker: &Broker, t0: i64) {
+        let body = "x".repeat(1000);
+        for batch in 0..12 {
+            let messages: Vec<Incoming> = (0..50)
+                .map(|i| {
+                    stored_at(
+                        "t",
+                        None,
+                        &format!("{batch:02}-{i:02}-{body}"),
+                        t0 + batch * 3_600_000,
+                    )
+                })
+                .collect();
+            broker.append(&messages).unwrap();
+        }
+    }
+
+    #[test]
+    fn retention_deletes_old_segments_and_pulls_below_min_offset_start_at_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let t0 = 1_796_117_400_000;
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        fill(&broker, t0);
+        let log_dir = dir.path().join("broker/commitlog");
+        let segments = files(&log_dir).len();
+        assert!(segments >= 8, "1 KiB x 600 in 64 KiB segments: {segments}");
+        broker.commit_offset("slow", "t", 0, 10).unwrap();
+        broker.commit_offset("done", "t", 0, 600).unwrap();
+        // Nothing is old enough yet.
+        assert_eq!(broker.enforce_retention(t0).unwrap(), Retired::default());
+
+        // Five hours later, batches stored more than an hour before are gone (a segment at a time).
+        let retired = broker.enforce_retention(t0 + 5 * 3_600_000).unwrap();
+        assert!(retired.segments > 0 && retired.bytes > 0, "{retired:?}");
+        let (min, max) = broker.queue_offsets("t").unwrap()[0];
+        assert_eq!(max, 600);
+        assert!((150..=250).contains(&min), "about 4 batches gone: {min}");
+        assert_eq!(
+            retired.unread,
+            min - 10,
+            "only the slow group missed messages"
+        );
+        assert_eq!(files(&log_dir).len(), segments - retired.segments);
+        // A pull below min_offset is answered from it.
+        let pulled = broker.read("t", 0, 3, 2).unwrap().unwrap();
+        assert_eq!(pulled.from, min);
+        assert_eq!(pulled.messages[0].offset, min);
+        assert!(bodies(&pulled)[0].starts_with(&format!("{:02}-", min / 50)));
+        // Queue files that only pointed into deleted segments are gone too.
+        let queue_files = files(&dir.path().join("broker/consumequeue/t/0"));
+        assert!(
+            queue_files[0].parse::<u64>().unwrap() > 0,
+            "{queue_files:?}"
+        );
+
+        // Reopened, the minimum is recomputed from the log, and nothing else changed.
+        drop(broker);
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        assert_eq!(broker.queue_offsets("t").unwrap()[0], (min, 600));
+        assert_eq!(
+            broker.read("t", 0, 599, 5).unwrap().unwrap().messages.len(),
+            1
+        );
+
+        // Everything expired: all but the segment taking appends go, and appends go on.
+        broker.enforce_retention(t0 + 100 * 3_600_000).unwrap();
+        assert_eq!(files(&log_dir).len(), 1);
+        broker.append(&[stored_at("t", None, "later", t0)]).unwrap();
+        let (min, max) = broker.queue_offsets("t").unwrap()[0];
+        assert_eq!(max, 601);
+        assert_eq!(
+            bodies(&broker.read("t", 0, 600, 10).unwrap().unwrap()),
+            ["later"]
+        );
+        assert!(min <= 600);
+    }
+
+    #[test]
+    fn a_deletion_cut_short_by_a_crash_is_finished_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let t0 = 1_796_117_400_000;
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        fill(&broker, t0);
+        drop(broker);
+        let log_dir = dir.path().join("broker/commitlog");
+        let segments = files(&log_dir);
+        // Retention had deleted the oldest two segments, then the process died: the queue files that
+        // pointed into them are still there. And a third segment's deletion reached the disk while an
+        // older one's did not (a gap).
+        fs::remove_file(log_dir.join(&segments[0])).unwrap();
+        fs::remove_file(log_dir.join(&segments[2])).unwrap();
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        assert_eq!(
+            files(&log_dir),
+            segments[3..].to_vec(),
+            "the file before the gap went"
+        );
+        let (min, max) = broker.queue_offsets("t").unwrap()[0];
+        assert_eq!(max, 600);
+        let pulled = broker.read("t", 0, 0, 1000).unwrap().unwrap();
+        assert_eq!(pulled.from, min);
+        assert_eq!(pulled.messages.len() as u64, 600 - min);
+        let queue_files = files(&dir.path().join("broker/consumequeue/t/0"));
+        assert!(
+            queue_files[0].parse::<u64>().unwrap() <= min,
+            "queue files wholly below min_offset went: {queue_files:?}"
+        );
+        assert!(pulled.messages[0].meta.queue_offset == min && min > 0);
+        assert!(pulled.messages[0].offset == min);
+        drop(broker);
+        // And opening again changes nothing.
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        assert_eq!(broker.queue_offsets("t").unwrap()[0], (min, 600));
+    }
+
+    #[test]
+    fn max_bytes_deletes_the_oldest_segments_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let t0 = 1_796_117_400_000;
+        let options = BrokerOptions {
+            max_bytes: Some(256 << 10),
+            retention: Duration::from_secs(1 << 30),
+            ..small(1)
+        };
+        let broker = Broker::open(dir.path(), options.clone()).unwrap();
+        fill(&broker, t0);
+        let retired = broker.enforce_retention(t0).unwrap();
+        assert!(retired.segments > 0);
+        let log_bytes: u64 = fs::read_dir(dir.path().join("broker/commitlog"))
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum();
+        assert!(log_bytes <= 256 << 10, "{log_bytes}");
+        let pulled = broker.read("t", 0, 0, 1000).unwrap().unwrap();
+        assert_eq!(
+            pulled.messages.last().unwrap().offset,
+            599,
+            "the newest stay"
+        );
+        assert!(pulled.from > 0);
+    }
+
+    #[test]
+    fn dead_letters_live_in_their_own_store_with_their_own_retention() {
+        let dir = tempfile::tempdir().unwrap();
+        let t0 = 1_796_117_400_000;
+        let options = BrokerOptions {
+            dead_retention: Duration::from_secs(100 * 3600),
+            ..small(1)
+        };
+        let broker = Broker::open(dir.path(), options).unwrap();
+        let dead = crate::scheduler::DEAD_TOPIC;
+        let body = "y".repeat(1000);
+        for batch in 0..12 {
+            let messages: Vec<Incoming> = (0..50)
+                .map(|i| {
+                    let topic = if i % 2 == 0 { "t" } else { dead };
+                    stored_at(
+                        topic,
+                        None,
+                        &format!("{batch}-{i}-{body}"),
+                        t0 + batch * 3_600_000,
+                    )
+                })
+                .collect();
+            let placed = broker.append(&messages).unwrap();
+            // Each store numbers its own queues.
+            assert_eq!(placed[1].1, batch as u64 * 25);
+        }
+        assert!(dir
+            .path()
+            .join("broker/dead/consumequeue")
+            .join(dead)
+            .is_dir());
+        broker.enforce_retention(t0 + 20 * 3_600_000).unwrap();
+        let main_min = broker.queue_offsets("t").unwrap()[0].0;
+        assert!(main_min > 250, "all but the last segment went: {main_min}");
+        assert_eq!(
+            broker.queue_offsets(dead).unwrap()[0],
+            (0, 300),
+            "dead letters stay"
+        );
+        assert_eq!(
+            broker.topics(),
+            vec![(dead.to_string(), 1), ("t".to_string(), 1)]
+        );
+    }
+
+    #[test]
+    fn a_failed_append_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        let body = "z".repeat(1000);
+        broker
+            .append(
+                &(0..60)
+                    .map(|i| incoming("t", None, &format!("{i}{body}")))
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
+        let log_dir = dir.path().join("broker/commitlog");
+        let before = files(&log_dir);
+        let last = log_dir.join(before.last().unwrap());
+        let end =
+            before.last().unwrap().parse::<u64>().unwrap() + fs::metadata(&last).unwrap().len();
+        // The next segment cannot be created: a directory is in its way.
+        let blocker = log_dir.join(format!("{end:020}"));
+        fs::create_dir(&blocker).unwrap();
+        let batch: Vec<Incoming> = (0..70)
+            .map(|i| incoming("t", None, &format!("b{i}{body}")))
+            .collect();
+        assert!(broker.append(&batch).is_err());
+        assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 60, "no units");
+        assert_eq!(
+            fs::metadata(&last).unwrap().len() + before.last().unwrap().parse::<u64>().unwrap(),
+            end,
+            "the log was cut back"
+        );
+        fs::remove_dir(&blocker).unwrap();
+        let placed = broker.append(&batch).unwrap();
+        assert_eq!(placed[0].1, 60, "queue offsets go on without a gap");
+        let pulled = broker.read("t", 0, 58, 4).unwrap().unwrap();
+        assert_eq!(pulled.messages.len(), 4);
+        assert!(bodies(&pulled)[2].starts_with("b0"));
+        drop(broker);
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 130);
     }
 }
