@@ -3,85 +3,15 @@
 
 #![allow(clippy::unwrap_used, reason = "tests stop at the first failure")]
 
+#[path = "../common/mod.rs"]
+mod common;
 mod webhook;
 
+use common::{now_ms, parse, request, spawn, Answer};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(60)))
-        .build()
-        .into()
-}
-
-/// An HTTP answer: status, content type and JSON body (Null when the body is not JSON).
-struct Answer {
-    status: u16,
-    content_type: String,
-    json: Value,
-}
-
-fn request(
-    base: &str,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-    token: Option<&str>,
-) -> Answer {
-    let url = format!("{base}{path}");
-    let agent = agent();
-    let mut response = match method {
-        "GET" | "DELETE" => {
-            let mut r = if method == "GET" {
-                agent.get(&url)
-            } else {
-                agent.delete(&url)
-            };
-            if let Some(t) = token {
-                r = r.header("Authorization", &format!("Bearer {t}"));
-            }
-            r.call().unwrap()
-        }
-        _ => {
-            let mut r = match method {
-                "PUT" => agent.put(&url),
-                "PATCH" => agent.patch(&url),
-                _ => agent.post(&url),
-            };
-            if let Some(t) = token {
-                r = r.header("Authorization", &format!("Bearer {t}"));
-            }
-            r.header("Content-Type", "application/json")
-                .send(body.unwrap_or(""))
-                .unwrap()
-        }
-    };
-    let status = response.status().as_u16();
-    let content_type = response
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    let text = response.body_mut().read_to_string().unwrap_or_default();
-    Answer {
-        status,
-        content_type,
-        json: serde_json::from_str(&text).unwrap_or(Value::Null),
-    }
-}
+use std::time::{Duration, Instant};
 
 /// A tokio runtime with `workers` threads and a listener on a free loopback port.
 fn runtime_and_listener(workers: usize) -> (tokio::runtime::Runtime, tokio::net::TcpListener) {
@@ -209,13 +139,6 @@ fn a_message_is_invisible_before_deliver_at_and_visible_after() {
         (cancel.status, cancel.json["code"].as_str()),
         (409, Some("already_delivered"))
     );
-}
-
-fn parse(value: &Value) -> i64 {
-    let text = value.as_str().unwrap();
-    let parsed =
-        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).unwrap();
-    (parsed.unix_timestamp_nanos() / 1_000_000) as i64
 }
 
 #[test]
@@ -585,39 +508,12 @@ fn every_class_of_bad_input_gets_its_code() {
     assert_eq!(ok.status, 201);
 }
 
-/// The real binary, listening on a port it picked.
-struct Process {
-    child: Child,
-    base: String,
-}
-
-fn spawn(data_dir: &std::path::Path) -> Process {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_delayd"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(data_dir)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .trim()
-        .strip_prefix("delayd listening on ")
-        .expect("the address line")
-        .to_string();
-    Process { child, base }
-}
-
 #[test]
 fn kill_nine_after_acks_then_restart_delivers_every_acknowledged_message() {
     let dir = tempfile::tempdir().unwrap();
     let mut acked = std::collections::BTreeMap::new();
     for round in 0..3 {
-        let mut process = spawn(dir.path());
+        let mut process = spawn(dir.path(), &[]);
         // Acknowledged messages, due 0.5–2.5 s from now, some in batches.
         for i in 0..60 {
             let delay = 500 + (i * 37) % 2000;
@@ -630,11 +526,10 @@ fn kill_nine_after_acks_then_restart_delivers_every_acknowledged_message() {
                 format!("r{round}-{i}"),
             );
         }
-        process.child.kill().unwrap(); // SIGKILL, right after the acks
-        process.child.wait().unwrap();
+        process.kill(); // SIGKILL, right after the acks
     }
     // Restart and consume until every acknowledged message arrived.
-    let mut process = spawn(dir.path());
+    let mut process = spawn(dir.path(), &[]);
     let mut seen = std::collections::BTreeMap::<String, u32>::new();
     let mut offsets = [0u64; 4]; // the binary runs with the default 4 queues per topic
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -674,18 +569,13 @@ fn kill_nine_after_acks_then_restart_delivers_every_acknowledged_message() {
         seen.len()
     );
     // A graceful stop exits 0.
-    let stopped = Command::new("kill")
-        .args(["-TERM", &process.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(stopped.success());
-    assert!(process.child.wait().unwrap().success());
+    assert!(process.terminate().success());
 }
 
 #[test]
 fn the_cli_sends_tails_and_inspects() {
     let dir = tempfile::tempdir().unwrap();
-    let mut process = spawn(dir.path());
+    let process = spawn(dir.path(), &[]);
     let cli = |args: &[&str]| {
         let output = Command::new(env!("CARGO_BIN_EXE_delayd"))
             .args(args)
@@ -751,8 +641,6 @@ fn the_cli_sends_tails_and_inspects() {
         dump.contains("topic \"cli\"") && dump.contains("1 records; clean end"),
         "{dump}"
     );
-    process.child.kill().unwrap();
-    process.child.wait().unwrap();
 }
 
 /// The queue of a topic that holds its only message.
@@ -862,7 +750,7 @@ fn crash_soak_with_kill_nine_under_load() {
         seed
     };
     for round in 0..kills {
-        let mut process = spawn(dir.path());
+        let mut process = spawn(dir.path(), &[]);
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         // Four producers: two send one message per request, two send batches of 50.
         let producers: Vec<_> = (0..4)
@@ -895,15 +783,14 @@ fn crash_soak_with_kill_nine_under_load() {
             .collect();
         // Kill at a random moment 100–700 ms into the load.
         std::thread::sleep(Duration::from_millis(100 + next() % 600));
-        process.child.kill().unwrap();
-        process.child.wait().unwrap();
+        process.kill();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         for producer in producers {
             let _ = producer.join();
         }
     }
     // The independent consumer: read every queue to the end after a final restart.
-    let mut process = spawn(dir.path());
+    let process = spawn(dir.path(), &[]);
     let acked = acked.lock().unwrap().clone();
     let mut seen = std::collections::BTreeMap::<String, u32>::new();
     let mut early = 0;
@@ -944,6 +831,4 @@ fn crash_soak_with_kill_nine_under_load() {
         "the load was real: {} acknowledged",
         acked.len()
     );
-    process.child.kill().unwrap();
-    process.child.wait().unwrap();
 }
