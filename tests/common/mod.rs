@@ -100,6 +100,24 @@ pub fn request(
     }
 }
 
+/// The series of a Prometheus text exposition (`GET /metrics`) and their values, e.g.
+/// `delayd_messages_received_total{sink="broker"}` → 0.
+pub fn scrape(base: &str) -> std::collections::BTreeMap<String, f64> {
+    let mut response = agent(Duration::from_secs(60))
+        .get(&format!("{base}/metrics"))
+        .call()
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let text = response.body_mut().read_to_string().unwrap();
+    text.lines()
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .map(|line| {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            (series.to_string(), value.parse().unwrap())
+        })
+        .collect()
+}
+
 /// Lines of a child's output, read by a thread of their own so a test can wait for one with a deadline.
 /// Every line is also appended to a file, for the post-mortem.
 #[derive(Debug)]

@@ -7,7 +7,7 @@
 mod common;
 mod webhook;
 
-use common::{now_ms, parse, request, spawn, Answer};
+use common::{now_ms, parse, request, scrape, spawn, Answer};
 use serde_json::{json, Value};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -727,4 +727,63 @@ fn dedup_keys_return_the_pending_message_even_across_restarts() {
         batch.json["results"][0]["error"]["code"],
         "dedup_not_in_batch"
     );
+}
+
+/// Dashboards, `rate()` and absence alerts need every series with a bounded label set to exist at 0 from
+/// the start, for every configured sink: on a fresh data dir and after a restart, before any message.
+#[test]
+fn every_bounded_series_exists_at_zero_from_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("delayd.toml");
+    std::fs::write(
+        &config,
+        "[sinks.billing]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/hooks\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n",
+    )
+    .unwrap();
+    let data_dir = dir.path().join("data");
+    let mut per_sink = Vec::new();
+    for sink in ["broker", "billing"] {
+        per_sink.push(format!(
+            r#"delayd_messages_received_total{{sink="{sink}"}}"#
+        ));
+        for outcome in ["ok", "retry", "dead"] {
+            per_sink.push(format!(
+                r#"delayd_messages_delivered_total{{sink="{sink}",outcome="{outcome}"}}"#
+            ));
+        }
+    }
+    let unlabelled = [
+        "delayd_messages_cancelled_total",
+        "delayd_wal_poisoned_total",
+        "delayd_read_errors_total",
+        "delayd_log_corruptions_total",
+        "delayd_log_torn_tails_total",
+        "delayd_wal_bytes_written_total",
+        "delayd_pending_messages",
+        "delayd_wheel_entries",
+        "delayd_segments",
+    ];
+    for run in ["fresh", "restarted"] {
+        let process = spawn(&data_dir, &["--config", config.to_str().unwrap()]);
+        let series = scrape(&process.base);
+        for name in &per_sink {
+            assert_eq!(series.get(name), Some(&0.0), "{run}: {name} in {series:#?}");
+        }
+        for name in unlabelled {
+            assert!(series.contains_key(name), "{run}: {name} in {series:#?}");
+        }
+        // The restart finds a pending message in the data dir, but nothing counted it in this process.
+        let sent = request(
+            &process.base,
+            "POST",
+            "/v1/messages",
+            Some(r#"{"topic": "later", "body": "x", "delay": "1h"}"#),
+            None,
+        );
+        assert_eq!(sent.status, 201);
+        assert_eq!(
+            scrape(&process.base).get(r#"delayd_messages_received_total{sink="broker"}"#),
+            Some(&1.0)
+        );
+    }
 }
