@@ -1,5 +1,7 @@
 //! Integration tests: the real service on a loopback port (in-process through `delayd::run`, or the real
-//! binary where a process must die), real files, real HTTP. All in one binary so they link once.
+//! binary where a process must die, through `common::spawn`), real files, real HTTP. All in one binary so
+//! they link once; the crash soak has a binary of its own (`tests/soak.rs`) so that it never runs beside
+//! these parallel tests.
 
 #![allow(clippy::unwrap_used, reason = "tests stop at the first failure")]
 
