@@ -89,6 +89,7 @@ pub async fn run_with_clock(
         };
         sinks.register(name, target, policy)?;
     }
+    metrics::register_series(config.sinks.keys().map(String::as_str));
     let scheduler_config = SchedulerConfig {
         tick_ms: i64::from(config.tick_ms),
         preload: config.preload.0,

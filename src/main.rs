@@ -102,8 +102,13 @@ struct TailArgs {
     /// One queue; all queues when absent
     #[arg(long)]
     queue: Option<u32>,
-    /// Start at the first message instead of the end (ignored for queues the group has an offset for)
-    #[arg(long)]
+    /// Where to start in the queues the group has no offset for. end: the messages that arrive after
+    /// tail starts (for a topic that does not exist yet, every message from its first); beginning: also
+    /// what the queues already hold
+    #[arg(long, value_enum, default_value_t = Start::End)]
+    from: Start,
+    /// The older spelling of --from beginning
+    #[arg(long, hide = true, conflicts_with = "from")]
     from_beginning: bool,
     /// Consumer group: start from its offsets and commit them as messages are printed
     #[arg(long)]
@@ -111,6 +116,12 @@ struct TailArgs {
     /// Exit after this many messages
     #[arg(long)]
     count: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Start {
+    Beginning,
+    End,
 }
 
 fn main() -> std::process::ExitCode {
@@ -198,8 +209,13 @@ fn agent() -> ureq::Agent {
         .into()
 }
 
-/// Sends a request and returns the JSON answer, or fails with the problem's detail.
-fn call(client: &Client, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<Value> {
+/// Sends a request and returns the status and the JSON answer (Null when the body is not JSON).
+fn exchange(
+    client: &Client,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> anyhow::Result<(u16, Value)> {
     let url = format!("{}{path}", client.url.trim_end_matches('/'));
     let agent = agent();
     let auth = client.token.as_ref().map(|t| format!("Bearer {t}"));
@@ -225,14 +241,46 @@ fn call(client: &Client, method: &str, path: &str, body: Option<&Value>) -> anyh
         _ => bail!("unsupported request"),
     }
     .with_context(|| format!("{method} {url}"))?;
-    let status = response.status();
+    let status = response.status().as_u16();
     let value: Value = response.body_mut().read_json().unwrap_or(Value::Null);
-    if !status.is_success() {
-        let detail = value["detail"].as_str().unwrap_or("no detail");
-        let code = value["code"].as_str().unwrap_or("?");
-        bail!("{method} {path}: {status} {code}: {detail}");
+    Ok((status, value))
+}
+
+/// Sends a request and returns the JSON answer, or fails with the problem's detail.
+fn call(client: &Client, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<Value> {
+    let (status, value) = exchange(client, method, path, body)?;
+    if !(200..300).contains(&status) {
+        return Err(problem(method, path, status, &value));
     }
     Ok(value)
+}
+
+fn problem(method: &str, path: &str, status: u16, value: &Value) -> anyhow::Error {
+    let detail = value["detail"].as_str().unwrap_or("no detail");
+    let code = value["code"].as_str().unwrap_or("?");
+    anyhow::anyhow!("{method} {path}: {status} {code}: {detail}")
+}
+
+/// `(min_offset, max_offset)` of each queue of a topic; None while the topic does not exist (it does once
+/// a message was delivered to it).
+fn queue_offsets(client: &Client, topic: &str) -> anyhow::Result<Option<Vec<(u64, u64)>>> {
+    let path = format!("/v1/topics/{topic}");
+    let (status, info) = exchange(client, "GET", &path, None)?;
+    match status {
+        404 => Ok(None),
+        200 => Ok(Some(
+            info["queues"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|q| {
+                    let offset = |name: &str| q[name].as_u64().unwrap_or(0);
+                    (offset("min_offset"), offset("max_offset"))
+                })
+                .collect(),
+        )),
+        _ => Err(problem("GET", &path, status, &info)),
+    }
 }
 
 fn send(args: SendArgs) -> anyhow::Result<()> {
@@ -271,30 +319,43 @@ fn send(args: SendArgs) -> anyhow::Result<()> {
 
 fn tail(args: TailArgs) -> anyhow::Result<()> {
     let topic = &args.topic;
-    let queues: Vec<u32> = match args.queue {
-        Some(q) => vec![q],
+    let from = if args.from_beginning {
+        Start::Beginning
+    } else {
+        args.from
+    };
+    // Where each queue starts is fixed now, when tail starts, not when it gets to poll the queue: a
+    // message delivered meanwhile is printed, not skipped. A topic that does not exist yet has nothing
+    // in it: every queue starts at offset 0 (its beginning and its end at this moment), however late
+    // tail learns how many queues it has.
+    let starts: Vec<u64> = match queue_offsets(&args.client, topic)? {
+        Some(queues) => queues
+            .iter()
+            .map(|&(min, max)| if from == Start::Beginning { min } else { max })
+            .collect(),
         None => {
-            // Wait for the topic to exist (it does once a message was delivered to it).
+            eprintln!("delayd tail: topic {topic:?} does not exist yet; waiting for it, to print it from its first message");
             loop {
-                let topics = call(&args.client, "GET", "/v1/topics", None)?;
-                let found = topics["topics"]
-                    .as_array()
-                    .and_then(|ts| ts.iter().find(|t| t["name"] == json!(topic)))
-                    .and_then(|t| t["queues"].as_u64());
-                if let Some(n) = found {
-                    break (0..n as u32).collect();
+                // On a missing topic this long poll waits for the next delivery to any topic.
+                let wait = format!("/v1/topics/{topic}/queues/0/messages?wait_ms=20000");
+                let (status, answer) = exchange(&args.client, "GET", &wait, None)?;
+                if status != 200 && status != 404 {
+                    return Err(problem("GET", &wait, status, &answer));
                 }
-                call(
-                    &args.client,
-                    "GET",
-                    &format!("/v1/topics/{topic}/queues/0/messages?wait_ms=20000"),
-                    None,
-                )
-                .ok();
+                if let Some(queues) = queue_offsets(&args.client, topic)? {
+                    break vec![0; queues.len()];
+                }
             }
         }
     };
-    let info = call(&args.client, "GET", &format!("/v1/topics/{topic}"), None)?;
+    let queues: Vec<u32> = match args.queue {
+        Some(q) if (q as usize) < starts.len() => vec![q],
+        Some(q) => bail!(
+            "topic {topic:?} has {} queues; there is no queue {q}",
+            starts.len()
+        ),
+        None => (0..starts.len() as u32).collect(),
+    };
     let committed = match &args.group {
         Some(group) => call(
             &args.client,
@@ -304,19 +365,26 @@ fn tail(args: TailArgs) -> anyhow::Result<()> {
         )?,
         None => json!({"queues": []}),
     };
+    // A group's committed offset wins over --from.
     let mut offsets: Vec<u64> = queues
         .iter()
         .map(|q| {
-            let group_offset = committed["queues"]
+            committed["queues"]
                 .as_array()
                 .and_then(|qs| qs.iter().find(|e| e["queue"] == json!(q)))
-                .and_then(|e| e["offset"].as_u64());
-            let end = info["queues"][*q as usize]["max_offset"]
-                .as_u64()
-                .unwrap_or(0);
-            group_offset.unwrap_or(if args.from_beginning { 0 } else { end })
+                .and_then(|e| e["offset"].as_u64())
+                .unwrap_or(starts[*q as usize])
         })
         .collect();
+    let listed: Vec<String> = queues
+        .iter()
+        .zip(&offsets)
+        .map(|(q, o)| format!("{q}:{o}"))
+        .collect();
+    eprintln!(
+        "delayd tail: topic {topic:?}, from queue:offset {}",
+        listed.join(" ")
+    );
     let mut printed = 0u64;
     loop {
         // With one queue, long-poll it; with several, poll each briefly in turn.

@@ -1,5 +1,6 @@
 //! Prometheus metrics: one recorder per process, every metric described once (names in DESIGN.md §7).
-//! No label ever holds a topic, key or id: their number is unbounded.
+//! No label ever holds a topic, key or id: their number is unbounded. Every series with a bounded label
+//! set exists from the start, at 0 ([`register_series`]).
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
@@ -40,6 +41,55 @@ pub fn install() -> PrometheusHandle {
             handle
         })
         .clone()
+}
+
+/// Series labelled by sink, made to exist at 0 for every configured sink by [`register_series`]: the
+/// metric's name and its other labels, one row per series.
+const PER_SINK_COUNTERS: &[(&str, &[(&str, &str)])] = &[
+    ("delayd_messages_received_total", &[]),
+    ("delayd_messages_delivered_total", &[("outcome", "ok")]),
+    ("delayd_messages_delivered_total", &[("outcome", "retry")]),
+    ("delayd_messages_delivered_total", &[("outcome", "dead")]),
+];
+
+/// Counters without labels, made to exist at 0 by [`register_series`].
+const COUNTERS: &[&str] = &[
+    "delayd_messages_cancelled_total",
+    "delayd_wal_poisoned_total",
+    "delayd_read_errors_total",
+    "delayd_log_corruptions_total",
+    "delayd_log_torn_tails_total",
+    "delayd_wal_bytes_written_total",
+];
+
+/// Gauges without labels, made to exist at 0 by [`register_series`].
+const GAUGES: &[&str] = &[
+    "delayd_pending_messages",
+    "delayd_wheel_entries",
+    "delayd_segments",
+];
+
+/// Makes every series with a bounded label set exist from the start, at 0 unless something already
+/// counted: a series the exporter has never seen is absent from `/metrics`, and dashboards, alerts on
+/// `rate()` or `increase()` and absence checks need it there before the first event (after a restart
+/// too). A metric with a bounded label set belongs in one of the lists above.
+///
+/// Only ever adds 0: the recorder is process-wide and shared by every server in the process (the
+/// in-process test servers), so a value someone counted is never reset.
+pub fn register_series<'a>(sink_names: impl IntoIterator<Item = &'a str>) {
+    for sink in sink_names {
+        for (name, labels) in PER_SINK_COUNTERS {
+            let mut all = vec![metrics::Label::new("sink", sink.to_string())];
+            all.extend(labels.iter().map(|&(k, v)| metrics::Label::new(k, v)));
+            metrics::counter!(*name, all).increment(0);
+        }
+    }
+    for name in COUNTERS {
+        metrics::counter!(*name).increment(0);
+    }
+    for name in GAUGES {
+        metrics::gauge!(*name).increment(0.0);
+    }
 }
 
 fn describe() {
@@ -111,4 +161,39 @@ fn describe() {
         Unit::Seconds,
         "HTTP request duration, by route pattern"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exporter renders a series that was registered and never counted, with the value 0.
+    #[test]
+    fn registered_series_render_at_zero() {
+        let handle = install();
+        // A sink name no other test uses, so its series are 0 whatever else runs in this process.
+        register_series(["zero-series-test"]);
+        let rendered = handle.render();
+        let value = |series: &str| {
+            rendered
+                .lines()
+                .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+                .map(str::to_string)
+        };
+        assert_eq!(
+            value(r#"delayd_messages_received_total{sink="zero-series-test"}"#).as_deref(),
+            Some("0"),
+            "{rendered}"
+        );
+        for outcome in ["ok", "retry", "dead"] {
+            let series = format!(
+                r#"delayd_messages_delivered_total{{sink="zero-series-test",outcome="{outcome}"}}"#
+            );
+            assert_eq!(value(&series).as_deref(), Some("0"), "{rendered}");
+        }
+        // The unlabelled ones exist (other tests in this process may have counted or set them).
+        for name in COUNTERS.iter().chain(GAUGES) {
+            assert!(value(name).is_some(), "{name} in\n{rendered}");
+        }
+    }
 }

@@ -1,0 +1,369 @@
+//! Helpers shared by the integration test binaries: HTTP requests and their answers, time parsing, and
+//! guards for the real `delayd` binary ([`spawn`] → [`Process`] for `serve`, [`spawn_cli`] →
+//! [`Background`] for a client command such as `tail`) that kill it when dropped, pass or fail.
+//!
+//! A test binary at the top of `tests/` includes it with `mod common;`; one in a directory
+//! (`tests/it/main.rs`) with `#[path = "../common/mod.rs"] mod common;`.
+
+#![allow(dead_code, reason = "each test binary uses a part of these helpers")]
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// How long [`spawn`] waits for the server to be ready: recovery of a large data dir on a busy machine.
+pub const READY_WITHIN: Duration = Duration::from_secs(60);
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// An RFC 3339 time from an answer, as unix milliseconds.
+pub fn parse(value: &Value) -> i64 {
+    let text = value.as_str().unwrap();
+    let parsed =
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).unwrap();
+    (parsed.unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+/// An HTTP client that returns non-2xx answers instead of failing on them.
+pub fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(timeout))
+        .build()
+        .into()
+}
+
+/// An HTTP answer: status, content type and JSON body (Null when the body is not JSON).
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub content_type: String,
+    pub json: Value,
+}
+
+/// One request on a fresh connection (60 s at most); panics on a transport error.
+pub fn request(
+    base: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> Answer {
+    let url = format!("{base}{path}");
+    let agent = agent(Duration::from_secs(60));
+    let mut response = match method {
+        "GET" | "DELETE" => {
+            let mut r = if method == "GET" {
+                agent.get(&url)
+            } else {
+                agent.delete(&url)
+            };
+            if let Some(t) = token {
+                r = r.header("Authorization", &format!("Bearer {t}"));
+            }
+            r.call().unwrap()
+        }
+        _ => {
+            let mut r = match method {
+                "PUT" => agent.put(&url),
+                "PATCH" => agent.patch(&url),
+                _ => agent.post(&url),
+            };
+            if let Some(t) = token {
+                r = r.header("Authorization", &format!("Bearer {t}"));
+            }
+            r.header("Content-Type", "application/json")
+                .send(body.unwrap_or(""))
+                .unwrap()
+        }
+    };
+    let status = response.status().as_u16();
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let text = response.body_mut().read_to_string().unwrap_or_default();
+    Answer {
+        status,
+        content_type,
+        json: serde_json::from_str(&text).unwrap_or(Value::Null),
+    }
+}
+
+/// The series of a Prometheus text exposition (`GET /metrics`) and their values, e.g.
+/// `delayd_messages_received_total{sink="broker"}` → 0.
+pub fn scrape(base: &str) -> std::collections::BTreeMap<String, f64> {
+    let mut response = agent(Duration::from_secs(60))
+        .get(&format!("{base}/metrics"))
+        .call()
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let text = response.body_mut().read_to_string().unwrap();
+    text.lines()
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .map(|line| {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            (series.to_string(), value.parse().unwrap())
+        })
+        .collect()
+}
+
+/// Lines of a child's output, read by a thread of their own so a test can wait for one with a deadline.
+/// Every line is also appended to a file, for the post-mortem.
+#[derive(Debug)]
+pub struct Lines {
+    received: mpsc::Receiver<String>,
+}
+
+impl Lines {
+    fn follow(output: impl std::io::Read + Send + 'static, copy_to: &Path) -> Lines {
+        let (send, received) = mpsc::channel();
+        let mut copy = std::fs::File::create(copy_to).unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(output).lines() {
+                let Ok(line) = line else { return };
+                let _ = writeln!(copy, "{line}");
+                // The reader may be gone (the test no longer listens); keep draining the pipe so the
+                // child never blocks on a full one.
+                let _ = send.send(line);
+            }
+        });
+        Lines { received }
+    }
+
+    /// The next line, or None when the output ended or `deadline` passed first.
+    pub fn next_before(&self, deadline: Instant) -> Option<String> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.received.recv_timeout(left).ok()
+    }
+}
+
+/// The last `count` lines of a file (empty when it cannot be read).
+fn tail_of(path: &Path, count: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(count)..].join("\n")
+}
+
+/// A `Command` for the binary under test, without the caller's `DELAYD_*` settings (a test names every
+/// setting it relies on).
+fn delayd() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_delayd"));
+    for (name, _) in std::env::vars() {
+        if name.starts_with("DELAYD_") {
+            command.env_remove(name);
+        }
+    }
+    command
+}
+
+/// The real `delayd serve`, ready to answer (recovery done), on a loopback port it picked. Dropping it
+/// sends SIGKILL and waits for the exit, whether the test passed or failed.
+#[derive(Debug)]
+pub struct Process {
+    /// `http://127.0.0.1:PORT`
+    pub base: String,
+    child: Child,
+    /// The child's stdout (the address line, then its log: tracing writes to stdout) and stderr.
+    logs: tempfile::TempDir,
+    stdout: Lines,
+    /// The output was already shown in a failed start's panic message.
+    reported: bool,
+}
+
+/// Starts `delayd serve --listen 127.0.0.1:0 --data-dir DATA_DIR EXTRA_ARGS...` and returns once it is
+/// ready: after the "delayd listening on" line (printed right after `bind`, before recovery) it polls
+/// `GET /readyz`, which is answered only once recovery is done and the router serves. Fails with the
+/// tail of the child's output if it exits first or is not ready within [`READY_WITHIN`].
+pub fn spawn(data_dir: &Path, extra_args: &[&str]) -> Process {
+    let deadline = Instant::now() + READY_WITHIN;
+    let logs = tempfile::tempdir().unwrap();
+    let stderr = std::fs::File::create(logs.path().join("stderr.log")).unwrap();
+    let mut child = delayd()
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .args(extra_args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let stdout = Lines::follow(
+        child.stdout.take().unwrap(),
+        &logs.path().join("stdout.log"),
+    );
+    // From here on the guard owns the child: a failed start below still kills it.
+    let mut process = Process {
+        base: String::new(),
+        child,
+        logs,
+        stdout,
+        reported: false,
+    };
+    let Some(line) = process.stdout.next_before(deadline) else {
+        process.fail("printed no address line");
+    };
+    let Some(address) = line.trim().strip_prefix("delayd listening on ") else {
+        process.fail(&format!("printed {line:?} instead of its address"));
+    };
+    process.base = address.to_string();
+    process.wait_ready(deadline);
+    process
+}
+
+impl Process {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Polls `/readyz` until 200. During recovery the connection waits in the listen backlog, so each
+    /// attempt has a short timeout of its own and the child is checked between attempts.
+    fn wait_ready(&mut self, deadline: Instant) {
+        let url = format!("{}/readyz", self.base);
+        let mut last = String::from("no answer yet");
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                self.fail(&format!("exited ({status}) before it was ready"));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = left
+                .min(Duration::from_secs(2))
+                .max(Duration::from_millis(1));
+            match agent(attempt).get(&url).call() {
+                Ok(response) if response.status() == 200 => return,
+                Ok(response) => last = format!("/readyz answered {}", response.status()),
+                Err(error) => last = format!("/readyz: {error}"),
+            }
+            // Not answered with 200 (a refused or timed-out connection): a brief pause before the next
+            // attempt, on a fresh connection.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.fail(&format!("was not ready within {READY_WITHIN:?} ({last})"));
+    }
+
+    fn fail(&mut self, what: &str) -> ! {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.reported = true;
+        panic!(
+            "delayd serve (pid {}) {what}; the end of its output:\n{}",
+            self.child.id(),
+            self.output_tail(30)
+        );
+    }
+
+    /// The last `lines` lines of the child's stderr and stdout.
+    pub fn output_tail(&self, lines: usize) -> String {
+        format!(
+            "--- stderr\n{}\n--- stdout\n{}",
+            tail_of(&self.logs.path().join("stderr.log"), lines),
+            tail_of(&self.logs.path().join("stdout.log"), lines)
+        )
+    }
+
+    /// SIGKILL, then wait for the exit. Repeatable.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM (a graceful stop), then wait for the exit.
+    pub fn terminate(&mut self) -> ExitStatus {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill -TERM {}", self.child.id());
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() && !self.reported {
+            eprintln!(
+                "delayd serve at {} (pid {}), the end of its output:\n{}",
+                self.base,
+                self.child.id(),
+                self.output_tail(20)
+            );
+        }
+    }
+}
+
+/// A `delayd` client command running in the background (e.g. `tail`), with its output readable line by
+/// line. Dropping it sends SIGKILL and waits, pass or fail.
+#[derive(Debug)]
+pub struct Background {
+    child: Child,
+    pub stdout: Lines,
+    pub stderr: Lines,
+    _logs: tempfile::TempDir,
+}
+
+/// Starts `delayd ARGS...` against the server at `base` (`DELAYD_URL`).
+pub fn spawn_cli(base: &str, args: &[&str]) -> Background {
+    let logs = tempfile::tempdir().unwrap();
+    let mut child = delayd()
+        .args(args)
+        .env("DELAYD_URL", base)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = Lines::follow(
+        child.stdout.take().unwrap(),
+        &logs.path().join("stdout.log"),
+    );
+    let stderr = Lines::follow(
+        child.stderr.take().unwrap(),
+        &logs.path().join("stderr.log"),
+    );
+    Background {
+        child,
+        stdout,
+        stderr,
+        _logs: logs,
+    }
+}
+
+impl Background {
+    /// Reads the rest of its stdout until it closes (the command exited), at most until `deadline`, and
+    /// returns those lines with the exit status; the status is None when it was still running at the
+    /// deadline (it is then killed).
+    pub fn finish_before(&mut self, deadline: Instant) -> (Vec<String>, Option<ExitStatus>) {
+        let mut rest = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stdout.received.recv_timeout(left) {
+                Ok(line) => rest.push(line),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    return (rest, None);
+                }
+            }
+        }
+        // Its stdout is closed: it has exited or is exiting.
+        (rest, Some(self.child.wait().unwrap()))
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
