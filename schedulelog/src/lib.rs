@@ -38,6 +38,7 @@ pub use log::{BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog}
 pub use record::{EncodedMessage, Message, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge};
 pub use replay::Replayed;
 pub use segment::{IndexEntry, SegmentReader};
+pub use sys::available_bytes;
 
 #[cfg(test)]
 mod tests;
