@@ -117,14 +117,14 @@ impl DispatchLogs {
             file.set_len(0)
                 .and_then(|()| file.write_all_at(&header.encode(), 0))
                 .map_err(Error::io(&path))?;
+            // (Its header reaches the disk with the first outcome's sync.)
             let len = HEADER_LEN as u64;
             return Ok((DispatchFile { file, len }, true));
         }
         let scan = scan(&path, &bytes, bucket, self.width)?;
         if scan.torn {
-            file.set_len(scan.end)
-                .and_then(|()| file.sync_all())
-                .map_err(Error::io(&path))?;
+            file.set_len(scan.end).map_err(Error::io(&path))?;
+            file.sync_all().map_err(Error::sync(&path))?;
             metrics::counter!("delayd_log_torn_tails_total").increment(1);
         }
         Ok((

@@ -191,9 +191,8 @@ impl SegmentWriter {
                 ));
             }
             if actual > len {
-                file.set_len(len)
-                    .and_then(|()| file.sync_all())
-                    .map_err(Error::io(path))?;
+                file.set_len(len).map_err(Error::io(path))?;
+                file.sync_all().map_err(Error::sync(path))?;
             }
             Ok(file)
         };
@@ -275,10 +274,10 @@ impl SegmentWriter {
     pub(crate) fn sync(&mut self, drop_cache: bool) -> Result<SegmentMark> {
         let mark = self.flush()?;
         if self.dirty {
-            self.log.sync_data().map_err(Error::io(&self.log_path))?;
+            self.log.sync_data().map_err(Error::sync(&self.log_path))?;
             self.index
                 .sync_data()
-                .map_err(Error::io(&self.index_path))?;
+                .map_err(Error::sync(&self.index_path))?;
             self.dirty = false;
             if drop_cache {
                 // Advice only: a failure changes nothing that matters.
@@ -430,7 +429,7 @@ pub(crate) fn sync_closed(
             .write(true)
             .open(&path)
             .map_err(Error::io(&path))?;
-        file.sync_data().map_err(Error::io(&path))?;
+        file.sync_data().map_err(Error::sync(&path))?;
         if drop_cache && path.extension().is_some_and(|e| e == "log") {
             let _ = crate::sys::drop_cached_pages(&file, 0, log_len);
         }

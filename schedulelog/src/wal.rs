@@ -180,8 +180,8 @@ pub(crate) fn zero_torn_tail(path: &Path, bytes: &[u8], at: u64) -> Result<()> {
             .open(path)
             .map_err(Error::io(path))?;
         file.write_all_at(&vec![0u8; end - start], at)
-            .and_then(|()| file.sync_data())
             .map_err(Error::io(path))?;
+        file.sync_data().map_err(Error::sync(path))?;
     }
     metrics::counter!("delayd_log_torn_tails_total").increment(1);
     Ok(())
