@@ -165,7 +165,6 @@ impl DiskFullReport {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

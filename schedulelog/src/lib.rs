@@ -17,6 +17,8 @@ mod clock;
 mod commit;
 mod dispatch;
 mod error;
+#[cfg(test)]
+mod fault;
 pub mod frame;
 mod header;
 mod id;

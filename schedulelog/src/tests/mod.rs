@@ -5,7 +5,7 @@ mod crash;
 mod kill;
 mod model;
 
-use crate::commit::Fault;
+use crate::fault::Fault;
 use crate::*;
 use std::path::Path;
 use std::sync::Arc;
@@ -363,6 +363,7 @@ fn a_full_disk_at_rollover_fails_that_request_only() {
         .unwrap_err();
     assert_eq!(err, AppendError::DiskFull);
     assert!(log.poisoned().is_none());
+    clock.advance(1_000); // past the back-off after a failed rollover
     let after = append_one(&log, T0, "after");
     assert_eq!(after.location.seq, 2, "the failed request consumed no seqs");
     log.crash();
