@@ -23,7 +23,8 @@
 //!   with [`AppendError::DiskFull`] and is reported through `ScheduleLog::disk_full`. For
 //!   `ROLL_RETRY_MS` after it, a request that needs a rollover fails the same way at once, without
 //!   trying: preparing a file zero-fills it in this thread, which every queued request would wait for.
-//!   The first rollover that succeeds clears the state.
+//!   While idle in that state the writer tries the rollover itself once a second, so that the state
+//!   clears once space is freed even if no request comes. The first rollover that succeeds clears it.
 
 use crate::bucket::SegmentMinutes;
 use crate::clock::Clock;
@@ -251,6 +252,17 @@ impl Writer {
                         Err(RecvTimeoutError::Disconnected) => break,
                     }
                 }
+                // Nothing pending (the group is committed), but a rollover found the disk full.
+                _ if self.roll_failed_at_ms.is_some() => {
+                    match requests.recv_timeout(Duration::from_millis(ROLL_RETRY_MS as u64)) {
+                        Ok(request) => request,
+                        Err(RecvTimeoutError::Timeout) => {
+                            self.retry_roll();
+                            continue;
+                        }
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                }
                 _ => match requests.recv() {
                     Ok(request) => request,
                     Err(_) => break,
@@ -417,6 +429,19 @@ impl Writer {
             Err(RollError::Install(e)) => Err(AppendError::Poisoned(format!(
                 "installing the next WAL file failed: {e}"
             ))),
+        }
+    }
+
+    /// Tries again, while idle, a rollover that found the disk full: so that the state clears (and
+    /// `ScheduleLog::disk_full` says so) once space is freed, not only when a request needs the file. A
+    /// caller that stops sending requests while the disk is reported full would otherwise never see it
+    /// clear. Called only with nothing pending, so the current file is synced, as a rollover requires.
+    fn retry_roll(&mut self) {
+        if self.poisoned.is_some() || self.wal.is_empty() {
+            return;
+        }
+        if let Err(e) = self.roll() {
+            self.poison(&e);
         }
     }
 
