@@ -24,7 +24,9 @@
 //!   `ROLL_RETRY_MS` after it, a request that needs a rollover fails the same way at once, without
 //!   trying: preparing a file zero-fills it in this thread, which every queued request would wait for.
 //!   While idle in that state the writer tries the rollover itself once a second, so that the state
-//!   clears once space is freed even if no request comes. The first rollover that succeeds clears it.
+//!   clears once space is freed even if no request comes. A retry first checks (`statvfs`) that a whole
+//!   file fits, rather than zero-filling until `ENOSPC` each time. The first rollover that succeeds clears
+//!   the state.
 
 use crate::bucket::SegmentMinutes;
 use crate::clock::Clock;
@@ -408,6 +410,12 @@ impl Writer {
         let injected = None;
         let rolled = match injected {
             Some(e) => Err(e),
+            // A retry first asks the file system whether the file can fit at all.
+            None if self.roll_failed_at_ms.is_some() => self
+                .wal
+                .check_room_for_next()
+                .map_err(RollError::Prepare)
+                .and_then(|()| self.wal.roll(self.next_seq)),
             None => self.wal.roll(self.next_seq),
         };
         match rolled {

@@ -241,6 +241,25 @@ impl ActiveWal {
         Ok(wal)
     }
 
+    /// Fails with a full disk when the file system reports less free space than a new file takes.
+    /// For retries after a rollover found the disk full: a retry that zero-fills until `ENOSPC` writes
+    /// (and deletes) up to a whole file's worth of bytes each time, for nothing.
+    pub(crate) fn check_room_for_next(&self) -> Result<()> {
+        let next = self.dir.join(NEXT_FILE);
+        let available = crate::sys::available_bytes(&self.dir).map_err(Error::io(&self.dir))?;
+        if available >= self.segment_bytes {
+            return Ok(());
+        }
+        let why = format!(
+            "No space left on device: {available} bytes free, a WAL file takes {}",
+            self.segment_bytes
+        );
+        Err(Error::io(next)(io::Error::new(
+            io::ErrorKind::StorageFull,
+            why,
+        )))
+    }
+
     /// Bytes still free in the current file.
     pub(crate) fn remaining(&self) -> u64 {
         self.segment_bytes.saturating_sub(self.pos)
