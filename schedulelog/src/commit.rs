@@ -15,15 +15,27 @@
 //!   straddle files, and a failure there poisons the log.
 //! - After a failed write or sync the log is poisoned: every later request fails with
 //!   [`AppendError::Poisoned`], nothing is retried (a failed fsync may have dropped dirty pages for good).
+//!   The cause carries the file and the OS error. WAL files are preallocated, so a full disk cannot fail
+//!   a WAL write; if one does anyway, it poisons like any other write error.
+//! - A poison cause published by someone else (the replayer's error, a failed segment sync) is adopted
+//!   before the next request, so requests fail with the real cause, not with "the replayer stopped".
+//! - A full disk at rollover is a state, not a failure: it fails the request that needed the new file
+//!   with [`AppendError::DiskFull`] and is reported through `ScheduleLog::disk_full`. For
+//!   `ROLL_RETRY_MS` after it, a request that needs a rollover fails the same way at once, without
+//!   trying: preparing a file zero-fills it in this thread, which every queued request would wait for.
+//!   While idle in that state the writer tries the rollover itself once a second, so that the state
+//!   clears once space is freed even if no request comes. A retry first checks (`statvfs`) that a whole
+//!   file fits, rather than zero-filling until `ENOSPC` each time. The first rollover that succeeds clears
+//!   the state.
 
 use crate::bucket::SegmentMinutes;
 use crate::clock::Clock;
-use crate::error::AppendError;
+use crate::error::{AppendError, Blocked, DiskFullReport};
 use crate::frame::{self, UNSYNCED_LIMIT};
 use crate::id::{Location, MessageId};
 use crate::record::{patch_committed, Cancel, EncodedMessage, MessageHead, CANCEL_PAYLOAD_LEN};
 use crate::replay::placement;
-use crate::wal::{ActiveWal, WalRecord};
+use crate::wal::{ActiveWal, RollError, WalRecord};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
@@ -32,11 +44,17 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+#[cfg(test)]
+use crate::fault::Fault;
+
 /// A group stops taking queued requests past this many bytes (one request may take it over).
 #[cfg(not(test))]
 const GROUP_TARGET_BYTES: usize = 4 << 20;
 #[cfg(test)]
 const GROUP_TARGET_BYTES: usize = 2 << 10;
+
+/// After a rollover found the disk full, rollovers fail at once for this long (by the log's clock).
+const ROLL_RETRY_MS: i64 = 1_000;
 
 /// A failure in the middle of a request is a poisoning one, whatever its cause.
 fn mid_request(error: AppendError) -> AppendError {
@@ -128,14 +146,6 @@ pub(crate) enum Request {
     InjectFault(Fault),
 }
 
-/// An I/O failure a test asks the writer to pretend.
-#[cfg(test)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Fault {
-    Sync,
-    DiskFullAtRoll,
-}
-
 impl Request {
     pub(crate) fn append(messages: Vec<EncodedMessage>) -> (Request, Ack<Vec<Appended>>) {
         let (reply, rx) = oneshot::channel();
@@ -218,8 +228,12 @@ pub(crate) struct Writer {
     /// page faults and zeroing on every commit.
     pub recycled: Receiver<Vec<u8>>,
     pub poisoned: Option<String>,
-    /// Where the poison cause is published for health checks.
+    /// Where the poison cause is published for health checks (and by the replayer, for the writer).
     pub poison_report: Arc<OnceLock<String>>,
+    /// Where a rollover that found the disk full says so.
+    pub disk_full: Arc<DiskFullReport>,
+    /// When (by `clock`) the last rollover found the disk full, until one succeeds.
+    pub roll_failed_at_ms: Option<i64>,
     #[cfg(test)]
     pub fault: Option<Fault>,
 }
@@ -235,6 +249,17 @@ impl Writer {
                         Ok(request) => request,
                         Err(RecvTimeoutError::Timeout) => {
                             self.commit(&mut group);
+                            continue;
+                        }
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                }
+                // Nothing pending (the group is committed), but a rollover found the disk full.
+                _ if self.roll_failed_at_ms.is_some() => {
+                    match requests.recv_timeout(Duration::from_millis(ROLL_RETRY_MS as u64)) {
+                        Ok(request) => request,
+                        Err(RecvTimeoutError::Timeout) => {
+                            self.retry_roll();
                             continue;
                         }
                         Err(RecvTimeoutError::Disconnected) => break,
@@ -265,6 +290,7 @@ impl Writer {
     }
 
     fn add(&mut self, request: Request, group: &mut Group) {
+        self.adopt_reported_poison();
         if let Some(cause) = &self.poisoned {
             return request.fail(AppendError::Poisoned(cause.clone()));
         }
@@ -365,15 +391,66 @@ impl Writer {
 
     /// Switches to a new WAL file starting at the next seq.
     fn roll(&mut self) -> Result<(), AppendError> {
+        let now_ms = self.clock.now_ms();
+        if let Some(failed_at_ms) = self.roll_failed_at_ms {
+            // A clock that went back ends the wait rather than stretching it.
+            if (failed_at_ms..failed_at_ms.saturating_add(ROLL_RETRY_MS)).contains(&now_ms) {
+                return Err(AppendError::DiskFull);
+            }
+        }
         #[cfg(test)]
-        if self
+        let injected = self
             .fault
             .take_if(|f| *f == Fault::DiskFullAtRoll)
-            .is_some()
-        {
-            return Err(AppendError::DiskFull);
+            .map(|_| {
+                let next = self.wal.path().with_file_name("next.tmp");
+                RollError::Prepare(crate::Error::io(next)(crate::fault::no_space()))
+            });
+        #[cfg(not(test))]
+        let injected = None;
+        let rolled = match injected {
+            Some(e) => Err(e),
+            // A retry first asks the file system whether the file can fit at all.
+            None if self.roll_failed_at_ms.is_some() => self
+                .wal
+                .check_room_for_next()
+                .map_err(RollError::Prepare)
+                .and_then(|()| self.wal.roll(self.next_seq)),
+            None => self.wal.roll(self.next_seq),
+        };
+        match rolled {
+            Ok(()) => {
+                if self.roll_failed_at_ms.take().is_some() {
+                    self.disk_full.clear(Blocked::WalRoll);
+                }
+                Ok(())
+            }
+            Err(RollError::Prepare(e)) if e.is_disk_full() => {
+                self.roll_failed_at_ms = Some(now_ms);
+                let cause = e.disk_full_cause().unwrap_or_else(|| e.to_string());
+                self.disk_full.set(Blocked::WalRoll, cause);
+                Err(AppendError::DiskFull)
+            }
+            Err(RollError::Prepare(e)) => Err(AppendError::Poisoned(format!(
+                "preparing the next WAL file failed: {e}"
+            ))),
+            Err(RollError::Install(e)) => Err(AppendError::Poisoned(format!(
+                "installing the next WAL file failed: {e}"
+            ))),
         }
-        self.wal.roll(self.next_seq)
+    }
+
+    /// Tries again, while idle, a rollover that found the disk full: so that the state clears (and
+    /// `ScheduleLog::disk_full` says so) once space is freed, not only when a request needs the file. A
+    /// caller that stops sending requests while the disk is reported full would otherwise never see it
+    /// clear. Called only with nothing pending, so the current file is synced, as a rollover requires.
+    fn retry_roll(&mut self) {
+        if self.poisoned.is_some() || self.wal.is_empty() {
+            return;
+        }
+        if let Err(e) = self.roll() {
+            self.poison(&e);
+        }
     }
 
     /// Pads the group's unwritten bytes to a block boundary, writes them to the current file and syncs.
@@ -383,14 +460,18 @@ impl Writer {
         }
         frame::pad_to_block(&mut group.bytes, group.written);
         let unwritten = &group.bytes[group.written..];
+        let path = self.wal.path().display().to_string();
         let poison = |what: &str, e: std::io::Error| {
-            AppendError::Poisoned(format!("WAL {what} failed: {e}"))
+            AppendError::Poisoned(format!("WAL {what} of {path} failed: {e}"))
         };
         self.wal.write(unwritten).map_err(|e| poison("write", e))?;
         let started = Instant::now();
         #[cfg(test)]
         if self.fault.take_if(|f| *f == Fault::Sync).is_some() {
-            return Err(poison("fdatasync", std::io::Error::other("injected")));
+            return Err(poison(
+                "fdatasync",
+                std::io::Error::from_raw_os_error(libc::EIO),
+            ));
         }
         self.wal.sync().map_err(|e| poison("fdatasync", e))?;
         metrics::histogram!("delayd_wal_fsync_seconds").record(started.elapsed().as_secs_f64());
@@ -401,6 +482,7 @@ impl Writer {
 
     /// Makes the group durable, answers its submitters and hands it to the replayer.
     fn commit(&mut self, group: &mut Group) {
+        self.adopt_reported_poison();
         if group.answers.is_empty() {
             // Nothing to answer (every request failed before joining): no interval is running.
             group.started = None;
@@ -431,8 +513,11 @@ impl Writer {
             });
             if sent.is_err() {
                 // The replayer failed: what is in the WAL is safe and replays on restart, but nothing
-                // more would reach the schedule, so stop accepting.
-                self.poison(&AppendError::Poisoned("the replayer stopped".into()));
+                // more would reach the schedule, so stop accepting. It published its error before it
+                // let go of the channel.
+                let cause = self.poison_report.get().cloned();
+                let cause = cause.unwrap_or_else(|| "the replayer stopped".into());
+                self.poison(&AppendError::Poisoned(cause));
             }
         }
     }
@@ -450,6 +535,15 @@ impl Writer {
             bytes,
             written: lead,
             ..Group::default()
+        }
+    }
+
+    /// Takes on a poison cause published by another thread (the replayer, a failed segment sync).
+    fn adopt_reported_poison(&mut self) {
+        if self.poisoned.is_none() {
+            if let Some(cause) = self.poison_report.get() {
+                self.poisoned = Some(cause.clone());
+            }
         }
     }
 

@@ -14,6 +14,13 @@
 //! - Outcomes are facts about seqs and are applied as a set: a repeated outcome is harmless, so replaying
 //!   a cancel twice needs no deduplication.
 //! - A torn tail is cut on first open for append (tail policy in frame.rs).
+//! - A failed append (a full disk part-way through a write, say) leaves every log appendable: the handle
+//!   of the log it failed on is dropped, so the next append reopens it and cuts whatever part of a frame
+//!   reached it; whole outcomes that did reach it are kept, and a retry of the same outcomes repeats them
+//!   harmlessly. A write error is `Error::Io` (a full disk is [`Error::is_disk_full`]); a failed sync is
+//!   `Error::Sync`, which the callers treat as fatal.
+//! - A log created by an append is in a synced directory before any later append returns, even if the
+//!   append that created it failed.
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::error::{Error, Result};
@@ -40,12 +47,21 @@ struct DispatchFile {
     len: u64,
 }
 
+#[derive(Debug, Default)]
+struct OpenLogs {
+    files: HashMap<Bucket, DispatchFile>,
+    /// A log was created since the directory was last synced.
+    dir_unsynced: bool,
+}
+
 /// The dispatch logs of a data dir.
 #[derive(Debug)]
 pub(crate) struct DispatchLogs {
     dir: PathBuf,
     width: SegmentMinutes,
-    open: Mutex<HashMap<Bucket, DispatchFile>>,
+    open: Mutex<OpenLogs>,
+    #[cfg(test)]
+    pub faults: std::sync::Arc<crate::fault::Faults>,
 }
 
 impl DispatchLogs {
@@ -53,7 +69,9 @@ impl DispatchLogs {
         DispatchLogs {
             dir: dir.to_path_buf(),
             width,
-            open: Mutex::new(HashMap::new()),
+            open: Mutex::default(),
+            #[cfg(test)]
+            faults: Default::default(),
         }
     }
 
@@ -64,36 +82,64 @@ impl DispatchLogs {
             outcome.encode_frame(by_bucket.entry(*bucket).or_default());
         }
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        if open.len() + by_bucket.len() > MAX_OPEN {
-            open.clear(); // every open handle is synced: closing them loses nothing
+        if open.files.len() + by_bucket.len() > MAX_OPEN {
+            open.files.clear(); // every open handle is synced: closing them loses nothing
         }
-        let mut created = false;
-        for (bucket, bytes) in &by_bucket {
-            if !open.contains_key(bucket) {
+        let written = self.append_locked(&mut open, &by_bucket);
+        // Also after a failure: a log created before it must not vanish in a crash once its outcomes
+        // are synced (a later append would not know to sync the directory).
+        if open.dir_unsynced {
+            crate::header::sync_dir(&self.dir)?;
+            open.dir_unsynced = false;
+        }
+        written
+    }
+
+    fn append_locked(
+        &self,
+        open: &mut OpenLogs,
+        by_bucket: &HashMap<Bucket, Vec<u8>>,
+    ) -> Result<()> {
+        for (bucket, bytes) in by_bucket {
+            if !open.files.contains_key(bucket) {
                 let (file, new) = self.open_for_append(*bucket)?;
-                created |= new;
-                open.insert(*bucket, file);
+                open.dir_unsynced |= new;
+                open.files.insert(*bucket, file);
             }
-            let target = open.get_mut(bucket).expect("inserted above");
+            let target = open.files.get_mut(bucket).expect("inserted above");
             let path = path(&self.dir, *bucket);
-            let started = std::time::Instant::now();
-            let write = target
-                .file
-                .write_all_at(bytes, target.len)
-                .and_then(|()| target.file.sync_data());
-            metrics::histogram!("delayd_sync_seconds", "file" => "dispatch")
-                .record(started.elapsed().as_secs_f64());
-            if let Err(e) = write {
+            let written = self.write(target, bytes, &path);
+            if written.is_err() {
                 // The handle's end is now unknown; reopen (and re-check the tail) next time.
-                open.remove(bucket);
-                return Err(Error::io(path)(e));
+                open.files.remove(bucket);
+                return written;
             }
             target.len += bytes.len() as u64;
         }
-        if created {
-            crate::header::sync_dir(&self.dir)?;
-        }
         Ok(())
+    }
+
+    /// Writes `bytes` at the end of `target` and syncs it.
+    fn write(&self, target: &DispatchFile, bytes: &[u8], path: &Path) -> Result<()> {
+        #[cfg(test)]
+        if self.faults.strikes(crate::fault::Point::DispatchAppend) {
+            // As a full disk mid-write leaves it: part of a frame on the file.
+            let half = &bytes[..bytes.len().div_ceil(2)];
+            target
+                .file
+                .write_all_at(half, target.len)
+                .map_err(Error::io(path))?;
+            return Err(Error::io(path)(crate::fault::no_space()));
+        }
+        target
+            .file
+            .write_all_at(bytes, target.len)
+            .map_err(Error::io(path))?;
+        let started = std::time::Instant::now();
+        let synced = target.file.sync_data().map_err(Error::sync(path));
+        metrics::histogram!("delayd_sync_seconds", "file" => "dispatch")
+            .record(started.elapsed().as_secs_f64());
+        synced
     }
 
     /// Opens (or creates) a bucket's log for append, cutting a torn tail. Returns whether it was created.
@@ -107,8 +153,11 @@ impl DispatchLogs {
             .open(&path)
             .map_err(Error::io(&path))?;
         let bytes = fs::read(&path).map_err(Error::io(&path))?;
-        if bytes.len() <= HEADER_LEN && bytes.iter().all(|&b| b == 0) {
-            // New, or created just before a crash that kept none of its header: start it afresh.
+        if bytes.len() < HEADER_LEN || (bytes.len() == HEADER_LEN && bytes.iter().all(|&b| b == 0))
+        {
+            // New; or created just before a crash, or by an append that then found the disk full, with
+            // none or part of its header (it is the first thing written, before any outcome): start it
+            // afresh.
             let header = FileHeader {
                 magic: DISPATCH_MAGIC,
                 segment_minutes: self.width.get(),
@@ -117,14 +166,14 @@ impl DispatchLogs {
             file.set_len(0)
                 .and_then(|()| file.write_all_at(&header.encode(), 0))
                 .map_err(Error::io(&path))?;
+            // (Its header reaches the disk with the first outcome's sync.)
             let len = HEADER_LEN as u64;
             return Ok((DispatchFile { file, len }, true));
         }
         let scan = scan(&path, &bytes, bucket, self.width)?;
         if scan.torn {
-            file.set_len(scan.end)
-                .and_then(|()| file.sync_all())
-                .map_err(Error::io(&path))?;
+            file.set_len(scan.end).map_err(Error::io(&path))?;
+            file.sync_all().map_err(Error::sync(&path))?;
             metrics::counter!("delayd_log_torn_tails_total").increment(1);
         }
         Ok((
@@ -152,6 +201,7 @@ impl DispatchLogs {
         self.open
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .files
             .remove(&bucket);
         let path = path(&self.dir, bucket);
         match fs::remove_file(&path) {
@@ -169,8 +219,8 @@ struct Scan {
 }
 
 fn scan(path: &Path, bytes: &[u8], bucket: Bucket, width: SegmentMinutes) -> Result<Scan> {
-    if bytes.len() <= HEADER_LEN && bytes.iter().all(|&b| b == 0) {
-        // Created but the header never reached the disk: an empty log.
+    if bytes.len() < HEADER_LEN || (bytes.len() == HEADER_LEN && bytes.iter().all(|&b| b == 0)) {
+        // Created but the header never (wholly) reached the disk: an empty log.
         return Ok(Scan {
             outcomes: Vec::new(),
             end: HEADER_LEN as u64,

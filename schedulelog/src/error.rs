@@ -3,15 +3,30 @@
 //! [`Error`] is what opening, reading and maintenance return; it names the file (and for corruption the
 //! offset) so an operator can find the bad bytes. [`AppendError`] is what a submitter of the WAL gets back:
 //! it is `Clone` because one failed group commit answers every submitter of that group.
+//!
+//! Two kinds of I/O failure are kept apart, because they call for opposite answers:
+//! - a full disk (`ENOSPC`, `EDQUOT`) on a write, create, rename or file growth ([`Error::is_disk_full`])
+//!   changed nothing durable and can be tried again once space is freed;
+//! - a failed `fsync`/`fdatasync` ([`Error::Sync`]) may have dropped dirty pages the kernel then marks
+//!   clean, so a later sync can succeed over lost data. It is never retried and never counts as a full
+//!   disk, whatever its errno.
 
 use std::io;
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 /// A failure of the storage engine.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("I/O error on {path}: {source}")]
     Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// An `fsync`/`fdatasync` failed: the data written to `path` since its last sync may be lost.
+    #[error("fsync of {path} failed: {source}")]
+    Sync {
         path: PathBuf,
         #[source]
         source: io::Error,
@@ -39,6 +54,41 @@ impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> Error {
         let path = path.into();
         move |source| Error::Io { path, source }
+    }
+
+    /// Maps the error of an `fsync`/`fdatasync` of `path`.
+    pub(crate) fn sync(path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> Error {
+        let path = path.into();
+        move |source| Error::Sync { path, source }
+    }
+
+    /// Whether this is a full disk (or an exhausted quota) met while writing, creating, renaming or
+    /// growing a file: nothing it failed to do was promised to anyone, and the same work may succeed once
+    /// space is freed. Never true for a failed sync ([`Error::Sync`]), whatever its errno: a sync that
+    /// failed may have lost data already written.
+    pub fn is_disk_full(&self) -> bool {
+        match self {
+            Error::Io { source, .. } => is_disk_full(source),
+            Error::Append(AppendError::DiskFull) => true,
+            _ => false,
+        }
+    }
+
+    /// Whether a sync failed: the one failure after which nothing written may be trusted to be durable.
+    pub(crate) fn is_sync_failure(&self) -> bool {
+        matches!(self, Error::Sync { .. })
+    }
+
+    /// For a full disk, what [`crate::ScheduleLog::disk_full`] says about it: the file and the OS error.
+    pub(crate) fn disk_full_cause(&self) -> Option<String> {
+        match self {
+            Error::Io { path, source } if is_disk_full(source) => Some(format!(
+                "no space left writing {}: {source}",
+                path.display()
+            )),
+            Error::Append(AppendError::DiskFull) => Some(AppendError::DiskFull.to_string()),
+            _ => None,
+        }
     }
 
     pub(crate) fn corrupt(
@@ -73,3 +123,91 @@ pub enum AppendError {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `ENOSPC` or `EDQUOT`.
+fn is_disk_full(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded
+    )
+}
+
+/// A writer of the engine that a full disk can hold up; each reports for itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Blocked {
+    /// The replayer, retrying a committed group or a checkpoint.
+    Replayer,
+    /// The WAL writer, whose last rollover found no space.
+    WalRoll,
+}
+
+/// Which writers are held up by a full disk right now, and why: what `ScheduleLog::disk_full` reports.
+/// Each writer sets its cause when a try fails and clears it when a try succeeds.
+#[derive(Debug, Default)]
+pub(crate) struct DiskFullReport {
+    causes: Mutex<[Option<String>; 2]>,
+}
+
+impl DiskFullReport {
+    pub(crate) fn set(&self, who: Blocked, cause: String) {
+        self.causes.lock().unwrap_or_else(|p| p.into_inner())[who as usize] = Some(cause);
+    }
+
+    pub(crate) fn clear(&self, who: Blocked) {
+        self.causes.lock().unwrap_or_else(|p| p.into_inner())[who as usize] = None;
+    }
+
+    /// Every current cause, joined; `None` when no writer is held up.
+    pub(crate) fn cause(&self) -> Option<String> {
+        let causes = self.causes.lock().unwrap_or_else(|p| p.into_inner());
+        let joined: Vec<&str> = causes.iter().flatten().map(String::as_str).collect();
+        (!joined.is_empty()).then(|| joined.join("; "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_disk_is_told_from_a_failed_sync() {
+        let os = io::Error::from_raw_os_error;
+        let path = "/data/schedule/20261201T0900Z.log";
+        for errno in [libc::ENOSPC, libc::EDQUOT] {
+            let write = Error::io(path)(os(errno));
+            assert!(write.is_disk_full(), "{write}");
+            let cause = write.disk_full_cause().unwrap();
+            assert!(
+                cause.starts_with(&format!("no space left writing {path}: ")),
+                "{cause}"
+            );
+            assert!(cause.contains(&format!("(os error {errno})")), "{cause}");
+            // A sync that failed for want of space may still have dropped written pages.
+            let sync = Error::sync(path)(os(errno));
+            assert!(!sync.is_disk_full() && sync.is_sync_failure(), "{sync}");
+            assert_eq!(sync.disk_full_cause(), None);
+            assert!(sync.to_string().contains(path), "{sync}");
+        }
+        let eio = Error::io(path)(os(libc::EIO));
+        assert!(!eio.is_disk_full() && !eio.is_sync_failure());
+        assert!(Error::Append(AppendError::DiskFull).is_disk_full());
+        assert!(!Error::Append(AppendError::Poisoned("x".into())).is_disk_full());
+        assert!(!Error::corrupt(path, 0, "bad").is_disk_full());
+    }
+
+    #[test]
+    fn the_disk_full_report_names_every_blocked_writer_until_it_clears() {
+        let report = DiskFullReport::default();
+        assert_eq!(report.cause(), None);
+        report.set(Blocked::Replayer, "no space left writing a".into());
+        report.set(Blocked::WalRoll, "no space left writing b".into());
+        assert_eq!(
+            report.cause().as_deref(),
+            Some("no space left writing a; no space left writing b")
+        );
+        report.clear(Blocked::Replayer);
+        assert_eq!(report.cause().as_deref(), Some("no space left writing b"));
+        report.clear(Blocked::WalRoll);
+        assert_eq!(report.cause(), None);
+    }
+}

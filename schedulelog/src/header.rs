@@ -77,9 +77,8 @@ impl FileHeader {
 
 /// Makes the entries of `dir` (created, renamed or deleted files) durable.
 pub fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(Error::io(dir))
+    let dir_file = File::open(dir).map_err(Error::io(dir))?;
+    dir_file.sync_all().map_err(Error::sync(dir))
 }
 
 /// Replaces `path` with `bytes` atomically: write a temporary file, fsync it, rename it over `path`,
@@ -88,7 +87,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     let mut file = File::create(&tmp).map_err(Error::io(&tmp))?;
     file.write_all(bytes).map_err(Error::io(&tmp))?;
-    file.sync_all().map_err(Error::io(&tmp))?;
+    file.sync_all().map_err(Error::sync(&tmp))?;
     drop(file);
     fs::rename(&tmp, path).map_err(Error::io(path))?;
     sync_dir(path.parent().unwrap_or(Path::new(".")))

@@ -17,6 +17,8 @@ mod clock;
 mod commit;
 mod dispatch;
 mod error;
+#[cfg(test)]
+mod fault;
 pub mod frame;
 mod header;
 mod id;
@@ -38,6 +40,7 @@ pub use log::{BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog}
 pub use record::{EncodedMessage, Message, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge};
 pub use replay::Replayed;
 pub use segment::{IndexEntry, SegmentReader};
+pub use sys::available_bytes;
 
 #[cfg(test)]
 mod tests;

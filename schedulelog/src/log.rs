@@ -13,13 +13,24 @@
 //!
 //! Open order: lock, meta, checkpoint, segments cut back to the checkpoint, WAL scanned from the
 //! checkpoint (torn tail zeroed), WAL records replayed, new checkpoint, threads started.
+//!
+//! Failure states, as the service sees them:
+//! - **Poisoned** ([`ScheduleLog::poisoned`]): a WAL write or any sync failed, or the replayer stopped on
+//!   an error other than a full disk. The cause is the first failure's own message, with its file. Every
+//!   later append and cancel fails; only a restart clears it.
+//! - **Disk full** ([`ScheduleLog::disk_full`]): a writer is held up by a full disk and retrying: the
+//!   replayer (a committed group, or a checkpoint; appends are still acknowledged while the WAL has room,
+//!   and the replayer takes their groups into a bounded backlog), or the WAL writer's rollover (requests
+//!   that need a new WAL file fail with [`AppendError::DiskFull`]). It clears by itself once the held-up
+//!   work succeeds. Nothing acknowledged is lost meanwhile: it is in the WAL, which is deleted only below
+//!   a checkpoint.
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::checkpoint::Checkpoint;
 use crate::clock::{Clock, SystemClock};
 use crate::commit::{Ack, Appended, CommittedGroup, FsyncPolicy, Request, Writer};
 use crate::dispatch::DispatchLogs;
-use crate::error::{AppendError, Error, Result};
+use crate::error::{AppendError, Blocked, DiskFullReport, Error, Result};
 use crate::frame;
 use crate::header::{self, FileHeader, META_MAGIC};
 use crate::id::{Location, MessageId};
@@ -28,7 +39,7 @@ use crate::replay::{Replay, Replayed};
 use crate::segment::{IndexEntry, SegmentReader};
 use crate::wal::{self, ActiveWal};
 use crossbeam_channel::{Receiver, Sender};
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -118,14 +129,32 @@ struct Shared {
     clock: Arc<dyn Clock>,
     /// Why the log stopped accepting writes, once it has.
     poisoned: Arc<OnceLock<String>>,
+    /// Which writers a full disk holds up.
+    disk_full: Arc<DiskFullReport>,
+    /// Set when the log shuts down: a replayer held up by a full disk gives up instead of retrying
+    /// (its backlog may be full, with the writer waiting to hand it one more group).
+    closing: std::sync::atomic::AtomicBool,
     /// Set by tests that simulate a crash: the replayer exits without its final checkpoint.
     #[cfg(test)]
     crashed: std::sync::atomic::AtomicBool,
+    #[cfg(test)]
+    faults: Arc<crate::fault::Faults>,
 }
 
 impl Shared {
     fn replay(&self) -> MutexGuard<'_, Replay> {
         self.replay.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Poisons the log after a failed sync met outside the writer and the replayer threads (a checkpoint
+    /// or a retirement run by a caller). The writer reads the cause before its next request; the replayer
+    /// stops at its next checkpoint, which the failed sync makes fail.
+    fn poison_on_sync_failure<T>(&self, result: &Result<T>) {
+        if let Err(e) = result {
+            if e.is_sync_failure() {
+                let _ = self.poisoned.set(e.to_string());
+            }
+        }
     }
 }
 
@@ -165,8 +194,16 @@ impl ScheduleLog {
         let lock = lock(&data_dir)?;
         let width = check_meta(&data_dir, options.segment_minutes)?;
         let checkpoint = Checkpoint::load(&data_dir.join("checkpoint"), width)?;
-        let dispatch = DispatchLogs::new(&data_dir.join("dispatch"), width);
+        #[allow(unused_mut)] // set in test builds
+        let mut dispatch = DispatchLogs::new(&data_dir.join("dispatch"), width);
         let mut replay = Replay::open(&data_dir, width, &checkpoint)?;
+        #[cfg(test)]
+        let faults = Arc::new(crate::fault::Faults::default());
+        #[cfg(test)]
+        {
+            dispatch.faults = faults.clone();
+            replay.faults = faults.clone();
+        }
 
         let wal_dir = data_dir.join("wal");
         wal::remove_leftovers(&wal_dir)?;
@@ -184,8 +221,12 @@ impl ScheduleLog {
             committed: committed.clone(),
             clock: options.clock.clone(),
             poisoned: Arc::default(),
+            disk_full: Arc::default(),
+            closing: Default::default(),
             #[cfg(test)]
             crashed: Default::default(),
+            #[cfg(test)]
+            faults,
         });
         let (submit, requests) = crossbeam_channel::bounded(4096);
         let (to_replay, committed_groups) = crossbeam_channel::bounded(8);
@@ -201,6 +242,8 @@ impl ScheduleLog {
             recycled,
             poisoned: None,
             poison_report: shared.poisoned.clone(),
+            disk_full: shared.disk_full.clone(),
+            roll_failed_at_ms: None,
             #[cfg(test)]
             fault: None,
         };
@@ -212,10 +255,14 @@ impl ScheduleLog {
         let replayer = std::thread::Builder::new()
             .name("delayd-replay".into())
             .spawn(move || {
-                let result = run_replayer(&replayer_shared, committed_groups, recycle, &options);
+                let result = run_replayer(&replayer_shared, &committed_groups, recycle, &options);
                 if let Err(e) = &result {
                     let _ = replayer_shared.poisoned.set(format!("replay failed: {e}"));
                 }
+                // Only now, with the real cause published: the writer learns that the replayer is gone
+                // from a failed send, and would otherwise be first to poison with a cause of its own.
+                drop(committed_groups);
+                replayer_shared.disk_full.clear(Blocked::Replayer);
                 result
             })
             .map_err(Error::io("thread"))?;
@@ -228,16 +275,28 @@ impl ScheduleLog {
         })
     }
 
-    /// Why the log refuses writes, if it does: a WAL write or fsync failed, or the replayer stopped.
-    /// Only a restart clears it.
+    /// Why the log refuses writes, if it does: a WAL write or any sync failed, or the replayer stopped
+    /// on an error other than a full disk (the cause names the file). Only a restart clears it.
     pub fn poisoned(&self) -> Option<String> {
         self.shared.poisoned.get().cloned()
     }
 
-    /// Makes the writer fail its next sync or rollover.
+    /// Why a writer of the engine is held up by a full disk, if one is: the replayer retrying a
+    /// committed group or a checkpoint, or the WAL writer unable to start a new file. Names the file and
+    /// the OS error. `None` again once the held-up work succeeded; no restart is needed. Cheap enough to
+    /// poll.
+    pub fn disk_full(&self) -> Option<String> {
+        self.shared.disk_full.cause()
+    }
+
+    /// Arms a pretended failure (see fault.rs).
     #[cfg(test)]
-    pub(crate) fn inject_fault(&self, fault: crate::commit::Fault) {
-        self.submit(Request::InjectFault(fault));
+    pub(crate) fn inject_fault(&self, fault: crate::fault::Fault) {
+        use crate::fault::Fault;
+        match fault {
+            Fault::Sync | Fault::DiskFullAtRoll => self.submit(Request::InjectFault(fault)),
+            _ => self.shared.faults.arm(fault),
+        }
     }
 
     /// The bucket width of this data dir.
@@ -497,11 +556,13 @@ impl ScheduleLog {
                 continue;
             }
             let mut replay = self.shared.replay();
-            if replay.entries(bucket) != Some(reader.len()) {
-                continue; // a record arrived meanwhile
+            if replay.entries(bucket) != Some(reader.len()) || !replay.fully_replayed(bucket) {
+                continue; // a record arrived meanwhile, or is being filed
             }
-            replay.remove(bucket)?;
+            let removed = replay.remove(bucket);
             drop(replay);
+            self.shared.poison_on_sync_failure(&removed);
+            removed?;
             self.shared.dispatch.remove(bucket)?;
             header::sync_dir(&self.shared.data_dir.join("dispatch"))?;
             retired.push(bucket);
@@ -509,10 +570,13 @@ impl ScheduleLog {
         Ok(retired)
     }
 
-    /// Replays everything acknowledged so far, syncs the segments and writes a checkpoint now.
+    /// Replays everything acknowledged so far, syncs the segments and writes a checkpoint now. A failed
+    /// sync poisons the log.
     pub fn checkpoint(&self) -> Result<()> {
         self.wait_replayed(0);
-        self.shared.replay().checkpoint()
+        let result = self.shared.replay().checkpoint();
+        self.shared.poison_on_sync_failure(&result);
+        result
     }
 
     /// Shuts down: commits pending groups, replays them, writes a final checkpoint.
@@ -529,6 +593,7 @@ impl ScheduleLog {
     }
 
     fn shutdown(&mut self) -> Result<()> {
+        self.shared.closing.store(true, Ordering::SeqCst);
         self.submit = None;
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
@@ -661,36 +726,155 @@ fn recover_wal(
     Ok((active, next_seq))
 }
 
+/// While the replayer is held up by a full disk it keeps taking committed groups, up to this many bytes
+/// of them: they are durable in the WAL already, and taking them lets the writer go on acknowledging
+/// appends while the WAL has room. Past it the channel's bound holds the writer back.
+#[cfg(not(test))]
+const BACKLOG_LIMIT_BYTES: usize = 64 << 20;
+/// Test groups are a few KiB: a limit a test can reach.
+#[cfg(test)]
+const BACKLOG_LIMIT_BYTES: usize = 64 << 10;
+
+/// The wait before the first try after a full disk; it doubles with each failed try, up to `RETRY_MAX`.
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// Committed groups the replayer has taken but not applied, oldest first.
+#[derive(Default)]
+struct Backlog {
+    groups: VecDeque<CommittedGroup>,
+    bytes: usize,
+}
+
+impl Backlog {
+    fn push(&mut self, group: CommittedGroup) {
+        self.bytes += group.bytes.len();
+        self.groups.push_back(group);
+    }
+
+    fn pop(&mut self) -> Option<CommittedGroup> {
+        let group = self.groups.pop_front()?;
+        self.bytes -= group.bytes.len();
+        Some(group)
+    }
+}
+
+/// When the replayer tries again the work a full disk held up.
+struct Retry {
+    at: Instant,
+    wait: Duration,
+}
+
+/// The replayer thread: applies committed groups in order and checkpoints. A full disk holds it up, not
+/// down: the group (or checkpoint) that met it is tried again with backoff, later groups wait behind it
+/// in a bounded backlog, and `ScheduleLog::disk_full` says why. Any other error ends it (and poisons the
+/// log). On shutdown while held up it gives up at once: what it has not applied is in the WAL.
 fn run_replayer(
     shared: &Shared,
-    groups: Receiver<CommittedGroup>,
+    groups: &Receiver<CommittedGroup>,
     recycle: Sender<Vec<u8>>,
     options: &Options,
 ) -> Result<()> {
+    let mut backlog = Backlog::default();
+    let mut retry: Option<Retry> = None;
+    // After a stall, a checkpoint at once rather than at the next interval: it deletes the WAL files
+    // that piled up, which is space the disk is short of.
+    let mut checkpoint_soon = false;
     let mut last_checkpoint = Instant::now();
     let mut bytes_since = 0u64;
+    let mut open = true;
     loop {
-        let group = match groups.recv_timeout(options.checkpoint_interval) {
-            Ok(group) => Some(group),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
-        };
-        let mut replay = shared.replay();
-        if let Some(group) = group {
-            bytes_since += group.bytes.len() as u64;
-            replay.apply(&group.bytes, &group.records, &shared.dispatch)?;
-            shared.replayed.notify_all();
-            let _ = recycle.try_send(group.bytes);
+        match &retry {
+            None if backlog.groups.is_empty() => {
+                match groups.recv_timeout(options.checkpoint_interval) {
+                    Ok(group) => backlog.push(group),
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => open = false,
+                }
+            }
+            None => {}
+            Some(retry) => {
+                while open && backlog.bytes < BACKLOG_LIMIT_BYTES {
+                    match groups.recv_deadline(retry.at) {
+                        Ok(group) => backlog.push(group),
+                        Err(crossbeam_channel::RecvTimeoutError::Timeout) => break,
+                        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => open = false,
+                    }
+                }
+                if open {
+                    std::thread::sleep(retry.at.saturating_duration_since(Instant::now()));
+                }
+            }
         }
-        let due = last_checkpoint.elapsed() >= options.checkpoint_interval
+
+        let mut replay = shared.replay();
+        let mut held_up = None;
+        while let Some(group) = backlog.groups.front() {
+            match replay.apply(&group.bytes, &group.records, &shared.dispatch) {
+                Ok(()) => {
+                    shared.replayed.notify_all();
+                    let group = backlog.pop().expect("front exists");
+                    bytes_since += group.bytes.len() as u64;
+                    let _ = recycle.try_send(group.bytes);
+                }
+                Err(e) if e.is_disk_full() => {
+                    held_up = Some(e);
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let due = checkpoint_soon
+            || last_checkpoint.elapsed() >= options.checkpoint_interval
             || bytes_since >= options.checkpoint_bytes;
-        if due && replay.checkpointed_seq != replay.next_seq {
-            let started = Instant::now();
-            replay.checkpoint()?;
-            metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")
-                .record(started.elapsed().as_secs_f64());
-            last_checkpoint = Instant::now();
-            bytes_since = 0;
+        if held_up.is_none() && due {
+            if replay.checkpointed_seq == replay.next_seq {
+                checkpoint_soon = false;
+            } else {
+                let started = Instant::now();
+                match replay.checkpoint() {
+                    Ok(()) => {
+                        metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")
+                            .record(started.elapsed().as_secs_f64());
+                        last_checkpoint = Instant::now();
+                        bytes_since = 0;
+                        checkpoint_soon = false;
+                    }
+                    Err(e) if e.is_disk_full() => held_up = Some(e),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        drop(replay);
+
+        match held_up {
+            None => {
+                if retry.take().is_some() {
+                    shared.disk_full.clear(Blocked::Replayer);
+                }
+            }
+            Some(e) => {
+                if !open || shared.closing.load(Ordering::SeqCst) {
+                    #[cfg(test)]
+                    if shared.crashed.load(Ordering::SeqCst) {
+                        return Ok(());
+                    }
+                    return Err(e);
+                }
+                let cause = e.disk_full_cause().unwrap_or_else(|| e.to_string());
+                shared.disk_full.set(Blocked::Replayer, cause);
+                let wait = retry
+                    .as_ref()
+                    .map_or(RETRY_FIRST, |r| (r.wait * 2).min(RETRY_MAX));
+                retry = Some(Retry {
+                    at: Instant::now() + wait,
+                    wait,
+                });
+                checkpoint_soon = true;
+            }
+        }
+        if !open && backlog.groups.is_empty() {
+            break;
         }
     }
     #[cfg(test)]

@@ -8,14 +8,22 @@
 //!   the group's segment writes reached the files, so a reader that waits for `next_seq > seq` finds seq.
 //! - A message goes to the bucket of `max(deliver_at, created_at)`: a message due in the past is filed
 //!   under the bucket current at its commit, never under one that may already be retired.
-//! - Replay is idempotent: a record whose seq is not above its segment's last seq is skipped.
+//! - Replay is idempotent: a record whose seq is not above its segment's last seq is skipped, and a
+//!   segment's last seq only counts records written to it (segment.rs). So a group whose application
+//!   failed part-way (a full disk) can be applied again from its start: what reached a segment is kept,
+//!   the rest is written, nothing twice. Cancels are outcomes, facts that may be recorded twice.
+//! - A record is reported to the tap (a report is a delivery to the wheel) only after the write that put
+//!   it in its segment succeeded, and a record is written once: so it is reported once, however many
+//!   tries its group took.
 //! - A checkpoint is written only after every segment written since the last one is synced and every
-//!   segment created since is in a synced directory.
+//!   segment created since is in a synced directory. After a failed sync no checkpoint is ever written
+//!   again (the sync may have dropped data a later sync would then claim durable): `checkpoint` fails
+//!   with the first failure's cause until the log is reopened, and the WAL stays for recovery.
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::checkpoint::Checkpoint;
 use crate::dispatch::DispatchLogs;
-use crate::error::{Error, Result};
+use crate::error::{AppendError, Error, Result};
 use crate::header::sync_dir;
 use crate::id::Location;
 use crate::record::{MessageHead, Outcome, OutcomeKind};
@@ -74,6 +82,10 @@ pub(crate) struct Replay {
     /// Buckets whose new records and cancels are reported to `tap`.
     pub watched: HashSet<Bucket>,
     pub tap: Option<crossbeam_channel::Sender<Replayed>>,
+    /// Why a sync failed, once one has: from then on no checkpoint is written.
+    sync_failed: Option<String>,
+    #[cfg(test)]
+    pub faults: std::sync::Arc<crate::fault::Faults>,
 }
 
 impl Replay {
@@ -122,6 +134,9 @@ impl Replay {
             open_writers: 0,
             watched: Default::default(),
             tap: None,
+            sync_failed: None,
+            #[cfg(test)]
+            faults: Default::default(),
         })
     }
 
@@ -164,16 +179,19 @@ impl Replay {
             };
             let state = self.writer(bucket)?;
             let writer = state.writer.as_mut().expect("writer() opens it");
+            let mut entries = Vec::new();
             for (_, head, frame) in run {
                 if head.seq <= writer.last_seq() {
-                    continue;
+                    continue; // in the segment already (recovery, or an earlier try of this group)
                 }
-                let entry = writer.append(&bytes[(*frame).clone()], head);
-                if let Some(tap) = &tap {
+                entries.push(writer.append(&bytes[(*frame).clone()], head));
+            }
+            state.written = writer.flush()?;
+            if let Some(tap) = &tap {
+                for entry in entries {
                     let _ = tap.send(Replayed::Scheduled { bucket, entry });
                 }
             }
-            state.written = writer.flush()?;
         }
         // Checked only now: in recovery a cancel may come in the same call as its message, whose
         // bucket then exists only once the messages above are applied.
@@ -202,22 +220,26 @@ impl Replay {
             .segments
             .get(&bucket)
             .is_none_or(|s| s.writer.is_none());
-        if needs_open {
-            if self.open_writers >= MAX_OPEN_SEGMENTS {
-                self.evict_one()?;
-            }
-            self.open_writers += 1;
+        if needs_open && self.open_writers >= MAX_OPEN_SEGMENTS {
+            self.evict_one()?;
         }
         let (dir, width, now) = (self.schedule_dir.clone(), self.width, self.use_counter);
         match self.segments.get_mut(&bucket) {
             Some(state) => {
                 if state.writer.is_none() {
                     state.writer = Some(SegmentWriter::open(&dir, bucket, width, state.written)?);
+                    self.open_writers += 1;
                 }
                 state.last_used = now;
             }
             None => {
+                #[cfg(test)]
+                self.faults.disk_full_at(
+                    crate::fault::Point::SegmentWrite,
+                    &segment::log_path(&dir, bucket),
+                )?;
                 let writer = SegmentWriter::create(&dir, bucket, width)?;
+                self.open_writers += 1;
                 let mark = writer.mark();
                 self.created_since_checkpoint = true;
                 self.segments.insert(
@@ -231,7 +253,12 @@ impl Replay {
                 );
             }
         }
-        Ok(self.segments.get_mut(&bucket).expect("present"))
+        let state = self.segments.get_mut(&bucket).expect("present");
+        #[cfg(test)]
+        if let Some(writer) = state.writer.as_mut() {
+            writer.faults = self.faults.clone();
+        }
+        Ok(state)
     }
 
     /// Writes out and closes the least recently used open segment.
@@ -244,11 +271,13 @@ impl Replay {
             .map(|(b, _)| *b);
         if let Some(bucket) = victim {
             let state = self.segments.get_mut(&bucket).expect("present");
-            if let Some(mut writer) = state.writer.take() {
+            if let Some(writer) = state.writer.as_mut() {
                 // No sync here: the next checkpoint syncs every segment written since the last one,
                 // open or not. (Syncing on eviction cost two fsyncs per bucket per batch when batches
-                // spread over many buckets.)
+                // spread over many buckets.) Closed only once written: a writer dropped with a failed
+                // write would forget where its file really ends.
                 state.written = writer.flush()?;
+                state.writer = None;
                 self.open_writers -= 1;
             }
         }
@@ -258,8 +287,24 @@ impl Replay {
     /// Syncs every written segment, stores a checkpoint at `next_seq`, and deletes the WAL files that are
     /// entirely below it.
     pub(crate) fn checkpoint(&mut self) -> Result<()> {
+        if let Some(cause) = &self.sync_failed {
+            return Err(Error::Append(AppendError::Poisoned(cause.clone())));
+        }
+        let result = self.sync_and_store();
+        if let Err(e) = &result {
+            if e.is_sync_failure() {
+                self.sync_failed = Some(e.to_string());
+            }
+        }
+        result
+    }
+
+    fn sync_and_store(&mut self) -> Result<()> {
         for (bucket, state) in &mut self.segments {
             if state.synced != state.written {
+                #[cfg(test)]
+                self.faults
+                    .sync_fails_at(&segment::log_path(&self.schedule_dir, *bucket))?;
                 // A watched bucket is being delivered from: its pages are read back soon.
                 let drop_cache = !self.watched.contains(bucket);
                 state.synced = match state.writer.as_mut() {
@@ -284,6 +329,11 @@ impl Replay {
             next_seq: self.next_seq,
             segments: self.segments.iter().map(|(b, s)| (*b, s.synced)).collect(),
         };
+        #[cfg(test)]
+        self.faults.disk_full_at(
+            crate::fault::Point::CheckpointWrite,
+            &self.checkpoint_path.with_extension("tmp"),
+        )?;
         checkpoint.store(&self.checkpoint_path, self.width)?;
         self.checkpointed_seq = self.next_seq;
         self.delete_replayed_wal()
@@ -308,6 +358,15 @@ impl Replay {
     /// Published entry count of a bucket's segment, `None` if it has none.
     pub(crate) fn entries(&self, bucket: Bucket) -> Option<u64> {
         self.segments.get(&bucket).map(|s| s.written.entries)
+    }
+
+    /// Whether every record in `bucket`'s segment is below `next_seq`. Not so while a group is applied
+    /// part-way: a segment may then hold some of its records, which would be filed again (into a new
+    /// segment) if this one were removed now.
+    pub(crate) fn fully_replayed(&self, bucket: Bucket) -> bool {
+        self.segments
+            .get(&bucket)
+            .is_none_or(|s| s.written.last_seq < self.next_seq)
     }
 
     /// All buckets that have a segment.

@@ -22,6 +22,10 @@
 //!   past them is cut (it is replayed again from the WAL). So a segment never holds a record twice.
 //! - Readers never read past the entry count the replayer has published, so they never see a half-written
 //!   entry.
+//! - A writer's `written` mark only moves when a write of queued records succeeded. A write that failed
+//!   (a full disk) drops what was queued and puts the writer back to that mark: bytes that reached the
+//!   files past it are cut, or overwritten by the next write, and never published or checkpointed. So
+//!   the replayer can queue the same records again and get each in the segment once.
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::error::{Error, Result};
@@ -103,12 +107,16 @@ pub(crate) struct SegmentWriter {
     index_path: PathBuf,
     /// Written to the files (not necessarily synced).
     written: SegmentMark,
+    /// Seq of the last record queued (equal to `written.last_seq` when nothing is queued).
+    queued_last_seq: u64,
     pending_log: Vec<u8>,
     pending_index: Vec<u8>,
     /// Has data been written since the last sync?
     dirty: bool,
     /// Where the `.log`'s next writeback chunk starts (see `flush`).
     writeback_from: u64,
+    #[cfg(test)]
+    pub faults: std::sync::Arc<crate::fault::Faults>,
 }
 
 /// The `.log` is handed to the kernel for writeback in chunks of this size as it fills.
@@ -149,10 +157,13 @@ impl SegmentWriter {
                 entries: 0,
                 last_seq: 0,
             },
+            queued_last_seq: 0,
             pending_log: Vec::new(),
             pending_index: Vec::new(),
             dirty: true,
             writeback_from: 0,
+            #[cfg(test)]
+            faults: Default::default(),
         })
     }
 
@@ -191,9 +202,8 @@ impl SegmentWriter {
                 ));
             }
             if actual > len {
-                file.set_len(len)
-                    .and_then(|()| file.sync_all())
-                    .map_err(Error::io(path))?;
+                file.set_len(len).map_err(Error::io(path))?;
+                file.sync_all().map_err(Error::sync(path))?;
             }
             Ok(file)
         };
@@ -205,21 +215,26 @@ impl SegmentWriter {
             log_path,
             index_path,
             written: mark,
+            queued_last_seq: mark.last_seq,
             pending_log: Vec::new(),
             pending_index: Vec::new(),
             dirty: false,
             writeback_from: mark.log_len / WRITEBACK_CHUNK * WRITEBACK_CHUNK,
+            #[cfg(test)]
+            faults: Default::default(),
         })
     }
 
-    /// The seq of the last record appended (0 if none): replay skips seqs at or below it.
+    /// The seq of the last record appended, written or queued (0 if none): replay skips seqs at or
+    /// below it.
     pub(crate) fn last_seq(&self) -> u64 {
-        self.written.last_seq
+        self.queued_last_seq
     }
 
     /// Queues a message frame (as it was in the WAL) for writing; [`SegmentWriter::flush`] writes it.
+    /// The entry returned is only true once that flush succeeded.
     pub(crate) fn append(&mut self, frame_bytes: &[u8], head: &MessageHead) -> IndexEntry {
-        debug_assert!(head.seq > self.written.last_seq);
+        debug_assert!(head.seq > self.queued_last_seq);
         let seq = head.seq;
         let entry = IndexEntry {
             seq,
@@ -231,22 +246,23 @@ impl SegmentWriter {
         };
         self.pending_log.extend_from_slice(frame_bytes);
         self.pending_index.extend_from_slice(&entry.encode());
-        self.written.last_seq = seq;
+        self.queued_last_seq = seq;
         entry
     }
 
     /// Writes queued records to the files (no sync). Returns the mark of what is now written.
+    ///
+    /// On failure nothing queued counts as written: the queue is dropped and the writer is back at its
+    /// last written mark (see the module's invariants), so the caller queues those records again.
     pub(crate) fn flush(&mut self) -> Result<SegmentMark> {
         if !self.pending_log.is_empty() {
-            self.log
-                .write_all_at(&self.pending_log, self.written.log_len)
-                .map_err(Error::io(&self.log_path))?;
-            let index_at = HEADER_LEN as u64 + self.written.entries * INDEX_ENTRY_LEN as u64;
-            self.index
-                .write_all_at(&self.pending_index, index_at)
-                .map_err(Error::io(&self.index_path))?;
+            if let Err(e) = self.write_queued() {
+                self.drop_queued();
+                return Err(e);
+            }
             self.written.log_len += self.pending_log.len() as u64;
             self.written.entries += (self.pending_index.len() / INDEX_ENTRY_LEN) as u64;
+            self.written.last_seq = self.queued_last_seq;
             self.pending_log.clear();
             self.pending_index.clear();
             self.dirty = true;
@@ -266,6 +282,41 @@ impl SegmentWriter {
         Ok(self.written)
     }
 
+    fn write_queued(&self) -> Result<()> {
+        let index_at = HEADER_LEN as u64 + self.written.entries * INDEX_ENTRY_LEN as u64;
+        #[cfg(test)]
+        if self.faults.strikes(crate::fault::Point::SegmentWrite) {
+            // As a full disk part-way through leaves it: the records in the .log, half their entries in
+            // the .idx.
+            self.log
+                .write_all_at(&self.pending_log, self.written.log_len)
+                .map_err(Error::io(&self.log_path))?;
+            let half = &self.pending_index[..self.pending_index.len().div_ceil(2)];
+            self.index
+                .write_all_at(half, index_at)
+                .map_err(Error::io(&self.index_path))?;
+            return Err(Error::io(&self.index_path)(crate::fault::no_space()));
+        }
+        self.log
+            .write_all_at(&self.pending_log, self.written.log_len)
+            .map_err(Error::io(&self.log_path))?;
+        self.index
+            .write_all_at(&self.pending_index, index_at)
+            .map_err(Error::io(&self.index_path))
+    }
+
+    /// Forgets the queued records after a failed write and cuts what part of them reached the files.
+    fn drop_queued(&mut self) {
+        self.pending_log.clear();
+        self.pending_index.clear();
+        self.queued_last_seq = self.written.last_seq;
+        // Best effort, and only to give the space back at once: bytes past the mark are overwritten by
+        // the next write, and cut on open if a crash comes first.
+        let index_len = HEADER_LEN as u64 + self.written.entries * INDEX_ENTRY_LEN as u64;
+        let _ = self.log.set_len(self.written.log_len);
+        let _ = self.index.set_len(index_len);
+    }
+
     /// Makes everything written durable; returns the mark the checkpoint may record.
     ///
     /// With `drop_cache` the synced pages of the `.log` are then dropped from the page cache: a segment
@@ -275,10 +326,10 @@ impl SegmentWriter {
     pub(crate) fn sync(&mut self, drop_cache: bool) -> Result<SegmentMark> {
         let mark = self.flush()?;
         if self.dirty {
-            self.log.sync_data().map_err(Error::io(&self.log_path))?;
+            self.log.sync_data().map_err(Error::sync(&self.log_path))?;
             self.index
                 .sync_data()
-                .map_err(Error::io(&self.index_path))?;
+                .map_err(Error::sync(&self.index_path))?;
             self.dirty = false;
             if drop_cache {
                 // Advice only: a failure changes nothing that matters.
@@ -430,7 +481,7 @@ pub(crate) fn sync_closed(
             .write(true)
             .open(&path)
             .map_err(Error::io(&path))?;
-        file.sync_data().map_err(Error::io(&path))?;
+        file.sync_data().map_err(Error::sync(&path))?;
         if drop_cache && path.extension().is_some_and(|e| e == "log") {
             let _ = crate::sys::drop_cached_pages(&file, 0, log_len);
         }

@@ -2,9 +2,32 @@
 
 #![allow(unsafe_code)]
 
+use std::ffi::CString;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// Bytes an unprivileged process can still write on the file system holding `path` (`statvfs`:
+/// `f_bavail * f_frsize`, so space reserved for root is not counted). What a caller compares with a
+/// free-space reserve before taking more data.
+pub fn available_bytes(path: &Path) -> io::Result<u64> {
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+    let mut stats = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c_path` is a NUL-terminated string that outlives the call, and `stats` points to memory
+    // large enough for a `statvfs`, which the call fills entirely when it returns 0 (and which is read
+    // only then).
+    let rc = unsafe { libc::statvfs(c_path.as_ptr(), stats.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it initialised `stats`.
+    let stats = unsafe { stats.assume_init() };
+    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
+    Ok((stats.f_bavail as u64).saturating_mul(stats.f_frsize as u64))
+}
 
 /// Starts writing back the dirty pages of `file` in `[offset, offset + len)` without waiting for them,
 /// so that a later `fdatasync` finds little left to write.
@@ -41,5 +64,21 @@ pub(crate) fn drop_cached_pages(file: &File, offset: u64, len: u64) -> io::Resul
         Ok(())
     } else {
         Err(io::Error::from_raw_os_error(rc))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn available_bytes_of_a_real_dir_and_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let free = available_bytes(dir.path()).unwrap();
+        assert!(free > 0, "a temp dir with no space left: {free}");
+        let missing = available_bytes(&dir.path().join("missing")).unwrap_err();
+        assert_eq!(missing.kind(), io::ErrorKind::NotFound);
+        let nul = available_bytes(Path::new("a\0b")).unwrap_err();
+        assert_eq!(nul.kind(), io::ErrorKind::InvalidInput);
     }
 }

@@ -24,7 +24,7 @@
 //!   torn write can only damage bytes that were never acknowledged.
 //! - A file is deleted only once every record in it has been replayed and checkpointed.
 
-use crate::error::{AppendError, Error, Result};
+use crate::error::{Error, Result};
 use crate::frame::{self, Frames, Kind, Stop, BLOCK};
 use crate::header::{self, FileHeader, HEADER_LEN, WAL_MAGIC};
 use crate::record::{Cancel, MessageHead};
@@ -180,8 +180,8 @@ pub(crate) fn zero_torn_tail(path: &Path, bytes: &[u8], at: u64) -> Result<()> {
             .open(path)
             .map_err(Error::io(path))?;
         file.write_all_at(&vec![0u8; end - start], at)
-            .and_then(|()| file.sync_data())
             .map_err(Error::io(path))?;
+        file.sync_data().map_err(Error::sync(path))?;
     }
     metrics::counter!("delayd_log_torn_tails_total").increment(1);
     Ok(())
@@ -193,9 +193,10 @@ pub(crate) struct ActiveWal {
     dir: PathBuf,
     segment_bytes: u64,
     file: File,
+    path: PathBuf,
     /// Where the next write goes; always a multiple of [`BLOCK`].
     pos: u64,
-    next: Option<JoinHandle<io::Result<()>>>,
+    next: Option<JoinHandle<Result<()>>>,
     staging: AlignedBuf,
 }
 
@@ -213,6 +214,7 @@ impl ActiveWal {
             dir: dir.to_path_buf(),
             segment_bytes,
             file,
+            path: path.to_path_buf(),
             pos,
             next: None,
             staging: AlignedBuf::default(),
@@ -223,20 +225,39 @@ impl ActiveWal {
 
     /// Starts a new WAL file whose first record will be `first_seq`.
     pub(crate) fn create(dir: &Path, segment_bytes: u64, first_seq: u64) -> Result<ActiveWal> {
-        let path = dir.join(NEXT_FILE);
-        prepare(&path, segment_bytes).map_err(Error::io(&path))?;
+        prepare(&dir.join(NEXT_FILE), segment_bytes)?;
         let mut staging = AlignedBuf::default();
-        let file = install(dir, first_seq, &mut staging).map_err(Error::io(dir))?;
+        let (file, path) = install(dir, first_seq, &mut staging)?;
         let mut wal = ActiveWal {
             dir: dir.to_path_buf(),
             segment_bytes,
             file,
+            path,
             pos: DATA_START,
             next: None,
             staging,
         };
         wal.prepare_next();
         Ok(wal)
+    }
+
+    /// Fails with a full disk when the file system reports less free space than a new file takes.
+    /// For retries after a rollover found the disk full: a retry that zero-fills until `ENOSPC` writes
+    /// (and deletes) up to a whole file's worth of bytes each time, for nothing.
+    pub(crate) fn check_room_for_next(&self) -> Result<()> {
+        let next = self.dir.join(NEXT_FILE);
+        let available = crate::sys::available_bytes(&self.dir).map_err(Error::io(&self.dir))?;
+        if available >= self.segment_bytes {
+            return Ok(());
+        }
+        let why = format!(
+            "No space left on device: {available} bytes free, a WAL file takes {}",
+            self.segment_bytes
+        );
+        Err(Error::io(next)(io::Error::new(
+            io::ErrorKind::StorageFull,
+            why,
+        )))
     }
 
     /// Bytes still free in the current file.
@@ -268,25 +289,32 @@ impl ActiveWal {
         self.file.sync_data()
     }
 
+    /// The file being appended to.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Switches to a fresh file whose first record is `first_seq`. The caller has synced the current
-    /// file. On failure nothing was written: the current file stays active.
-    pub(crate) fn roll(&mut self, first_seq: u64) -> Result<(), AppendError> {
+    /// file. A failure to prepare the new file changed nothing (the current file stays active, and the
+    /// half-prepared one is deleted), so a roll that found the disk full may be tried again; a failure to
+    /// install it leaves the directory in a state only recovery sorts out.
+    pub(crate) fn roll(&mut self, first_seq: u64) -> Result<(), RollError> {
+        let next = self.dir.join(NEXT_FILE);
         let prepared = match self.next.take() {
-            Some(handle) => handle
-                .join()
-                .unwrap_or_else(|_| Err(io::Error::other("WAL preparation thread panicked"))),
-            None => prepare(&self.dir.join(NEXT_FILE), self.segment_bytes),
+            Some(handle) => handle.join().unwrap_or_else(|_| {
+                Err(Error::io(&next)(io::Error::other(
+                    "WAL preparation thread panicked",
+                )))
+            }),
+            None => prepare(&next, self.segment_bytes),
         };
         if let Err(e) = prepared {
-            let _ = fs::remove_file(self.dir.join(NEXT_FILE));
-            return Err(if e.kind() == io::ErrorKind::StorageFull {
-                AppendError::DiskFull
-            } else {
-                AppendError::Poisoned(format!("preparing the next WAL file: {e}"))
-            });
+            // Gives the space a half-filled file took back.
+            let _ = fs::remove_file(&next);
+            return Err(RollError::Prepare(e));
         }
-        self.file = install(&self.dir, first_seq, &mut self.staging)
-            .map_err(|e| AppendError::Poisoned(format!("installing WAL file: {e}")))?;
+        (self.file, self.path) =
+            install(&self.dir, first_seq, &mut self.staging).map_err(RollError::Install)?;
         self.pos = DATA_START;
         self.prepare_next();
         Ok(())
@@ -300,6 +328,15 @@ impl ActiveWal {
             .spawn(move || prepare(&path, bytes));
         self.next = spawned.ok();
     }
+}
+
+/// Why a rollover failed.
+#[derive(Debug)]
+pub(crate) enum RollError {
+    /// Preparing the next file failed; nothing changed.
+    Prepare(Error),
+    /// The prepared file could not be put in place (after which it may be there, without a header).
+    Install(Error),
 }
 
 /// A reusable buffer with a window that starts on a block boundary, as `O_DIRECT` requires. (Found
@@ -337,28 +374,32 @@ fn open_direct(path: &Path) -> io::Result<File> {
 ///
 /// With `O_DIRECT` the disk copies the zeros by DMA: preparing a file costs almost no CPU and fills no
 /// page cache. (Buffered zero-filling was the largest CPU cost of a saturated writer.)
-fn prepare(path: &Path, bytes: u64) -> io::Result<()> {
+fn prepare(path: &Path, bytes: u64) -> Result<()> {
     const CHUNK: usize = 1 << 20;
-    File::create(path)?;
-    let mut file = open_direct(path)?;
-    let mut buffer = AlignedBuf::default();
-    let chunk = buffer.window(CHUNK);
-    let mut left = bytes;
-    while left >= CHUNK as u64 {
-        file.write_all(chunk)?;
-        left -= CHUNK as u64;
-    }
-    let tail = left - left % BLOCK as u64;
-    file.write_all(&chunk[..tail as usize])?;
-    file.sync_all()
+    let fill = || -> io::Result<File> {
+        File::create(path)?;
+        let mut file = open_direct(path)?;
+        let mut buffer = AlignedBuf::default();
+        let chunk = buffer.window(CHUNK);
+        let mut left = bytes;
+        while left >= CHUNK as u64 {
+            file.write_all(chunk)?;
+            left -= CHUNK as u64;
+        }
+        let tail = left - left % BLOCK as u64;
+        file.write_all(&chunk[..tail as usize])?;
+        Ok(file)
+    };
+    let file = fill().map_err(Error::io(path))?;
+    file.sync_all().map_err(Error::sync(path))
 }
 
 /// Renames the prepared file to the name of its first seq and writes its header block. The header is
 /// made durable by the first group's fdatasync; the name by the directory fsync here.
-fn install(dir: &Path, first_seq: u64, staging: &mut AlignedBuf) -> io::Result<File> {
+fn install(dir: &Path, first_seq: u64, staging: &mut AlignedBuf) -> Result<(File, PathBuf)> {
     let path = wal_path(dir, first_seq);
-    fs::rename(dir.join(NEXT_FILE), &path)?;
-    let file = open_direct(&path)?;
+    fs::rename(dir.join(NEXT_FILE), &path).map_err(Error::io(&path))?;
+    let file = open_direct(&path).map_err(Error::io(&path))?;
     let header = FileHeader {
         magic: WAL_MAGIC,
         segment_minutes: 0,
@@ -367,9 +408,9 @@ fn install(dir: &Path, first_seq: u64, staging: &mut AlignedBuf) -> io::Result<F
     let block = staging.window(BLOCK);
     block.fill(0);
     block[..HEADER_LEN].copy_from_slice(&header.encode());
-    file.write_all_at(block, 0)?;
-    header::sync_dir(dir).map_err(|e| io::Error::other(e.to_string()))?;
-    Ok(file)
+    file.write_all_at(block, 0).map_err(Error::io(&path))?;
+    header::sync_dir(dir)?;
+    Ok((file, path))
 }
 
 /// Deletes a leftover `next.tmp` (its preparation may have been cut short by a crash).
