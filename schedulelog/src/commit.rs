@@ -299,6 +299,10 @@ impl Writer {
             self.fault = Some(fault);
             return;
         }
+        if self.disk_full.backlog_full() {
+            // Nothing is written: what is acknowledged already waits in the WAL for the replayer.
+            return request.fail(AppendError::DiskFull);
+        }
         // Roll over before a request that does not fit, so that a full disk fails it cleanly.
         let size = request.frame_bytes() as u64;
         let unwritten = (group.bytes.len() - group.written) as u64;

@@ -146,9 +146,22 @@ pub(crate) enum Blocked {
 #[derive(Debug, Default)]
 pub(crate) struct DiskFullReport {
     causes: Mutex<[Option<String>; 2]>,
+    /// The replayer is held up and its backlog is at its bound: the writer refuses new requests with
+    /// `DiskFull` rather than commit groups it could not hand over (it would block, and every request
+    /// behind it would wait instead of being answered).
+    backlog_full: std::sync::atomic::AtomicBool,
 }
 
 impl DiskFullReport {
+    pub(crate) fn set_backlog_full(&self, full: bool) {
+        self.backlog_full
+            .store(full, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub(crate) fn backlog_full(&self) -> bool {
+        self.backlog_full.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     pub(crate) fn set(&self, who: Blocked, cause: String) {
         self.causes.lock().unwrap_or_else(|p| p.into_inner())[who as usize] = Some(cause);
     }

@@ -20,7 +20,8 @@
 //!   later append and cancel fails; only a restart clears it.
 //! - **Disk full** ([`ScheduleLog::disk_full`]): a writer is held up by a full disk and retrying: the
 //!   replayer (a committed group, or a checkpoint; appends are still acknowledged while the WAL has room,
-//!   and the replayer takes their groups into a bounded backlog), or the WAL writer's rollover (requests
+//!   and the replayer takes their groups into a backlog; past its bound new requests fail with
+//!   [`AppendError::DiskFull`] rather than wait), or the WAL writer's rollover (requests
 //!   that need a new WAL file fail with [`AppendError::DiskFull`]). It clears by itself once the held-up
 //!   work succeeds. Nothing acknowledged is lost meanwhile: it is in the WAL, which is deleted only below
 //!   a checkpoint.
@@ -726,9 +727,9 @@ fn recover_wal(
     Ok((active, next_seq))
 }
 
-/// While the replayer is held up by a full disk it keeps taking committed groups, up to this many bytes
-/// of them: they are durable in the WAL already, and taking them lets the writer go on acknowledging
-/// appends while the WAL has room. Past it the channel's bound holds the writer back.
+/// While the replayer is held up by a full disk it keeps taking committed groups: they are durable in the
+/// WAL already, and taking them lets the writer go on acknowledging appends while the WAL has room. Past
+/// this many bytes of them the writer refuses new requests with `DiskFull` (never blocks on the channel).
 #[cfg(not(test))]
 const BACKLOG_LIMIT_BYTES: usize = 64 << 20;
 /// Test groups are a few KiB: a limit a test can reach.
@@ -794,9 +795,16 @@ fn run_replayer(
             }
             None => {}
             Some(retry) => {
-                while open && backlog.bytes < BACKLOG_LIMIT_BYTES {
+                // No bound here: past BACKLOG_LIMIT_BYTES the writer refuses new requests, so only the
+                // groups it committed before it saw that still come, and none of them may block it.
+                while open {
                     match groups.recv_deadline(retry.at) {
-                        Ok(group) => backlog.push(group),
+                        Ok(group) => {
+                            backlog.push(group);
+                            shared
+                                .disk_full
+                                .set_backlog_full(backlog.bytes >= BACKLOG_LIMIT_BYTES);
+                        }
                         Err(crossbeam_channel::RecvTimeoutError::Timeout) => break,
                         Err(crossbeam_channel::RecvTimeoutError::Disconnected) => open = false,
                     }
@@ -847,6 +855,9 @@ fn run_replayer(
         }
         drop(replay);
 
+        shared
+            .disk_full
+            .set_backlog_full(held_up.is_some() && backlog.bytes >= BACKLOG_LIMIT_BYTES);
         match held_up {
             None => {
                 if retry.take().is_some() {

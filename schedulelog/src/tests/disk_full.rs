@@ -177,28 +177,48 @@ fn a_crash_while_the_disk_is_full_loses_and_doubles_nothing() {
     }
 }
 
-/// More committed groups than the replayer's backlog takes: the writer waits for it (appends queue up
-/// unanswered, none fails), and everything arrives once the disk has room again.
+/// More committed groups than the replayer's backlog takes: past its bound the writer refuses new
+/// requests with `DiskFull` instead of blocking (every request is answered while the disk is full), and
+/// everything it acknowledged lands once after the fault clears, also across a crash.
 #[test]
-fn a_backlog_past_its_bound_holds_the_writer_back_and_loses_nothing() {
+fn past_the_backlog_bound_the_writer_refuses_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = Arc::new(ScheduleLog::open(dir.path(), options(&clock)).unwrap());
     log.inject_fault(Fault::SegmentWritesFull(u32::MAX));
     // Each append is a group of at least 4 KiB (padded to a block): 40 of them are more than the
-    // 64 KiB backlog of a test build and the 8 groups the channel holds.
+    // 64 KiB backlog of a test build.
     let acks: Vec<_> = (0..40)
         .map(|i| log.append(vec![message(deliver_at(i), "queued")]))
         .collect();
+    // Every request is answered while the fault holds: none waits for the replayer.
+    let (answered, answers) = crossbeam_channel::bounded(1);
+    std::thread::spawn(move || {
+        let results: Vec<_> = acks.into_iter().map(|ack| ack.wait()).collect();
+        let _ = answered.send(results);
+    });
+    let results = answers
+        .recv_timeout(Duration::from_secs(30))
+        .expect("requests were held back instead of answered");
     wait_disk_full_at(&log, "/schedule/");
+    let refused = results.iter().filter(|r| r.is_err()).count();
+    assert!(refused > 0, "the backlog bound was never reached");
+    assert!(results
+        .iter()
+        .all(|r| matches!(r, Ok(_) | Err(AppendError::DiskFull))));
     log.inject_fault(Fault::SegmentWritesFull(0));
-    let mut appended: Vec<Appended> = acks
+    let mut appended: Vec<Appended> = results
         .into_iter()
-        .map(|ack| ack.wait().unwrap().pop().unwrap())
+        .filter_map(|r| r.ok())
+        .map(|mut a| a.pop().unwrap())
         .collect();
     appended.sort_by_key(|a| a.location.seq);
     wait_until("disk_full() clears", || log.disk_full().is_none());
+    // Accepted again once the backlog is filed.
+    let after = log.append(vec![message(deliver_at(99), "after")]).wait();
+    appended.extend(after.expect("accepted once the disk has room"));
     check_states(&log, &appended, &[]);
+    let log = Arc::try_unwrap(log).unwrap();
     log.crash();
     let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
     check_states(&log, &appended, &[]);
