@@ -339,7 +339,8 @@ impl Replay {
         self.delete_replayed_wal()
     }
 
-    fn delete_replayed_wal(&self) -> Result<()> {
+    /// Deletes the WAL files entirely below the last checkpoint (each but the newest).
+    pub(crate) fn delete_replayed_wal(&self) -> Result<()> {
         let files = wal::list(&self.wal_dir)?;
         let mut deleted = false;
         for pair in files.windows(2) {

@@ -393,3 +393,37 @@ fn a_dispatch_append_cut_short_by_a_full_disk_is_retried_cleanly() {
     let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
     check(&log);
 }
+
+/// A rollover held up by a full disk happens later, on the writer's own retry, after the last checkpoint:
+/// the file it leaves behind is deleted all the same, though no new record comes to trigger a checkpoint
+/// (on a quiet node, or one whose other writers wait for exactly that space).
+#[test]
+fn a_wal_file_left_by_a_late_rollover_is_deleted_without_new_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let options = Options {
+        checkpoint_interval: Duration::from_millis(20),
+        ..options(&clock)
+    };
+    let log = ScheduleLog::open(dir.path(), options).unwrap();
+    append_one(&log, T0, "first");
+    log.inject_fault(Fault::DiskFullAtRoll);
+    let err = log.append(vec![message(T0, "a")]).wait().unwrap_err();
+    assert_eq!(err, AppendError::DiskFull);
+    let wal = dir.path().join("wal");
+    let files = || -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&wal)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".wal"))
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(files(), ["00000000000000000001.wal"]);
+    clock.advance(1_000);
+    wait_until("the writer's own rollover", || log.disk_full().is_none());
+    wait_until("the replayed file to be deleted", || {
+        files() == ["00000000000000000002.wal"]
+    });
+}
