@@ -187,7 +187,7 @@ fn past_the_backlog_bound_the_writer_refuses_and_loses_nothing() {
     let log = Arc::new(ScheduleLog::open(dir.path(), options(&clock)).unwrap());
     log.inject_fault(Fault::SegmentWritesFull(u32::MAX));
     // Each append is a group of at least 4 KiB (padded to a block): 40 of them are more than the
-    // 64 KiB backlog of a test build.
+    // 128 KiB backlog of a test build.
     let acks: Vec<_> = (0..40)
         .map(|i| log.append(vec![message(deliver_at(i), "queued")]))
         .collect();
