@@ -9,6 +9,7 @@
 pub mod api;
 pub mod broker;
 pub mod config;
+pub mod disk;
 pub mod metrics;
 pub mod scheduler;
 pub mod sink;
@@ -113,10 +114,22 @@ pub async fn run_with_clock(
         .into_iter()
         .filter_map(|(_, m)| Some(((m.topic, m.key?), m.id)))
         .collect();
+    let disk = Arc::new(disk::DiskWatch::new(
+        config.data_dir.clone(),
+        config.limits.min_free_disk_bytes,
+    ));
+    disk.check(&[log.disk_full(), broker.disk_full()]);
+    let housekeeping = tokio::spawn(housekeeping(
+        log.clone(),
+        broker.clone(),
+        disk.clone(),
+        clock.clone(),
+    ));
     let state = Arc::new(api::Services {
         log: log.clone(),
         scheduler: scheduler.clone(),
         broker,
+        disk,
         config: config.clone(),
         clock,
         metrics,
@@ -129,6 +142,7 @@ pub async fn run_with_clock(
         .await
         .context("serving HTTP")?;
     tracing::info!("shutting down: no new requests; finishing deliveries in flight");
+    housekeeping.abort();
     scheduler.shutdown().await;
     drop(scheduler);
     // The last reference closes the log: pending group commits finish and a checkpoint is written.
@@ -142,4 +156,39 @@ pub async fn run_with_clock(
     .await??;
     tracing::info!("stopped cleanly");
     Ok(())
+}
+
+/// Once a second: broker retention, the disk's state, and the log's health, each change logged once.
+async fn housekeeping(
+    log: Arc<ScheduleLog>,
+    broker: Arc<Broker>,
+    disk: Arc<disk::DiskWatch>,
+    clock: Arc<dyn Clock>,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut poisoned = false;
+    loop {
+        tick.tick().await;
+        let (log, broker, disk, now) = (log.clone(), broker.clone(), disk.clone(), clock.now_ms());
+        let checked = tokio::task::spawn_blocking(move || {
+            match broker.enforce_retention(now) {
+                Ok(retired) if retired.segments > 0 => tracing::info!(
+                    segments = retired.segments,
+                    bytes = retired.bytes,
+                    unread = retired.unread,
+                    "broker retention deleted old segments"
+                ),
+                Ok(_) => {}
+                Err(error) => tracing::error!(%error, "broker retention failed; trying again"),
+            }
+            disk.check(&[log.disk_full(), broker.disk_full()]);
+            log.poisoned()
+        })
+        .await;
+        if let (Ok(Some(cause)), false) = (checked, poisoned) {
+            poisoned = true;
+            tracing::error!(%cause, "the log is poisoned: writes are refused until delayd is restarted");
+        }
+    }
 }

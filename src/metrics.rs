@@ -60,6 +60,7 @@ const COUNTERS: &[&str] = &[
     "delayd_log_corruptions_total",
     "delayd_log_torn_tails_total",
     "delayd_wal_bytes_written_total",
+    "delayd_broker_unread_retired_total",
 ];
 
 /// Gauges without labels, made to exist at 0 by [`register_series`].
@@ -67,6 +68,8 @@ const GAUGES: &[&str] = &[
     "delayd_pending_messages",
     "delayd_wheel_entries",
     "delayd_segments",
+    "delayd_disk_full",
+    "delayd_disk_free_bytes",
 ];
 
 /// Makes every series with a bounded label set exist from the start, at 0 unless something already
@@ -151,6 +154,29 @@ fn describe() {
     describe_counter!(
         "delayd_read_errors_total",
         "Due messages that could not be read"
+    );
+    describe_gauge!(
+        "delayd_disk_full",
+        "1 while new messages are refused for want of disk space or a write is blocked by a full disk"
+    );
+    describe_gauge!(
+        "delayd_disk_free_bytes",
+        Unit::Bytes,
+        "Free space on the data dir's file system"
+    );
+    describe_gauge!(
+        "delayd_broker_bytes",
+        Unit::Bytes,
+        "Bytes in the broker's commit log segments, by store (main, dead)"
+    );
+    describe_counter!(
+        "delayd_broker_retired_bytes_total",
+        Unit::Bytes,
+        "Bytes deleted by broker retention, by store (main, dead)"
+    );
+    describe_counter!(
+        "delayd_broker_unread_retired_total",
+        "Messages broker retention deleted before a consumer group with a committed offset on their queue read them"
     );
     describe_counter!(
         "delayd_http_requests_total",

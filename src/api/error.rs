@@ -47,6 +47,14 @@ impl ApiError {
         ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", detail)
     }
 
+    /// 507: nothing was stored for want of disk space.
+    pub fn disk_full(detail: impl Into<String>) -> ApiError {
+        ApiError {
+            retry_after_secs: Some(10),
+            ..ApiError::new(StatusCode::INSUFFICIENT_STORAGE, "disk_full", detail)
+        }
+    }
+
     /// A failure inside delayd: logged in full, answered without internals.
     pub fn internal(error: impl std::fmt::Display) -> ApiError {
         tracing::error!(%error, "internal error");
@@ -71,11 +79,9 @@ impl ApiError {
 impl From<AppendError> for ApiError {
     fn from(error: AppendError) -> ApiError {
         match error {
-            AppendError::DiskFull => ApiError::new(
-                StatusCode::INSUFFICIENT_STORAGE,
-                "disk_full",
-                "the disk is full; nothing was stored",
-            ),
+            AppendError::DiskFull => {
+                ApiError::disk_full("the disk is full; nothing was stored, retry later")
+            }
             AppendError::Overloaded => ApiError {
                 retry_after_secs: Some(1),
                 ..ApiError::new(
@@ -85,7 +91,8 @@ impl From<AppendError> for ApiError {
                 )
             },
             AppendError::Poisoned(cause) => {
-                tracing::error!(%cause, "write refused: the log is poisoned");
+                // Logged once, when it happened; not again for every refused request.
+                tracing::debug!(%cause, "write refused: the log is poisoned");
                 ApiError {
                     retry_after_secs: Some(60),
                     ..ApiError::new(
@@ -110,12 +117,8 @@ impl From<AppendError> for ApiError {
 impl From<crate::broker::BrokerError> for ApiError {
     fn from(error: crate::broker::BrokerError) -> ApiError {
         if error.is_disk_full() {
-            tracing::warn!(%error, "a broker write found the disk full");
-            ApiError::new(
-                StatusCode::INSUFFICIENT_STORAGE,
-                "disk_full",
-                "the disk is full; nothing was stored",
-            )
+            tracing::debug!(%error, "a broker write found the disk full");
+            ApiError::disk_full("the disk is full; nothing was stored, retry later")
         } else {
             ApiError::internal(error)
         }

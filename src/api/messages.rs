@@ -334,10 +334,21 @@ fn count_received(sink: &str, count: u64) {
         .increment(count);
 }
 
+/// 507 while free disk space is below the reserve: new messages wait, what is stored keeps moving.
+fn check_disk(state: &AppState) -> Result<(), ApiError> {
+    match state.disk.refusing() {
+        Some(_) => Err(ApiError::disk_full(
+            "the disk is nearly full; new messages are refused until space is freed (nothing was stored)",
+        )),
+        None => Ok(()),
+    }
+}
+
 pub async fn schedule(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
+    check_disk(&state)?;
     let request: ScheduleRequest = parse_json(&bytes)?;
     let message = validate(&state, &request, state.clock.now_ms())?;
     let encoded = message.encode()?;
@@ -391,6 +402,7 @@ pub async fn schedule_batch(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
+    check_disk(&state)?;
     let batch: BatchRequest = parse_json(&bytes)?;
     let max = state.config.limits.max_batch_messages;
     if batch.messages.len() > max {

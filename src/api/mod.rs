@@ -34,6 +34,8 @@ pub struct Services {
     pub log: Arc<ScheduleLog>,
     pub scheduler: Arc<Scheduler>,
     pub broker: Arc<Broker>,
+    /// Whether new messages are refused for want of disk space.
+    pub disk: Arc<crate::disk::DiskWatch>,
     pub config: Arc<Config>,
     pub clock: Arc<dyn Clock>,
     pub metrics: PrometheusHandle,
@@ -97,15 +99,20 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// 200 once recovery is done (the router is served only then); 503 with the reason while the log is
+/// poisoned (`storage_failed`) or the disk is full (`disk_full`: new messages are refused).
 async fn ready(State(state): State<AppState>) -> Response {
-    match state.log.poisoned() {
-        None => "ready\n".into_response(),
-        Some(cause) => {
-            let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);
-            error.retry_after_secs = Some(60);
-            error.into_response()
-        }
+    if let Some(cause) = state.log.poisoned() {
+        let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);
+        error.retry_after_secs = Some(60);
+        return error.into_response();
     }
+    if let Some(cause) = state.disk.full() {
+        let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "disk_full", cause);
+        error.retry_after_secs = Some(10);
+        return error.into_response();
+    }
+    "ready\n".into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

@@ -206,6 +206,10 @@ impl Broker {
             disk_full: Mutex::new(None),
         };
         broker.report_sizes();
+        for name in STORE_NAMES {
+            // The series exists from the start (at 0), for rate() and alerts.
+            metrics::counter!("delayd_broker_retired_bytes_total", "store" => name).increment(0);
+        }
         Ok(broker)
     }
 
@@ -587,22 +591,28 @@ impl Sink for BrokerSink {
                 .collect();
             let broker = self.broker.clone();
             let stored = tokio::task::spawn_blocking(move || broker.append(&incoming)).await;
-            match stored {
-                Ok(Ok(_)) => vec![SinkOutcome::Delivered; batch.len()],
-                other => {
-                    let reason = match other {
-                        Ok(Err(e)) => e.to_string(),
-                        Err(e) => e.to_string(),
-                        Ok(Ok(_)) => unreachable!("matched above"),
-                    };
-                    tracing::error!(%reason, "storing deliveries in the broker failed");
-                    let retry = SinkOutcome::Retry {
-                        after: Some(Duration::from_secs(5)),
-                        reason,
-                    };
-                    vec![retry; batch.len()]
+            let (reason, disk_full) = match stored {
+                Ok(Ok(_)) => return vec![SinkOutcome::Delivered; batch.len()],
+                Ok(Err(e)) => (e.to_string(), e.is_disk_full()),
+                Err(e) => (e.to_string(), false),
+            };
+            let answer = if disk_full {
+                // Reported once by the disk watch, not for every batch while it lasts. Not an attempt:
+                // a retry would copy every message through the WAL into a segment again, on the disk
+                // that is full, and a long shortage would use up the attempts.
+                tracing::debug!(%reason, "storing deliveries in the broker failed");
+                SinkOutcome::Postpone {
+                    after: Duration::from_secs(1),
+                    reason,
                 }
-            }
+            } else {
+                tracing::error!(%reason, "storing deliveries in the broker failed");
+                SinkOutcome::Retry {
+                    after: Some(Duration::from_secs(5)),
+                    reason,
+                }
+            };
+            vec![answer; batch.len()]
         })
     }
 }

@@ -4,7 +4,9 @@
 //! `max_in_flight` calls at once), then make each answer durable:
 //! - delivered / dead → an outcome in the bucket's dispatch log;
 //! - retry → a new attempt through the WAL (`attempt + 1`, due after the backoff with jitter or the
-//!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead.
+//!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead;
+//! - postpone (delayd's own shortage, not the destination's: the broker's disk is full) → the entry goes
+//!   back to the wheel, nothing written, no attempt used.
 //!
 //! Outcomes are written only after the sink answered, so a crash in between repeats the delivery rather
 //! than losing it (at-least-once).
@@ -17,6 +19,7 @@ use schedulelog::{Bucket, Location, NewMessage, Outcome, OutcomeKind};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 
@@ -165,6 +168,15 @@ impl Lane {
                     ));
                     "dead"
                 }
+                SinkOutcome::Postpone { after, reason } => {
+                    // Nothing is written: the record stays pending, and its entry comes round again
+                    // (unless cancelled meanwhile: the lane's read drops it then).
+                    let after_ms = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+                    self.shared
+                        .requeue_at(*entry, now.saturating_add(after_ms.max(1)));
+                    tracing::debug!(sink = %self.name, %reason, "delivery postponed");
+                    "retry"
+                }
                 SinkOutcome::Retry { .. }
                     if self.shared.cancelled().contains(&delivery.location) =>
                 {
@@ -228,15 +240,42 @@ impl Lane {
             }
         }
         if !records.is_empty() {
-            let log = self.shared.log.clone();
-            let written = tokio::task::spawn_blocking(move || log.record_outcomes(&records)).await;
-            if !matches!(written, Ok(Ok(()))) {
-                // Without the outcome the message stays pending and is delivered again after a restart.
-                tracing::error!(sink = %self.name, "recording delivery outcomes failed: {written:?}");
-            }
+            self.record_outcomes(records).await;
         }
         if let Some(settled) = &self.shared.settled {
             let _ = settled.send(labels);
+        }
+    }
+
+    /// Writes outcomes to the dispatch logs, trying again (with backoff, holding this delivery slot, so
+    /// that a lane whose outcomes cannot be recorded stops delivering) until they are durable: a delivery
+    /// whose outcome is lost is delivered again after a restart. Only a shutdown gives up.
+    async fn record_outcomes(&self, records: Vec<(Bucket, Outcome)>) {
+        let records = Arc::new(records);
+        let mut pause = Duration::from_millis(100);
+        for attempt in 1u32.. {
+            let (log, batch) = (self.shared.log.clone(), records.clone());
+            let written = tokio::task::spawn_blocking(move || log.record_outcomes(&batch)).await;
+            let error = match written {
+                Ok(Ok(())) => {
+                    if attempt > 1 {
+                        tracing::info!(sink = %self.name, attempt, "delivery outcomes recorded after all");
+                    }
+                    return;
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(e) => e.to_string(),
+            };
+            if self.shared.stopping.load(Ordering::SeqCst) {
+                tracing::error!(sink = %self.name, %error, "recording delivery outcomes failed at shutdown; these messages will be delivered again after the restart");
+                return;
+            }
+            // Logged at the first failure and then ever more rarely (attempts 1, 2, 4, 8, ...).
+            if attempt.is_power_of_two() {
+                tracing::error!(sink = %self.name, attempt, %error, "recording delivery outcomes failed; trying again");
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(5));
         }
     }
 
@@ -290,7 +329,12 @@ impl Lane {
             }
             // The messages stay pending (no outcome) and come round again shortly.
             Err(e) => {
-                tracing::error!(sink = %self.name, error = %e, "writing retries failed; trying again shortly");
+                if e == schedulelog::AppendError::DiskFull {
+                    // The disk watch reports a full disk once; this would repeat for every batch.
+                    tracing::debug!(sink = %self.name, error = %e, "writing retries failed; trying again shortly");
+                } else {
+                    tracing::error!(sink = %self.name, error = %e, "writing retries failed; trying again shortly");
+                }
                 let now = self.shared.clock.now_ms();
                 for (entry, ..) in retries {
                     self.shared.requeue(*entry, now);

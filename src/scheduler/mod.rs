@@ -121,7 +121,12 @@ impl Shared {
 
     /// Hands an entry back to the wheel, due a second from `now_ms`.
     pub fn requeue(&self, entry: Entry, now_ms: i64) {
-        let _ = self.requeued.send(entry.due_at(now_ms + 1_000));
+        self.requeue_at(entry, now_ms + 1_000);
+    }
+
+    /// Hands an entry back to the wheel, due at `due_ms`.
+    pub fn requeue_at(&self, entry: Entry, due_ms: i64) {
+        let _ = self.requeued.send(entry.due_at(due_ms));
     }
 
     /// Whether the attempt at `location` was cancelled; forgets it (it will not come up again).

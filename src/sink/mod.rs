@@ -42,6 +42,13 @@ pub enum SinkOutcome {
     Dead {
         reason: String,
     },
+    /// Not taken for a reason of delayd's own, not the destination's (the built-in broker's disk is
+    /// full): the message goes back to the wheel, due after `after`, without using up an attempt or
+    /// writing anything (a retry would copy the message through the WAL into a segment again).
+    Postpone {
+        after: Duration,
+        reason: String,
+    },
 }
 
 /// A destination for due messages.
