@@ -7,11 +7,15 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod disk;
+mod retention;
 mod webhook;
 
 use common::{now_ms, parse, request, scrape, spawn, spawn_cli, Answer};
+use delayd::schedulelog::Clock;
 use serde_json::{json, Value};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A tokio runtime with `workers` threads and a listener on a free loopback port.
@@ -48,6 +52,15 @@ impl Server {
         data_dir: &std::path::Path,
         edit: impl FnOnce(&mut delayd::config::Config),
     ) -> Server {
+        Server::start_with_clock(data_dir, Arc::new(delayd::scheduler::SystemClock), edit)
+    }
+
+    /// A server whose time comes from `clock` (a manual clock runs hours in seconds).
+    fn start_with_clock(
+        data_dir: &std::path::Path,
+        clock: Arc<dyn Clock>,
+        edit: impl FnOnce(&mut delayd::config::Config),
+    ) -> Server {
         let mut config =
             delayd::config::Config::load(None, Vec::new(), &delayd::config::Flags::default())
                 .unwrap();
@@ -58,7 +71,7 @@ impl Server {
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
-            runtime.block_on(delayd::run(config, listener, async {
+            runtime.block_on(delayd::run_with_clock(config, listener, clock, async {
                 let _ = stopped.await;
             }))
         });

@@ -1,0 +1,361 @@
+//! A full disk, for real: a small file system mounted by the test (an ext4 image on a loop device, or a
+//! tmpfs of that size), filled by the service itself, then given space back. Mounting needs root; without
+//! it the tests say so and pass without running.
+
+use super::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+const MIB: u64 = 1 << 20;
+
+/// A small file system for one test, unmounted (and its image deleted) on drop, pass or fail.
+struct SmallFs {
+    mount_point: tempfile::TempDir,
+    /// The directory holding the ext4 image, when it is one.
+    _image_dir: Option<tempfile::TempDir>,
+}
+
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let output = Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{program}: {e}"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr).trim()
+        ))
+    }
+}
+
+impl SmallFs {
+    /// Mounts `mib` MiB of ext4 (no blocks reserved for root: root would otherwise write past the free
+    /// space statvfs reports), or a tmpfs of that size where loop devices are not available.
+    fn mount(mib: u64) -> Result<SmallFs, String> {
+        let mount_point = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let target = mount_point.path().to_str().unwrap().to_string();
+        let image_dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let image = image_dir.path().join("fs.img");
+        let ext4 = std::fs::File::create(&image)
+            .and_then(|f| f.set_len(mib * MIB))
+            .map_err(|e| e.to_string())
+            .and_then(|()| {
+                run(
+                    "mkfs.ext4",
+                    &["-q", "-F", "-m", "0", image.to_str().unwrap()],
+                )
+            })
+            .and_then(|()| run("mount", &["-o", "loop", image.to_str().unwrap(), &target]));
+        match ext4 {
+            Ok(()) => Ok(SmallFs {
+                mount_point,
+                _image_dir: Some(image_dir),
+            }),
+            Err(ext4) => {
+                let size = format!("size={mib}m");
+                run("mount", &["-t", "tmpfs", "-o", &size, "tmpfs", &target])
+                    .map_err(|tmpfs| format!("{ext4}; {tmpfs}"))?;
+                Ok(SmallFs {
+                    mount_point,
+                    _image_dir: None,
+                })
+            }
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.mount_point.path()
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let target = self.path().to_str().unwrap().to_string();
+        if run("umount", &[&target]).is_err() {
+            // Something still holds a file open (a panic before a process guard dropped): detach it.
+            let _ = run("umount", &["-l", &target]);
+        }
+    }
+}
+
+/// Writes `bytes` of non-zero data to `path` (a file of the operator's that takes space).
+fn ballast(path: &Path, bytes: u64) {
+    let chunk = vec![0x5a_u8; MIB as usize];
+    let mut file = std::fs::File::create(path).unwrap();
+    for _ in 0..bytes / MIB {
+        std::io::Write::write_all(&mut file, &chunk).unwrap();
+    }
+    file.sync_all().unwrap();
+}
+
+/// A config file outside the small file system.
+fn config_file(dir: &Path, text: &str) -> PathBuf {
+    let path = dir.join("delayd.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn post(base: &str, body: &Value) -> Answer {
+    request(base, "POST", "/v1/messages", Some(&body.to_string()), None)
+}
+
+/// Reads every queue of `topic` from the start until `done` says enough, for at most two minutes;
+/// returns how often each id arrived. (A few messages a pull: they are large.)
+fn consume(
+    base: &str,
+    topic: &str,
+    done: impl Fn(&BTreeMap<String, u32>) -> bool,
+) -> BTreeMap<String, u32> {
+    let mut seen = BTreeMap::new();
+    let mut offsets = [0u64; 4];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !done(&seen) && Instant::now() < deadline {
+        for (queue, offset) in offsets.iter_mut().enumerate() {
+            let path = format!(
+                "/v1/topics/{topic}/queues/{queue}/messages?offset={offset}&max=8&wait_ms=100"
+            );
+            let answer = request(base, "GET", &path, None, None);
+            if answer.status == 404 {
+                continue; // the topic exists once the first message is stored
+            }
+            assert_eq!(answer.status, 200, "{}", answer.json);
+            for message in answer.json["messages"].as_array().unwrap() {
+                assert!(
+                    parse(&message["delivered_at"]) >= parse(&message["deliver_at"]),
+                    "never early"
+                );
+                *seen
+                    .entry(message["id"].as_str().unwrap().to_string())
+                    .or_default() += 1;
+            }
+            *offset = answer.json["next_offset"].as_u64().unwrap();
+        }
+    }
+    seen
+}
+
+fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The reserve off, so that the service fills the disk to the last block: the replayer and the broker
+/// meet ENOSPC, the WAL cannot start its next file. Nothing is lost, nothing poisons; once the operator
+/// deletes a file, the node heals without a restart and delivers every acknowledged message once.
+#[test]
+fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
+    let fs = match SmallFs::mount(320) {
+        Ok(fs) => fs,
+        Err(why) => {
+            println!("skipped: cannot mount a small file system ({why})");
+            return;
+        }
+    };
+    let outside = tempfile::tempdir().unwrap();
+    // The operator's own files: deleting them later makes room (enough for the WAL's next 64 MiB file
+    // once the backlog is filed). What is left after the WAL's two preallocated 64 MiB files fills after
+    // a dozen of the messages below.
+    let spare = fs.path().join("spare");
+    ballast(&spare, 160 * MIB);
+    let config = config_file(
+        outside.path(),
+        "[limits]\nmin_free_disk_bytes = 0\n[broker]\nsegment_bytes = 1048576\n",
+    );
+    let process = spawn(
+        &fs.path().join("data"),
+        &["--config", config.to_str().unwrap()],
+    );
+    let base = process.base.clone();
+    // A message due in an hour, to cancel while the disk is full.
+    let later = post(
+        &base,
+        &json!({"topic": "full", "body": "cancel me", "delay": "1h"}),
+    );
+    assert_eq!(later.status, 201, "{}", later.json);
+    let later = later.json["id"].as_str().unwrap().to_string();
+
+    // 512 KiB messages due at once: the schedule segment and the broker each take a copy.
+    let body = "f".repeat(512 << 10);
+    let mut acked = Vec::new();
+    let refused = loop {
+        assert!(acked.len() < 1_000, "the disk never filled");
+        let answer = post(&base, &json!({"topic": "full", "body": body, "delay": 0}));
+        match answer.status {
+            201 => acked.push(answer.json["id"].as_str().unwrap().to_string()),
+            507 => break answer,
+            other => panic!("a full disk answered {other}: {}", answer.json),
+        }
+    };
+    assert_eq!(refused.json["code"], "disk_full");
+    assert_eq!(refused.content_type, "application/problem+json");
+    println!("{} messages acknowledged before the first 507", acked.len());
+
+    // The node says why, in /readyz, the metric and its log (once, with the file and the OS error).
+    wait_for(
+        "/readyz to report the full disk",
+        Duration::from_secs(30),
+        || {
+            let ready = request(&base, "GET", "/readyz", None, None);
+            ready.status == 503 && ready.json["code"] == "disk_full"
+        },
+    );
+    let ready = request(&base, "GET", "/readyz", None, None);
+    let detail = ready.json["detail"].as_str().unwrap().to_string();
+    assert!(detail.contains("No space left on device"), "{detail}");
+    assert_eq!(scrape(&base).get("delayd_disk_full"), Some(&1.0));
+    wait_for("the log to name the cause", Duration::from_secs(30), || {
+        process.output_tail(200).contains("No space left on device")
+    });
+    let log = process.output_tail(200);
+    assert!(log.contains("disk full"), "{log}");
+    assert!(!log.contains("poisoned"), "{log}");
+    println!("{detail}\n{log}");
+    // Still refusing, never poisoned.
+    let again = post(&base, &json!({"topic": "full", "body": body, "delay": 0}));
+    assert_eq!(again.status, 507, "{}", again.json);
+    // A cancel needs only a few bytes of the WAL: it works now or once space is back.
+    let cancel = request(
+        &base,
+        "DELETE",
+        &format!("/v1/messages/{later}"),
+        None,
+        None,
+    );
+    assert!([200, 507].contains(&cancel.status), "{}", cancel.json);
+
+    // The operator frees space: writes resume, without a restart.
+    std::fs::remove_file(&spare).unwrap();
+    let pid = process.pid();
+    wait_for(
+        "a message to be accepted again",
+        Duration::from_secs(60),
+        || {
+            let answer = post(
+                &base,
+                &json!({"topic": "full", "body": "after", "delay": 0}),
+            );
+            if answer.status == 201 {
+                acked.push(answer.json["id"].as_str().unwrap().to_string());
+            }
+            answer.status == 201
+        },
+    );
+    assert_eq!(process.pid(), pid);
+    if cancel.status != 200 {
+        let cancel = request(
+            &base,
+            "DELETE",
+            &format!("/v1/messages/{later}"),
+            None,
+            None,
+        );
+        assert_eq!(cancel.status, 200, "{}", cancel.json);
+    }
+
+    // Every acknowledged message is delivered exactly once; the cancelled one never.
+    let wanted = acked.clone();
+    let seen = consume(&base, "full", |seen| {
+        wanted.iter().all(|id| seen.contains_key(id))
+    });
+    let missing: Vec<&String> = acked.iter().filter(|id| !seen.contains_key(*id)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} acknowledged messages never delivered",
+        missing.len()
+    );
+    let twice: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "delivered more than once: {twice:?}");
+    assert_eq!(
+        seen.len(),
+        acked.len(),
+        "only acknowledged messages were delivered"
+    );
+    let status = request(&base, "GET", &format!("/v1/messages/{later}"), None, None);
+    assert_eq!(status.json["status"], "cancelled");
+    wait_for("/readyz to recover", Duration::from_secs(30), || {
+        request(&base, "GET", "/readyz", None, None).status == 200
+    });
+    assert_eq!(scrape(&base).get("delayd_disk_full"), Some(&0.0));
+    drop(process);
+}
+
+/// The reserve on: new messages are refused while free space is below it, and what was accepted keeps
+/// being delivered into the reserve. Broker retention frees the space and new messages are accepted
+/// again, on their own.
+#[test]
+fn below_the_reserve_new_messages_wait_while_deliveries_go_on() {
+    let fs = match SmallFs::mount(256) {
+        Ok(fs) => fs,
+        Err(why) => {
+            println!("skipped: cannot mount a small file system ({why})");
+            return;
+        }
+    };
+    let outside = tempfile::tempdir().unwrap();
+    let config = config_file(
+        outside.path(),
+        &format!(
+            "[limits]\nmin_free_disk_bytes = {}\n[broker]\nsegment_bytes = 1048576\nretention = \"3s\"\n",
+            64 * MIB
+        ),
+    );
+    let process = spawn(
+        &fs.path().join("data"),
+        &["--config", config.to_str().unwrap()],
+    );
+    let base = process.base.clone();
+    let body = "r".repeat(512 << 10);
+    let mut acked = Vec::new();
+    let refused = loop {
+        assert!(acked.len() < 1_000, "the reserve was never reached");
+        let answer = post(
+            &base,
+            &json!({"topic": "reserve", "body": body, "delay": "200ms"}),
+        );
+        match answer.status {
+            201 => acked.push(answer.json["id"].as_str().unwrap().to_string()),
+            507 => break answer,
+            other => panic!("answered {other}: {}", answer.json),
+        }
+    };
+    assert_eq!(refused.json["code"], "disk_full");
+    let ready = request(&base, "GET", "/readyz", None, None);
+    assert_eq!(ready.status, 503);
+    assert!(
+        ready.json["detail"]
+            .as_str()
+            .unwrap()
+            .contains("min_free_disk_bytes"),
+        "{}",
+        ready.json
+    );
+    // What was accepted is delivered all the same, into the reserve.
+    let wanted = acked.clone();
+    let seen = consume(&base, "reserve", |seen| {
+        wanted.iter().all(|id| seen.contains_key(id))
+    });
+    assert!(
+        acked.iter().all(|id| seen.get(id) == Some(&1)),
+        "each acknowledged message once"
+    );
+    // Retention deletes the delivered copies after three seconds: room again, without anyone's help.
+    wait_for(
+        "a message to be accepted again",
+        Duration::from_secs(60),
+        || {
+            post(
+                &base,
+                &json!({"topic": "reserve", "body": "after", "delay": 0}),
+            )
+            .status
+                == 201
+        },
+    );
+    drop(process);
+}
