@@ -185,7 +185,15 @@ pub struct Process {
 /// ready: after the "delayd listening on" line (printed right after `bind`, before recovery) it polls
 /// `GET /readyz`, which is answered only once recovery is done and the router serves. Fails with the
 /// tail of the child's output if it exits first or is not ready within [`READY_WITHIN`].
+///
+/// The free-space reserve (`limits.min_free_disk_bytes`) is off: how full the test machine's disk is must
+/// not decide a test that is not about it. [`spawn_with_env`] sets it (or anything else) otherwise.
 pub fn spawn(data_dir: &Path, extra_args: &[&str]) -> Process {
+    spawn_with_env(data_dir, extra_args, &[("DELAYD_MIN_FREE_DISK_BYTES", "0")])
+}
+
+/// [`spawn`] with the given `DELAYD_*` environment instead of the default one.
+pub fn spawn_with_env(data_dir: &Path, extra_args: &[&str], env: &[(&str, &str)]) -> Process {
     let deadline = Instant::now() + READY_WITHIN;
     let logs = tempfile::tempdir().unwrap();
     let stderr = std::fs::File::create(logs.path().join("stderr.log")).unwrap();
@@ -193,6 +201,7 @@ pub fn spawn(data_dir: &Path, extra_args: &[&str]) -> Process {
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
         .args(extra_args)
+        .envs(env.iter().copied())
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(stderr)
@@ -241,7 +250,14 @@ impl Process {
                 .max(Duration::from_millis(1));
             match agent(attempt).get(&url).call() {
                 Ok(response) if response.status() == 200 => return,
-                Ok(response) => last = format!("/readyz answered {}", response.status()),
+                Ok(mut response) => {
+                    let body = response.body_mut().read_to_string().unwrap_or_default();
+                    // Serving (recovery is done), only short of disk: refusing new messages is a state.
+                    if response.status() == 503 && body.contains("\"disk_full\"") {
+                        return;
+                    }
+                    last = format!("/readyz answered {}: {body}", response.status());
+                }
                 Err(error) => last = format!("/readyz: {error}"),
             }
             // Not answered with 200 (a refused or timed-out connection): a brief pause before the next

@@ -3,6 +3,7 @@
 //! it the tests say so and pass without running.
 
 use super::*;
+use common::spawn_with_env;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -163,10 +164,7 @@ fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
     // a dozen of the messages below.
     let spare = fs.path().join("spare");
     ballast(&spare, 160 * MIB);
-    let config = config_file(
-        outside.path(),
-        "[limits]\nmin_free_disk_bytes = 0\n[broker]\nsegment_bytes = 1048576\n",
-    );
+    let config = config_file(outside.path(), "[broker]\nsegment_bytes = 1048576\n");
     let process = spawn(
         &fs.path().join("data"),
         &["--config", config.to_str().unwrap()],
@@ -300,14 +298,13 @@ fn below_the_reserve_new_messages_wait_while_deliveries_go_on() {
     let outside = tempfile::tempdir().unwrap();
     let config = config_file(
         outside.path(),
-        &format!(
-            "[limits]\nmin_free_disk_bytes = {}\n[broker]\nsegment_bytes = 1048576\nretention = \"3s\"\n",
-            64 * MIB
-        ),
+        "[broker]\nsegment_bytes = 1048576\nretention = \"3s\"\n",
     );
-    let process = spawn(
+    let reserve = (64 * MIB).to_string();
+    let process = spawn_with_env(
         &fs.path().join("data"),
         &["--config", config.to_str().unwrap()],
+        &[("DELAYD_MIN_FREE_DISK_BYTES", &reserve)],
     );
     let base = process.base.clone();
     let body = "r".repeat(512 << 10);
