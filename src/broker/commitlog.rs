@@ -24,8 +24,9 @@
 //!   frames), and is acknowledged only once all of it is synced. A failed append leaves nothing: the
 //!   segments it created are deleted and the one it began in is cut back.
 //! - Retention takes whole sealed segments, oldest first; the last segment is never deleted.
-//! - On open the log is the run of contiguous segments that ends with the newest. Older files before a
-//!   gap are what an interrupted retention left behind, and are deleted.
+//! - On open the segments must follow each other without a gap (retention deletes the oldest first, so a
+//!   crash in the middle of it leaves none); a gap is corruption, named with its file, except an empty
+//!   newest segment past it (started by a failed append whose undo could not delete it), which goes.
 
 use super::{io_err, sync_dir, BrokerError};
 use schedulelog::frame::{self, Kind, Next, UNSYNCED_LIMIT};
@@ -39,7 +40,7 @@ use std::time::{Duration, UNIX_EPOCH};
 pub(crate) const HEADER_LEN: u64 = 32;
 const MAGIC: &[u8; 8] = b"DLYDBRK\0";
 
-fn header(base: u64) -> [u8; HEADER_LEN as usize] {
+pub(crate) fn header(base: u64) -> [u8; HEADER_LEN as usize] {
     let mut header = [0u8; HEADER_LEN as usize];
     header[..8].copy_from_slice(MAGIC);
     header[16..24].copy_from_slice(&base.to_le_bytes());
@@ -110,12 +111,13 @@ impl CommitLog {
             segment_bytes,
             segments: BTreeMap::new(),
         };
-        let Some(&newest) = bases.last() else {
+        if bases.is_empty() {
             log.create_segment(0, 0)?;
             return Ok(log);
-        };
-        // Newest first: keep segments while each ends where the next begins.
-        let mut next_base = None;
+        }
+        // Newest first: the log is the run of segments that each end where the next begins.
+        let mut newest = true;
+        let mut next_base: Option<u64> = None;
         for &base in bases.iter().rev() {
             let path = dir.join(format!("{base:020}"));
             let file = OpenOptions::new()
@@ -126,23 +128,39 @@ impl CommitLog {
             let meta = file.metadata().map_err(io_err(&path))?;
             let len = meta.len();
             if let Some(next) = next_base {
-                if base + len != next {
-                    if base + len > next {
+                if base + len > next {
+                    return Err(BrokerError::Corrupt {
+                        path,
+                        offset: next - base,
+                        reason: "the segment runs past the start of the next one".into(),
+                    });
+                }
+                if base + len < next {
+                    // Retention deletes the oldest segments first, so it never leaves a hole. What can:
+                    // a segment started by a failed append whose undo could not delete it, empty.
+                    let stray = log.segments.len() == 1
+                        && log.segments.get(&next).is_some_and(|s| s.len <= HEADER_LEN);
+                    if !stray {
                         return Err(BrokerError::Corrupt {
                             path,
-                            offset: next - base,
-                            reason: "the segment runs past the start of the next one".into(),
+                            offset: len,
+                            reason: format!(
+                                "the next segment starts at log offset {next}, not where this one ends \
+                                 ({}): a segment is missing from the middle of the commit log",
+                                base + len
+                            ),
                         });
                     }
-                    // A gap: retention was deleting these when the process stopped.
-                    tracing::warn!(path = %path.display(), "deleting a commit log segment left before a gap (an interrupted retention)");
-                    fs::remove_file(&path).map_err(io_err(&path))?;
-                    continue;
+                    let stray = log.segments.remove(&next).expect("checked above");
+                    tracing::warn!(path = %stray.path.display(), "deleting an empty commit log segment past a gap (left by a failed append)");
+                    fs::remove_file(&stray.path).map_err(io_err(&stray.path))?;
+                    sync_dir(dir)?;
+                    newest = true;
                 }
             }
             let mut head = [0u8; HEADER_LEN as usize];
             let read = file.read_at(&mut head, 0).map_err(io_err(&path))?;
-            if read < HEADER_LEN as usize && base == newest {
+            if read < HEADER_LEN as usize && newest {
                 let written = &head[..read];
                 if written.iter().all(|&b| b == 0) || MAGIC.starts_with(&written[..read.min(8)]) {
                     // Created just before a crash: whatever of the header got written. Start it afresh.
@@ -177,9 +195,7 @@ impl CommitLog {
                 },
             );
             next_base = Some(base);
-        }
-        if bases.len() > log.segments.len() {
-            sync_dir(dir)?;
+            newest = false;
         }
         Ok(log)
     }
@@ -324,21 +340,17 @@ impl CommitLog {
     }
 
     /// Appends the records in `bytes` (frames ending at each of `ends`), durably, and returns each one's
-    /// log offset. `stored_at_ms` is their store time, which retention goes by. On failure nothing of them
-    /// remains in the log.
+    /// log offset. `stored_at_ms` is their store time, which retention goes by. On failure part of them
+    /// may be in the files: the caller puts the log back with [`CommitLog::undo`] to the mark it took
+    /// before.
     pub(crate) fn append(
         &mut self,
         bytes: &[u8],
         ends: &[usize],
         stored_at_ms: i64,
     ) -> Result<Vec<u64>, BrokerError> {
-        let began = self.mark();
         let mut offsets = Vec::with_capacity(ends.len());
-        let written = self.append_from(bytes, ends, stored_at_ms, &mut offsets);
-        if let Err(e) = written {
-            self.undo(began);
-            return Err(e);
-        }
+        self.append_from(bytes, ends, stored_at_ms, &mut offsets)?;
         let newest = self.last_mut();
         newest.newest_ms = newest.newest_ms.max(stored_at_ms);
         Ok(offsets)
@@ -403,7 +415,8 @@ impl CommitLog {
     }
 
     /// Puts the log back as it was at `mark` (a failed append, or one whose consume-queue units could not
-    /// be written).
+    /// be written): the segments started since are deleted, the one it ended in is cut back. An error
+    /// means the files may still hold what was undone in memory.
     pub(crate) fn undo(
         &mut self,
         Mark {
@@ -411,21 +424,23 @@ impl CommitLog {
             len,
             newest_ms,
         }: Mark,
-    ) {
+    ) -> Result<(), BrokerError> {
         let created: Vec<u64> = self.segments.range(base + 1..).map(|(b, _)| *b).collect();
+        let mut result = Ok(());
         for base in created {
             if let Some(segment) = self.segments.remove(&base) {
-                let _ = fs::remove_file(&segment.path);
+                result = result.and(fs::remove_file(&segment.path).map_err(io_err(&segment.path)));
             }
         }
-        let _ = sync_dir(&self.dir);
+        result = result.and(sync_dir(&self.dir));
         if let Some(segment) = self.segments.get_mut(&base) {
             // Whole frames left past the end would come back on the next open as records nobody
-            // acknowledged; appends continue at `len` whether or not the cut succeeds.
-            let _ = segment.file.set_len(len);
+            // acknowledged.
+            result = result.and(segment.file.set_len(len).map_err(io_err(&segment.path)));
             segment.len = len;
             segment.newest_ms = newest_ms;
         }
+        result
     }
 
     /// Where the record of `len` bytes at log `offset` is, if it lies inside one segment of the log: the

@@ -60,6 +60,9 @@ pub enum BrokerError {
         offset: u64,
         reason: String,
     },
+    /// The store refuses writes until a restart (see `Store::failed`).
+    #[error("the broker store refuses writes until delayd is restarted: {0}")]
+    Failed(String),
 }
 
 impl BrokerError {
@@ -170,8 +173,12 @@ pub struct Broker {
     offsets: Mutex<GroupOffsets>,
     /// Woken on every append; long polls re-check their queue.
     arrivals: tokio::sync::Notify,
-    /// Why the last write failed for want of space, until a write succeeds again.
-    disk_full: Mutex<Option<String>>,
+    /// Why the last delivery failed for want of space, and when: until one succeeds again, or a few
+    /// seconds without a try (postponed deliveries try every second while there are any).
+    disk_full: Mutex<Option<(String, std::time::Instant)>>,
+    /// A data dir from before dead letters had a store of their own keeps them in the main store: its
+    /// `$dead` queue has offsets that consumer groups committed, and units that point into the main log.
+    dead_in_main: bool,
 }
 
 /// Whether `name` is a valid topic: a valid name, or `$dead` (where dead messages go).
@@ -196,7 +203,12 @@ impl Broker {
         let (queues, segment_bytes) = (options.queues_per_topic, options.segment_bytes);
         let main = Store::open(&dir, queues, segment_bytes)?;
         let dead = Store::open(&dir.join("dead"), queues, segment_bytes)?;
+        let dead_in_main = main.queue_offsets(crate::scheduler::DEAD_TOPIC).is_some();
+        if dead_in_main {
+            tracing::warn!("this data dir keeps dead letters in the main broker store (it was created before they had one of their own): broker.retention applies to them, not broker.dead_retention");
+        }
         let broker = Broker {
+            dead_in_main,
             offsets: Mutex::new(load_offsets(&dir)?),
             dir,
             options,
@@ -213,27 +225,42 @@ impl Broker {
         Ok(broker)
     }
 
+    /// Whether `topic` lives in the dead letters' store.
+    fn in_dead_store(&self, topic: &str) -> bool {
+        topic == crate::scheduler::DEAD_TOPIC && !self.dead_in_main
+    }
+
     fn store(&self, topic: &str) -> MutexGuard<'_, Store> {
-        if topic == crate::scheduler::DEAD_TOPIC {
+        if self.in_dead_store(topic) {
             lock(&self.dead)
         } else {
             lock(&self.main)
         }
     }
 
-    /// Remembers whether a write failed for want of space (for [`Broker::disk_full`]).
+    /// Remembers whether a delivery failed for want of space (for [`Broker::disk_full`]).
     fn note<T>(&self, result: &Result<T, BrokerError>) {
         let full = match result {
-            Err(e) if e.is_disk_full() => Some(e.to_string()),
+            Err(e) if e.is_disk_full() => Some((e.to_string(), std::time::Instant::now())),
             Err(_) => return,
             Ok(_) => None,
         };
         *lock(&self.disk_full) = full;
     }
 
-    /// Why the last write failed for want of disk space, if it did and no write has succeeded since.
+    /// Why deliveries fail for want of disk space, if the last one did (and tried within 5 s).
     pub fn disk_full(&self) -> Option<String> {
-        lock(&self.disk_full).clone()
+        lock(&self.disk_full)
+            .as_ref()
+            .filter(|(_, at)| at.elapsed() < Duration::from_secs(5))
+            .map(|(cause, _)| cause.clone())
+    }
+
+    /// Why a store refuses writes until a restart, if one does.
+    pub fn failed(&self) -> Option<String> {
+        [&self.main, &self.dead]
+            .iter()
+            .find_map(|store| lock(store).failed.clone())
     }
 
     /// Stores messages durably (commit log synced, then units written), wakes long polls, and returns
@@ -253,7 +280,7 @@ impl Broker {
             .map(|m| m.delivered_at_ms)
             .max()
             .unwrap_or(0);
-        let is_dead = |m: &&Incoming| m.topic == crate::scheduler::DEAD_TOPIC;
+        let is_dead = |m: &&Incoming| self.in_dead_store(&m.topic);
         let main: Vec<(usize, &Incoming)> = messages
             .iter()
             .enumerate()
@@ -388,27 +415,19 @@ impl Broker {
         offset: u64,
     ) -> Result<(), BrokerError> {
         let mut offsets = lock(&self.offsets);
-        let previous = offsets
-            .entry(group.to_string())
+        // The file first, then memory: nobody reads an offset that is not durable.
+        let mut next = offsets.clone();
+        next.entry(group.to_string())
             .or_default()
             .entry(topic.to_string())
             .or_default()
             .insert(queue, offset);
-        let bytes = serde_json::to_vec(&*offsets).unwrap_or_default();
+        let bytes = serde_json::to_vec(&next).unwrap_or_default();
         let written = write_atomically(&self.dir.join("offsets"), &bytes);
-        if written.is_err() {
-            // Not stored: the group keeps the offset it had.
-            let queues = offsets
-                .get_mut(group)
-                .and_then(|g| g.get_mut(topic))
-                .expect("inserted above");
-            match previous {
-                Some(previous) => queues.insert(queue, previous),
-                None => queues.remove(&queue),
-            };
+        if written.is_ok() {
+            *offsets = next;
         }
-        drop(offsets);
-        self.note(&written);
+        // Not noted as a full disk: the consumer got its 507, and no later delivery would clear it.
         written
     }
 
@@ -458,22 +477,28 @@ impl Broker {
         }
         let mut retired = Retired::default();
         let mut doomed: [(PathBuf, Vec<PathBuf>); 2] = Default::default();
+        let mut moved = Vec::new();
         for (i, store) in stores.into_iter().enumerate() {
-            if taken[i].is_empty() {
+            if taken[i].is_empty() && !store.queues_behind {
                 continue;
             }
-            let (moved, files) = store.retire_queues()?;
-            retired.unread += self.unread(&moved);
+            let (queues, files) = store.retire_queues();
+            moved.extend(queues);
             doomed[i] = (store.log_dir(), files);
         }
         drop(main);
         drop(dead);
+        // Outside the stores' locks: the offsets' lock is held across a commit's fsync.
+        retired.unread = self.unread(&moved);
+        let mut failed = None;
         for (i, name) in STORE_NAMES.iter().enumerate() {
-            if taken[i].is_empty() {
-                continue;
+            // Taken out of the logs already: deleted whatever else fails (a segment file that stays is
+            // the oldest of its log at the next open, and retention takes it again).
+            let removed = commitlog::remove(&doomed[i].0, &taken[i])
+                .and_then(|()| store::remove_files(&doomed[i].1));
+            if let Err(e) = removed {
+                failed.get_or_insert(e);
             }
-            commitlog::remove(&doomed[i].0, &taken[i])?;
-            store::remove_files(&doomed[i].1)?;
             let bytes: u64 = taken[i].iter().map(|s| s.len).sum();
             retired.segments += taken[i].len();
             retired.bytes += bytes;
@@ -482,7 +507,10 @@ impl Broker {
         }
         metrics::counter!("delayd_broker_unread_retired_total").increment(retired.unread);
         self.report_sizes();
-        Ok(retired)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(retired),
+        }
     }
 
     /// Messages in the ranges retention moved queues past that a consumer group had not read yet.
@@ -872,33 +900,58 @@ mod tests {
         drop(broker);
         let log_dir = dir.path().join("broker/commitlog");
         let segments = files(&log_dir);
-        // Retention had deleted the oldest two segments, then the process died: the queue files that
-        // pointed into them are still there. And a third segment's deletion reached the disk while an
-        // older one's did not (a gap).
-        fs::remove_file(log_dir.join(&segments[0])).unwrap();
-        fs::remove_file(log_dir.join(&segments[2])).unwrap();
+        // Retention had deleted the oldest three segments, then the process died: the queue files that
+        // pointed into them are still there.
+        for segment in &segments[..3] {
+            fs::remove_file(log_dir.join(segment)).unwrap();
+        }
         let broker = Broker::open(dir.path(), small(1)).unwrap();
-        assert_eq!(
-            files(&log_dir),
-            segments[3..].to_vec(),
-            "the file before the gap went"
-        );
+        assert_eq!(files(&log_dir), segments[3..].to_vec());
         let (min, max) = broker.queue_offsets("t").unwrap()[0];
         assert_eq!(max, 600);
         let pulled = broker.read("t", 0, 0, 1000).unwrap().unwrap();
         assert_eq!(pulled.from, min);
         assert_eq!(pulled.messages.len() as u64, 600 - min);
+        assert!(pulled.messages[0].meta.queue_offset == min && min > 0);
         let queue_files = files(&dir.path().join("broker/consumequeue/t/0"));
         assert!(
             queue_files[0].parse::<u64>().unwrap() <= min,
             "queue files wholly below min_offset went: {queue_files:?}"
         );
-        assert!(pulled.messages[0].meta.queue_offset == min && min > 0);
-        assert!(pulled.messages[0].offset == min);
         drop(broker);
         // And opening again changes nothing.
         let broker = Broker::open(dir.path(), small(1)).unwrap();
         assert_eq!(broker.queue_offsets("t").unwrap()[0], (min, 600));
+    }
+
+    #[test]
+    fn a_hole_in_the_commit_log_is_reported_and_an_empty_stray_segment_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        fill(&broker, 1_796_117_400_000);
+        drop(broker);
+        let log_dir = dir.path().join("broker/commitlog");
+        let segments = files(&log_dir);
+        // An empty segment past the end, after a gap: what a failed append whose undo could not delete
+        // the segment it started leaves. It holds nothing, and goes.
+        let last = log_dir.join(segments.last().unwrap());
+        let end =
+            segments.last().unwrap().parse::<u64>().unwrap() + fs::metadata(&last).unwrap().len();
+        let stray = format!("{:020}", end + 4096);
+        fs::write(log_dir.join(&stray), commitlog::header(end + 4096)).unwrap();
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        assert_eq!(files(&log_dir), segments);
+        assert_eq!(broker.queue_offsets("t").unwrap()[0], (0, 600));
+        drop(broker);
+        // A segment missing from the middle is corruption, named; nothing is deleted.
+        fs::remove_file(log_dir.join(&segments[2])).unwrap();
+        let error = Broker::open(dir.path(), small(1)).unwrap_err();
+        assert!(
+            matches!(&error, BrokerError::Corrupt { path, .. } if path.ends_with(&segments[1])),
+            "{error}"
+        );
+        assert!(error.to_string().contains("missing"), "{error}");
+        assert_eq!(files(&log_dir).len(), segments.len() - 1);
     }
 
     #[test]
@@ -971,6 +1024,70 @@ mod tests {
         assert_eq!(
             broker.topics(),
             vec![(dead.to_string(), 1), ("t".to_string(), 1)]
+        );
+    }
+
+    #[test]
+    fn dead_letters_of_a_data_dir_from_before_their_store_stay_readable() {
+        let dir = tempfile::tempdir().unwrap();
+        let dead = crate::scheduler::DEAD_TOPIC;
+        // The layout before dead letters had a store of their own: `$dead` in the main store.
+        let mut legacy = Store::open(&dir.path().join("broker"), 1, 64 << 10).unwrap();
+        let old = [incoming(dead, None, "old-1"), incoming(dead, None, "old-2")];
+        legacy.append(&old.iter().collect::<Vec<_>>(), 2).unwrap();
+        drop(legacy);
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        broker.commit_offset("ops", dead, 0, 1).unwrap();
+        assert_eq!(broker.queue_offsets(dead).unwrap(), vec![(0, 2)]);
+        // New dead letters continue the queue the groups know.
+        let placed = broker.append(&[incoming(dead, None, "new")]).unwrap();
+        assert_eq!(placed, vec![(0, 2)]);
+        assert_eq!(
+            bodies(&broker.read(dead, 0, 1, 10).unwrap().unwrap()),
+            ["old-2", "new"]
+        );
+        assert_eq!(broker.topics(), vec![(dead.to_string(), 1)]);
+    }
+
+    #[test]
+    fn an_append_whose_units_cannot_be_written_is_undone_records_included() {
+        let dir = tempfile::tempdir().unwrap();
+        // 64 KiB segments: 64 units per queue file.
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        let first: Vec<Incoming> = (0..64)
+            .map(|i| incoming("t", None, &format!("a{i}")))
+            .collect();
+        broker.append(&first).unwrap();
+        let log = dir.path().join(LOG_0);
+        let log_len = fs::metadata(&log).unwrap().len();
+        // The queue's next file cannot be started: a directory is in its way.
+        let blocker = dir
+            .path()
+            .join("broker/consumequeue/t/0/00000000000000000064");
+        fs::create_dir(&blocker).unwrap();
+        let second: Vec<Incoming> = (0..3)
+            .map(|i| incoming("t", None, &format!("b{i}")))
+            .collect();
+        assert!(broker.append(&second).is_err());
+        assert_eq!(
+            fs::metadata(&log).unwrap().len(),
+            log_len,
+            "the records were cut back"
+        );
+        assert_eq!(broker.queue_offsets("t").unwrap()[0], (0, 64));
+        assert_eq!(broker.failed(), None, "the undo worked");
+        fs::remove_dir(&blocker).unwrap();
+        assert_eq!(broker.append(&second).unwrap()[0], (0, 64));
+        assert_eq!(
+            bodies(&broker.read("t", 0, 63, 10).unwrap().unwrap()),
+            ["a63", "b0", "b1", "b2"]
+        );
+        drop(broker);
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        assert_eq!(broker.queue_offsets("t").unwrap()[0], (0, 67));
+        assert_eq!(
+            bodies(&broker.read("t", 0, 64, 10).unwrap().unwrap()),
+            ["b0", "b1", "b2"]
         );
     }
 

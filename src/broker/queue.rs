@@ -17,7 +17,7 @@
 //! - Only the last file is written to (repair excepted); it is synced at the broker checkpoint, and the
 //!   file before it when a new one is started.
 //! - Before the queues were segmented a queue was one file, `consumequeue/{topic}/{queue}`; opening one
-//!   moves it to `{queue}/00000000000000000000`.
+//!   moves it to `{queue}/00000000000000000000` by way of `{queue}.migrating/`, crash-safely.
 
 use super::{io_err, sync_dir, BrokerError};
 use std::collections::BTreeSet;
@@ -71,6 +71,31 @@ fn file_path(dir: &Path, first: u64) -> PathBuf {
     dir.join(format!("{first:020}"))
 }
 
+/// The directory a legacy queue file is moved into before the directory takes the queue's name.
+pub(crate) fn migrating_dir(topic_dir: &Path, index: u32) -> PathBuf {
+    topic_dir.join(format!("{index}.migrating"))
+}
+
+/// Moves a queue from before segmentation (one file, `{queue}`) to its first segment,
+/// `{queue}/00000000000000000000`, so that a crash at any step leaves a state this finishes:
+/// the file goes into `{queue}.migrating/`, which is then renamed to `{queue}` in one step.
+fn migrate_legacy(topic_dir: &Path, index: u32) -> Result<(), BrokerError> {
+    let dir = topic_dir.join(index.to_string());
+    let migrating = migrating_dir(topic_dir, index);
+    if dir.is_file() {
+        if !migrating.is_dir() {
+            fs::create_dir(&migrating).map_err(io_err(&migrating))?;
+        }
+        fs::rename(&dir, file_path(&migrating, 0)).map_err(io_err(&dir))?;
+        sync_dir(&migrating)?;
+    }
+    if migrating.is_dir() && !dir.exists() {
+        fs::rename(&migrating, &dir).map_err(io_err(&migrating))?;
+        sync_dir(topic_dir)?;
+    }
+    Ok(())
+}
+
 /// One consume queue.
 #[derive(Debug)]
 pub(crate) struct Queue {
@@ -95,24 +120,9 @@ impl Queue {
         units_per_file: u64,
     ) -> Result<Queue, BrokerError> {
         let dir = topic_dir.join(index.to_string());
-        if dir.is_file() {
-            // A queue from before segmentation: its one file becomes the first segment.
-            let moving = topic_dir.join(format!("{index}.moving"));
-            fs::rename(&dir, &moving).map_err(io_err(&dir))?;
-            fs::create_dir(&dir).map_err(io_err(&dir))?;
-            fs::rename(&moving, file_path(&dir, 0)).map_err(io_err(&moving))?;
-            sync_dir(&dir)?;
-            sync_dir(topic_dir)?;
-        } else if !dir.exists() {
-            let moving = topic_dir.join(format!("{index}.moving"));
-            if moving.is_file() {
-                // A move cut short by a crash: finish it.
-                fs::create_dir(&dir).map_err(io_err(&dir))?;
-                fs::rename(&moving, file_path(&dir, 0)).map_err(io_err(&moving))?;
-                sync_dir(&dir)?;
-            } else {
-                fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-            }
+        migrate_legacy(topic_dir, index)?;
+        if !dir.exists() {
+            fs::create_dir_all(&dir).map_err(io_err(&dir))?;
             sync_dir(topic_dir)?;
         }
         let mut files = BTreeSet::new();
@@ -420,6 +430,34 @@ mod tests {
         assert_eq!(queue.min_offset, 10);
         queue.append(&units(10..11)).unwrap();
         assert_eq!(queue.read(10, 5).unwrap()[0].log_offset, 2_000);
+    }
+
+    #[test]
+    fn a_legacy_move_cut_short_at_any_step_is_finished() {
+        let legacy = units(0..5);
+        // The states a crash can leave between the move's steps.
+        for step in 0..3 {
+            let dir = tempfile::tempdir().unwrap();
+            let migrating = migrating_dir(dir.path(), 0);
+            match step {
+                0 => {
+                    fs::write(dir.path().join("0"), &legacy).unwrap();
+                    fs::create_dir(&migrating).unwrap();
+                }
+                1 => {
+                    fs::create_dir(&migrating).unwrap();
+                    fs::write(file_path(&migrating, 0), &legacy).unwrap();
+                }
+                _ => {
+                    fs::create_dir(dir.path().join("0")).unwrap();
+                    fs::write(dir.path().join("0/00000000000000000000"), &legacy).unwrap();
+                }
+            }
+            let queue = Queue::open(dir.path(), 0, 4).unwrap();
+            assert_eq!(queue.units, 5, "step {step}");
+            assert_eq!(queue.read(0, 5).unwrap().len(), 5);
+            assert!(!migrating.exists());
+        }
     }
 
     #[test]

@@ -36,8 +36,10 @@ use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Messages stored between two checkpoints, at most.
+/// Messages stored between two checkpoints, at most (recovery re-reads what follows the checkpoint).
 const CHECKPOINT_EVERY: u64 = 10_000;
+/// Bytes stored between two checkpoints, at most.
+const CHECKPOINT_EVERY_BYTES: u64 = 256 << 20;
 
 #[derive(Debug, Default)]
 struct Topic {
@@ -71,6 +73,13 @@ pub(crate) struct Store {
     queues_per_topic: u32,
     units_per_file: u64,
     unsynced_since_checkpoint: u64,
+    unsynced_bytes_since_checkpoint: u64,
+    /// Queues whose `min_offset` could not be moved at the last retention (an I/O error reading their
+    /// units): the next pass tries them again.
+    pub queues_behind: bool,
+    /// Why appends are refused until a restart: undoing a failed append failed, so the files may no
+    /// longer match what this store holds in memory.
+    pub failed: Option<String>,
     /// A checkpoint's sync failed: no later checkpoint may claim the units it covered; the next open
     /// rewrites every unit since the last good one.
     checkpoint_failed: bool,
@@ -93,6 +102,9 @@ impl Store {
             queues_per_topic,
             units_per_file: units_per_file(segment_bytes),
             unsynced_since_checkpoint: 0,
+            unsynced_bytes_since_checkpoint: 0,
+            queues_behind: false,
+            failed: None,
             checkpoint_failed: false,
         };
         store.load_topics()?;
@@ -113,11 +125,15 @@ impl Store {
             let topic_dir = entry.path();
             let present = |q: u32| {
                 topic_dir.join(q.to_string()).exists()
-                    || topic_dir.join(format!("{q}.moving")).exists()
+                    || super::queue::migrating_dir(&topic_dir, q).exists()
             };
             let mut count = 0;
             while present(count) {
                 count += 1;
+            }
+            if count == 0 {
+                // Created just before a crash, before its queues: as if absent (made again on use).
+                continue;
             }
             let mut topic = Topic::default();
             for queue in 0..count {
@@ -200,7 +216,14 @@ impl Store {
                 queue.truncate(valid)?;
             }
         }
-        let (_, doomed) = self.retire_queues()?;
+        let (_, doomed) = self.retire_queues();
+        if self.queues_behind {
+            return Err(BrokerError::Corrupt {
+                path: self.dir.join("consumequeue"),
+                offset: 0,
+                reason: "a queue's units could not be read (the server log names it)".into(),
+            });
+        }
         remove_files(&doomed)?;
         self.sync_and_checkpoint()
     }
@@ -223,6 +246,9 @@ impl Store {
         messages: &[&Incoming],
         stored_at_ms: i64,
     ) -> Result<Vec<(u32, u64)>, BrokerError> {
+        if let Some(cause) = &self.failed {
+            return Err(BrokerError::Failed(cause.clone()));
+        }
         let mut placed = Vec::with_capacity(messages.len());
         let mut buf = Vec::new();
         let mut ends = Vec::with_capacity(messages.len());
@@ -266,7 +292,15 @@ impl Store {
             placed.push((queue, queue_offset));
         }
         let mark = self.log.mark();
-        let offsets = self.log.append(&buf, &ends, stored_at_ms)?;
+        let offsets = match self.log.append(&buf, &ends, stored_at_ms) {
+            Ok(offsets) => offsets,
+            Err(e) => {
+                if let Err(undo) = self.log.undo(mark) {
+                    self.fail(&undo);
+                }
+                return Err(e);
+            }
+        };
         // The new units of each queue, in order: one write per touched queue.
         let mut units: BTreeMap<(&str, u32), Vec<u8>> = BTreeMap::new();
         let mut start = 0;
@@ -288,18 +322,25 @@ impl Store {
             if let Err(e) = queue.append(bytes) {
                 // Undone as a whole: units already written for this batch and the records themselves.
                 written.push(((topic, *index), before));
+                let mut undone = Ok(());
                 for ((topic, index), before) in written {
                     let queue =
                         &mut self.topics.get_mut(topic).expect("exists").queues[index as usize];
-                    let _ = queue.truncate(before);
+                    undone = undone.and(queue.truncate(before));
                 }
-                self.log.undo(mark);
+                undone = undone.and(self.log.undo(mark));
+                if let Err(undo) = undone {
+                    self.fail(&undo);
+                }
                 return Err(e);
             }
             written.push(((topic, *index), before));
         }
         self.unsynced_since_checkpoint += messages.len() as u64;
-        if self.unsynced_since_checkpoint >= CHECKPOINT_EVERY && !self.checkpoint_failed {
+        self.unsynced_bytes_since_checkpoint += buf.len() as u64;
+        let due = self.unsynced_since_checkpoint >= CHECKPOINT_EVERY
+            || self.unsynced_bytes_since_checkpoint >= CHECKPOINT_EVERY_BYTES;
+        if due && !self.checkpoint_failed {
             // The messages are stored either way; a failed checkpoint only makes the next open rewrite
             // more units.
             if let Err(e) = self.sync_and_checkpoint() {
@@ -321,7 +362,14 @@ impl Store {
         bytes.extend_from_slice(&crc.to_le_bytes());
         write_atomically(&self.dir.join("checkpoint"), &bytes)?;
         self.unsynced_since_checkpoint = 0;
+        self.unsynced_bytes_since_checkpoint = 0;
         Ok(())
+    }
+
+    /// Refuses appends from now on: an undo failed, so the files may hold what memory does not.
+    fn fail(&mut self, undo: &BrokerError) {
+        tracing::error!(error = %undo, "undoing a failed broker append failed; this store refuses writes until a restart (which recovers it from the commit log)");
+        self.failed = Some(format!("undoing a failed append failed: {undo}"));
     }
 
     /// Topics and their queue counts.
@@ -352,11 +400,20 @@ impl Store {
         else {
             return Ok(None);
         };
-        let from = offset.max(q.min_offset);
+        let mut from = offset.max(q.min_offset);
+        let first = self.log.first_offset();
         let mut records = Vec::new();
         for (i, unit) in q.read(from, max as u64)?.into_iter().enumerate() {
             let at = from + i as u64;
-            let Some((file, pos)) = self.log.locate(unit.log_offset, unit.len) else {
+            if records.is_empty() && unit.log_offset < first {
+                // Retired, though min_offset has not moved past it yet (see retire_queues).
+                continue;
+            }
+            let located = self.log.locate(unit.log_offset, unit.len).filter(|_| {
+                unit.len as usize
+                    <= schedulelog::frame::MAX_PAYLOAD + schedulelog::frame::HEADER_LEN
+            });
+            let Some((file, pos)) = located else {
                 return Err(BrokerError::Corrupt {
                     path: q.dir().to_path_buf(),
                     offset: at * super::queue::UNIT_LEN,
@@ -368,26 +425,41 @@ impl Store {
             };
             records.push((at, file, pos, unit.len));
         }
+        if let Some((at, ..)) = records.first() {
+            from = *at;
+        } else if q.units > from {
+            // Every unit read was retired: the next pull starts past them.
+            from = (from + max as u64).min(q.units);
+        }
         Ok(Some(ReadPlan { from, records }))
     }
 
     /// Moves every queue's `min_offset` past what the log no longer holds, and returns the queues that
-    /// moved and the queue files wholly below their new minimum (to delete outside the lock).
-    pub(crate) fn retire_queues(&mut self) -> Result<(Vec<Moved>, Vec<PathBuf>), BrokerError> {
+    /// moved and the queue files wholly below their new minimum (to delete outside the lock). A queue
+    /// whose units cannot be read keeps its minimum (logged; `queues_behind` says to try again).
+    pub(crate) fn retire_queues(&mut self) -> (Vec<Moved>, Vec<PathBuf>) {
         let first = self.log.first_offset();
         let mut moved = Vec::new();
         let mut doomed = Vec::new();
+        self.queues_behind = false;
         for (name, topic) in &mut self.topics {
             for (index, queue) in topic.queues.iter_mut().enumerate() {
                 let before = queue.min_offset;
-                let (_, files) = queue.retire_below(first)?;
+                // Each queue moves whole or not at all; one that cannot be read is tried again next
+                // time (reads skip units below the log meanwhile).
+                match queue.retire_below(first) {
+                    Ok((_, files)) => doomed.extend(files),
+                    Err(error) => {
+                        tracing::error!(%error, topic = %name, queue = index, "moving a queue past retired segments failed; trying again");
+                        self.queues_behind = true;
+                    }
+                }
                 if queue.min_offset != before {
                     moved.push((name.clone(), index as u32, before, queue.min_offset));
                 }
-                doomed.extend(files);
             }
         }
-        Ok((moved, doomed))
+        (moved, doomed)
     }
 
     /// Takes the oldest sealed segment out of the log (see [`CommitLog::take_oldest`]).
