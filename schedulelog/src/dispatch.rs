@@ -136,6 +136,9 @@ impl DispatchLogs {
             .write_all_at(bytes, target.len)
             .map_err(Error::io(path))?;
         let started = std::time::Instant::now();
+        #[cfg(test)]
+        self.faults
+            .sync_fails_at(crate::fault::Point::DispatchSync, path)?;
         let synced = target.file.sync_data().map_err(Error::sync(path));
         metrics::histogram!("delayd_sync_seconds", "file" => "dispatch")
             .record(started.elapsed().as_secs_f64());

@@ -48,6 +48,10 @@ pub enum Error {
     InvalidOption(String),
     #[error(transparent)]
     Append(#[from] AppendError),
+    /// The record was acknowledged but is not filed into its segment yet, and the replayer is held up
+    /// (by a full disk, named in `cause`) or slow: a lookup would not find it. Ask again later.
+    #[error("the record is acknowledged but not filed yet{}", cause.as_deref().map(|c| format!(": {c}")).unwrap_or_default())]
+    NotFiledYet { cause: Option<String> },
 }
 
 impl Error {
@@ -164,6 +168,10 @@ impl DiskFullReport {
 
     pub(crate) fn set(&self, who: Blocked, cause: String) {
         self.causes.lock().unwrap_or_else(|p| p.into_inner())[who as usize] = Some(cause);
+    }
+
+    pub(crate) fn held_up(&self, who: Blocked) -> bool {
+        self.causes.lock().unwrap_or_else(|p| p.into_inner())[who as usize].is_some()
     }
 
     pub(crate) fn clear(&self, who: Blocked) {

@@ -27,6 +27,8 @@ pub(crate) enum Fault {
     DispatchAppendsFull(u32),
     /// The next segment fsync fails with `EIO`.
     SegmentSyncFails,
+    /// The next dispatch log fsync fails with `EIO`.
+    DispatchSyncFails,
 }
 
 /// Where an armed fault strikes.
@@ -36,12 +38,13 @@ pub(crate) enum Point {
     CheckpointWrite,
     DispatchAppend,
     SegmentSync,
+    DispatchSync,
 }
 
 /// Armed counts, one per [`Point`].
 #[derive(Debug, Default)]
 pub(crate) struct Faults {
-    armed: [AtomicU32; 4],
+    armed: [AtomicU32; 5],
 }
 
 impl Faults {
@@ -52,6 +55,7 @@ impl Faults {
             Fault::CheckpointWritesFull(n) => (Point::CheckpointWrite, n),
             Fault::DispatchAppendsFull(n) => (Point::DispatchAppend, n),
             Fault::SegmentSyncFails => (Point::SegmentSync, 1),
+            Fault::DispatchSyncFails => (Point::DispatchSync, 1),
             Fault::Sync | Fault::DiskFullAtRoll => unreachable!("the WAL writer takes {fault:?}"),
         };
         self.armed[point as usize].store(count, Ordering::SeqCst);
@@ -72,9 +76,9 @@ impl Faults {
         }
     }
 
-    /// `Err(EIO syncing path)` when a segment sync fault strikes.
-    pub(crate) fn sync_fails_at(&self, path: &Path) -> Result<()> {
-        match self.strikes(Point::SegmentSync) {
+    /// `Err(EIO syncing path)` when a sync fault at `point` strikes.
+    pub(crate) fn sync_fails_at(&self, point: Point, path: &Path) -> Result<()> {
+        match self.strikes(point) {
             true => Err(Error::sync(path)(io::Error::from_raw_os_error(libc::EIO))),
             false => Ok(()),
         }

@@ -337,9 +337,12 @@ impl ScheduleLog {
         }
     }
 
-    /// Records outcomes in the dispatch logs of their buckets, durably.
+    /// Records outcomes in the dispatch logs of their buckets, durably. A failed sync poisons the log
+    /// (never retried: the kernel may have dropped the pages); a full disk may be retried.
     pub fn record_outcomes(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
-        self.shared.dispatch.append(outcomes)
+        let result = self.shared.dispatch.append(outcomes);
+        self.shared.poison_on_sync_failure(&result);
+        result
     }
 
     /// Every outcome recorded for a bucket, oldest first.
@@ -363,8 +366,13 @@ impl ScheduleLog {
     }
 
     fn find(&self, location: Location) -> Result<Option<(Message, IndexEntry)>> {
+        if location.seq >= self.shared.committed.load(Ordering::Acquire) {
+            return Ok(None); // never committed
+        }
         if !self.wait_replayed(location.seq) {
-            return Ok(None);
+            return Err(Error::NotFiledYet {
+                cause: self.disk_full(),
+            });
         }
         let Some(reader) = self.reader(location.bucket)? else {
             return Ok(None);
@@ -376,7 +384,9 @@ impl ScheduleLog {
     }
 
     /// Waits until everything committed so far is replayed, so that a lookup sees every append and cancel
-    /// acknowledged before it (read-your-writes). False if `seq` was never committed.
+    /// acknowledged before it (read-your-writes); at most 10 s, and not at all while the replayer is
+    /// held up by a full disk (it could be for hours). Returns whether `seq` is replayed (false if it was
+    /// never committed).
     pub(crate) fn wait_replayed(&self, seq: u64) -> bool {
         let committed = self.shared.committed.load(Ordering::Acquire);
         if seq >= committed {
@@ -386,13 +396,15 @@ impl ScheduleLog {
         let mut replay = self.shared.replay();
         while replay.next_seq < committed {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if left.is_zero() || self.shared.disk_full.held_up(Blocked::Replayer) {
                 return replay.next_seq > seq;
             }
+            // Woken by each replayed group; the held-up flag has no signal of its own, so look again
+            // every 50 ms.
             replay = self
                 .shared
                 .replayed
-                .wait_timeout(replay, left)
+                .wait_timeout(replay, left.min(Duration::from_millis(50)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -565,7 +577,9 @@ impl ScheduleLog {
             self.shared.poison_on_sync_failure(&removed);
             removed?;
             self.shared.dispatch.remove(bucket)?;
-            header::sync_dir(&self.shared.data_dir.join("dispatch"))?;
+            let synced = header::sync_dir(&self.shared.data_dir.join("dispatch"));
+            self.shared.poison_on_sync_failure(&synced);
+            synced?;
             retired.push(bucket);
         }
         Ok(retired)

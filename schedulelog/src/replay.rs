@@ -303,8 +303,10 @@ impl Replay {
         for (bucket, state) in &mut self.segments {
             if state.synced != state.written {
                 #[cfg(test)]
-                self.faults
-                    .sync_fails_at(&segment::log_path(&self.schedule_dir, *bucket))?;
+                self.faults.sync_fails_at(
+                    crate::fault::Point::SegmentSync,
+                    &segment::log_path(&self.schedule_dir, *bucket),
+                )?;
                 // A watched bucket is being delivered from: its pages are read back soon.
                 let drop_cache = !self.watched.contains(bucket);
                 state.synced = match state.writer.as_mut() {

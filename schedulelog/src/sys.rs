@@ -9,9 +9,10 @@ use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-/// Bytes an unprivileged process can still write on the file system holding `path` (`statvfs`:
-/// `f_bavail * f_frsize`, so space reserved for root is not counted). What a caller compares with a
-/// free-space reserve before taking more data.
+/// Bytes this process can still write on the file system holding `path` (`statvfs`): `f_bavail *
+/// f_frsize` for an ordinary user, `f_bfree * f_frsize` for root, who may also write into the blocks a
+/// file system keeps for root (ext4: 5 % by default) and so meets `ENOSPC` only after them. What a
+/// caller compares with a free-space reserve before taking more data.
 pub fn available_bytes(path: &Path) -> io::Result<u64> {
     let c_path = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
@@ -25,8 +26,11 @@ pub fn available_bytes(path: &Path) -> io::Result<u64> {
     }
     // SAFETY: statvfs returned 0, so it initialised `stats`.
     let stats = unsafe { stats.assume_init() };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let blocks = if root { stats.f_bfree } else { stats.f_bavail };
     #[allow(clippy::unnecessary_cast)] // the field types differ between targets
-    Ok((stats.f_bavail as u64).saturating_mul(stats.f_frsize as u64))
+    Ok((blocks as u64).saturating_mul(stats.f_frsize as u64))
 }
 
 /// Starts writing back the dirty pages of `file` in `[offset, offset + len)` without waiting for them,

@@ -107,6 +107,13 @@ fn a_full_disk_holds_the_replayer_up_and_loses_nothing() {
         "{cause}"
     );
     assert_eq!(log.poisoned(), None);
+    // A lookup of what is acknowledged but not filed says so at once, rather than wait for the disk.
+    let started = Instant::now();
+    match log.lookup(appended[8].id) {
+        Err(Error::NotFiledYet { cause: Some(cause) }) => assert!(cause.contains("/schedule/")),
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "it waited");
     appended.push(append_one(&log, deliver_at(14), "still accepted"));
 
     // The segments get written, then the cancels' dispatch appends (cut short half-way) find no space...
@@ -426,4 +433,31 @@ fn a_wal_file_left_by_a_late_rollover_is_deleted_without_new_records() {
     wait_until("the replayed file to be deleted", || {
         files() == ["00000000000000000002.wal"]
     });
+}
+
+/// A failed fsync of a dispatch log poisons the log like every other failed sync: the outcome may be
+/// lost with the pages the kernel dropped, and writing it again would not tell.
+#[test]
+fn a_failed_dispatch_sync_poisons_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let a = append_one(&log, T0 + HOUR_MS, "a");
+    let delivered = Outcome {
+        seq: a.location.seq,
+        at_ms: T0,
+        attempt: 0,
+        kind: OutcomeKind::Delivered,
+    };
+    log.inject_fault(Fault::DispatchSyncFails);
+    let err = log
+        .record_outcomes(&[(a.location.bucket, delivered)])
+        .unwrap_err();
+    assert!(!err.is_disk_full(), "{err}");
+    let cause = log.poisoned().expect("poisoned");
+    assert!(cause.contains("/dispatch/"), "{cause}");
+    assert!(matches!(
+        log.append(vec![message(T0, "after")]).wait(),
+        Err(AppendError::Poisoned(_))
+    ));
 }
