@@ -438,6 +438,22 @@ impl Config {
                 "must be between 1 and 1024",
             ));
         }
+        let reserve = self.limits.min_free_disk_bytes;
+        if reserve != 0 && reserve < 128 << 20 {
+            return Err(invalid(
+                "limits.min_free_disk_bytes",
+                "0 (off) or at least 134217728 (128 MiB: the WAL prepares its next 64 MiB file ahead, \
+                 and deliveries, retries and cancels need room of their own)",
+            ));
+        }
+        for (key, value) in [
+            ("broker.retention", self.broker.retention),
+            ("broker.dead_retention", self.broker.dead_retention),
+        ] {
+            if value.0 < Duration::from_secs(1) {
+                return Err(invalid(key, "must be at least 1s"));
+            }
+        }
         if self.broker.segment_bytes < 64 << 10 {
             return Err(invalid("broker.segment_bytes", "must be at least 65536"));
         }
@@ -591,6 +607,20 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().starts_with("fsync"), "{err}");
+        let err = Config::load(
+            None,
+            env(&[("DELAYD_MIN_FREE_DISK_BYTES", "1000")]),
+            &Flags::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("min_free_disk_bytes"), "{err}");
+        let err = Config::load(
+            None,
+            env(&[("DELAYD_BROKER_RETENTION", "0s")]),
+            &Flags::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("broker.retention"), "{err}");
         let err = Config::load(None, env(&[("DELAYD_NOPE", "1")]), &Flags::default()).unwrap_err();
         assert!(err.to_string().contains("DELAYD_NOPE"), "{err}");
         std::fs::write(&path, "[sinks.billing]\nkind = \"carrier-pigeon\"\n").unwrap();

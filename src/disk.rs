@@ -10,10 +10,14 @@
 //!   each one reports its cause until its next write succeeds, and retries on its own.
 //!
 //! [`DiskWatch::check`] runs once a second: it logs each change (with the file and the OS error the
-//! writer saw), sets `delayd_disk_full` and `delayd_disk_free_bytes`, and is what `/readyz` and the
-//! ingest routes read. Nothing here blocks a writer: they meet the disk as it is.
+//! writer saw), sets `delayd_disk_full` and `delayd_disk_free_bytes`, and is what `/readyz` reads.
+//! Between two checks the ingest routes draw on a budget, the free space above the reserve at the last
+//! check, at twice each request's size (a message takes that much: its copy in a schedule segment and
+//! its copy in the broker; the WAL's files are preallocated): a burst cannot run through the reserve in
+//! the second before the next check. Nothing here blocks a writer: they meet the disk as it is.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 
 /// The disk's state, as the last check saw it.
@@ -22,6 +26,8 @@ pub struct DiskWatch {
     data_dir: PathBuf,
     reserve_bytes: u64,
     state: Mutex<State>,
+    /// Bytes new messages may still take before the reserve is reached (see the module doc).
+    budget: AtomicI64,
 }
 
 #[derive(Debug, Default)]
@@ -38,7 +44,34 @@ impl DiskWatch {
             data_dir,
             reserve_bytes,
             state: Mutex::default(),
+            budget: AtomicI64::new(i64::MAX),
         }
+    }
+
+    /// Takes room for a request of `bytes` of new messages: `Err(why)` if the reserve is reached or
+    /// would be before the next check (nothing taken then).
+    pub fn admit(&self, bytes: usize) -> Result<(), String> {
+        if let Some(why) = self.refusing() {
+            return Err(why);
+        }
+        if self.reserve_bytes == 0 {
+            return Ok(());
+        }
+        let cost = i64::try_from(bytes)
+            .unwrap_or(i64::MAX / 2)
+            .saturating_mul(2);
+        let left = self
+            .budget
+            .fetch_sub(cost, Ordering::SeqCst)
+            .saturating_sub(cost);
+        if left < 0 {
+            self.budget.fetch_add(cost, Ordering::SeqCst);
+            return Err(format!(
+                "the free space above limits.min_free_disk_bytes ({}) is taken: new messages are refused",
+                mib(self.reserve_bytes)
+            ));
+        }
+        Ok(())
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -73,6 +106,8 @@ impl DiskWatch {
         };
         if let Some(free) = free {
             metrics::gauge!("delayd_disk_free_bytes").set(free as f64);
+            let room = i64::try_from(free.saturating_sub(self.reserve_bytes)).unwrap_or(i64::MAX);
+            self.budget.store(room, Ordering::SeqCst);
         }
         let refusing = free.filter(|&free| free < self.reserve_bytes).map(|free| {
             format!(

@@ -399,6 +399,13 @@ fn tail(args: TailArgs) -> anyhow::Result<()> {
                 offsets[i]
             );
             let answer = call(&args.client, "GET", &path, None)?;
+            let skipped = answer["skipped"].as_u64().unwrap_or(0);
+            if skipped > 0 {
+                eprintln!(
+                    "delayd tail: queue {queue}: {skipped} messages from offset {} were deleted by retention before they were read",
+                    offsets[i]
+                );
+            }
             for message in answer["messages"].as_array().into_iter().flatten() {
                 println!("{message}");
                 printed += 1;

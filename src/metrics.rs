@@ -50,6 +50,7 @@ const PER_SINK_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("delayd_messages_delivered_total", &[("outcome", "ok")]),
     ("delayd_messages_delivered_total", &[("outcome", "retry")]),
     ("delayd_messages_delivered_total", &[("outcome", "dead")]),
+    ("delayd_messages_postponed_total", &[]),
 ];
 
 /// Counters without labels, made to exist at 0 by [`register_series`].
@@ -69,7 +70,6 @@ const GAUGES: &[&str] = &[
     "delayd_wheel_entries",
     "delayd_segments",
     "delayd_disk_full",
-    "delayd_disk_free_bytes",
 ];
 
 /// Makes every series with a bounded label set exist from the start, at 0 unless something already
@@ -104,6 +104,10 @@ fn describe() {
     describe_counter!(
         "delayd_messages_delivered_total",
         "Delivery outcomes, by sink and outcome (ok, retry, dead)"
+    );
+    describe_counter!(
+        "delayd_messages_postponed_total",
+        "Deliveries put off for a shortage of delayd's own (the broker's disk is full), by sink: no attempt used"
     );
     describe_counter!(
         "delayd_messages_cancelled_total",

@@ -7,6 +7,9 @@
 //! machine. Each kill is timed from observed acknowledgements, never from the spawn or a clock, so it
 //! always lands under load, however slow the machine.
 //!
+//! The broker runs with 64 KiB commit log segments, so that kills also land while it rolls over to a new
+//! segment or consume-queue file.
+//!
 //! `SOAK_KILLS` sets the number of kills (default 5, as in CI; the README's long form: 25), `SOAK_SEED`
 //! the seed of the kill points and due times.
 
@@ -149,9 +152,15 @@ fn crash_soak_with_kill_nine_under_load() {
     let seed = env_number("SOAK_SEED", 0x5eed);
     let mut draws = Draws(seed | 1);
     let dir = tempfile::tempdir().unwrap();
+    // Small broker segments (and so consume-queue files of 64 units): the kills land in the middle of
+    // rolling over to a new segment or queue file too.
+    let config_dir = tempfile::tempdir().unwrap();
+    let config = config_dir.path().join("delayd.toml");
+    std::fs::write(&config, "[broker]\nsegment_bytes = 65536\n").unwrap();
+    let args = ["--config", config.to_str().unwrap()];
     let shared = Arc::new(Shared::default());
     for round in 0..kills {
-        let mut process = spawn(dir.path(), &[]);
+        let mut process = spawn(dir.path(), &args);
         let kill_after = draws.between(ACKS_BEFORE_KILL);
         shared.ledger.lock().unwrap().this_round = 0;
         let stop = Arc::new(AtomicBool::new(false));
@@ -198,7 +207,7 @@ fn crash_soak_with_kill_nine_under_load() {
     let ledger = std::mem::take(&mut *shared.ledger.lock().unwrap());
 
     // The independent consumer: a restart, then every queue read to the end.
-    let process = spawn(dir.path(), &[]);
+    let process = spawn(dir.path(), &args);
     let deadline = Instant::now() + CONSUME_WITHIN;
     let queues = loop {
         // The topic exists once the first delivery is stored; a pull on a missing topic waits for one.

@@ -122,8 +122,13 @@ pub async fn pull(
     // answers with what is there (the first message may have gone to another queue).
     let mut wait = wait;
     if state.broker.queue_offsets(&topic).is_none() && !wait.is_zero() {
+        // Listening before the second look: an arrival in between is not missed.
         let notified = state.broker.arrivals();
-        let _ = tokio::time::timeout(wait, notified).await;
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if state.broker.queue_offsets(&topic).is_none() {
+            let _ = tokio::time::timeout(wait, notified).await;
+        }
         wait = Duration::ZERO;
     }
     let Some(offsets) = state.broker.queue_offsets(&topic) else {

@@ -114,6 +114,28 @@ impl From<AppendError> for ApiError {
     }
 }
 
+impl From<schedulelog::Error> for ApiError {
+    fn from(error: schedulelog::Error) -> ApiError {
+        match error {
+            schedulelog::Error::NotFiledYet { cause: Some(cause) } => {
+                tracing::debug!(%cause, "a lookup found the replayer held up by a full disk");
+                ApiError::disk_full(
+                    "the disk is full: recent writes are acknowledged but not filed yet; retry later",
+                )
+            }
+            schedulelog::Error::NotFiledYet { cause: None } => ApiError {
+                retry_after_secs: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "overloaded",
+                    "recent writes are not filed yet; retry shortly",
+                )
+            },
+            other => ApiError::internal(other),
+        }
+    }
+}
+
 impl From<crate::broker::BrokerError> for ApiError {
     fn from(error: crate::broker::BrokerError) -> ApiError {
         if error.is_disk_full() {

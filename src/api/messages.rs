@@ -334,21 +334,21 @@ fn count_received(sink: &str, count: u64) {
         .increment(count);
 }
 
-/// 507 while free disk space is below the reserve: new messages wait, what is stored keeps moving.
-fn check_disk(state: &AppState) -> Result<(), ApiError> {
-    match state.disk.refusing() {
-        Some(_) => Err(ApiError::disk_full(
+/// 507 while free disk space is below the reserve (or a request of `bytes` would take it there):
+/// new messages wait, what is stored keeps moving.
+fn check_disk(state: &AppState, bytes: usize) -> Result<(), ApiError> {
+    state.disk.admit(bytes).map_err(|_| {
+        ApiError::disk_full(
             "the disk is nearly full; new messages are refused until space is freed (nothing was stored)",
-        )),
-        None => Ok(()),
-    }
+        )
+    })
 }
 
 pub async fn schedule(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
-    check_disk(&state)?;
+    check_disk(&state, bytes.len())?;
     let request: ScheduleRequest = parse_json(&bytes)?;
     let message = validate(&state, &request, state.clock.now_ms())?;
     let encoded = message.encode()?;
@@ -402,7 +402,7 @@ pub async fn schedule_batch(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
-    check_disk(&state)?;
+    check_disk(&state, bytes.len())?;
     let batch: BatchRequest = parse_json(&bytes)?;
     let max = state.config.limits.max_batch_messages;
     if batch.messages.len() > max {
@@ -496,7 +496,7 @@ async fn lookup(state: &AppState, id: MessageId) -> Result<Option<MessageStatus>
     tokio::task::spawn_blocking(move || log.lookup(id))
         .await
         .map_err(ApiError::internal)?
-        .map_err(ApiError::internal)
+        .map_err(ApiError::from)
 }
 
 /// Parses an id and finds its message (following retries), off the async threads: a 404 for text that

@@ -99,20 +99,22 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// 200 once recovery is done (the router is served only then); 503 with the reason while the log is
-/// poisoned (`storage_failed`) or the disk is full (`disk_full`: new messages are refused).
+/// 200 once recovery is done (the router is served only then), as `{"status": "ready"}`; while the disk
+/// is short of space (new messages refused, or a writer held up) it stays 200, for the node still
+/// delivers, cancels and serves pulls (and a sidecar's failing readiness would take its whole pod out of
+/// service), and says why in `"disk_full"`. 503 `storage_failed` while the log or a broker store refuses
+/// writes until a restart.
 async fn ready(State(state): State<AppState>) -> Response {
-    if let Some(cause) = state.log.poisoned() {
+    if let Some(cause) = state.log.poisoned().or_else(|| state.broker.failed()) {
         let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);
         error.retry_after_secs = Some(60);
         return error.into_response();
     }
+    let mut answer = serde_json::json!({"status": "ready"});
     if let Some(cause) = state.disk.full() {
-        let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "disk_full", cause);
-        error.retry_after_secs = Some(10);
-        return error.into_response();
+        answer["disk_full"] = serde_json::Value::String(cause);
     }
-    "ready\n".into_response()
+    axum::Json(answer).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

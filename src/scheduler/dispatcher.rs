@@ -35,6 +35,7 @@ pub(crate) struct Lane {
     delivered_ok: metrics::Counter,
     delivered_retry: metrics::Counter,
     delivered_dead: metrics::Counter,
+    postponed: metrics::Counter,
 }
 
 /// One lane per registered sink, in registry order, then the lane for messages naming an unknown sink.
@@ -78,6 +79,7 @@ impl Lane {
             delivered_ok: delivered("ok"),
             delivered_retry: delivered("retry"),
             delivered_dead: delivered("dead"),
+            postponed: metrics::counter!("delayd_messages_postponed_total", "sink" => name.to_string()),
         }
     }
 
@@ -175,7 +177,7 @@ impl Lane {
                     self.shared
                         .requeue_at(*entry, now.saturating_add(after_ms.max(1)));
                     tracing::debug!(sink = %self.name, %reason, "delivery postponed");
-                    "retry"
+                    "postponed"
                 }
                 SinkOutcome::Retry { .. }
                     if self.shared.cancelled().contains(&delivery.location) =>
@@ -213,6 +215,8 @@ impl Lane {
             match label {
                 "ok" => self.delivered_ok.increment(1),
                 "dead" => self.delivered_dead.increment(1),
+                // Not an attempt: counted apart, so that retries stay what receivers answered.
+                "postponed" => self.postponed.increment(1),
                 _ => self.delivered_retry.increment(1),
             }
             labels.push((delivery.id, label));
@@ -220,23 +224,15 @@ impl Lane {
         if !retries.is_empty() {
             self.write_retries(&retries, &mut records).await;
         }
-        // Dead letters are stored before the outcome is, so a crash in between repeats rather than loses;
-        // a dead letter that could not be stored gets no outcome and its message comes round again.
+        // Dead letters are stored before the outcome is, so a crash in between repeats rather than loses.
         if let (Some(letters), false) = (&self.shared.dead_letters, dead.is_empty()) {
-            let copies: Vec<Delivery> = dead.iter().map(|(_, copy)| copy.clone()).collect();
-            let stored = letters.deliver(&copies).await;
-            for ((entry, copy), answer) in dead.iter().zip(
-                stored
-                    .iter()
-                    .chain(std::iter::repeat(&SinkOutcome::Delivered)),
-            ) {
-                if *answer != SinkOutcome::Delivered {
-                    tracing::error!(sink = %self.name, ?answer, "storing a dead letter failed; the message comes round again");
-                    records.retain(|(bucket, o)| {
-                        !(*bucket == copy.location.bucket && o.seq == copy.location.seq)
-                    });
-                    self.shared.requeue(*entry, now);
-                }
+            let unstored = self.store_dead_letters(letters, &dead).await;
+            for copy in unstored {
+                // Given up (shutting down, or the log is poisoned): no outcome, so the message is
+                // delivered again after the restart.
+                records.retain(|(bucket, o)| {
+                    !(*bucket == copy.location.bucket && o.seq == copy.location.seq)
+                });
             }
         }
         if !records.is_empty() {
@@ -247,9 +243,52 @@ impl Lane {
         }
     }
 
+    /// Stores dead letters, trying again (with backoff, holding this delivery slot) the ones the store
+    /// did not take: a full disk, say. Delivering the message again instead would repeat an answer the
+    /// receiver gave already (a 4xx) every time round. Returns the letters given up on at a shutdown or
+    /// with a poisoned log.
+    async fn store_dead_letters<'d>(
+        &self,
+        letters: &Arc<dyn Sink>,
+        dead: &'d [(Entry, Delivery)],
+    ) -> Vec<&'d Delivery> {
+        let mut left: Vec<&Delivery> = dead.iter().map(|(_, copy)| copy).collect();
+        let mut pause = Duration::from_millis(100);
+        for attempt in 1u32.. {
+            let copies: Vec<Delivery> = left.iter().map(|copy| (*copy).clone()).collect();
+            let answers = letters.deliver(&copies).await;
+            let mut failed = None;
+            let mut still = Vec::new();
+            for (i, copy) in left.into_iter().enumerate() {
+                match answers.get(i) {
+                    Some(SinkOutcome::Delivered) => {}
+                    other => {
+                        failed = Some(format!("{other:?}"));
+                        still.push(copy);
+                    }
+                }
+            }
+            left = still;
+            let Some(answer) = failed else {
+                return left;
+            };
+            if self.shared.stopping.load(Ordering::SeqCst) || self.shared.log.poisoned().is_some() {
+                tracing::error!(sink = %self.name, %answer, "storing dead letters failed; these messages will be delivered again after a restart");
+                return left;
+            }
+            if attempt.is_power_of_two() {
+                tracing::error!(sink = %self.name, attempt, %answer, "storing dead letters failed; trying again");
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+        left
+    }
+
     /// Writes outcomes to the dispatch logs, trying again (with backoff, holding this delivery slot, so
     /// that a lane whose outcomes cannot be recorded stops delivering) until they are durable: a delivery
-    /// whose outcome is lost is delivered again after a restart. Only a shutdown gives up.
+    /// whose outcome is lost is delivered again after a restart. Only a shutdown or a poisoned log (a
+    /// failed sync, which is never retried) gives up.
     async fn record_outcomes(&self, records: Vec<(Bucket, Outcome)>) {
         let records = Arc::new(records);
         let mut pause = Duration::from_millis(100);
@@ -266,8 +305,10 @@ impl Lane {
                 Ok(Err(e)) => e.to_string(),
                 Err(e) => e.to_string(),
             };
-            if self.shared.stopping.load(Ordering::SeqCst) {
-                tracing::error!(sink = %self.name, %error, "recording delivery outcomes failed at shutdown; these messages will be delivered again after the restart");
+            if self.shared.stopping.load(Ordering::SeqCst) || self.shared.log.poisoned().is_some() {
+                // A failed sync poisoned the log (never retried): the restart it needs delivers these
+                // again.
+                tracing::error!(sink = %self.name, %error, "recording delivery outcomes failed; these messages will be delivered again after a restart");
                 return;
             }
             // Logged at the first failure and then ever more rarely (attempts 1, 2, 4, 8, ...).

@@ -52,7 +52,7 @@ pub struct SchedulerConfig {
     /// How often finished buckets past their retention are deleted.
     pub retire_every: Duration,
     /// Receives, for every batch, each message's id and outcome label (`ok`, `retry`, `dead`,
-    /// `cancelled`) once the outcomes are durable. For tests and embedding; `None` in the service.
+    /// `cancelled`, `postponed`) once the outcomes are durable. For tests and embedding; `None` in the service.
     pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
     /// Where dead messages are copied, under the topic `$dead` (the service uses the broker).
     pub dead_letters: Option<Arc<dyn Sink>>,

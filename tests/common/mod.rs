@@ -252,10 +252,6 @@ impl Process {
                 Ok(response) if response.status() == 200 => return,
                 Ok(mut response) => {
                     let body = response.body_mut().read_to_string().unwrap_or_default();
-                    // Serving (recovery is done), only short of disk: refusing new messages is a state.
-                    if response.status() == 503 && body.contains("\"disk_full\"") {
-                        return;
-                    }
                     last = format!("/readyz answered {}: {body}", response.status());
                 }
                 Err(error) => last = format!("/readyz: {error}"),
