@@ -133,6 +133,10 @@ pub struct BrokerConfig {
     pub queues_per_topic: u32,
     /// Most messages one pull returns.
     pub max_pull_messages: usize,
+    /// Most bytes of messages one pull returns (at least one message, however large).
+    pub max_pull_bytes: u64,
+    /// Most consumer groups with committed offsets.
+    pub max_groups: usize,
     /// Longest `wait_ms` a long poll may ask for.
     pub max_wait: Millis,
     /// Delivered messages stored longer ago than this are deleted, a commit log segment at a time.
@@ -150,6 +154,8 @@ impl Default for BrokerConfig {
         BrokerConfig {
             queues_per_topic: 4,
             max_pull_messages: 1024,
+            max_pull_bytes: 16 << 20,
+            max_groups: 10_000,
             max_wait: Millis(Duration::from_secs(30)),
             retention: Millis(Duration::from_secs(72 * 3600)),
             dead_retention: Millis(Duration::from_secs(7 * 86_400)),
@@ -168,6 +174,7 @@ impl BrokerConfig {
             retention: self.retention.0,
             dead_retention: self.dead_retention.0,
             max_bytes: self.max_bytes,
+            max_pull_bytes: self.max_pull_bytes,
         }
     }
 }
@@ -453,6 +460,12 @@ impl Config {
             if value.0 < Duration::from_secs(1) {
                 return Err(invalid(key, "must be at least 1s"));
             }
+        }
+        if self.broker.max_pull_bytes == 0 || self.broker.max_groups == 0 {
+            return Err(invalid(
+                "broker.max_pull_bytes, broker.max_groups",
+                "must be at least 1",
+            ));
         }
         if self.broker.segment_bytes < 64 << 10 {
             return Err(invalid("broker.segment_bytes", "must be at least 65536"));

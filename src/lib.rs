@@ -83,10 +83,7 @@ pub async fn run_with_clock(
                 sink.ca_file.as_deref(),
                 clock.clone(),
             )?),
-            _ => Arc::new(BrokerSink {
-                broker: broker.clone(),
-                clock: clock.clone(),
-            }),
+            _ => Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
         };
         sinks.register(name, target, policy)?;
     }
@@ -94,10 +91,7 @@ pub async fn run_with_clock(
     let scheduler_config = SchedulerConfig {
         tick_ms: i64::from(config.tick_ms),
         preload: config.preload.0,
-        dead_letters: Some(Arc::new(BrokerSink {
-            broker: broker.clone(),
-            clock: clock.clone(),
-        })),
+        dead_letters: Some(Arc::new(BrokerSink::new(broker.clone(), clock.clone()))),
         ..SchedulerConfig::default()
     };
     let scheduler = Arc::new(Scheduler::start(

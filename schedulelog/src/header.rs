@@ -75,6 +75,23 @@ impl FileHeader {
     }
 }
 
+/// Creates `dir` and any missing parents, each made durable by an fsync of the directory holding it.
+pub fn create_dir_durably(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(parent) = parent {
+        create_dir_durably(parent)?;
+    }
+    match fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+        Err(e) => return Err(Error::io(dir)(e)),
+    }
+    sync_dir(parent.unwrap_or(Path::new(".")))
+}
+
 /// Makes the entries of `dir` (created, renamed or deleted files) durable.
 pub fn sync_dir(dir: &Path) -> Result<()> {
     let dir_file = File::open(dir).map_err(Error::io(dir))?;

@@ -189,8 +189,7 @@ impl ScheduleLog {
             ));
         }
         for dir in ["", "wal", "schedule", "dispatch"] {
-            let path = data_dir.join(dir);
-            fs::create_dir_all(&path).map_err(Error::io(&path))?;
+            header::create_dir_durably(&data_dir.join(dir))?;
         }
         let lock = lock(&data_dir)?;
         let width = check_meta(&data_dir, options.segment_minutes)?;

@@ -183,11 +183,47 @@ pub async fn commit_offset(
     let queue: u32 = queue
         .parse()
         .map_err(|_| ApiError::bad_request("invalid_queue", "queue must be a whole number"))?;
+    // Only a queue that exists, and not past its end: a typo would otherwise be kept for ever.
+    let offsets = state
+        .broker
+        .queue_offsets(&topic)
+        .ok_or_else(|| ApiError::not_found(format!("no topic {topic:?}")))?;
+    let Some(&(_, max_offset)) = offsets.get(queue as usize) else {
+        return Err(ApiError::not_found(format!(
+            "topic {topic:?} has {} queues",
+            offsets.len()
+        )));
+    };
+    if body.offset > max_offset {
+        return Err(ApiError::bad_request(
+            "invalid_offset",
+            format!(
+                "offset {} is past the end of the queue ({max_offset})",
+                body.offset
+            ),
+        ));
+    }
     let broker = state.broker.clone();
+    let max_groups = state.config.broker.max_groups;
     let (g, t) = (group.clone(), topic.clone());
-    tokio::task::spawn_blocking(move || broker.commit_offset(&g, &t, queue, body.offset))
-        .await
-        .map_err(ApiError::internal)??;
+    let committed = tokio::task::spawn_blocking(move || {
+        broker.commit_offset(&g, &t, queue, body.offset, max_groups)
+    })
+    .await
+    .map_err(ApiError::internal)?;
+    match committed {
+        Ok(()) => {}
+        Err(crate::broker::CommitError::TooManyGroups { max }) => {
+            return Err(ApiError::new(
+                axum::http::StatusCode::CONFLICT,
+                "too_many_groups",
+                format!(
+                "there are {max} consumer groups already (broker.max_groups); this is a new one"
+            ),
+            ))
+        }
+        Err(crate::broker::CommitError::Broker(e)) => return Err(e.into()),
+    }
     Ok(Json(
         json!({"group": group, "topic": topic, "queue": queue, "offset": body.offset}),
     ))

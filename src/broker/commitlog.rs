@@ -28,7 +28,7 @@
 //!   crash in the middle of it leaves none); a gap is corruption, named with its file, except an empty
 //!   newest segment past it (started by a failed append whose undo could not delete it), which goes.
 
-use super::{io_err, sync_dir, BrokerError};
+use super::{io_err, make_dir, sync_dir, BrokerError};
 use schedulelog::frame::{self, Kind, Next, UNSYNCED_LIMIT};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
@@ -87,13 +87,16 @@ pub(crate) struct CommitLog {
     segment_bytes: u64,
     /// By base; the last one takes appends.
     segments: BTreeMap<u64, Segment>,
+    /// Where each synced write began and how long it was, for tests of the unsynced bound.
+    #[cfg(test)]
+    pub(crate) writes: Vec<(u64, usize)>,
 }
 
 impl CommitLog {
     /// Opens the log in `dir`, creating it if needed. The last segment's length is its file's length
     /// until [`CommitLog::scan_from`] has checked its tail: call it before appending.
     pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<CommitLog, BrokerError> {
-        fs::create_dir_all(dir).map_err(io_err(dir))?;
+        make_dir(dir)?;
         let mut bases = Vec::new();
         for entry in fs::read_dir(dir).map_err(io_err(dir))? {
             let name = entry.map_err(io_err(dir))?.file_name();
@@ -110,6 +113,8 @@ impl CommitLog {
             dir: dir.to_path_buf(),
             segment_bytes,
             segments: BTreeMap::new(),
+            #[cfg(test)]
+            writes: Vec::new(),
         };
         if bases.is_empty() {
             log.create_segment(0, 0)?;
@@ -398,7 +403,12 @@ impl CommitLog {
         metrics::histogram!("delayd_sync_seconds", "file" => "broker")
             .record(started.elapsed().as_secs_f64());
         written.map_err(io_err(&last.path))?;
+        let at = last.len;
         last.len += bytes.len() as u64;
+        #[cfg(test)]
+        self.writes.push((at, bytes.len()));
+        #[cfg(not(test))]
+        let _ = at;
         Ok(())
     }
 

@@ -8,7 +8,7 @@
 //! broker/commitlog/, consumequeue/, checkpoint   the main store (store.rs): every topic but `$dead`
 //! broker/dead/commitlog/, consumequeue/, checkpoint   dead letters (`$dead`), a store of their own so
 //!                                         that they can be kept longer than the messages around them
-//! broker/offsets                          JSON {group: {topic: {queue: offset}}}, replaced atomically
+//! broker/groups/{group}                  a consumer group's offsets (offsets.rs)
 //! ```
 //!
 //! A record in a commit log is a frame of kind 5 whose payload is:
@@ -34,8 +34,11 @@
 //!   outside the data dir.
 
 mod commitlog;
+mod offsets;
 mod queue;
 mod store;
+
+pub use offsets::CommitError;
 
 use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome};
 use schedulelog::frame::{self, Kind};
@@ -93,6 +96,8 @@ pub struct BrokerOptions {
     pub dead_retention: Duration,
     /// A cap on the commit logs' bytes: the oldest segments go first past it.
     pub max_bytes: Option<u64>,
+    /// Most bytes of records one read returns (at least one record).
+    pub max_pull_bytes: u64,
 }
 
 impl Default for BrokerOptions {
@@ -103,6 +108,7 @@ impl Default for BrokerOptions {
             retention: Duration::from_secs(72 * 3600),
             dead_retention: Duration::from_secs(7 * 86_400),
             max_bytes: None,
+            max_pull_bytes: 16 << 20,
         }
     }
 }
@@ -121,9 +127,6 @@ pub struct StoredMeta {
     pub delivered_at_ms: i64,
     pub attempt: u16,
 }
-
-/// Committed offsets: group → topic → queue → offset.
-type GroupOffsets = BTreeMap<String, BTreeMap<String, BTreeMap<u32, u64>>>;
 
 /// A message as a consumer gets it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -166,11 +169,10 @@ pub struct Retired {
 /// The broker. Cheap to share (`Arc`); blocking I/O, so async callers use `spawn_blocking`.
 #[derive(Debug)]
 pub struct Broker {
-    dir: PathBuf,
     options: BrokerOptions,
     main: Mutex<Store>,
     dead: Mutex<Store>,
-    offsets: Mutex<GroupOffsets>,
+    offsets: Mutex<offsets::Offsets>,
     /// Woken on every append; long polls re-check their queue.
     arrivals: tokio::sync::Notify,
     /// Why the last delivery failed for want of space, and when: until one succeeds again, or a few
@@ -209,8 +211,7 @@ impl Broker {
         }
         let broker = Broker {
             dead_in_main,
-            offsets: Mutex::new(load_offsets(&dir)?),
-            dir,
+            offsets: Mutex::new(offsets::Offsets::open(&dir)?),
             options,
             main: Mutex::new(main),
             dead: Mutex::new(dead),
@@ -326,7 +327,8 @@ impl Broker {
         self.store(topic).queue_offsets(topic)
     }
 
-    /// Up to `max` messages of a queue from `offset` (from `min_offset` when `offset` is below it).
+    /// Up to `max` messages of a queue from `offset` (from `min_offset` when `offset` is below it), and
+    /// no more than `max_pull_bytes` of them unless the first alone is larger.
     /// `None` for an unknown topic or queue. The records are read after the store's lock is released.
     pub fn read(
         &self,
@@ -337,7 +339,8 @@ impl Broker {
     ) -> Result<Option<Pulled>, BrokerError> {
         let (plan, log_dir) = {
             let store = self.store(topic);
-            (store.plan_read(topic, queue, offset, max)?, store.log_dir())
+            let plan = store.plan_read(topic, queue, offset, max, self.options.max_pull_bytes)?;
+            (plan, store.log_dir())
         };
         let Some(plan) = plan else {
             return Ok(None);
@@ -406,38 +409,23 @@ impl Broker {
         }
     }
 
-    /// Stores a consumer group's offset for one queue (durably).
+    /// Stores a consumer group's offset for one queue (durably). The caller has checked that the queue
+    /// exists and the offset is not past its end; at most `max_groups` groups.
     pub fn commit_offset(
         &self,
         group: &str,
         topic: &str,
         queue: u32,
         offset: u64,
-    ) -> Result<(), BrokerError> {
-        let mut offsets = lock(&self.offsets);
-        // The file first, then memory: nobody reads an offset that is not durable.
-        let mut next = offsets.clone();
-        next.entry(group.to_string())
-            .or_default()
-            .entry(topic.to_string())
-            .or_default()
-            .insert(queue, offset);
-        let bytes = serde_json::to_vec(&next).unwrap_or_default();
-        let written = write_atomically(&self.dir.join("offsets"), &bytes);
-        if written.is_ok() {
-            *offsets = next;
-        }
+        max_groups: usize,
+    ) -> Result<(), CommitError> {
         // Not noted as a full disk: the consumer got its 507, and no later delivery would clear it.
-        written
+        lock(&self.offsets).commit(group, topic, queue, offset, max_groups)
     }
 
     /// A group's committed offsets for a topic, by queue.
     pub fn group_offsets(&self, group: &str, topic: &str) -> BTreeMap<u32, u64> {
-        lock(&self.offsets)
-            .get(group)
-            .and_then(|g| g.get(topic))
-            .cloned()
-            .unwrap_or_default()
+        lock(&self.offsets).of(group, topic)
     }
 
     /// Deletes the segments whose messages are past their retention, then the oldest ones while the
@@ -518,10 +506,8 @@ impl Broker {
         let offsets = lock(&self.offsets);
         let mut unread = 0;
         for (topic, queue, from, to) in moved {
-            for group in offsets.values() {
-                if let Some(&at) = group.get(topic).and_then(|t| t.get(queue)) {
-                    unread += to.saturating_sub(at.max(*from));
-                }
+            for at in offsets.on_queue(topic, *queue) {
+                unread += to.saturating_sub(at.max(*from));
             }
         }
         unread
@@ -562,19 +548,6 @@ fn decode_payload(payload: &[u8]) -> Option<(StoredMeta, &[u8])> {
     Some((meta, payload.get(4 + meta_len..)?))
 }
 
-fn load_offsets(dir: &Path) -> Result<GroupOffsets, BrokerError> {
-    let path = dir.join("offsets");
-    match fs::read(&path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| BrokerError::Corrupt {
-            path,
-            offset: 0,
-            reason: e.to_string(),
-        }),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(BTreeMap::new()),
-        Err(e) => Err(io_err(&path)(e)),
-    }
-}
-
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), BrokerError> {
     let tmp = path.with_extension("tmp");
     let written = fs::write(&tmp, bytes)
@@ -587,6 +560,24 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), BrokerError> {
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 
+/// Creates `dir` and any missing parents, each made durable by an fsync of the directory holding it
+/// (a crash must not lose a directory that files were then written into).
+fn make_dir(dir: &Path) -> Result<(), BrokerError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(parent) = parent {
+        make_dir(parent)?;
+    }
+    match fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(()),
+        Err(e) => return Err(io_err(dir)(e)),
+    }
+    sync_dir(parent.unwrap_or(Path::new(".")))
+}
+
 fn sync_dir(dir: &Path) -> Result<(), BrokerError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -596,8 +587,28 @@ fn sync_dir(dir: &Path) -> Result<(), BrokerError> {
 /// The `broker` sink: stores each delivery in the broker, durably, before answering.
 #[derive(Debug)]
 pub struct BrokerSink {
-    pub broker: Arc<Broker>,
-    pub clock: Arc<dyn schedulelog::Clock>,
+    broker: Arc<Broker>,
+    clock: Arc<dyn schedulelog::Clock>,
+    /// When a failure was last logged: at most one line every 10 s while they go on.
+    last_report: Mutex<Option<std::time::Instant>>,
+}
+
+impl BrokerSink {
+    pub fn new(broker: Arc<Broker>, clock: Arc<dyn schedulelog::Clock>) -> BrokerSink {
+        BrokerSink {
+            broker,
+            clock,
+            last_report: Mutex::new(None),
+        }
+    }
+
+    fn report(&self, reason: &str) {
+        let mut last = lock(&self.last_report);
+        if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+            *last = Some(std::time::Instant::now());
+            tracing::error!(%reason, "storing deliveries in the broker failed; they are postponed (delayd_messages_postponed_total) and tried again");
+        }
+    }
 }
 
 impl Sink for BrokerSink {
@@ -624,22 +635,18 @@ impl Sink for BrokerSink {
                 Ok(Err(e)) => (e.to_string(), e.is_disk_full()),
                 Err(e) => (e.to_string(), false),
             };
-            let answer = if disk_full {
-                // Reported once by the disk watch, not for every batch while it lasts. Not an attempt:
-                // a retry would copy every message through the WAL into a segment again, on the disk
-                // that is full, and a long shortage would use up the attempts.
+            // Trouble with delayd's own storage is not the message's fault: postponed, using up no
+            // attempt (a retry would also copy the message through the WAL into a segment again, and a
+            // few minutes of trouble would make every due message dead).
+            let after = if disk_full {
+                // Reported once by the disk watch, not for every batch while it lasts.
                 tracing::debug!(%reason, "storing deliveries in the broker failed");
-                SinkOutcome::Postpone {
-                    after: Duration::from_secs(1),
-                    reason,
-                }
+                Duration::from_secs(1)
             } else {
-                tracing::error!(%reason, "storing deliveries in the broker failed");
-                SinkOutcome::Retry {
-                    after: Some(Duration::from_secs(5)),
-                    reason,
-                }
+                self.report(&reason);
+                Duration::from_secs(5)
             };
+            let answer = SinkOutcome::Postpone { after, reason };
             vec![answer; batch.len()]
         })
     }
@@ -806,7 +813,7 @@ mod tests {
     fn offsets_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
         let broker = Broker::open(dir.path(), options(1)).unwrap();
-        broker.commit_offset("g", "t", 0, 13).unwrap();
+        broker.commit_offset("g", "t", 0, 13, 10).unwrap();
         drop(broker);
         let broker = Broker::open(dir.path(), options(1)).unwrap();
         assert_eq!(broker.group_offsets("g", "t"), BTreeMap::from([(0, 13)]));
@@ -840,8 +847,8 @@ mod tests {
         let log_dir = dir.path().join("broker/commitlog");
         let segments = files(&log_dir).len();
         assert!(segments >= 8, "1 KiB x 600 in 64 KiB segments: {segments}");
-        broker.commit_offset("slow", "t", 0, 10).unwrap();
-        broker.commit_offset("done", "t", 0, 600).unwrap();
+        broker.commit_offset("slow", "t", 0, 10, 10).unwrap();
+        broker.commit_offset("done", "t", 0, 600, 10).unwrap();
         // Nothing is old enough yet.
         assert_eq!(broker.enforce_retention(t0).unwrap(), Retired::default());
 
@@ -1037,7 +1044,7 @@ mod tests {
         legacy.append(&old.iter().collect::<Vec<_>>(), 2).unwrap();
         drop(legacy);
         let broker = Broker::open(dir.path(), small(1)).unwrap();
-        broker.commit_offset("ops", dead, 0, 1).unwrap();
+        broker.commit_offset("ops", dead, 0, 1, 10).unwrap();
         assert_eq!(broker.queue_offsets(dead).unwrap(), vec![(0, 2)]);
         // New dead letters continue the queue the groups know.
         let placed = broker.append(&[incoming(dead, None, "new")]).unwrap();
@@ -1089,6 +1096,117 @@ mod tests {
             bodies(&broker.read("t", 0, 64, 10).unwrap().unwrap()),
             ["b0", "b1", "b2"]
         );
+    }
+
+    #[test]
+    fn a_read_is_bounded_in_bytes_but_always_has_a_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = BrokerOptions {
+            max_pull_bytes: 3 << 10,
+            ..small(1)
+        };
+        let broker = Broker::open(dir.path(), options).unwrap();
+        let kib = "k".repeat(1000);
+        let messages: Vec<Incoming> = (0..10)
+            .map(|i| incoming("t", None, &format!("{i}{kib}")))
+            .collect();
+        broker.append(&messages).unwrap();
+        broker
+            .append(&[incoming("t", None, &"big".repeat(3000))])
+            .unwrap();
+        let read = broker.read("t", 0, 0, 100).unwrap().unwrap();
+        assert!(
+            (1..=3).contains(&read.messages.len()),
+            "{}",
+            read.messages.len()
+        );
+        let total: usize = read.messages.iter().map(|m| m.body.len()).sum();
+        assert!(total <= 3 << 10);
+        let big = broker.read("t", 0, 10, 100).unwrap().unwrap();
+        assert_eq!(
+            big.messages.len(),
+            1,
+            "one message larger than the cap still comes"
+        );
+    }
+
+    #[test]
+    fn the_sink_postpones_what_its_own_storage_fails_to_take() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
+        let sink = BrokerSink::new(broker.clone(), Arc::new(schedulelog::SystemClock));
+        let location = schedulelog::Location {
+            bucket: schedulelog::Bucket::from_start_minute(29_935_260),
+            seq: 1,
+        };
+        let delivery = |body: &str| Delivery {
+            id: schedulelog::MessageId::new(location),
+            location,
+            message: schedulelog::Message {
+                seq: 1,
+                deliver_at_ms: 1,
+                created_at_ms: 1,
+                id: schedulelog::MessageId::new(location),
+                attempt: 3,
+                topic: "t".into(),
+                key: None,
+                dedup: false,
+                headers: Vec::new(),
+                sink: "broker".into(),
+                body: body.as_bytes().to_vec(),
+            },
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let first = vec![delivery(&"a".repeat(60 << 10))];
+        assert_eq!(
+            runtime.block_on(sink.deliver(&first)),
+            vec![SinkOutcome::Delivered]
+        );
+        // The next segment cannot be created (a directory in its way): not a full disk, an I/O error.
+        let log_dir = dir.path().join("broker/commitlog");
+        let last = files(&log_dir).pop().unwrap();
+        let end = last.parse::<u64>().unwrap() + fs::metadata(log_dir.join(&last)).unwrap().len();
+        fs::create_dir(log_dir.join(format!("{end:020}"))).unwrap();
+        let second = vec![delivery(&"b".repeat(60 << 10))];
+        let answers = runtime.block_on(sink.deliver(&second));
+        assert!(
+            matches!(&answers[..], [SinkOutcome::Postpone { after, .. }] if *after == Duration::from_secs(5)),
+            "postponed, no attempt used: {answers:?}"
+        );
+        assert_eq!(broker.disk_full(), None, "not a full disk");
+    }
+
+    #[test]
+    fn a_large_batch_is_synced_in_bounded_writes_so_a_torn_one_is_a_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), options(1)).unwrap();
+        // 40 MiB in one batch (the sink's largest is 1,024 messages of up to 16 MiB).
+        let mib = "m".repeat((1 << 20) - 512);
+        let batch: Vec<Incoming> = (0..40)
+            .map(|i| incoming("t", None, &format!("{i:02}{mib}")))
+            .collect();
+        broker.append(&batch).unwrap();
+        let writes = lock(&broker.main).log.writes.clone();
+        assert!(writes.len() >= 2, "{writes:?}");
+        let limit = frame::UNSYNCED_LIMIT;
+        assert!(writes.iter().all(|(_, len)| *len <= limit), "{writes:?}");
+        drop(broker);
+        // A power loss during the last write: its first frame is torn, the rest of it garbage. Only
+        // that write was unsynced, so what it held is a torn tail, cut, and what came before stays.
+        let (at, len) = *writes.last().unwrap();
+        let log = fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join(LOG_0))
+            .unwrap();
+        log.write_all_at(&vec![0xab; len], at).unwrap();
+        fs::remove_file(dir.path().join("broker/checkpoint")).ok();
+        let broker = Broker::open(dir.path(), options(1)).unwrap();
+        let kept = broker.queue_offsets("t").unwrap()[0].1;
+        assert!(kept > 0 && kept < 40, "{kept}");
+        let read = broker.read("t", 0, kept - 1, 1).unwrap().unwrap();
+        assert!(bodies(&read)[0].starts_with(&format!("{:02}", kept - 1)));
     }
 
     #[test]

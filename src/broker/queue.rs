@@ -19,7 +19,7 @@
 //! - Before the queues were segmented a queue was one file, `consumequeue/{topic}/{queue}`; opening one
 //!   moves it to `{queue}/00000000000000000000` by way of `{queue}.migrating/`, crash-safely.
 
-use super::{io_err, sync_dir, BrokerError};
+use super::{io_err, make_dir, sync_dir, BrokerError};
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -121,10 +121,7 @@ impl Queue {
     ) -> Result<Queue, BrokerError> {
         let dir = topic_dir.join(index.to_string());
         migrate_legacy(topic_dir, index)?;
-        if !dir.exists() {
-            fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-            sync_dir(topic_dir)?;
-        }
+        make_dir(&dir)?;
         let mut files = BTreeSet::new();
         for entry in fs::read_dir(&dir).map_err(io_err(&dir))? {
             let name = entry.map_err(io_err(&dir))?.file_name();

@@ -28,8 +28,8 @@
 use super::commitlog::{CommitLog, Segment, HEADER_LEN};
 use super::queue::{Queue, Unit};
 use super::{
-    decode_payload, encode_record, io_err, sync_dir, valid_topic, write_atomically, BrokerError,
-    Incoming, StoredMeta,
+    decode_payload, encode_record, io_err, make_dir, sync_dir, valid_topic, write_atomically,
+    BrokerError, Incoming, StoredMeta,
 };
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -94,7 +94,7 @@ impl Store {
     ) -> Result<Store, BrokerError> {
         let log = CommitLog::open(&dir.join("commitlog"), segment_bytes)?;
         let queues_dir = dir.join("consumequeue");
-        fs::create_dir_all(&queues_dir).map_err(io_err(&queues_dir))?;
+        make_dir(&queues_dir)?;
         let mut store = Store {
             dir: dir.to_path_buf(),
             log,
@@ -384,14 +384,16 @@ impl Store {
             .map(|t| t.queues.iter().map(|q| (q.min_offset, q.units)).collect())
     }
 
-    /// Where the records of up to `max` messages of a queue from `offset` are; `None` for an unknown
-    /// topic or queue. Below `min_offset` it starts at `min_offset`.
+    /// Where the records of up to `max` messages (and `max_bytes`, unless the first alone is larger) of a
+    /// queue from `offset` are; `None` for an unknown topic or queue. Below `min_offset` it starts at
+    /// `min_offset`.
     pub(crate) fn plan_read(
         &self,
         topic: &str,
         queue: u32,
         offset: u64,
         max: usize,
+        max_bytes: u64,
     ) -> Result<Option<ReadPlan>, BrokerError> {
         let Some(q) = self
             .topics
@@ -403,8 +405,13 @@ impl Store {
         let mut from = offset.max(q.min_offset);
         let first = self.log.first_offset();
         let mut records = Vec::new();
+        let mut bytes = 0u64;
         for (i, unit) in q.read(from, max as u64)?.into_iter().enumerate() {
             let at = from + i as u64;
+            bytes += u64::from(unit.len);
+            if !records.is_empty() && bytes > max_bytes {
+                break; // the answer's size is bounded too, but it always has a message
+            }
             if records.is_empty() && unit.log_offset < first {
                 // Retired, though min_offset has not moved past it yet (see retire_queues).
                 continue;
@@ -510,7 +517,7 @@ fn create_topic(
         });
     }
     let topic_dir = dir.join("consumequeue").join(topic);
-    fs::create_dir_all(&topic_dir).map_err(io_err(&topic_dir))?;
+    make_dir(&topic_dir)?;
     let mut state = Topic::default();
     for queue in 0..queues {
         state

@@ -268,14 +268,41 @@ fn batches_status_cancel_and_group_offsets() {
         "idempotent"
     );
 
-    let put = server.call(
-        "PUT",
-        "/v1/groups/g1/offsets/b/0",
-        Some(json!({"offset": 13})),
+    // Offsets only for a queue that exists, and not past its end.
+    let put = |topic: &str, queue: u32, offset: u64| {
+        server.call(
+            "PUT",
+            &format!("/v1/groups/g1/offsets/{topic}/{queue}"),
+            Some(json!({ "offset": offset })),
+        )
+    };
+    assert_eq!(put("offsets.t", 0, 0).status, 404, "no such topic yet");
+    let sent = server.call(
+        "POST",
+        "/v1/messages",
+        Some(json!({"topic": "offsets.t", "body": "x", "delay": 0})),
     );
-    assert_eq!(put.status, 200, "{}", put.json);
-    let got = server.call("GET", "/v1/groups/g1/offsets/b", None);
-    assert_eq!(got.json, json!({"queues": [{"queue": 0, "offset": 13}]}));
+    assert_eq!(sent.status, 201);
+    let pulled = server.call(
+        "GET",
+        "/v1/topics/offsets.t/queues/0/messages?offset=0&wait_ms=10000",
+        None,
+    );
+    assert_eq!(pulled.json["next_offset"], 1, "{}", pulled.json);
+    assert_eq!(
+        put("offsets.t", 1, 0).status,
+        404,
+        "the topic has one queue"
+    );
+    let past = put("offsets.t", 0, 13);
+    assert_eq!(
+        (past.status, past.json["code"].as_str()),
+        (400, Some("invalid_offset"))
+    );
+    let stored = put("offsets.t", 0, 1);
+    assert_eq!(stored.status, 200, "{}", stored.json);
+    let got = server.call("GET", "/v1/groups/g1/offsets/offsets.t", None);
+    assert_eq!(got.json, json!({"queues": [{"queue": 0, "offset": 1}]}));
     let metrics = request(&server.base, "GET", "/metrics", None, None);
     assert_eq!(metrics.status, 200);
     assert_eq!(

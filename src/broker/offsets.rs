@@ -1,0 +1,162 @@
+//! Consumer group offsets: where each group is in each queue it consumes.
+//!
+//! ```text
+//! broker/groups/{group}   JSON {topic: {queue: offset}}, replaced atomically (tmp, fsync, rename, dir fsync)
+//! ```
+//!
+//! Invariants:
+//! - A commit rewrites its own group's file only: its cost grows with that group's topics, not with all
+//!   groups (before there was one file of every group, `broker/offsets`; opening moves it apart, and
+//!   deletes it only once every group's file is durable, so a crash in between moves it again).
+//! - An offset is visible to readers only once it is durable.
+//! - Group names match `[A-Za-z0-9._-]{1,200}` and are not all dots: safe as file names. At most
+//!   `max_groups` groups: a commit for one more is refused.
+
+use super::{io_err, make_dir, sync_dir, write_atomically, BrokerError};
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// A group's offsets: topic → queue → offset.
+pub(crate) type GroupOffsets = BTreeMap<String, BTreeMap<u32, u64>>;
+
+/// Every group's offsets, and where they are kept.
+#[derive(Debug)]
+pub(crate) struct Offsets {
+    dir: PathBuf,
+    groups: BTreeMap<String, GroupOffsets>,
+}
+
+/// Why a commit was not stored.
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    #[error("there are {max} consumer groups already (broker.max_groups)")]
+    TooManyGroups { max: usize },
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+}
+
+impl Offsets {
+    /// Loads the offsets kept under `broker_dir`, moving a legacy `offsets` file apart first.
+    pub(crate) fn open(broker_dir: &Path) -> Result<Offsets, BrokerError> {
+        let dir = broker_dir.join("groups");
+        make_dir(&dir)?;
+        let mut offsets = Offsets {
+            dir,
+            groups: BTreeMap::new(),
+        };
+        let legacy = broker_dir.join("offsets");
+        match fs::read(&legacy) {
+            Ok(bytes) => {
+                let all: BTreeMap<String, GroupOffsets> =
+                    serde_json::from_slice(&bytes).map_err(|e| BrokerError::Corrupt {
+                        path: legacy.clone(),
+                        offset: 0,
+                        reason: e.to_string(),
+                    })?;
+                for (group, topics) in &all {
+                    offsets.store(group, topics)?;
+                }
+                fs::remove_file(&legacy).map_err(io_err(&legacy))?;
+                sync_dir(broker_dir)?;
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(&legacy)(e)),
+        }
+        for entry in fs::read_dir(&offsets.dir).map_err(io_err(&offsets.dir))? {
+            let path = entry.map_err(io_err(&offsets.dir))?.path();
+            let Some(group) = path.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            if !crate::api::valid_name(group) {
+                continue; // a leftover .tmp of an interrupted commit, or a stranger's file
+            }
+            let bytes = fs::read(&path).map_err(io_err(&path))?;
+            let topics: GroupOffsets =
+                serde_json::from_slice(&bytes).map_err(|e| BrokerError::Corrupt {
+                    path: path.clone(),
+                    offset: 0,
+                    reason: e.to_string(),
+                })?;
+            offsets.groups.insert(group.to_string(), topics);
+        }
+        Ok(offsets)
+    }
+
+    fn store(&self, group: &str, topics: &GroupOffsets) -> Result<(), BrokerError> {
+        let bytes = serde_json::to_vec(topics).unwrap_or_default();
+        write_atomically(&self.dir.join(group), &bytes)
+    }
+
+    /// Stores a group's offset for one queue, durably, then makes it visible.
+    pub(crate) fn commit(
+        &mut self,
+        group: &str,
+        topic: &str,
+        queue: u32,
+        offset: u64,
+        max_groups: usize,
+    ) -> Result<(), CommitError> {
+        if !self.groups.contains_key(group) && self.groups.len() >= max_groups {
+            return Err(CommitError::TooManyGroups { max: max_groups });
+        }
+        let mut topics = self.groups.get(group).cloned().unwrap_or_default();
+        topics
+            .entry(topic.to_string())
+            .or_default()
+            .insert(queue, offset);
+        self.store(group, &topics)?;
+        self.groups.insert(group.to_string(), topics);
+        Ok(())
+    }
+
+    /// A group's offsets for a topic, by queue.
+    pub(crate) fn of(&self, group: &str, topic: &str) -> BTreeMap<u32, u64> {
+        self.groups
+            .get(group)
+            .and_then(|g| g.get(topic))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Every group's offset on a queue.
+    pub(crate) fn on_queue<'a>(
+        &'a self,
+        topic: &'a str,
+        queue: u32,
+    ) -> impl Iterator<Item = u64> + 'a {
+        self.groups
+            .values()
+            .filter_map(move |g| g.get(topic).and_then(|t| t.get(&queue)).copied())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commit_writes_its_group_only_and_a_legacy_file_is_moved_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let legacy = r#"{"a": {"t": {"0": 5}}, "b": {"t": {"1": 7}, "u": {"0": 1}}}"#;
+        fs::write(dir.path().join("offsets"), legacy).unwrap();
+        let mut offsets = Offsets::open(dir.path()).unwrap();
+        assert!(!dir.path().join("offsets").exists());
+        assert_eq!(offsets.of("b", "t"), BTreeMap::from([(1, 7)]));
+        let b_before = fs::read(dir.path().join("groups/b")).unwrap();
+        offsets.commit("a", "t", 0, 9, 10).unwrap();
+        assert_eq!(fs::read(dir.path().join("groups/b")).unwrap(), b_before);
+        drop(offsets);
+        let mut offsets = Offsets::open(dir.path()).unwrap();
+        assert_eq!(offsets.of("a", "t"), BTreeMap::from([(0, 9)]));
+        assert_eq!(offsets.on_queue("t", 1).collect::<Vec<_>>(), vec![7]);
+        // The bound: a third group is refused, the known ones go on.
+        assert!(matches!(
+            offsets.commit("c", "t", 0, 1, 2),
+            Err(CommitError::TooManyGroups { max: 2 })
+        ));
+        offsets.commit("b", "t", 1, 8, 2).unwrap();
+        assert!(!dir.path().join("groups/c").exists());
+    }
+}
