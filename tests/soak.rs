@@ -7,7 +7,7 @@
 //! machine. Each kill is timed from observed acknowledgements, never from the spawn or a clock, so it
 //! always lands under load, however slow the machine.
 //!
-//! The broker runs with 64 KiB commit log segments, so that kills also land while it rolls over to a new
+//! The broker runs with 1 MiB commit log segments, so that kills also land while it rolls over to a new
 //! segment or consume-queue file.
 //!
 //! `SOAK_KILLS` sets the number of kills (default 5, as in CI; the README's long form: 25), `SOAK_SEED`
@@ -152,11 +152,11 @@ fn crash_soak_with_kill_nine_under_load() {
     let seed = env_number("SOAK_SEED", 0x5eed);
     let mut draws = Draws(seed | 1);
     let dir = tempfile::tempdir().unwrap();
-    // Small broker segments (and so consume-queue files of 64 units): the kills land in the middle of
+    // Small broker segments (1 MiB, and so consume-queue files of 1,024 units): the kills land in the middle of
     // rolling over to a new segment or queue file too.
     let config_dir = tempfile::tempdir().unwrap();
     let config = config_dir.path().join("delayd.toml");
-    std::fs::write(&config, "[broker]\nsegment_bytes = 65536\n").unwrap();
+    std::fs::write(&config, "[broker]\nsegment_bytes = 1048576\n").unwrap();
     let args = ["--config", config.to_str().unwrap()];
     let shared = Arc::new(Shared::default());
     for round in 0..kills {
