@@ -48,9 +48,12 @@ use tower::ServiceExt;
 pub const REFUSAL_WITHIN: Duration = Duration::from_secs(1);
 
 /// A refused connection's request head must arrive within this long (or `limits.header_timeout` if
-/// shorter): a client sends its head right after the handshake, so this costs a real client nothing,
-/// and a stalled one holds a refusal slot for half a second, not the whole [`REFUSAL_WITHIN`].
-const REFUSAL_HEAD_WITHIN: Duration = Duration::from_millis(500);
+/// shorter). A client sends its head right behind the handshake's last ACK, so it is there when the
+/// connection is accepted, and this costs a real client nothing (but a lost packet); a stalled one
+/// holds a refusal slot for a tenth of a second. That keeps the backlog short under a slow-loris
+/// attack: real clients are accepted promptly, to a slot or to a clean 503, instead of queueing behind
+/// stalled connections (a readiness probe has a second, by default, to be answered).
+const REFUSAL_HEAD_WITHIN: Duration = Duration::from_millis(100);
 
 /// Of a refused request's body, at most this much is read (and dropped) before the answer: closing a
 /// socket with unread bytes resets it, and the client could lose the 503 it was sent.
@@ -292,7 +295,7 @@ pub async fn serve(
     };
     let mut shutdown = pin!(shutdown);
     let mut episode: Option<Episode> = None;
-    let mut accept_failing = false;
+    let mut accept_failures = AcceptFailures::default();
     loop {
         // At the cap, a connection is accepted only with a refusal slot in hand, so the edge's
         // descriptors stay within cap + REFUSAL_SLOTS; meanwhile new connections wait in the backlog.
@@ -309,15 +312,9 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let stream = match accepted {
-            Ok((stream, _peer)) => {
-                if accept_failing {
-                    accept_failing = false;
-                    tracing::info!("accepting connections again");
-                }
-                stream
-            }
+            Ok((stream, _peer)) => stream,
             Err(error) => {
-                accept_failed(error, &mut accept_failing).await;
+                accept_failed(error, &mut accept_failures).await;
                 continue;
             }
         };
@@ -458,10 +455,17 @@ fn count(end: End) {
     }
 }
 
-/// An accept that failed: a connection that died in the backlog is nothing; anything else (out of
-/// descriptors or memory) is logged once per run of failures, and retried after a pause during which
-/// new connections wait in the backlog.
-async fn accept_failed(error: io::Error, failing: &mut bool) {
+/// Failed accepts other than a connection that died in the backlog (out of descriptors or memory):
+/// logged at most once a minute, with how many there were.
+#[derive(Debug, Default)]
+struct AcceptFailures {
+    logged_at: Option<Instant>,
+    unlogged: u64,
+}
+
+/// An accept that failed: a connection that died in the backlog is nothing; anything else is counted
+/// (see [`AcceptFailures`]) and retried after a pause, during which new connections wait in the backlog.
+async fn accept_failed(error: io::Error, failures: &mut AcceptFailures) {
     if matches!(
         error.kind(),
         io::ErrorKind::ConnectionAborted
@@ -471,9 +475,19 @@ async fn accept_failed(error: io::Error, failing: &mut bool) {
     ) {
         return;
     }
-    if !*failing {
-        *failing = true;
-        tracing::error!(%error, "accepting connections fails; retrying every 100 ms (new connections wait in the backlog)");
+    failures.unlogged += 1;
+    if failures
+        .logged_at
+        .is_none_or(|at| at.elapsed() >= Duration::from_secs(60))
+    {
+        tracing::error!(
+            %error,
+            failures = failures.unlogged,
+            "accepting connections fails (counting the failures since the last such line, at most one a \
+             minute); retrying every 100 ms, new connections wait in the backlog"
+        );
+        failures.logged_at = Some(Instant::now());
+        failures.unlogged = 0;
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
 }
