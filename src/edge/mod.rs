@@ -300,8 +300,13 @@ pub async fn serve(
         // At the cap, a connection is accepted only with a refusal slot in hand, so the edge's
         // descriptors stay within cap + REFUSAL_SLOTS; meanwhile new connections wait in the backlog.
         let slot = if edge.at_cap() {
+            // Created before the wait: a close from here on wakes it (a close just before it only
+            // costs the wait for a refusal slot).
+            let closed = edge.closed.notified();
             tokio::select! {
                 permit = edge.refusing.clone().acquire_owned() => permit.ok(),
+                // A served connection closed: there may be room under the cap; look again.
+                () = closed => continue,
                 () = &mut shutdown => break,
             }
         } else {
