@@ -106,6 +106,21 @@ pub struct Limits {
     /// New messages are refused (507 `disk_full`) while the data dir's file system has less free space
     /// than this, so that deliveries, retries and cancels still have room; 0 turns the check off.
     pub min_free_disk_bytes: u64,
+    /// A request's head (request line and headers) must arrive within this long of its first byte, or of
+    /// the connection's start for its first request; else the connection is closed.
+    pub header_timeout: Millis,
+    /// A request's body must arrive within this long of its head (408 `request_timeout`, then the
+    /// connection is closed).
+    pub body_timeout: Millis,
+    /// A keep-alive connection with no request in flight is closed after this long without traffic (a
+    /// response the client does not read counts as no traffic).
+    pub idle_timeout: Millis,
+    /// Most HTTP connections served at once; past it new connections are answered 503 `overloaded`. The
+    /// file descriptors left after [`Limits::reserved_fds`] may lower it (see `edge`).
+    pub max_connections: usize,
+    /// File descriptors HTTP connections must leave free for storage and webhook calls; `None`: 256 plus
+    /// what the webhook sinks may open at once ([`Config::reserved_fds`]).
+    pub reserved_fds: Option<u64>,
 }
 
 impl Default for Limits {
@@ -115,6 +130,11 @@ impl Default for Limits {
             max_request_bytes: 16 << 20,
             max_batch_messages: 10_000,
             min_free_disk_bytes: 256 << 20,
+            header_timeout: Millis(Duration::from_secs(10)),
+            body_timeout: Millis(Duration::from_secs(30)),
+            idle_timeout: Millis(Duration::from_secs(60)),
+            max_connections: 1024,
+            reserved_fds: None,
         }
     }
 }
@@ -374,6 +394,14 @@ impl Config {
             "DELAYD_MAX_MESSAGE_BYTES" => self.limits.max_message_bytes = number(value)? as usize,
             "DELAYD_MAX_REQUEST_BYTES" => self.limits.max_request_bytes = number(value)? as usize,
             "DELAYD_MIN_FREE_DISK_BYTES" => self.limits.min_free_disk_bytes = number(value)?,
+            "DELAYD_HEADER_TIMEOUT" => self.limits.header_timeout = duration(value)?,
+            "DELAYD_BODY_TIMEOUT" => self.limits.body_timeout = duration(value)?,
+            "DELAYD_IDLE_TIMEOUT" => self.limits.idle_timeout = duration(value)?,
+            "DELAYD_MAX_CONNECTIONS" => {
+                self.limits.max_connections =
+                    usize::try_from(number(value)?).map_err(|_| invalid(key, "too large"))?
+            }
+            "DELAYD_RESERVED_FDS" => self.limits.reserved_fds = Some(number(value)?),
             "DELAYD_BROKER_RETENTION" => self.broker.retention = duration(value)?,
             "DELAYD_BROKER_MAX_BYTES" => self.broker.max_bytes = Some(number(value)?),
             "DELAYD_AUTH_TOKENS" => {
@@ -393,6 +421,23 @@ impl Config {
             _ => {}
         }
         Ok(())
+    }
+
+    /// File descriptors HTTP connections leave free: `limits.reserved_fds`, or by default 256 for the
+    /// storage engine and the broker (the WAL and its next file, the open buckets' segments, indexes and
+    /// dispatch logs, readers, checkpoints, a commit log and a consume-queue file per queue of each new
+    /// topic) plus the connections the webhook sinks may have open at once: a webhook call sends each
+    /// message of its batch on a request of its own, `max_in_flight` calls at a time.
+    pub fn reserved_fds(&self) -> u64 {
+        self.limits.reserved_fds.unwrap_or_else(|| {
+            let webhooks: u64 = self
+                .sinks
+                .values()
+                .filter(|sink| sink.kind == "webhook")
+                .map(|sink| (sink.max_in_flight * sink.batch_limit()) as u64)
+                .sum();
+            256 + webhooks
+        })
     }
 
     /// The `fsync` setting as a policy.
@@ -451,6 +496,28 @@ impl Config {
                 "limits.min_free_disk_bytes",
                 "0 (off) or at least 134217728 (128 MiB: the WAL prepares its next 64 MiB file ahead, \
                  and deliveries, retries and cancels need room of their own)",
+            ));
+        }
+        for (key, value) in [
+            ("limits.header_timeout", self.limits.header_timeout),
+            ("limits.body_timeout", self.limits.body_timeout),
+            ("limits.idle_timeout", self.limits.idle_timeout),
+        ] {
+            if value.0 < Duration::from_millis(100) || value.0 > Duration::from_secs(3600) {
+                return Err(invalid(key, "must be between 100ms and 1h"));
+            }
+        }
+        if !(1..=1_000_000).contains(&self.limits.max_connections) {
+            return Err(invalid(
+                "limits.max_connections",
+                "must be between 1 and 1000000",
+            ));
+        }
+        if self.limits.reserved_fds.is_some_and(|n| n < 32) {
+            return Err(invalid(
+                "limits.reserved_fds",
+                "must be at least 32 (the WAL's next file, a checkpoint, segment readers and the \
+                 broker's files need descriptors of their own)",
             ));
         }
         for (key, value) in [
@@ -564,6 +631,38 @@ mod tests {
             ..SinkConfig::default()
         };
         assert_eq!(set.batch_limit(), 7);
+        assert_eq!(config.limits.header_timeout.0, Duration::from_secs(10));
+        assert_eq!(config.limits.body_timeout.0, Duration::from_secs(30));
+        assert_eq!(config.limits.idle_timeout.0, Duration::from_secs(60));
+        assert_eq!(config.limits.max_connections, 1024);
+        assert_eq!(config.reserved_fds(), 256);
+    }
+
+    /// The default reserve grows with what the webhook sinks may have open at once; a set one is kept.
+    #[test]
+    fn reserved_fds_cover_webhook_calls() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("delayd.toml");
+        std::fs::write(
+            &path,
+            "[sinks.billing]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nmax_in_flight = 2\nmax_batch = 10\n",
+        )
+        .unwrap();
+        let config = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap();
+        assert_eq!(config.reserved_fds(), 256 + 20);
+        let config = Config::load(
+            Some(&path),
+            env(&[
+                ("DELAYD_RESERVED_FDS", "64"),
+                ("DELAYD_MAX_CONNECTIONS", "10"),
+            ]),
+            &Flags::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            (config.reserved_fds(), config.limits.max_connections),
+            (64, 10)
+        );
     }
 
     #[test]
@@ -634,6 +733,23 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("broker.retention"), "{err}");
+        for (var, value, key) in [
+            ("DELAYD_HEADER_TIMEOUT", "0s", "limits.header_timeout"),
+            ("DELAYD_BODY_TIMEOUT", "2h", "limits.body_timeout"),
+            ("DELAYD_IDLE_TIMEOUT", "50ms", "limits.idle_timeout"),
+            ("DELAYD_MAX_CONNECTIONS", "0", "limits.max_connections"),
+            ("DELAYD_RESERVED_FDS", "8", "limits.reserved_fds"),
+        ] {
+            let err = Config::load(None, env(&[(var, value)]), &Flags::default()).unwrap_err();
+            assert!(err.to_string().starts_with(key), "{var}={value}: {err}");
+        }
+        let err = Config::load(
+            None,
+            env(&[("DELAYD_HEADER_TIMEOUT", "10")]),
+            &Flags::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("DELAYD_HEADER_TIMEOUT"), "{err}");
         let err = Config::load(None, env(&[("DELAYD_NOPE", "1")]), &Flags::default()).unwrap_err();
         assert!(err.to_string().contains("DELAYD_NOPE"), "{err}");
         std::fs::write(&path, "[sinks.billing]\nkind = \"carrier-pigeon\"\n").unwrap();

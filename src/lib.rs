@@ -1,8 +1,9 @@
 //! delayd: a durable, millisecond-precise delay / scheduled-message service.
 //!
 //! Layers, bottom up: the storage engine (`schedulelog`, re-exported), the [`scheduler`] (loader, wheel,
-//! dispatcher) and the [`sink`]s it delivers to, the built-in [`broker`], and the HTTP [`api`]. [`run`]
-//! wires them together on a listener the caller bound, so tests can bind port 0.
+//! dispatcher) and the [`sink`]s it delivers to, the built-in [`broker`], the HTTP [`api`], and the
+//! [`edge`] that serves it within limits (timeouts, a connection cap, descriptors kept for storage).
+//! [`run`] wires them together on a listener the caller bound, so tests can bind port 0.
 
 #![forbid(unsafe_code)]
 
@@ -10,6 +11,7 @@ pub mod api;
 pub mod broker;
 pub mod config;
 pub mod disk;
+pub mod edge;
 pub mod metrics;
 pub mod scheduler;
 pub mod sink;
@@ -40,6 +42,20 @@ pub async fn run_with_clock(
     config: Config,
     listener: tokio::net::TcpListener,
     clock: Arc<dyn Clock>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    run_with_ready(config, listener, clock, |_| {}, shutdown).await
+}
+
+/// [`run_with_clock`], calling `on_ready` once the service is ready: recovery is done, storage and the
+/// broker are open, the scheduler runs, and connections are about to be accepted (they may already wait
+/// in the listen backlog). From then on `GET /readyz` answers, and it stays the source of truth (it
+/// turns 503 when storage fails).
+pub async fn run_with_ready(
+    config: Config,
+    listener: tokio::net::TcpListener,
+    clock: Arc<dyn Clock>,
+    on_ready: impl FnOnce(&edge::Ready),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let metrics = metrics::install();
@@ -130,12 +146,18 @@ pub async fn run_with_clock(
         dedup: Arc::new(tokio::sync::Mutex::new(dedup)),
     });
     let router = api::router(state);
-    tracing::info!(address = %listener.local_addr()?, data_dir = %config.data_dir.display(), "delayd is serving");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .context("serving HTTP")?;
-    tracing::info!("shutting down: no new requests; finishing deliveries in flight");
+    tracing::info!(data_dir = %config.data_dir.display(), "recovery done: storage and the broker are open");
+    let served = edge::serve(
+        listener,
+        router,
+        edge::Limits::from_config(&config),
+        on_ready,
+        shutdown,
+    )
+    .await;
+    if served.is_ok() {
+        tracing::info!("shutting down: no new requests; finishing deliveries in flight");
+    }
     housekeeping.abort();
     scheduler.shutdown().await;
     drop(scheduler);
@@ -148,6 +170,8 @@ pub async fn run_with_clock(
         }
     })
     .await??;
+    // A refused start (too few file descriptors) still stops what was started above, cleanly.
+    served.context("serving HTTP")?;
     tracing::info!("stopped cleanly");
     Ok(())
 }

@@ -189,10 +189,39 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&config.listen)
             .await
             .with_context(|| format!("binding {}", config.listen))?;
-        // Scripts and tests read this line to learn the port when listening on port 0.
+        // Scripts and tests read this line to learn the port when listening on port 0. It comes before
+        // recovery: readiness is the line below, and GET /readyz.
         println!("delayd listening on http://{}", listener.local_addr()?);
-        delayd::run(config, listener, shutdown_signal()).await
+        raise_fd_limit();
+        delayd::run_with_ready(
+            config,
+            listener,
+            std::sync::Arc::new(schedulelog::SystemClock),
+            |ready| println!("delayd ready on http://{}", ready.address),
+            shutdown_signal(),
+        )
+        .await
     })
+}
+
+/// Raises the open-file limit's soft value to its hard one, and says what it is: every connection and
+/// every open storage file takes a descriptor (see `delayd::edge::fds`). Logged after the address line,
+/// which scripts read first.
+fn raise_fd_limit() {
+    match delayd::edge::fds::raise_limit() {
+        Ok(raised) if raised.after > raised.before => tracing::info!(
+            from = raised.before,
+            to = raised.after,
+            "raised the open-file limit (RLIMIT_NOFILE) to its hard limit"
+        ),
+        Ok(raised) => tracing::info!(
+            limit = raised.after,
+            "the open-file limit (RLIMIT_NOFILE) is at its hard limit"
+        ),
+        Err(error) => {
+            tracing::warn!(%error, "the open-file limit (RLIMIT_NOFILE) could not be raised")
+        }
+    }
 }
 
 async fn shutdown_signal() {

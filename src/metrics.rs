@@ -53,6 +53,13 @@ const PER_SINK_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("delayd_messages_postponed_total", &[]),
 ];
 
+/// Counters with a fixed label set, made to exist at 0 by [`register_series`]: one row per series.
+const LABELLED_COUNTERS: &[(&str, &[(&str, &str)])] = &[
+    ("delayd_http_timeouts_total", &[("phase", "header")]),
+    ("delayd_http_timeouts_total", &[("phase", "body")]),
+    ("delayd_http_timeouts_total", &[("phase", "idle")]),
+];
+
 /// Counters without labels, made to exist at 0 by [`register_series`].
 const COUNTERS: &[&str] = &[
     "delayd_messages_cancelled_total",
@@ -62,6 +69,7 @@ const COUNTERS: &[&str] = &[
     "delayd_log_torn_tails_total",
     "delayd_wal_bytes_written_total",
     "delayd_broker_unread_retired_total",
+    "delayd_http_connections_refused_total",
 ];
 
 /// Gauges without labels, made to exist at 0 by [`register_series`].
@@ -70,6 +78,10 @@ const GAUGES: &[&str] = &[
     "delayd_wheel_entries",
     "delayd_segments",
     "delayd_disk_full",
+    "delayd_http_connections",
+    "delayd_http_connections_max",
+    "delayd_open_fds",
+    "delayd_max_fds",
 ];
 
 /// Makes every series with a bounded label set exist from the start, at 0 unless something already
@@ -86,6 +98,13 @@ pub fn register_series<'a>(sink_names: impl IntoIterator<Item = &'a str>) {
             all.extend(labels.iter().map(|&(k, v)| metrics::Label::new(k, v)));
             metrics::counter!(*name, all).increment(0);
         }
+    }
+    for (name, labels) in LABELLED_COUNTERS {
+        let labels: Vec<metrics::Label> = labels
+            .iter()
+            .map(|&(k, v)| metrics::Label::new(k, v))
+            .collect();
+        metrics::counter!(*name, labels).increment(0);
     }
     for name in COUNTERS {
         metrics::counter!(*name).increment(0);
@@ -186,6 +205,30 @@ fn describe() {
         "delayd_http_requests_total",
         "HTTP requests, by route pattern and status"
     );
+    describe_gauge!(
+        "delayd_http_connections",
+        "HTTP connections being served (not counting those answered 503 past the cap)"
+    );
+    describe_gauge!(
+        "delayd_http_connections_max",
+        "The connection cap now: limits.max_connections, or fewer while the open-file limit leaves fewer beside limits.reserved_fds"
+    );
+    describe_counter!(
+        "delayd_http_connections_refused_total",
+        "Connections past the cap, answered 503 overloaded (their health and readiness probes as usual) and closed"
+    );
+    describe_counter!(
+        "delayd_http_timeouts_total",
+        "Connections ended by a timeout, by phase: header (a request head not complete in time), body (408), idle (nothing in flight, no traffic)"
+    );
+    describe_gauge!(
+        "delayd_open_fds",
+        "File descriptors open in the process, read once a second"
+    );
+    describe_gauge!(
+        "delayd_max_fds",
+        "The open-file limit (RLIMIT_NOFILE soft limit, raised to the hard limit at start)"
+    );
     describe_histogram!(
         "delayd_http_request_seconds",
         Unit::Seconds,
@@ -220,6 +263,10 @@ mod tests {
                 r#"delayd_messages_delivered_total{{sink="zero-series-test",outcome="{outcome}"}}"#
             );
             assert_eq!(value(&series).as_deref(), Some("0"), "{rendered}");
+        }
+        for phase in ["header", "body", "idle"] {
+            let series = format!(r#"delayd_http_timeouts_total{{phase="{phase}"}}"#);
+            assert!(value(&series).is_some(), "{series} in\n{rendered}");
         }
         // The unlabelled ones exist (other tests in this process may have counted or set them).
         for name in COUNTERS.iter().chain(GAUGES) {

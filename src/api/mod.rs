@@ -199,7 +199,8 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
 }
 
 /// A request body as bytes, for handlers that parse it in place with [`parse_json`] (borrowing from
-/// it); 413 over the size limit as with [`JsonBody`].
+/// it); 413 over the size limit as with [`JsonBody`], 408 `request_timeout` when it did not arrive within
+/// `limits.body_timeout` (the edge fails the body then).
 #[derive(Debug)]
 pub struct RawBody(pub Bytes);
 
@@ -213,11 +214,32 @@ impl<S: Send + Sync> FromRequest<S> for RawBody {
             .map_err(|rejection| {
                 if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                     ApiError::too_large("the request body is larger than limits.max_request_bytes")
+                } else if timed_out(&rejection) {
+                    ApiError::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "request_timeout",
+                        "the request body did not arrive within limits.body_timeout",
+                    )
                 } else {
                     ApiError::bad_request("invalid_body", rejection.body_text())
                 }
             })
     }
+}
+
+/// Whether an error was caused by an I/O timeout (the edge's body deadline).
+fn timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        if error
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
 }
 
 /// Parses a JSON body; 400 `invalid_json` with serde's explanation for malformed JSON or wrong types.

@@ -1,11 +1,14 @@
 //! Helpers shared by the integration test binaries: HTTP requests and their answers, time parsing, and
-//! guards for the real `delayd` binary ([`spawn`] → [`Process`] for `serve`, [`spawn_cli`] →
-//! [`Background`] for a client command such as `tail`) that kill it when dropped, pass or fail.
+//! guards for the real `delayd` binary ([`spawn`] → [`Process`] for `serve`, also under a low open-file
+//! limit with [`spawn_with_ulimit`]; [`spawn_cli`] → [`Background`] for a client command such as `tail`)
+//! that kill it when dropped, pass or fail; [`slowloris`] clients for the HTTP edge's tests.
 //!
 //! A test binary at the top of `tests/` includes it with `mod common;`; one in a directory
 //! (`tests/it/main.rs`) with `#[path = "../common/mod.rs"] mod common;`.
 
 #![allow(dead_code, reason = "each test binary uses a part of these helpers")]
+
+pub mod slowloris;
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Write};
@@ -158,12 +161,27 @@ fn tail_of(path: &Path, count: usize) -> String {
 /// A `Command` for the binary under test, without the caller's `DELAYD_*` settings (a test names every
 /// setting it relies on).
 fn delayd() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_delayd"));
+    scrubbed(Command::new(env!("CARGO_BIN_EXE_delayd")))
+}
+
+fn scrubbed(mut command: Command) -> Command {
     for (name, _) in std::env::vars() {
         if name.starts_with("DELAYD_") {
             command.env_remove(name);
         }
     }
+    command
+}
+
+/// [`delayd`] started through `sh -c 'ulimit ULIMIT && exec delayd "$@"'`, e.g. with `-n 256` (soft and
+/// hard open-file limits) or `-S -n 200` (the soft one only). `exec` keeps the pid, so the guards
+/// still kill delayd itself.
+fn delayd_with_ulimit(ulimit: &str) -> Command {
+    let mut command = scrubbed(Command::new("sh"));
+    command
+        .arg("-c")
+        .arg(format!("ulimit {ulimit} && exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_delayd"));
     command
 }
 
@@ -192,17 +210,74 @@ pub fn spawn(data_dir: &Path, extra_args: &[&str]) -> Process {
     spawn_with_env(data_dir, extra_args, &[("DELAYD_MIN_FREE_DISK_BYTES", "0")])
 }
 
-/// [`spawn`] with the given `DELAYD_*` environment instead of the default one.
+/// [`spawn`] with the given `DELAYD_*` environment instead of the default one (`RUST_LOG` is `warn`
+/// unless `env` sets it).
 pub fn spawn_with_env(data_dir: &Path, extra_args: &[&str], env: &[(&str, &str)]) -> Process {
+    start(delayd(), data_dir, extra_args, env)
+}
+
+/// [`spawn_with_env`] under an open-file limit: `ulimit` takes the arguments of the shell's `ulimit`,
+/// e.g. `-n 256` (soft and hard) or `-S -n 200` (soft only).
+pub fn spawn_with_ulimit(
+    data_dir: &Path,
+    extra_args: &[&str],
+    env: &[(&str, &str)],
+    ulimit: &str,
+) -> Process {
+    start(delayd_with_ulimit(ulimit), data_dir, extra_args, env)
+}
+
+/// Runs `delayd serve` under `ulimit` (as [`spawn_with_ulimit`]) expecting it to exit by itself within
+/// `within`: its exit status (None: it was still running, and is killed) and its stderr.
+pub fn serve_until_exit(
+    data_dir: &Path,
+    env: &[(&str, &str)],
+    ulimit: &str,
+    within: Duration,
+) -> (Option<ExitStatus>, String) {
+    let logs = tempfile::tempdir().unwrap();
+    let stderr_path = logs.path().join("stderr.log");
+    let mut child = delayd_with_ulimit(ulimit)
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + within;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (
+        status,
+        std::fs::read_to_string(&stderr_path).unwrap_or_default(),
+    )
+}
+
+fn start(
+    mut command: Command,
+    data_dir: &Path,
+    extra_args: &[&str],
+    env: &[(&str, &str)],
+) -> Process {
     let deadline = Instant::now() + READY_WITHIN;
     let logs = tempfile::tempdir().unwrap();
     let stderr = std::fs::File::create(logs.path().join("stderr.log")).unwrap();
-    let mut child = delayd()
+    let mut child = command
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
         .args(extra_args)
-        .envs(env.iter().copied())
         .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(stderr)
         .spawn()
@@ -272,6 +347,17 @@ impl Process {
             self.child.id(),
             self.output_tail(30)
         );
+    }
+
+    /// The next line of the child's stdout after those read so far (the address line is read by the
+    /// spawn), or None when the output ended or `deadline` passed first.
+    pub fn next_line_before(&self, deadline: Instant) -> Option<String> {
+        self.stdout.next_before(deadline)
+    }
+
+    /// Everything the child has written to stdout so far (its log, after the address line).
+    pub fn stdout_so_far(&self) -> String {
+        std::fs::read_to_string(self.logs.path().join("stdout.log")).unwrap_or_default()
     }
 
     /// The last `lines` lines of the child's stderr and stdout.

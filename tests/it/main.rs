@@ -8,6 +8,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod disk;
+mod edge;
 mod retention;
 mod webhook;
 
