@@ -52,7 +52,9 @@ pub(crate) fn header(base: u64) -> [u8; HEADER_LEN as usize] {
 pub(crate) struct Segment {
     pub base: u64,
     pub path: PathBuf,
-    file: Arc<File>,
+    /// Open for the segment taking appends; a sealed one is opened when read (a long retention keeps
+    /// many, and each would otherwise hold a file descriptor the whole time).
+    file: Option<Arc<File>>,
     /// Bytes of the file that hold the header and valid records.
     pub len: u64,
     /// Store time (unix ms) of its newest message: retention deletes it once this is old enough.
@@ -62,6 +64,19 @@ pub(crate) struct Segment {
 impl Segment {
     pub(crate) fn end(&self) -> u64 {
         self.base + self.len
+    }
+
+    /// The segment's file: the open one, or a fresh handle on a sealed one.
+    fn handle(&self) -> Result<Arc<File>, BrokerError> {
+        match &self.file {
+            Some(file) => Ok(file.clone()),
+            None => OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&self.path)
+                .map(Arc::new)
+                .map_err(io_err(&self.path)),
+        }
     }
 }
 
@@ -194,7 +209,7 @@ impl CommitLog {
                 Segment {
                     base,
                     path,
-                    file: Arc::new(file),
+                    file: newest.then(|| Arc::new(file)),
                     len: len.max(HEADER_LEN),
                     newest_ms,
                 },
@@ -228,7 +243,7 @@ impl CommitLog {
             Segment {
                 base,
                 path,
-                file: Arc::new(file),
+                file: Some(Arc::new(file)),
                 len: HEADER_LEN,
                 newest_ms,
             },
@@ -290,7 +305,7 @@ impl CommitLog {
             .collect();
         for base in bases {
             let segment = &self.segments[&base];
-            let (file, path, file_len) = (segment.file.clone(), segment.path.clone(), segment.len);
+            let (file, path, file_len) = (segment.handle()?, segment.path.clone(), segment.len);
             let mut pos = from.saturating_sub(base).max(HEADER_LEN);
             let stop = loop {
                 match read_frame(&file, pos, file_len).map_err(io_err(&path))? {
@@ -395,11 +410,11 @@ impl CommitLog {
             return Ok(());
         }
         let last = self.last_mut();
+        let file = last.handle()?;
         let started = std::time::Instant::now();
-        let written = last
-            .file
+        let written = file
             .write_all_at(bytes, last.len)
-            .and_then(|()| last.file.sync_data());
+            .and_then(|()| file.sync_data());
         metrics::histogram!("delayd_sync_seconds", "file" => "broker")
             .record(started.elapsed().as_secs_f64());
         written.map_err(io_err(&last.path))?;
@@ -419,9 +434,15 @@ impl CommitLog {
         let modified =
             UNIX_EPOCH + Duration::from_millis(u64::try_from(last.newest_ms).unwrap_or(0));
         // Advice for retention after a restart; the log is correct without it.
-        let _ = last.file.set_modified(modified);
-        let (base, newest) = (last.end(), last.newest_ms);
-        self.create_segment(base, newest)
+        if let Some(file) = &last.file {
+            let _ = file.set_modified(modified);
+        }
+        let (sealed, base, newest) = (last.base, last.end(), last.newest_ms);
+        self.create_segment(base, newest)?;
+        if let Some(segment) = self.segments.get_mut(&sealed) {
+            segment.file = None;
+        }
+        Ok(())
     }
 
     /// Puts the log back as it was at `mark` (a failed append, or one whose consume-queue units could not
@@ -437,16 +458,24 @@ impl CommitLog {
     ) -> Result<(), BrokerError> {
         let created: Vec<u64> = self.segments.range(base + 1..).map(|(b, _)| *b).collect();
         let mut result = Ok(());
-        for base in created {
-            if let Some(segment) = self.segments.remove(&base) {
+        for base in &created {
+            if let Some(segment) = self.segments.remove(base) {
                 result = result.and(fs::remove_file(&segment.path).map_err(io_err(&segment.path)));
             }
         }
-        result = result.and(sync_dir(&self.dir));
+        if !created.is_empty() {
+            result = result.and(sync_dir(&self.dir));
+        }
         if let Some(segment) = self.segments.get_mut(&base) {
             // Whole frames left past the end would come back on the next open as records nobody
-            // acknowledged.
-            result = result.and(segment.file.set_len(len).map_err(io_err(&segment.path)));
+            // acknowledged. (It takes appends again: its handle stays open.)
+            match segment.handle() {
+                Ok(file) => {
+                    result = result.and(file.set_len(len).map_err(io_err(&segment.path)));
+                    segment.file = Some(file);
+                }
+                Err(e) => result = result.and(Err(e)),
+            }
             segment.len = len;
             segment.newest_ms = newest_ms;
         }
@@ -454,12 +483,24 @@ impl CommitLog {
     }
 
     /// Where the record of `len` bytes at log `offset` is, if it lies inside one segment of the log: the
-    /// file (readable after retention deletes it) and the position in it.
-    pub(crate) fn locate(&self, offset: u64, len: u32) -> Option<(Arc<File>, u64)> {
+    /// segment's base and the position in its file.
+    pub(crate) fn locate(&self, offset: u64, len: u32) -> Option<(u64, u64)> {
         let (_, segment) = self.segments.range(..=offset).next_back()?;
         let pos = offset - segment.base;
         (pos >= HEADER_LEN && offset.checked_add(u64::from(len))? <= segment.end())
-            .then(|| (segment.file.clone(), pos))
+            .then_some((segment.base, pos))
+    }
+
+    /// A handle on the file of the segment at `base` (readable after retention deletes it).
+    pub(crate) fn file(&self, base: u64) -> Result<Arc<File>, BrokerError> {
+        match self.segments.get(&base) {
+            Some(segment) => segment.handle(),
+            None => Err(BrokerError::Corrupt {
+                path: self.dir.join(format!("{base:020}")),
+                offset: 0,
+                reason: "no such segment".into(),
+            }),
+        }
     }
 
     /// Takes the oldest segment out of the log, unless it is the one taking appends. The caller deletes

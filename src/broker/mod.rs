@@ -1210,6 +1210,33 @@ mod tests {
     }
 
     #[test]
+    fn only_the_segment_taking_appends_holds_a_file_descriptor() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        fill(&broker, 1_796_117_400_000);
+        let log_dir = dir.path().join("broker/commitlog");
+        assert!(files(&log_dir).len() >= 8);
+        let open_here = || {
+            fs::read_dir("/proc/self/fd")
+                .unwrap()
+                .filter_map(|e| fs::read_link(e.unwrap().path()).ok())
+                .filter(|target| target.starts_with(&log_dir))
+                .count()
+        };
+        assert_eq!(
+            open_here(),
+            1,
+            "sealed segments are opened when read, not kept open"
+        );
+        // Reading from a sealed one opens it for the read only.
+        assert_eq!(
+            broker.read("t", 0, 0, 5).unwrap().unwrap().messages.len(),
+            5
+        );
+        assert_eq!(open_here(), 1);
+    }
+
+    #[test]
     fn a_failed_append_leaves_nothing_behind() {
         let dir = tempfile::tempdir().unwrap();
         let broker = Broker::open(dir.path(), small(1)).unwrap();

@@ -406,6 +406,8 @@ impl Store {
         let first = self.log.first_offset();
         let mut records = Vec::new();
         let mut bytes = 0u64;
+        // Consecutive records are mostly in one segment: one handle for them.
+        let mut open: Option<(u64, Arc<File>)> = None;
         for (i, unit) in q.read(from, max as u64)?.into_iter().enumerate() {
             let at = from + i as u64;
             bytes += u64::from(unit.len);
@@ -420,7 +422,7 @@ impl Store {
                 unit.len as usize
                     <= schedulelog::frame::MAX_PAYLOAD + schedulelog::frame::HEADER_LEN
             });
-            let Some((file, pos)) = located else {
+            let Some((base, pos)) = located else {
                 return Err(BrokerError::Corrupt {
                     path: q.dir().to_path_buf(),
                     offset: at * super::queue::UNIT_LEN,
@@ -429,6 +431,14 @@ impl Store {
                         unit.log_offset, unit.len
                     ),
                 });
+            };
+            let file = match &open {
+                Some((open_base, file)) if *open_base == base => file.clone(),
+                _ => {
+                    let file = self.log.file(base)?;
+                    open = Some((base, file.clone()));
+                    file
+                }
             };
             records.push((at, file, pos, unit.len));
         }
