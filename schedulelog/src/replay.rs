@@ -67,8 +67,8 @@ struct SegmentState {
 pub enum Replayed {
     /// A message was filed into a watched bucket.
     Scheduled { bucket: Bucket, entry: IndexEntry },
-    /// A message of a watched bucket was cancelled.
-    Cancelled(Location),
+    /// A message of a watched bucket was cancelled, by the tombstone with this seq.
+    Cancelled { target: Location, seq: u64 },
 }
 
 /// The replayer's state, shared behind a mutex with readers that need published entry counts.
@@ -190,7 +190,7 @@ impl Replay {
                         attempt: 0,
                         kind: OutcomeKind::Cancelled,
                     };
-                    cancels.push((cancel.target.bucket, outcome, cancel.target));
+                    cancels.push((cancel.target.bucket, outcome, cancel.target, cancel.seq));
                 }
             }
         }
@@ -222,16 +222,16 @@ impl Replay {
         // Checked only now: in recovery a cancel may come in the same call as its message, whose
         // bucket then exists only once the messages above are applied. (A first attempt's bucket that
         // is gone was retired: the message can no longer be looked up, and needs no pointer.)
-        cancels.retain(|(bucket, _, _)| self.segments.contains_key(bucket));
+        cancels.retain(|(bucket, ..)| self.segments.contains_key(bucket));
         pointers.retain(|(bucket, _)| self.segments.contains_key(bucket));
         if !cancels.is_empty() || !pointers.is_empty() {
-            let mut outcomes: Vec<_> = cancels.iter().map(|(b, o, _)| (*b, o.clone())).collect();
+            let mut outcomes: Vec<_> = cancels.iter().map(|(b, o, ..)| (*b, o.clone())).collect();
             outcomes.extend(pointers);
             dispatch.append(&outcomes)?;
-            for (bucket, _, target) in &cancels {
-                if self.watched.contains(bucket) {
+            for &(bucket, _, target, seq) in &cancels {
+                if self.watched.contains(&bucket) {
                     if let Some(tap) = &self.tap {
-                        let _ = tap.send(Replayed::Cancelled(*target));
+                        let _ = tap.send(Replayed::Cancelled { target, seq });
                     }
                 }
             }

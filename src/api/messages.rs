@@ -2,9 +2,14 @@
 //!
 //! Every field of a request is checked before anything is written; a message is acknowledged (201) only
 //! after the group commit that holds it returned from `fdatasync`.
+//!
+//! A cancel (`DELETE`) answers 200 only when no attempt of the message will start afterwards, and its
+//! tombstone is durable; while an attempt is being delivered it answers 409 `delivery_in_flight` and
+//! writes nothing (the scheduler's registry.rs keeps this true). Repeating a DELETE is safe.
 
 use super::error::ApiError;
 use super::{format_ms, parse_json, parse_rfc3339, valid_name, AppState, RawBody, Text};
+use crate::scheduler::Cancelled;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -547,40 +552,19 @@ pub async fn status(
     Ok(Json(body).into_response())
 }
 
+/// `DELETE /v1/messages/{id}`: 200 `cancelled` (also for a message cancelled before), 409
+/// `already_delivered` / `already_dead`, 409 `delivery_in_flight` (with `Retry-After`) while an attempt
+/// is being delivered, 404 for an unknown id; 503/507 when the tombstone could not be written (nothing
+/// was cancelled).
 pub async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let (id, status) = find(&state, &id).await?;
-    match status.state {
-        MessageState::Delivered { .. } => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "already_delivered",
-            "the message was delivered already",
-        )),
-        MessageState::Dead { .. } => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "already_dead",
-            "the message is dead (it will not be delivered)",
-        )),
-        MessageState::Cancelled { .. } => {
-            Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
-        }
-        MessageState::Pending => {
-            // A retry may have been written while this cancel was on its way: then the newer attempt
-            // is cancelled too, so that nothing of this id is delivered after a 200.
-            let mut location = status.location;
-            for _ in 0..8 {
-                state.scheduler.cancel(location).await?;
-                match lookup(&state, id).await? {
-                    Some(now) if now.state == MessageState::Pending && now.location != location => {
-                        location = now.location
-                    }
-                    _ => break,
-                }
-            }
-            metrics::counter!("delayd_messages_cancelled_total").increment(1);
-            Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
-        }
+    let id: MessageId = id
+        .parse()
+        .map_err(|_| ApiError::not_found(format!("{id:?} is not a message id")))?;
+    if state.scheduler.cancel(id).await? == Cancelled::Now {
+        metrics::counter!("delayd_messages_cancelled_total").increment(1);
     }
+    Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
 }

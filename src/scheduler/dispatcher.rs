@@ -1,7 +1,8 @@
 //! Lanes: one tokio task per sink that turns due wheel entries into deliveries and their outcomes.
 //!
-//! Per batch: read the records (blocking pool), drop cancelled ones, call the sink (at most
-//! `max_in_flight` calls at once), then make each answer durable:
+//! Per batch: read the records (blocking pool), admit them in the registry (registry.rs: a cancelled
+//! attempt is dropped, one whose cancel is in progress is held, the rest are in flight until settled),
+//! call the sink (at most `max_in_flight` calls at once), then make each answer durable:
 //! - delivered / dead → an outcome in the bucket's dispatch log;
 //! - retry → a new attempt through the WAL (`attempt + 1`, due after the backoff with jitter or the
 //!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead;
@@ -11,11 +12,12 @@
 //! Outcomes are written only after the sink answered, so a crash in between repeats the delivery rather
 //! than losing it (at-least-once).
 
+use super::registry::Admission;
 use super::wheel::Entry;
 use super::{entry_bucket, Shared};
 use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry};
 use crossbeam_channel::Sender;
-use schedulelog::{Bucket, Location, NewMessage, Outcome, OutcomeKind};
+use schedulelog::{Bucket, Location, MessageId, NewMessage, Outcome, OutcomeKind};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -126,6 +128,11 @@ impl Lane {
         if deliveries.is_empty() {
             return;
         }
+        // Admitted in flight by read_batch; released once settled (or if this task ends early).
+        let flight = InFlight {
+            shared: &self.shared,
+            ids: deliveries.iter().map(|d| d.id).collect(),
+        };
         let now = self.shared.clock.now_ms();
         for delivery in &deliveries {
             let late_ms = (now - delivery.message.deliver_at_ms).max(0);
@@ -139,11 +146,18 @@ impl Lane {
                 reason: "the sink gave no answer for this message".into(),
             },
         );
-        self.settle(&entries, &deliveries, outcomes).await;
+        self.settle(&entries, &deliveries, outcomes, flight).await;
     }
 
-    /// Makes the sink's answers durable: retries through the WAL, then every outcome in the dispatch logs.
-    async fn settle(&self, entries: &[Entry], deliveries: &[Delivery], outcomes: Vec<SinkOutcome>) {
+    /// Makes the sink's answers durable: retries through the WAL, then every outcome in the dispatch logs;
+    /// then releases the attempts from flight.
+    async fn settle(
+        &self,
+        entries: &[Entry],
+        deliveries: &[Delivery],
+        outcomes: Vec<SinkOutcome>,
+        flight: InFlight<'_>,
+    ) {
         let now = self.shared.clock.now_ms();
         let mut records: Vec<(Bucket, Outcome)> = Vec::new();
         let mut retries = Vec::new();
@@ -180,9 +194,11 @@ impl Lane {
                     "postponed"
                 }
                 SinkOutcome::Retry { .. }
-                    if self.shared.cancelled().contains(&delivery.location) =>
+                    if self.shared.registry().take_cancelled(&delivery.location) =>
                 {
-                    // Cancelled while the sink was answering: no next attempt (the tombstone records it).
+                    // Cancelled while the sink was answering, by a tombstone the replayer reported (a
+                    // cancel through the scheduler is refused while an attempt is in flight): no next
+                    // attempt (the tombstone records it).
                     "cancelled"
                 }
                 SinkOutcome::Retry { after, reason } => {
@@ -238,6 +254,8 @@ impl Lane {
         if !records.is_empty() {
             self.record_outcomes(records).await;
         }
+        // Released before the report, so that whoever waits for it finds the attempts settled.
+        drop(flight);
         if let Some(settled) = &self.shared.settled {
             let _ = settled.send(labels);
         }
@@ -353,6 +371,8 @@ impl Lane {
         }
         match self.shared.log.append(encoded).await {
             Ok(appended) => {
+                #[cfg(test)]
+                self.shared.hook_retry_written().await;
                 let now = self.shared.clock.now_ms();
                 for ((_, delivery, _, _, reason), next) in retries.iter().zip(appended) {
                     let kind = OutcomeKind::Retried {
@@ -415,12 +435,26 @@ fn dead_letter(delivery: &Delivery, reason: &str) -> Delivery {
 /// The broker topic that receives dead messages.
 pub const DEAD_TOPIC: &str = "$dead";
 
-/// Reads the records of a batch, skipping cancelled ones. A record that cannot be read stays pending
-/// (it is logged and counted; the engine's corruption error names the file and offset).
+/// Attempts a lane has admitted and not yet settled; released from the registry when dropped (also if
+/// the task that holds them ends early), so that a cancel is refused only while they really run.
+struct InFlight<'a> {
+    shared: &'a Shared,
+    ids: Vec<MessageId>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.shared.registry().release(&self.ids);
+    }
+}
+
+/// Reads the records of a batch and admits them in the registry: returns the entries and deliveries to
+/// make, without the cancelled ones (dropped) and those whose cancel is in progress (held). A record
+/// that cannot be read stays pending (it is logged and counted; the engine's corruption error names the
+/// file and offset).
 fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     let mut readers = HashMap::new();
-    let mut entries = Vec::with_capacity(batch.len());
-    let mut deliveries = Vec::with_capacity(batch.len());
+    let mut read = Vec::with_capacity(batch.len());
     for entry in batch {
         let bucket = entry_bucket(entry);
         let reader = match readers.entry(bucket) {
@@ -436,30 +470,43 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
             },
         };
         match reader.read_at(entry.offset(), entry.frame_len) {
-            Ok(message) => {
-                let location = Location {
-                    bucket,
-                    seq: message.seq,
-                };
-                if shared.take_cancelled(&location) {
-                    // Kept until the cancel is durable: if writing it fails, the entry goes back.
-                    shared.dropped().insert(location, *entry);
-                    if let Some(settled) = &shared.settled {
-                        let _ = settled.send(vec![(message.id, "cancelled")]);
-                    }
-                    continue;
-                }
-                entries.push(*entry);
-                deliveries.push(Delivery {
-                    id: message.id,
-                    location,
-                    message,
-                });
-            }
+            Ok(message) => read.push((*entry, bucket, message)),
             Err(e) => {
                 tracing::error!(%bucket, error = %e, "reading a due message failed");
                 metrics::counter!("delayd_read_errors_total").increment(1);
             }
+        }
+    }
+    let mut entries = Vec::with_capacity(read.len());
+    let mut deliveries = Vec::with_capacity(read.len());
+    let mut dropped = Vec::new();
+    {
+        let mut registry = shared.registry();
+        for (entry, bucket, message) in read {
+            let location = Location {
+                bucket,
+                seq: message.seq,
+            };
+            match registry.admit(message.id, location, entry) {
+                Admission::Deliver => {
+                    entries.push(entry);
+                    deliveries.push(Delivery {
+                        id: message.id,
+                        location,
+                        message,
+                    });
+                }
+                Admission::Cancelled => dropped.push(message),
+                Admission::Held => {
+                    #[cfg(test)]
+                    shared.hook_held(message.id);
+                }
+            }
+        }
+    }
+    for message in dropped {
+        if let Some(settled) = &shared.settled {
+            let _ = settled.send(vec![(message.id, "cancelled")]);
         }
     }
     (entries, deliveries)

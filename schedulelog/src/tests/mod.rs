@@ -516,7 +516,7 @@ fn watch_hands_off_between_snapshot_and_live_reports() {
     let got: Vec<_> = reports.try_iter().collect();
     assert_eq!(got.len(), 2, "{got:?}");
     assert!(matches!(got[0], Replayed::Scheduled { entry, .. } if entry.seq == after.location.seq));
-    assert_eq!(got[1], Replayed::Cancelled(before.location));
+    assert!(matches!(got[1], Replayed::Cancelled { target, .. } if target == before.location));
 }
 
 /// Appenders write into a bucket while it is being watched: every record must show up exactly once,
