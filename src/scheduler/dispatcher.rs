@@ -9,6 +9,14 @@
 //! - postpone (delayd's own shortage, not the destination's: the broker's disk is full) → the entry goes
 //!   back to the wheel, nothing written, no attempt used.
 //!
+//! A record that cannot be read is handed back to the wheel, never forgotten (it stays pending and in
+//! `delayd_pending_messages`); each failure is counted in `delayd_read_errors_total`, and
+//! `delayd_unreadable_messages` says how many entries are failing now. An I/O error (EMFILE, EIO, a
+//! segment that cannot be opened) is tried again after 1 s, doubling to 1 min. A corrupt record (a
+//! checksum that does not match) is tried again every 10 min: it does not heal by itself, but it may be
+//! repaired (a file restored), and it cannot be declared dead, for its id and seq are in the unreadable
+//! bytes.
+//!
 //! Outcomes are written only after the sink answered, so a crash in between repeats the delivery rather
 //! than losing it (at-least-once).
 
@@ -448,10 +456,42 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// I/O errors are tried again after 1 s, doubling up to this.
+const READ_RETRY_MAX_MS: i64 = 60_000;
+/// Corrupt records are tried again this often.
+const CORRUPT_RETRY_MS: i64 = 600_000;
+
+/// Hands an entry whose record could not be read back to the wheel, with backoff (module doc).
+fn unreadable(shared: &Shared, entry: &Entry, bucket: Bucket, error: &schedulelog::Error) {
+    metrics::counter!("delayd_read_errors_total").increment(1);
+    let failures = {
+        let mut unreadable = shared.unreadable();
+        let failures = unreadable
+            .entry((entry.bucket, entry.offset()))
+            .or_default();
+        *failures = failures.saturating_add(1);
+        let failures = *failures;
+        metrics::gauge!("delayd_unreadable_messages").set(unreadable.len() as f64);
+        failures
+    };
+    let corrupt = matches!(error, schedulelog::Error::Corrupt { .. });
+    let wait_ms = if corrupt {
+        CORRUPT_RETRY_MS
+    } else {
+        (1_000i64 << (failures - 1).min(6)).min(READ_RETRY_MAX_MS)
+    };
+    // Logged at the first failure and then ever more rarely (1, 2, 4, 8, ...), per entry.
+    if failures.is_power_of_two() {
+        tracing::error!(%bucket, offset = entry.offset(), failures, retry_in_ms = wait_ms, %error, "reading a due message failed; it stays pending and is tried again");
+    }
+    #[cfg(test)]
+    shared.hook_read_failed(error);
+    shared.requeue_at(*entry, shared.clock.now_ms().saturating_add(wait_ms));
+}
+
 /// Reads the records of a batch and admits them in the registry: returns the entries and deliveries to
 /// make, without the cancelled ones (dropped) and those whose cancel is in progress (held). A record
-/// that cannot be read stays pending (it is logged and counted; the engine's corruption error names the
-/// file and offset).
+/// that cannot be read goes back to the wheel (see the module doc).
 fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     let mut readers = HashMap::new();
     let mut read = Vec::with_capacity(batch.len());
@@ -463,17 +503,25 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
                 Ok(Some(reader)) => v.insert(reader),
                 Ok(None) => continue, // retired meanwhile
                 Err(e) => {
-                    tracing::error!(%bucket, error = %e, "opening a segment failed");
-                    metrics::counter!("delayd_read_errors_total").increment(1);
+                    unreadable(shared, entry, bucket, &e);
                     continue;
                 }
             },
         };
         match reader.read_at(entry.offset(), entry.frame_len) {
             Ok(message) => read.push((*entry, bucket, message)),
-            Err(e) => {
-                tracing::error!(%bucket, error = %e, "reading a due message failed");
-                metrics::counter!("delayd_read_errors_total").increment(1);
+            Err(e) => unreadable(shared, entry, bucket, &e),
+        }
+    }
+    {
+        let mut unreadable = shared.unreadable();
+        if !unreadable.is_empty() {
+            let before = unreadable.len();
+            for (entry, ..) in &read {
+                unreadable.remove(&(entry.bucket, entry.offset()));
+            }
+            if unreadable.len() != before {
+                metrics::gauge!("delayd_unreadable_messages").set(unreadable.len() as f64);
             }
         }
     }

@@ -17,7 +17,8 @@
 //!   bytes each, in due order) while time keeps running for every other sink.
 //! - A **lane** per sink (a tokio task) reads records, drops cancelled ones, calls the sink with up to
 //!   `max_in_flight` batches at a time, writes retries back through the WAL as new attempts and records
-//!   outcomes in the dispatch log, always after the sink answered.
+//!   outcomes in the dispatch log, always after the sink answered. A record it cannot read goes back to
+//!   the wheel (dispatcher.rs says when): it stays pending and counted, never forgotten.
 //! - The **registry** (registry.rs) is where lanes, cancels and the loader meet under one lock: what is in
 //!   flight, what is being cancelled, which cancels must stay in memory. It makes a cancel's answer true:
 //!   200 only when no attempt will start afterwards, 409 `delivery_in_flight` while one is running.
@@ -35,7 +36,7 @@ use crossbeam_channel::{select, Receiver, Sender};
 use rate::TokenBucket;
 use registry::Registry;
 use schedulelog::{Bucket, BucketSnapshot, Clock, MessageId, Replayed, ScheduleLog};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -96,6 +97,8 @@ pub(crate) struct Shared {
     registry: Mutex<Registry>,
     /// Woken each time a cancel finishes (another cancel of the same message may be waiting).
     pub cancel_done: tokio::sync::Notify,
+    /// Due entries whose record could not be read, by (bucket minute, offset), with their failures so far.
+    pub unreadable: Mutex<HashMap<(u32, u64), u32>>,
     pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
     pub dead_letters: Option<Arc<dyn Sink>>,
     /// Records in buckets not loaded yet (set by the loader; part of `delayd_pending_messages`).
@@ -104,7 +107,8 @@ pub(crate) struct Shared {
     pub in_memory: AtomicU64,
     /// Set at shutdown: lanes start no new batch (what they did not start stays pending on disk).
     pub stopping: std::sync::atomic::AtomicBool,
-    /// Entries handed back to the wheel (a failed retry write, a failed cancel, a postponed delivery).
+    /// Entries handed back to the wheel (an unreadable record, a failed retry write, a failed cancel, a
+    /// postponed delivery).
     pub requeued: Sender<Entry>,
     #[cfg(test)]
     pub hooks: Mutex<tests::Hooks>,
@@ -121,6 +125,10 @@ impl Shared {
 
     pub(crate) fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
         self.registry.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn unreadable(&self) -> std::sync::MutexGuard<'_, HashMap<(u32, u64), u32>> {
+        self.unreadable.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Hands an entry back to the wheel, due a second from `now_ms`.
@@ -163,6 +171,7 @@ impl Scheduler {
             clock: clock.clone(),
             registry: Mutex::default(),
             cancel_done: tokio::sync::Notify::new(),
+            unreadable: Mutex::default(),
             settled: config.settled.clone(),
             dead_letters: config.dead_letters.clone(),
             unloaded_records: AtomicU64::default(),

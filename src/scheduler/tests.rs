@@ -20,6 +20,8 @@ pub(crate) struct Hooks {
     pub loader_marked: Option<(Sender<Bucket>, Receiver<()>)>,
     /// A cancel has taken its message and not yet looked it up.
     pub cancel_begun: Option<(Sender<MessageId>, Arc<tokio::sync::Semaphore>)>,
+    /// A due record could not be read (the error's text).
+    pub read_failed: Option<Sender<String>>,
     /// A lane held back a due message whose cancel is in progress.
     pub held: Option<Sender<MessageId>>,
 }
@@ -60,6 +62,12 @@ impl Shared {
     pub(crate) fn hook_held(&self, id: MessageId) {
         if let Some(signal) = &self.hooks().held {
             let _ = signal.send(id);
+        }
+    }
+
+    pub(crate) fn hook_read_failed(&self, error: &schedulelog::Error) {
+        if let Some(signal) = &self.hooks().read_failed {
+            let _ = signal.send(error.to_string());
         }
     }
 }
@@ -965,4 +973,74 @@ fn a_dead_letter_that_cannot_be_stored_at_once_is_stored_later_not_delivered_aga
         "sentinel",
         "the dead message was delivered again"
     );
+}
+
+/// Flips one byte of `needle` in `path` (to make a record's checksum fail, or to undo that).
+fn flip_byte_of(path: &std::path::Path, needle: &[u8]) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("the record is in the file");
+    bytes[at] ^= 0x20;
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// A due message whose record cannot be read stays pending and comes round again: after 1 s for an I/O
+/// error (the segment cannot be opened), after 10 min for a corrupt record; once the file is whole again
+/// it is delivered. (The old lane logged the error and forgot the entry until a restart.)
+#[test]
+fn an_unreadable_due_message_is_handed_back_not_forgotten() {
+    let mut h = Harness::manual();
+    let fragile = h.schedule("a", T0 + MINUTE, "fragile");
+    let corrupt = h.schedule("a", T0 + 2 * MINUTE, "corrupt-me");
+    h.schedule("a", T0, "probe");
+    h.start();
+    assert_eq!(h.recv().body, "probe", "the bucket is loaded");
+    h.settle(1);
+    let scheduler = h.scheduler.as_ref().unwrap();
+    let (failed_tx, failed) = crossbeam_channel::unbounded();
+    scheduler.shared.hooks().read_failed = Some(failed_tx);
+    let bucket = h.log().lookup(fragile).unwrap().unwrap().location.bucket;
+    let segment = h.dir.path().join("schedule").join(format!("{bucket}.log"));
+    let aside = segment.with_extension("aside");
+
+    // An I/O error: the segment cannot be opened.
+    std::fs::rename(&segment, &aside).unwrap();
+    h.set(T0 + MINUTE);
+    let error = failed.recv_timeout(WAIT).expect("the read failed");
+    assert!(error.starts_with("I/O error"), "{error}");
+    assert_eq!(
+        scheduler.shared.unreadable().len(),
+        1,
+        "counted as unreadable"
+    );
+    std::fs::rename(&aside, &segment).unwrap();
+    h.set(T0 + MINUTE + 1_000);
+    let r = h.recv();
+    assert_eq!((r.body.as_str(), r.at_ms), ("fragile", T0 + MINUTE + 1_000));
+    assert_eq!(h.settle(1), vec![(fragile, "ok")]);
+    assert!(scheduler.shared.unreadable().is_empty(), "read at last");
+
+    // A corrupt record: tried again every 10 minutes, delivered once repaired.
+    flip_byte_of(&segment, b"corrupt-me");
+    h.set(T0 + 2 * MINUTE);
+    let error = failed.recv_timeout(WAIT).expect("the read failed");
+    assert!(error.starts_with("corrupt log"), "{error}");
+    flip_byte_of(&segment, b"Corrupt-me");
+    assert!(
+        matches!(
+            h.log().lookup(corrupt).unwrap().unwrap().state,
+            MessageState::Pending
+        ),
+        "still pending"
+    );
+    // Before the 10 minutes are up only a sentinel comes.
+    h.schedule("a", T0 + 12 * MINUTE - 1, "sentinel");
+    h.set(T0 + 12 * MINUTE - 1);
+    assert_eq!(h.recv().body, "sentinel");
+    h.set(T0 + 12 * MINUTE);
+    let r = h.recv();
+    assert_eq!((r.body.as_str(), r.at_ms), ("corrupt-me", T0 + 12 * MINUTE));
+    assert!(failed.try_recv().is_err(), "no more failures");
 }
