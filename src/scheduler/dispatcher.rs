@@ -484,9 +484,9 @@ fn unreadable(shared: &Shared, entry: &Entry, bucket: Bucket, error: &schedulelo
     if failures.is_power_of_two() {
         tracing::error!(%bucket, offset = entry.offset(), failures, retry_in_ms = wait_ms, %error, "reading a due message failed; it stays pending and is tried again");
     }
+    shared.requeue_at(*entry, shared.clock.now_ms().saturating_add(wait_ms));
     #[cfg(test)]
     shared.hook_read_failed(error);
-    shared.requeue_at(*entry, shared.clock.now_ms().saturating_add(wait_ms));
 }
 
 /// Reads the records of a batch and admits them in the registry: returns the entries and deliveries to

@@ -20,7 +20,7 @@ pub(crate) struct Hooks {
     pub loader_marked: Option<(Sender<Bucket>, Receiver<()>)>,
     /// A cancel has taken its message and not yet looked it up.
     pub cancel_begun: Option<(Sender<MessageId>, Arc<tokio::sync::Semaphore>)>,
-    /// A due record could not be read (the error's text).
+    /// A due record could not be read (the error's text); signalled once its entry was handed back.
     pub read_failed: Option<Sender<String>>,
     /// A lane held back a due message whose cancel is in progress.
     pub held: Option<Sender<MessageId>>,
@@ -465,13 +465,17 @@ fn cancels_before_and_after_loading() {
     let before = h.schedule("a", T0 + 2 * HOUR, "cancelled before loading");
     let after = h.schedule("a", T0 + 10 * MINUTE, "cancelled after loading");
     h.schedule("a", T0 + 2 * HOUR + 1, "kept");
+    h.schedule("a", T0, "probe");
     let log = h.log().clone();
     log.cancel(log.lookup(before).unwrap().unwrap().location)
         .wait()
         .unwrap();
     h.start();
+    assert_eq!(h.recv().body, "probe");
+    h.settle(1);
     h.set(T0 + MINUTE);
-    // The bucket of `after` is loaded (it is the current one): cancel it through the scheduler.
+    // The bucket of `after` is loaded (it is the current one, and the probe from it came): cancel it
+    // through the scheduler.
     let scheduler = h.scheduler.as_ref().unwrap();
     assert_eq!(
         h.runtime.block_on(scheduler.cancel(after)).unwrap(),
@@ -736,13 +740,14 @@ fn a_cancel_between_a_written_retry_and_its_outcome_waits_then_stops_the_series(
         reason: "503".into(),
     };
     h.script.insert("racy".into(), vec![retry.clone(), retry]);
-    let id = h.schedule("a", T0, "racy");
+    // Due only once the hook is in place.
+    let id = h.schedule("a", T0 + 1, "racy");
     h.start();
     let (written_tx, written) = crossbeam_channel::unbounded();
     let outcome_gate = Arc::new(tokio::sync::Semaphore::new(0));
     h.scheduler.as_ref().unwrap().shared.hooks().retry_written =
         Some((written_tx, outcome_gate.clone()));
-    h.set(T0); // wakes the wheel
+    h.set(T0 + 1);
     assert_eq!(h.recv().attempt, 0);
     written
         .recv_timeout(WAIT)
@@ -814,7 +819,10 @@ fn far_future_cancels_stay_on_disk_loaded_ones_in_memory_until_met() {
         .collect();
     let near = h.schedule("a", T0 + 10 * MINUTE, "near");
     h.schedule("a", far_at + HOUR, "sentinel");
+    h.schedule("a", T0, "probe");
     h.start();
+    assert_eq!(h.recv().body, "probe", "the current bucket is loaded");
+    h.settle(1);
     let scheduler = h.scheduler.as_ref().unwrap();
     for id in &far {
         assert_eq!(
