@@ -9,6 +9,10 @@
 //! - postpone (delayd's own shortage, not the destination's: the broker's disk is full) → the entry goes
 //!   back to the wheel, nothing written, no attempt used.
 //!
+//! A sink's own delay (an HTTP `Retry-After`) is capped by the sink's `backoff_cap`, like the backoff
+//! itself (the configuration keeps that cap within `max_delay`): a receiver cannot park a message for
+//! centuries.
+//!
 //! A record that cannot be read is handed back to the wheel, never forgotten (it stays pending and in
 //! `delayd_pending_messages`); each failure is counted in `delayd_read_errors_total`, and
 //! `delayd_unreadable_messages` says how many entries are failing now. An I/O error (EMFILE, EIO, a
@@ -220,9 +224,11 @@ impl Lane {
                         ));
                         "dead"
                     } else {
-                        let delay = after.unwrap_or_else(|| {
-                            self.policy.backoff.delay(attempt, self.random_unit())
-                        });
+                        // The sink's own delay is capped like the backoff (see the module doc).
+                        let delay = match after {
+                            Some(after) => after.min(self.policy.backoff.cap),
+                            None => self.policy.backoff.delay(attempt, self.random_unit()),
+                        };
                         let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
                         retries.push((
                             *entry,

@@ -1052,3 +1052,39 @@ fn an_unreadable_due_message_is_handed_back_not_forgotten() {
     assert_eq!((r.body.as_str(), r.at_ms), ("corrupt-me", T0 + 12 * MINUTE));
     assert!(failed.try_recv().is_err(), "no more failures");
 }
+
+/// A sink's own delay (an HTTP `Retry-After`) is capped by the sink's backoff cap: `Retry-After:
+/// 99999999999` does not park the message for centuries.
+#[test]
+fn a_sinks_retry_delay_is_capped_by_the_backoff_cap() {
+    let mut h = Harness::manual();
+    h.sinks = vec![(
+        "a",
+        SinkPolicy {
+            backoff: crate::sink::Backoff {
+                cap: Duration::from_secs(60),
+                ..crate::sink::Backoff::default()
+            },
+            ..SinkPolicy::default()
+        },
+        None,
+    )];
+    h.script.insert(
+        "patient".into(),
+        vec![SinkOutcome::Retry {
+            after: Some(Duration::from_secs(99_999_999_999)),
+            reason: "HTTP 503".into(),
+        }],
+    );
+    let id = h.schedule("a", T0, "patient");
+    h.start();
+    assert_eq!(h.recv().attempt, 0);
+    assert_eq!(h.settle(1), vec![(id, "retry")]);
+    assert_eq!(
+        h.log().lookup(id).unwrap().unwrap().message.deliver_at_ms,
+        T0 + 60_000
+    );
+    h.set(T0 + 60_000);
+    let r = h.recv();
+    assert_eq!((r.attempt, r.at_ms), (1, T0 + 60_000));
+}
