@@ -6,10 +6,14 @@
 //! A cancel (`DELETE`) answers 200 only when no attempt of the message will start afterwards, and its
 //! tombstone is durable; while an attempt is being delivered it answers 409 `delivery_in_flight` and
 //! writes nothing (the scheduler's registry.rs keeps this true). Repeating a DELETE is safe.
+//!
+//! The idempotency index (`dedup`) holds a key only while its message is pending: the scheduler reports
+//! each finished one (delivered, dead, cancelled) and [`start_dedup_pruning`] drops it from the index.
 
 use super::error::ApiError;
+use super::DedupIndex;
 use super::{format_ms, parse_json, parse_rfc3339, valid_name, AppState, RawBody, Text};
-use crate::scheduler::Cancelled;
+use crate::scheduler::{Cancelled, FinishedKey};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -22,6 +26,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 const MAX_KEY_BYTES: usize = 1024;
 const MAX_HEADERS: usize = 64;
@@ -349,10 +354,43 @@ fn check_disk(state: &AppState, bytes: usize) -> Result<(), ApiError> {
     })
 }
 
+/// Lets the idempotency index forget each key once its message is finished, as the scheduler reports
+/// them. Runs once per scheduler (later calls do nothing): the service may start it when it starts, and
+/// every handler here starts it if it is not running yet; reports made before wait in their channel.
+pub fn start_dedup_pruning(state: &AppState) {
+    if let Some(finished) = state.scheduler.take_finished_keys() {
+        tokio::spawn(prune_dedup_index(state.dedup.clone(), finished));
+    }
+}
+
+/// Drops each finished message's key from the index, until the scheduler is gone.
+async fn prune_dedup_index(
+    index: Arc<tokio::sync::Mutex<DedupIndex>>,
+    mut finished: tokio::sync::mpsc::UnboundedReceiver<FinishedKey>,
+) {
+    while let Some(first) = finished.recv().await {
+        let mut index = index.lock().await;
+        let mut next = Some(first);
+        while let Some(done) = next {
+            let key = (done.topic, done.key);
+            // Only this message's entry: the key may name a newer pending message by now.
+            if index.get(&key) == Some(&done.id) {
+                index.remove(&key);
+            }
+            next = finished.try_recv().ok();
+        }
+        // A map keeps its capacity; give memory back once most of it is unused.
+        if index.capacity() > 1024 && index.len() < index.capacity() / 4 {
+            index.shrink_to_fit();
+        }
+    }
+}
+
 pub async fn schedule(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
+    start_dedup_pruning(&state);
     check_disk(&state, bytes.len())?;
     let request: ScheduleRequest = parse_json(&bytes)?;
     let message = validate(&state, &request, state.clock.now_ms())?;
@@ -520,6 +558,7 @@ pub async fn status(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    start_dedup_pruning(&state);
     let (id, status) = find(&state, &id).await?;
     let message = &status.message;
     let mut body = json!({
@@ -560,6 +599,7 @@ pub async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    start_dedup_pruning(&state);
     let id: MessageId = id
         .parse()
         .map_err(|_| ApiError::not_found(format!("{id:?} is not a message id")))?;
@@ -567,4 +607,49 @@ pub async fn cancel(
         metrics::counter!("delayd_messages_cancelled_total").increment(1);
     }
     Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schedulelog::{Bucket, Location};
+
+    fn id(seq: u64) -> MessageId {
+        MessageId::new(Location {
+            bucket: Bucket::from_start_minute(29_935_260),
+            seq,
+        })
+    }
+
+    fn key(topic: &str, key: &str) -> (String, String) {
+        (topic.to_string(), key.to_string())
+    }
+
+    /// A finished message's key leaves the index; a key that names a newer message stays.
+    #[test]
+    fn finished_keys_leave_the_idempotency_index() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let index = Arc::new(tokio::sync::Mutex::new(DedupIndex::from([
+            (key("t", "a"), id(1)),
+            (key("t", "b"), id(3)), // b was sent again after message 2 finished
+            (key("u", "a"), id(4)),
+        ])));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let finished = |topic: &str, k: &str, seq| FinishedKey {
+            topic: topic.into(),
+            key: k.into(),
+            id: id(seq),
+        };
+        tx.send(finished("t", "a", 1)).unwrap();
+        tx.send(finished("t", "b", 2)).unwrap();
+        drop(tx); // the pruning ends with the scheduler
+        runtime.block_on(prune_dedup_index(index.clone(), rx));
+        let index = runtime.block_on(index.lock());
+        assert_eq!(
+            *index,
+            DedupIndex::from([(key("t", "b"), id(3)), (key("u", "a"), id(4))])
+        );
+    }
 }

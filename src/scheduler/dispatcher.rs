@@ -268,6 +268,12 @@ impl Lane {
         if !records.is_empty() {
             self.record_outcomes(records).await;
         }
+        for (delivery, (_, label)) in deliveries.iter().zip(&labels) {
+            let m = &delivery.message;
+            if let (true, Some(key), "ok" | "dead" | "cancelled") = (m.dedup, &m.key, *label) {
+                self.shared.finished_key(&m.topic, key, delivery.id);
+            }
+        }
         // Released before the report, so that whoever waits for it finds the attempts settled.
         drop(flight);
         if let Some(settled) = &self.shared.settled {
@@ -559,6 +565,9 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
         }
     }
     for message in dropped {
+        if let (true, Some(key)) = (message.dedup, &message.key) {
+            shared.finished_key(&message.topic, key, message.id);
+        }
         if let Some(settled) = &shared.settled {
             let _ = settled.send(vec![(message.id, "cancelled")]);
         }

@@ -23,6 +23,10 @@
 //!   flight, what is being cancelled, which cancels must stay in memory. It makes a cancel's answer true:
 //!   200 only when no attempt will start afterwards, 409 `delivery_in_flight` while one is running.
 //!
+//! Lanes report each message sent with an idempotency key (`dedup`) once it is finished (delivered, dead
+//! or cancelled) on the channel [`Scheduler::take_finished_keys`] hands out, so that the HTTP edge's
+//! idempotency index lets go of it.
+//!
 //! All time comes from the [`Clock`] the scheduler is given.
 
 mod dispatcher;
@@ -46,6 +50,15 @@ use wheel::{Entry, Wheel};
 pub use dispatcher::DEAD_TOPIC;
 pub use registry::{CancelError, Cancelled};
 pub use schedulelog::{ManualClock, SystemClock};
+
+/// A message sent with an idempotency key that is finished (delivered, dead or cancelled): its key is
+/// free again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedKey {
+    pub topic: String,
+    pub key: String,
+    pub id: MessageId,
+}
 
 /// Scheduler settings.
 #[derive(Clone)]
@@ -99,6 +112,8 @@ pub(crate) struct Shared {
     pub cancel_done: tokio::sync::Notify,
     /// Due entries whose record could not be read, by (bucket minute, offset), with their failures so far.
     pub unreadable: Mutex<HashMap<(u32, u64), u32>>,
+    /// Where finished messages with an idempotency key are reported.
+    finished_keys: tokio::sync::mpsc::UnboundedSender<FinishedKey>,
     pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
     pub dead_letters: Option<Arc<dyn Sink>>,
     /// Records in buckets not loaded yet (set by the loader; part of `delayd_pending_messages`).
@@ -131,6 +146,15 @@ impl Shared {
         self.unreadable.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Reports a finished message that carries an idempotency key.
+    pub fn finished_key(&self, topic: &str, key: &str, id: MessageId) {
+        let _ = self.finished_keys.send(FinishedKey {
+            topic: topic.to_string(),
+            key: key.to_string(),
+            id,
+        });
+    }
+
     /// Hands an entry back to the wheel, due a second from `now_ms`.
     pub fn requeue(&self, entry: Entry, now_ms: i64) {
         self.requeue_at(entry, now_ms + 1_000);
@@ -147,6 +171,7 @@ impl Shared {
 pub struct Scheduler {
     shared: Arc<Shared>,
     running: Mutex<Option<Running>>,
+    finished_keys: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<FinishedKey>>>,
 }
 
 #[derive(Debug)]
@@ -166,12 +191,14 @@ impl Scheduler {
         runtime: &tokio::runtime::Handle,
     ) -> std::io::Result<Scheduler> {
         let (requeued, requeued_rx) = crossbeam_channel::unbounded();
+        let (finished_keys, finished_keys_rx) = tokio::sync::mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             log: log.clone(),
             clock: clock.clone(),
             registry: Mutex::default(),
             cancel_done: tokio::sync::Notify::new(),
             unreadable: Mutex::default(),
+            finished_keys,
             settled: config.settled.clone(),
             dead_letters: config.dead_letters.clone(),
             unloaded_records: AtomicU64::default(),
@@ -228,6 +255,7 @@ impl Scheduler {
                 threads: vec![wheel_thread, loader_thread],
                 lanes,
             })),
+            finished_keys: Mutex::new(Some(finished_keys_rx)),
         })
     }
 
@@ -240,6 +268,15 @@ impl Scheduler {
         tokio::spawn(registry::cancel(self.shared.clone(), id))
             .await
             .map_err(|e| CancelError::Interrupted(e.to_string()))?
+    }
+
+    /// The receiving end of the finished-key reports (see the module doc); `None` after the first call.
+    /// Reports sent before it is taken wait in the channel (at most one per message sent with `dedup`).
+    pub fn take_finished_keys(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<FinishedKey>> {
+        self.finished_keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     /// Stops loading and firing, lets the lanes finish the batches they hold, and returns.

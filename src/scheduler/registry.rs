@@ -304,6 +304,10 @@ pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancell
         let seq = shared.log.cancel(location).await?;
         intent.done.push((seq, location));
     }
+    let message = &status.message;
+    if let (true, Some(key)) = (message.dedup, &message.key) {
+        shared.finished_key(&message.topic, key, id);
+    }
     drop(intent);
     Ok(if status.state == MessageState::Pending {
         Cancelled::Now

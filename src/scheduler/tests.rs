@@ -1088,3 +1088,59 @@ fn a_sinks_retry_delay_is_capped_by_the_backoff_cap() {
     let r = h.recv();
     assert_eq!((r.attempt, r.at_ms), (1, T0 + 60_000));
 }
+
+/// Messages sent with an idempotency key are reported once finished, whichever way: delivered, dead or
+/// cancelled (so that the HTTP edge's index lets go of their keys). Others are not reported.
+#[test]
+fn finished_messages_with_an_idempotency_key_are_reported() {
+    let mut h = Harness::manual();
+    h.script.insert(
+        "dies".into(),
+        vec![SinkOutcome::Dead {
+            reason: "HTTP 400".into(),
+        }],
+    );
+    let keyed = |h: &Harness, at: i64, body: &str| {
+        let message = NewMessage {
+            deliver_at_ms: at,
+            topic: "t".into(),
+            key: Some(body.to_string()),
+            sink: "a".into(),
+            body: body.as_bytes().to_vec(),
+            dedup: true,
+            ..NewMessage::default()
+        };
+        h.log()
+            .append(vec![message.encode().unwrap()])
+            .wait()
+            .unwrap()[0]
+            .id
+    };
+    let delivered = keyed(&h, T0, "delivered");
+    let dies = keyed(&h, T0, "dies");
+    let cancelled = keyed(&h, T0 + HOUR, "cancelled");
+    h.schedule("a", T0, "no key");
+    h.start();
+    let scheduler = h.scheduler.as_ref().unwrap();
+    let mut finished = scheduler.take_finished_keys().unwrap();
+    assert!(scheduler.take_finished_keys().is_none(), "handed out once");
+    h.settle(3);
+    h.runtime.block_on(scheduler.cancel(cancelled)).unwrap();
+    let mut got: Vec<(String, MessageId)> = (0..3)
+        .map(|_| {
+            let key = finished.try_recv().expect("a finished key");
+            assert_eq!(key.topic, "t");
+            (key.key, key.id)
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        vec![
+            ("cancelled".to_string(), cancelled),
+            ("delivered".to_string(), delivered),
+            ("dies".to_string(), dies)
+        ]
+    );
+    assert!(finished.try_recv().is_err(), "nothing else");
+}
