@@ -98,7 +98,9 @@ impl From<AppendError> for ApiError {
                     ..ApiError::new(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "storage_failed",
-                        "a write to disk failed earlier; this node accepts no writes until it is restarted",
+                        "a write to disk failed; this node accepts no writes until it is restarted. Nothing of \
+                         this request is acknowledged; if the failure happened during it, what of it reached \
+                         the disk may still take effect after the restart",
                     )
                 }
             }
