@@ -7,8 +7,9 @@
 //!   registered in flight, and stays so until its outcome is durable (a retry: its next attempt in the WAL
 //!   and the `retried` outcome recorded). Only then is it released.
 //! - A **cancel** (`DELETE /v1/messages/{id}`) first takes the message under the lock: if an attempt is
-//!   in flight it is refused at once (409 `delivery_in_flight`: it may still be delivered, so a 200 would
-//!   be a lie); otherwise no lane can start an attempt of the message until the cancel is finished. Only
+//!   in flight it is refused, writing nothing (409 `delivery_in_flight`: it may still be delivered, so a
+//!   200 would be a lie; a lookup that finds the message already delivered or dead answers that
+//!   instead); otherwise no lane can start an attempt of the message until the cancel is finished. Only
 //!   then does it look the message up, so the attempt it cancels is the current one (no retry can be
 //!   written meanwhile), and writes the tombstone. When the tombstone is durable it decides, under the
 //!   lock, whether the cancel must stay in memory (below).
@@ -26,8 +27,9 @@
 //!   here are known by their seq in `recent` and ignored: the cancel put its location in memory already,
 //!   and a report arriving after a lane met the entry would otherwise put it back for good. A report of
 //!   any other tombstone (written straight through `ScheduleLog::cancel`) goes into `cancelled`.
-//! - Memory: cancels are held only for loaded buckets (until a lane meets the entry, or the bucket is
-//!   retired and its records can no longer be read) and, for other buckets, only until the replayer has
+//! - Memory: cancels are held only for loaded buckets (until a lane meets the entry, the bucket's
+//!   snapshot turns out to have left the record out, or the bucket is retired and its records can no
+//!   longer be read) and, for other buckets, only until the replayer has
 //!   filed their tombstones (milliseconds). Far-future cancels live on disk only. `recent` holds a seq
 //!   per cancel until it is filed and, for a loaded bucket, its report handled by the wheel thread.
 //! - An attempt is in flight from its admission until its outcome is durable; a message is never both
@@ -209,6 +211,8 @@ struct Intent {
     id: MessageId,
     /// Locations whose tombstones are durable, with each tombstone's seq.
     done: Vec<(u64, Location)>,
+    /// The current attempt, when the lookup found it cancelled before.
+    cancelled_before: Option<Location>,
 }
 
 impl Drop for Intent {
@@ -230,12 +234,15 @@ impl Drop for Intent {
         };
         let now = self.shared.clock.now_ms();
         for (location, entry) in held {
-            if self.done.iter().any(|(_, at)| *at == location) {
+            let cancelled = self.done.iter().any(|(_, at)| *at == location)
+                || self.cancelled_before == Some(location);
+            if cancelled {
                 if let Some(settled) = &self.shared.settled {
                     let _ = settled.send(vec![(self.id, "cancelled")]);
                 }
             } else {
-                // Not cancelled after all (the tombstone failed): due again at once.
+                // Not cancelled after all (a tombstone failed, or the message was finished): due
+                // again at once.
                 self.shared.requeue_at(entry, now);
             }
         }
@@ -278,6 +285,7 @@ pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancell
                 shared: shared.clone(),
                 id,
                 done: Vec::new(),
+                cancelled_before: None,
             };
         }
         // Another cancel of the same message is in progress: its answer decides this one's.
@@ -290,10 +298,11 @@ pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancell
     match status.state {
         MessageState::Delivered { .. } => return Err(CancelError::AlreadyDelivered),
         MessageState::Dead { .. } => return Err(CancelError::AlreadyDead),
-        MessageState::Cancelled { .. } if status.orphaned.is_empty() => {
-            return Ok(Cancelled::Already)
-        }
-        MessageState::Cancelled { .. } | MessageState::Pending => {}
+        MessageState::Cancelled { .. } => intent.cancelled_before = Some(status.location),
+        MessageState::Pending => {}
+    }
+    if intent.cancelled_before.is_some() && status.orphaned.is_empty() {
+        return Ok(Cancelled::Already);
     }
     // Orphaned attempts first: the answer is about the current one, and a failure leaves it pending.
     let mut targets = status.orphaned.clone();
