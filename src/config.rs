@@ -588,6 +588,11 @@ impl Config {
         }
         // The built-in broker sink always exists; a [sinks.broker] table only tunes it.
         self.sinks.entry("broker".into()).or_default();
+        // No retry is scheduled further ahead than a new message may be: the cap bounds the backoff
+        // and a receiver's own `Retry-After` alike.
+        for sink in self.sinks.values_mut() {
+            sink.backoff_cap.0 = sink.backoff_cap.0.min(self.max_delay.0);
+        }
         Ok(())
     }
 }
@@ -755,5 +760,15 @@ mod tests {
         std::fs::write(&path, "[sinks.billing]\nkind = \"carrier-pigeon\"\n").unwrap();
         let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
         assert!(err.to_string().contains("carrier-pigeon"), "{err}");
+    }
+
+    #[test]
+    fn backoff_caps_stay_within_max_delay() {
+        let config =
+            Config::load(None, env(&[("DELAYD_MAX_DELAY", "10m")]), &Flags::default()).unwrap();
+        assert_eq!(
+            config.sinks["broker"].backoff_cap.0,
+            Duration::from_secs(600)
+        );
     }
 }

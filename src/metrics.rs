@@ -82,6 +82,7 @@ const GAUGES: &[&str] = &[
     "delayd_http_connections_max",
     "delayd_open_fds",
     "delayd_max_fds",
+    "delayd_unreadable_messages",
 ];
 
 /// Makes every series with a bounded label set exist from the start, at 0 unless something already
@@ -176,7 +177,11 @@ fn describe() {
     );
     describe_counter!(
         "delayd_read_errors_total",
-        "Due messages that could not be read"
+        "Failed reads of due messages, each try counted (the message stays pending and is tried again)"
+    );
+    describe_gauge!(
+        "delayd_unreadable_messages",
+        "Due messages whose last read failed, waiting to be tried again (an alert)"
     );
     describe_gauge!(
         "delayd_disk_full",

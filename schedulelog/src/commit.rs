@@ -335,12 +335,15 @@ impl Writer {
                         created_at_ms,
                         sink_tag: message.sink_tag,
                         dedup: message.dedup,
+                        retry: message.retry_of.filter(|(_, attempt)| *attempt > 0),
                     };
                     let location = Location {
                         bucket: placement(&head, self.width),
                         seq,
                     };
-                    let id = message.retry_of.unwrap_or(MessageId::new(location));
+                    let id = message
+                        .retry_of
+                        .map_or(MessageId::new(location), |(id, _)| id);
                     let at = group.bytes.len();
                     group.bytes.extend_from_slice(&message.frame);
                     patch_committed(&mut group.bytes[at..], seq, created_at_ms, id);

@@ -103,8 +103,15 @@ pub struct MessageStatus {
     pub message: Message,
     pub location: Location,
     pub state: MessageState,
-    /// Why the previous attempt was retried, if there was one.
+    /// Why the previous attempt was retried, if that is known: `None` for a first attempt, and for an
+    /// attempt found through the first attempt's pointer because the `retried` outcome before it was
+    /// never recorded (the reason was in that outcome).
     pub last_retry_reason: Option<String>,
+    /// Earlier attempts that have no outcome although a later attempt exists: the dispatcher wrote the
+    /// retry but failed to record its `retried` outcome (a poisoned log, a shutdown). Until something is
+    /// recorded for them they count as pending and a restart loads them again, so a cancel must cancel
+    /// them too. Empty in the normal case.
+    pub orphaned: Vec<Location>,
 }
 
 /// A bucket's records as the loader sees them.
@@ -127,6 +134,8 @@ struct Shared {
     replayed: Condvar,
     /// Every seq below this is durable in the WAL.
     committed: Arc<AtomicU64>,
+    /// Every seq below this is filed: replayed into its segment (a cancel, into its dispatch log).
+    filed: AtomicU64,
     clock: Arc<dyn Clock>,
     /// Why the log stopped accepting writes, once it has.
     poisoned: Arc<OnceLock<String>>,
@@ -219,6 +228,7 @@ impl ScheduleLog {
             replay: Mutex::new(replay),
             replayed: Condvar::new(),
             committed: committed.clone(),
+            filed: AtomicU64::new(next_seq),
             clock: options.clock.clone(),
             poisoned: Arc::default(),
             disk_full: Arc::default(),
@@ -312,6 +322,7 @@ impl ScheduleLog {
     }
 
     /// Submits a tombstone for the attempt at `target`. Resolves to the tombstone's seq once durable.
+    /// It takes effect for [`ScheduleLog::watch`] once filed (see [`ScheduleLog::filed_below`]).
     pub fn cancel(&self, target: Location) -> Ack<u64> {
         let (request, ack) = Request::cancel(target);
         self.submit(request);
@@ -334,6 +345,13 @@ impl ScheduleLog {
                 request.fail(AppendError::Closed)
             }
         }
+    }
+
+    /// Every record with a seq below this is filed: a message in its segment, a cancel in its bucket's
+    /// dispatch log. So a [`ScheduleLog::watch`] begun after this passed a tombstone's seq leaves the
+    /// cancelled message out of its snapshot. Cheap (an atomic load).
+    pub fn filed_below(&self) -> u64 {
+        self.shared.filed.load(Ordering::Acquire)
     }
 
     /// Records outcomes in the dispatch logs of their buckets, durably. A failed sync poisons the log
@@ -411,24 +429,44 @@ impl ScheduleLog {
     }
 
     /// Finds a message by id and follows its retries to the current attempt.
+    ///
+    /// Each attempt's `retried` outcome leads to the next one. The replayer also files a pointer to every
+    /// later attempt under the first one (replay.rs), read with the first attempt's outcomes at no extra
+    /// cost: where the chain ends at an attempt older than the newest pointer (the `retried` outcome
+    /// was never recorded), the lookup goes on from the newest attempt, and the attempt it left is
+    /// reported in [`MessageStatus::orphaned`] if nothing was recorded for it.
     pub fn lookup(&self, id: MessageId) -> Result<Option<MessageStatus>> {
         let mut location = id.first;
         let mut last_retry_reason = None;
-        // Each hop is one attempt; attempts are u16, so this bounds a corrupt cycle.
-        for _ in 0..=u16::MAX {
+        let mut orphaned = Vec::new();
+        // (attempt, where it lives) for every later attempt, from the pointers under the first one.
+        let mut later: Vec<(u16, Location)> = Vec::new();
+        // Each hop moves to a later attempt; attempts are u16, so this bounds a corrupt cycle.
+        for hop in 0..=u16::MAX {
             let Some((message, _)) = self.find(location)? else {
                 return Ok(None);
             };
             if message.id != id {
                 return Ok(None);
             }
-            // A retried attempt leads on to the next one, whatever else was recorded for it (a cancel
-            // that raced the retry); otherwise the first outcome recorded is the one that counts.
-            let outcomes: Vec<Outcome> = self
+            let (pointers, outcomes): (Vec<Outcome>, Vec<Outcome>) = self
                 .outcomes(location.bucket)?
                 .into_iter()
                 .filter(|o| o.seq == location.seq)
-                .collect();
+                .partition(|o| {
+                    o.attempt > message.attempt && matches!(o.kind, OutcomeKind::Retried { .. })
+                });
+            if hop == 0 {
+                later = pointers
+                    .into_iter()
+                    .filter_map(|o| match o.kind {
+                        OutcomeKind::Retried { next, .. } => Some((o.attempt, next)),
+                        _ => None,
+                    })
+                    .collect();
+            }
+            // A retried attempt leads on to the next one, whatever else was recorded for it (a cancel
+            // that raced the retry); otherwise the first outcome recorded is the one that counts.
             let outcome = outcomes
                 .iter()
                 .find(|o| matches!(o.kind, OutcomeKind::Retried { .. }))
@@ -445,11 +483,28 @@ impl ScheduleLog {
                     continue;
                 }
             };
+            // A later attempt exists, so this one was retried although its `retried` outcome is
+            // missing: the later attempt is the current one, whatever was recorded here.
+            let newest = later
+                .iter()
+                .filter(|(attempt, _)| *attempt > message.attempt)
+                .max_by_key(|(attempt, at)| (*attempt, at.seq));
+            if let Some(&(_, next)) = newest {
+                // (The first attempt is never orphaned: the pointers filed under it are outcomes of
+                // its seq, so the loader counts it finished.)
+                if state == MessageState::Pending && location != id.first {
+                    orphaned.push(location);
+                }
+                location = next;
+                last_retry_reason = None;
+                continue;
+            }
             return Ok(Some(MessageStatus {
                 message,
                 location,
                 state,
                 last_retry_reason,
+                orphaned,
             }));
         }
         Ok(None)
@@ -834,6 +889,7 @@ fn run_replayer(
         while let Some(group) = backlog.groups.front() {
             match replay.apply(&group.bytes, &group.records, &shared.dispatch) {
                 Ok(()) => {
+                    shared.filed.store(replay.next_seq, Ordering::Release);
                     shared.replayed.notify_all();
                     let group = backlog.pop().expect("front exists");
                     bytes_since += group.bytes.len() as u64;

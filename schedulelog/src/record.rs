@@ -99,7 +99,8 @@ pub struct EncodedMessage {
     pub(crate) deliver_at_ms: i64,
     pub(crate) sink_tag: u16,
     pub(crate) dedup: bool,
-    pub(crate) retry_of: Option<MessageId>,
+    /// For a retry: the message's id and the number of this attempt.
+    pub(crate) retry_of: Option<(MessageId, u16)>,
 }
 
 impl EncodedMessage {
@@ -199,7 +200,7 @@ impl MessageRef<'_> {
             deliver_at_ms: self.deliver_at_ms,
             sink_tag: sink_tag(self.sink),
             dedup: self.dedup && self.key.is_some(),
-            retry_of: id,
+            retry_of: self.retry_of,
         })
     }
 }
@@ -312,6 +313,10 @@ pub struct MessageHead {
     pub sink_tag: u16,
     /// The message has an idempotency key.
     pub dedup: bool,
+    /// For a later attempt (attempt > 0): the message's id and the attempt's number. The replayer files a
+    /// pointer to every later attempt under the first one (replay.rs), which is how a lookup finds the
+    /// newest attempt even when the `retried` outcome of the one before it was never recorded.
+    pub retry: Option<(MessageId, u16)>,
 }
 
 /// A 16-bit tag of a sink name, stored in index entries so that the scheduler can route a due message to
@@ -331,6 +336,17 @@ impl MessageHead {
         let seq = r.u64()?;
         let deliver_at_ms = r.i64()?;
         let created_at_ms = r.i64()?;
+        let id_minute = r.u32()?;
+        let id_seq = r.u64()?;
+        let attempt = r.u16()?;
+        let shard = r.u16()?;
+        let retry = (attempt > 0).then(|| {
+            let first = Location {
+                bucket: Bucket::from_start_minute(id_minute),
+                seq: id_seq,
+            };
+            (MessageId { shard, first }, attempt)
+        });
         let mut r = Reader {
             bytes: payload,
             pos: VARIABLE,
@@ -348,6 +364,7 @@ impl MessageHead {
             created_at_ms,
             sink_tag: sink_tag(sink),
             dedup,
+            retry,
         })
     }
 }
@@ -591,7 +608,7 @@ mod tests {
             prop_assert_eq!(&message.sink, &new.sink);
             prop_assert_eq!(&message.body, &new.body);
             let head = MessageHead::decode(payload(&frame_bytes)).unwrap();
-            prop_assert_eq!(head, MessageHead { seq, deliver_at_ms: new.deliver_at_ms, created_at_ms: created, sink_tag: sink_tag(&new.sink), dedup: new.dedup && new.key.is_some() });
+            prop_assert_eq!(head, MessageHead { seq, deliver_at_ms: new.deliver_at_ms, created_at_ms: created, sink_tag: sink_tag(&new.sink), dedup: new.dedup && new.key.is_some(), retry: new.retry_of.filter(|r| r.1 > 0) });
         }
 
         #[test]

@@ -15,6 +15,13 @@
 //! - A record is reported to the tap (a report is a delivery to the wheel) only after the write that put
 //!   it in its segment succeeded, and a record is written once: so it is reported once, however many
 //!   tries its group took.
+//! - Every later attempt of a message (a retry, attempt > 0) is also filed as a pointer under the message's
+//!   first attempt: a `retried` outcome in the first attempt's dispatch log, for the first attempt's seq,
+//!   whose `attempt` is the new attempt's number (greater than 0, which is how it differs from the
+//!   `retried` outcome the dispatcher records for attempt 0 itself) and whose `next` is where the new
+//!   attempt lives. Like cancels, pointers are facts written after the record is durable in the WAL and
+//!   may be written twice. They let a lookup find the newest attempt without the chain of `retried`
+//!   outcomes, which the dispatcher records only after the retry is durable and may fail to record.
 //! - A checkpoint is written only after every segment written since the last one is synced and every
 //!   segment created since is in a synced directory. After a failed sync no checkpoint is ever written
 //!   again (the sync may have dropped data a later sync would then claim durable): `checkpoint` fails
@@ -60,8 +67,8 @@ struct SegmentState {
 pub enum Replayed {
     /// A message was filed into a watched bucket.
     Scheduled { bucket: Bucket, entry: IndexEntry },
-    /// A message of a watched bucket was cancelled.
-    Cancelled(Location),
+    /// A message of a watched bucket was cancelled, by the tombstone with this seq.
+    Cancelled { target: Location, seq: u64 },
 }
 
 /// The replayer's state, shared behind a mutex with readers that need published entry counts.
@@ -147,7 +154,9 @@ impl Replay {
         records: &[WalRecord],
         dispatch: &DispatchLogs,
     ) -> Result<()> {
+        // Cancel outcomes (with their targets, for the tap) and pointers to later attempts.
         let mut cancels = Vec::new();
+        let mut pointers = Vec::new();
         let mut messages = Vec::new();
         for record in records {
             if record.seq() < self.next_seq {
@@ -155,7 +164,24 @@ impl Replay {
             }
             match record {
                 WalRecord::Message { head, frame } => {
-                    messages.push((placement(head, self.width), head, frame));
+                    let bucket = placement(head, self.width);
+                    if let Some((id, attempt)) = head.retry {
+                        let kind = OutcomeKind::Retried {
+                            next: Location {
+                                bucket,
+                                seq: head.seq,
+                            },
+                            reason: String::new(),
+                        };
+                        let pointer = Outcome {
+                            seq: id.first.seq,
+                            at_ms: head.created_at_ms,
+                            attempt,
+                            kind,
+                        };
+                        pointers.push((id.first.bucket, pointer));
+                    }
+                    messages.push((bucket, head, frame));
                 }
                 WalRecord::Cancel(cancel) => {
                     let outcome = Outcome {
@@ -164,7 +190,7 @@ impl Replay {
                         attempt: 0,
                         kind: OutcomeKind::Cancelled,
                     };
-                    cancels.push((cancel.target.bucket, outcome, cancel.target));
+                    cancels.push((cancel.target.bucket, outcome, cancel.target, cancel.seq));
                 }
             }
         }
@@ -194,15 +220,18 @@ impl Replay {
             }
         }
         // Checked only now: in recovery a cancel may come in the same call as its message, whose
-        // bucket then exists only once the messages above are applied.
-        cancels.retain(|(bucket, _, _)| self.segments.contains_key(bucket));
-        if !cancels.is_empty() {
-            let outcomes: Vec<_> = cancels.iter().map(|(b, o, _)| (*b, o.clone())).collect();
+        // bucket then exists only once the messages above are applied. (A first attempt's bucket that
+        // is gone was retired: the message can no longer be looked up, and needs no pointer.)
+        cancels.retain(|(bucket, ..)| self.segments.contains_key(bucket));
+        pointers.retain(|(bucket, _)| self.segments.contains_key(bucket));
+        if !cancels.is_empty() || !pointers.is_empty() {
+            let mut outcomes: Vec<_> = cancels.iter().map(|(b, o, ..)| (*b, o.clone())).collect();
+            outcomes.extend(pointers);
             dispatch.append(&outcomes)?;
-            for (bucket, _, target) in &cancels {
-                if self.watched.contains(bucket) {
+            for &(bucket, _, target, seq) in &cancels {
+                if self.watched.contains(&bucket) {
                     if let Some(tap) = &self.tap {
-                        let _ = tap.send(Replayed::Cancelled(*target));
+                        let _ = tap.send(Replayed::Cancelled { target, seq });
                     }
                 }
             }

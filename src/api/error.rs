@@ -98,7 +98,9 @@ impl From<AppendError> for ApiError {
                     ..ApiError::new(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "storage_failed",
-                        "a write to disk failed earlier; this node accepts no writes until it is restarted",
+                        "a write to disk failed; this node accepts no writes until it is restarted. Nothing of \
+                         this request is acknowledged; if the failure happened during it, what of it reached \
+                         the disk may still take effect after the restart",
                     )
                 }
             }
@@ -132,6 +134,36 @@ impl From<schedulelog::Error> for ApiError {
                 )
             },
             other => ApiError::internal(other),
+        }
+    }
+}
+
+impl From<crate::scheduler::CancelError> for ApiError {
+    fn from(error: crate::scheduler::CancelError) -> ApiError {
+        use crate::scheduler::CancelError;
+        match error {
+            CancelError::NotFound => ApiError::not_found(error.to_string()),
+            CancelError::AlreadyDelivered => {
+                ApiError::new(StatusCode::CONFLICT, "already_delivered", error.to_string())
+            }
+            CancelError::AlreadyDead => {
+                ApiError::new(StatusCode::CONFLICT, "already_dead", error.to_string())
+            }
+            // Not a 200: the attempt may still be delivered. Nothing was written; once the attempt
+            // settled, a DELETE answers for what it became (delivered, dead, or a retry it cancels).
+            CancelError::InFlight => ApiError {
+                retry_after_secs: Some(1),
+                ..ApiError::new(
+                    StatusCode::CONFLICT,
+                    "delivery_in_flight",
+                    "an attempt of this message is being delivered right now; nothing was cancelled. \
+                     Send the DELETE again once it settled: it is then delivered (409 already_delivered), \
+                     dead (409 already_dead) or waiting for a retry, which the DELETE cancels",
+                )
+            },
+            CancelError::Lookup(e) => ApiError::from(e),
+            CancelError::Append(e) => ApiError::from(e),
+            CancelError::Interrupted(e) => ApiError::internal(e),
         }
     }
 }

@@ -2,9 +2,18 @@
 //!
 //! Every field of a request is checked before anything is written; a message is acknowledged (201) only
 //! after the group commit that holds it returned from `fdatasync`.
+//!
+//! A cancel (`DELETE`) answers 200 only when no attempt of the message will start afterwards, and its
+//! tombstone is durable; while an attempt is being delivered it answers 409 `delivery_in_flight` and
+//! writes nothing (the scheduler's registry.rs keeps this true). Repeating a DELETE is safe.
+//!
+//! The idempotency index (`dedup`) holds a key only while its message is pending: the scheduler reports
+//! each finished one (delivered, dead, cancelled) and [`start_dedup_pruning`] drops it from the index.
 
 use super::error::ApiError;
+use super::DedupIndex;
 use super::{format_ms, parse_json, parse_rfc3339, valid_name, AppState, RawBody, Text};
+use crate::scheduler::{Cancelled, FinishedKey};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -17,6 +26,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 const MAX_KEY_BYTES: usize = 1024;
 const MAX_HEADERS: usize = 64;
@@ -344,10 +354,43 @@ fn check_disk(state: &AppState, bytes: usize) -> Result<(), ApiError> {
     })
 }
 
+/// Lets the idempotency index forget each key once its message is finished, as the scheduler reports
+/// them. Runs once per scheduler (later calls do nothing): the service may start it when it starts, and
+/// every handler here starts it if it is not running yet; reports made before wait in their channel.
+pub fn start_dedup_pruning(state: &AppState) {
+    if let Some(finished) = state.scheduler.take_finished_keys() {
+        tokio::spawn(prune_dedup_index(state.dedup.clone(), finished));
+    }
+}
+
+/// Drops each finished message's key from the index, until the scheduler is gone.
+async fn prune_dedup_index(
+    index: Arc<tokio::sync::Mutex<DedupIndex>>,
+    mut finished: tokio::sync::mpsc::UnboundedReceiver<FinishedKey>,
+) {
+    while let Some(first) = finished.recv().await {
+        let mut index = index.lock().await;
+        let mut next = Some(first);
+        while let Some(done) = next {
+            let key = (done.topic, done.key);
+            // Only this message's entry: the key may name a newer pending message by now.
+            if index.get(&key) == Some(&done.id) {
+                index.remove(&key);
+            }
+            next = finished.try_recv().ok();
+        }
+        // A map keeps its capacity; give memory back once most of it is unused.
+        if index.capacity() > 1024 && index.len() < index.capacity() / 4 {
+            index.shrink_to_fit();
+        }
+    }
+}
+
 pub async fn schedule(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
+    start_dedup_pruning(&state);
     check_disk(&state, bytes.len())?;
     let request: ScheduleRequest = parse_json(&bytes)?;
     let message = validate(&state, &request, state.clock.now_ms())?;
@@ -515,6 +558,7 @@ pub async fn status(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    start_dedup_pruning(&state);
     let (id, status) = find(&state, &id).await?;
     let message = &status.message;
     let mut body = json!({
@@ -547,40 +591,65 @@ pub async fn status(
     Ok(Json(body).into_response())
 }
 
+/// `DELETE /v1/messages/{id}`: 200 `cancelled` (also for a message cancelled before), 409
+/// `already_delivered` / `already_dead`, 409 `delivery_in_flight` (with `Retry-After`) while an attempt
+/// is being delivered, 404 for an unknown id; 503/507 when the tombstone could not be written (nothing
+/// was cancelled).
 pub async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let (id, status) = find(&state, &id).await?;
-    match status.state {
-        MessageState::Delivered { .. } => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "already_delivered",
-            "the message was delivered already",
-        )),
-        MessageState::Dead { .. } => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "already_dead",
-            "the message is dead (it will not be delivered)",
-        )),
-        MessageState::Cancelled { .. } => {
-            Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
-        }
-        MessageState::Pending => {
-            // A retry may have been written while this cancel was on its way: then the newer attempt
-            // is cancelled too, so that nothing of this id is delivered after a 200.
-            let mut location = status.location;
-            for _ in 0..8 {
-                state.scheduler.cancel(location).await?;
-                match lookup(&state, id).await? {
-                    Some(now) if now.state == MessageState::Pending && now.location != location => {
-                        location = now.location
-                    }
-                    _ => break,
-                }
-            }
-            metrics::counter!("delayd_messages_cancelled_total").increment(1);
-            Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
-        }
+    start_dedup_pruning(&state);
+    let id: MessageId = id
+        .parse()
+        .map_err(|_| ApiError::not_found(format!("{id:?} is not a message id")))?;
+    if state.scheduler.cancel(id).await? == Cancelled::Now {
+        metrics::counter!("delayd_messages_cancelled_total").increment(1);
+    }
+    Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use schedulelog::{Bucket, Location};
+
+    fn id(seq: u64) -> MessageId {
+        MessageId::new(Location {
+            bucket: Bucket::from_start_minute(29_935_260),
+            seq,
+        })
+    }
+
+    fn key(topic: &str, key: &str) -> (String, String) {
+        (topic.to_string(), key.to_string())
+    }
+
+    /// A finished message's key leaves the index; a key that names a newer message stays.
+    #[test]
+    fn finished_keys_leave_the_idempotency_index() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let index = Arc::new(tokio::sync::Mutex::new(DedupIndex::from([
+            (key("t", "a"), id(1)),
+            (key("t", "b"), id(3)), // b was sent again after message 2 finished
+            (key("u", "a"), id(4)),
+        ])));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let finished = |topic: &str, k: &str, seq| FinishedKey {
+            topic: topic.into(),
+            key: k.into(),
+            id: id(seq),
+        };
+        tx.send(finished("t", "a", 1)).unwrap();
+        tx.send(finished("t", "b", 2)).unwrap();
+        drop(tx); // the pruning ends with the scheduler
+        runtime.block_on(prune_dedup_index(index.clone(), rx));
+        let index = runtime.block_on(index.lock());
+        assert_eq!(
+            *index,
+            DedupIndex::from([(key("t", "b"), id(3)), (key("u", "a"), id(4))])
+        );
     }
 }

@@ -1,21 +1,35 @@
 //! Lanes: one tokio task per sink that turns due wheel entries into deliveries and their outcomes.
 //!
-//! Per batch: read the records (blocking pool), drop cancelled ones, call the sink (at most
-//! `max_in_flight` calls at once), then make each answer durable:
+//! Per batch: read the records (blocking pool), admit them in the registry (registry.rs: a cancelled
+//! attempt is dropped, one whose cancel is in progress is held, the rest are in flight until settled),
+//! call the sink (at most `max_in_flight` calls at once), then make each answer durable:
 //! - delivered / dead → an outcome in the bucket's dispatch log;
 //! - retry → a new attempt through the WAL (`attempt + 1`, due after the backoff with jitter or the
 //!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead;
 //! - postpone (delayd's own shortage, not the destination's: the broker's disk is full) → the entry goes
 //!   back to the wheel, nothing written, no attempt used.
 //!
+//! A sink's own delay (an HTTP `Retry-After`) is capped by the sink's `backoff_cap`, like the backoff
+//! itself (the configuration keeps that cap within `max_delay`): a receiver cannot park a message for
+//! centuries.
+//!
+//! A record that cannot be read is handed back to the wheel, never forgotten (it stays pending and in
+//! `delayd_pending_messages`); each failure is counted in `delayd_read_errors_total`, and
+//! `delayd_unreadable_messages` says how many entries are failing now. An I/O error (EMFILE, EIO, a
+//! segment that cannot be opened) is tried again after 1 s, doubling to 1 min. A corrupt record (a
+//! checksum that does not match) is tried again every 10 min: it does not heal by itself, but it may be
+//! repaired (a file restored), and it cannot be declared dead, for its id and seq are in the unreadable
+//! bytes.
+//!
 //! Outcomes are written only after the sink answered, so a crash in between repeats the delivery rather
 //! than losing it (at-least-once).
 
+use super::registry::Admission;
 use super::wheel::Entry;
 use super::{entry_bucket, Shared};
 use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry};
 use crossbeam_channel::Sender;
-use schedulelog::{Bucket, Location, NewMessage, Outcome, OutcomeKind};
+use schedulelog::{Bucket, Location, MessageId, NewMessage, Outcome, OutcomeKind};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -126,6 +140,11 @@ impl Lane {
         if deliveries.is_empty() {
             return;
         }
+        // Admitted in flight by read_batch; released once settled (or if this task ends early).
+        let flight = InFlight {
+            shared: &self.shared,
+            ids: deliveries.iter().map(|d| d.id).collect(),
+        };
         let now = self.shared.clock.now_ms();
         for delivery in &deliveries {
             let late_ms = (now - delivery.message.deliver_at_ms).max(0);
@@ -139,11 +158,18 @@ impl Lane {
                 reason: "the sink gave no answer for this message".into(),
             },
         );
-        self.settle(&entries, &deliveries, outcomes).await;
+        self.settle(&entries, &deliveries, outcomes, flight).await;
     }
 
-    /// Makes the sink's answers durable: retries through the WAL, then every outcome in the dispatch logs.
-    async fn settle(&self, entries: &[Entry], deliveries: &[Delivery], outcomes: Vec<SinkOutcome>) {
+    /// Makes the sink's answers durable: retries through the WAL, then every outcome in the dispatch logs;
+    /// then releases the attempts from flight.
+    async fn settle(
+        &self,
+        entries: &[Entry],
+        deliveries: &[Delivery],
+        outcomes: Vec<SinkOutcome>,
+        flight: InFlight<'_>,
+    ) {
         let now = self.shared.clock.now_ms();
         let mut records: Vec<(Bucket, Outcome)> = Vec::new();
         let mut retries = Vec::new();
@@ -180,9 +206,11 @@ impl Lane {
                     "postponed"
                 }
                 SinkOutcome::Retry { .. }
-                    if self.shared.cancelled().contains(&delivery.location) =>
+                    if self.shared.registry().take_cancelled(&delivery.location) =>
                 {
-                    // Cancelled while the sink was answering: no next attempt (the tombstone records it).
+                    // Cancelled while the sink was answering, by a tombstone the replayer reported (a
+                    // cancel through the scheduler is refused while an attempt is in flight): no next
+                    // attempt (the tombstone records it).
                     "cancelled"
                 }
                 SinkOutcome::Retry { after, reason } => {
@@ -196,9 +224,11 @@ impl Lane {
                         ));
                         "dead"
                     } else {
-                        let delay = after.unwrap_or_else(|| {
-                            self.policy.backoff.delay(attempt, self.random_unit())
-                        });
+                        // The sink's own delay is capped like the backoff (see the module doc).
+                        let delay = match after {
+                            Some(after) => after.min(self.policy.backoff.cap),
+                            None => self.policy.backoff.delay(attempt, self.random_unit()),
+                        };
                         let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
                         retries.push((
                             *entry,
@@ -238,6 +268,14 @@ impl Lane {
         if !records.is_empty() {
             self.record_outcomes(records).await;
         }
+        for (delivery, (_, label)) in deliveries.iter().zip(&labels) {
+            let m = &delivery.message;
+            if let (true, Some(key), "ok" | "dead" | "cancelled") = (m.dedup, &m.key, *label) {
+                self.shared.finished_key(&m.topic, key, delivery.id);
+            }
+        }
+        // Released before the report, so that whoever waits for it finds the attempts settled.
+        drop(flight);
         if let Some(settled) = &self.shared.settled {
             let _ = settled.send(labels);
         }
@@ -353,6 +391,8 @@ impl Lane {
         }
         match self.shared.log.append(encoded).await {
             Ok(appended) => {
+                #[cfg(test)]
+                self.shared.hook_retry_written().await;
                 let now = self.shared.clock.now_ms();
                 for ((_, delivery, _, _, reason), next) in retries.iter().zip(appended) {
                     let kind = OutcomeKind::Retried {
@@ -415,12 +455,58 @@ fn dead_letter(delivery: &Delivery, reason: &str) -> Delivery {
 /// The broker topic that receives dead messages.
 pub const DEAD_TOPIC: &str = "$dead";
 
-/// Reads the records of a batch, skipping cancelled ones. A record that cannot be read stays pending
-/// (it is logged and counted; the engine's corruption error names the file and offset).
+/// Attempts a lane has admitted and not yet settled; released from the registry when dropped (also if
+/// the task that holds them ends early), so that a cancel is refused only while they really run.
+struct InFlight<'a> {
+    shared: &'a Shared,
+    ids: Vec<MessageId>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.shared.registry().release(&self.ids);
+    }
+}
+
+/// I/O errors are tried again after 1 s, doubling up to this.
+const READ_RETRY_MAX_MS: i64 = 60_000;
+/// Corrupt records are tried again this often.
+const CORRUPT_RETRY_MS: i64 = 600_000;
+
+/// Hands an entry whose record could not be read back to the wheel, with backoff (module doc).
+fn unreadable(shared: &Shared, entry: &Entry, bucket: Bucket, error: &schedulelog::Error) {
+    metrics::counter!("delayd_read_errors_total").increment(1);
+    let failures = {
+        let mut unreadable = shared.unreadable();
+        let failures = unreadable
+            .entry((entry.bucket, entry.offset()))
+            .or_default();
+        *failures = failures.saturating_add(1);
+        let failures = *failures;
+        metrics::gauge!("delayd_unreadable_messages").set(unreadable.len() as f64);
+        failures
+    };
+    let corrupt = matches!(error, schedulelog::Error::Corrupt { .. });
+    let wait_ms = if corrupt {
+        CORRUPT_RETRY_MS
+    } else {
+        (1_000i64 << (failures - 1).min(6)).min(READ_RETRY_MAX_MS)
+    };
+    // Logged at the first failure and then ever more rarely (1, 2, 4, 8, ...), per entry.
+    if failures.is_power_of_two() {
+        tracing::error!(%bucket, offset = entry.offset(), failures, retry_in_ms = wait_ms, %error, "reading a due message failed; it stays pending and is tried again");
+    }
+    shared.requeue_at(*entry, shared.clock.now_ms().saturating_add(wait_ms));
+    #[cfg(test)]
+    shared.hook_read_failed(error);
+}
+
+/// Reads the records of a batch and admits them in the registry: returns the entries and deliveries to
+/// make, without the cancelled ones (dropped) and those whose cancel is in progress (held). A record
+/// that cannot be read goes back to the wheel (see the module doc).
 fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     let mut readers = HashMap::new();
-    let mut entries = Vec::with_capacity(batch.len());
-    let mut deliveries = Vec::with_capacity(batch.len());
+    let mut read = Vec::with_capacity(batch.len());
     for entry in batch {
         let bucket = entry_bucket(entry);
         let reader = match readers.entry(bucket) {
@@ -429,37 +515,61 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
                 Ok(Some(reader)) => v.insert(reader),
                 Ok(None) => continue, // retired meanwhile
                 Err(e) => {
-                    tracing::error!(%bucket, error = %e, "opening a segment failed");
-                    metrics::counter!("delayd_read_errors_total").increment(1);
+                    unreadable(shared, entry, bucket, &e);
                     continue;
                 }
             },
         };
         match reader.read_at(entry.offset(), entry.frame_len) {
-            Ok(message) => {
-                let location = Location {
-                    bucket,
-                    seq: message.seq,
-                };
-                if shared.take_cancelled(&location) {
-                    // Kept until the cancel is durable: if writing it fails, the entry goes back.
-                    shared.dropped().insert(location, *entry);
-                    if let Some(settled) = &shared.settled {
-                        let _ = settled.send(vec![(message.id, "cancelled")]);
-                    }
-                    continue;
+            Ok(message) => read.push((*entry, bucket, message)),
+            Err(e) => unreadable(shared, entry, bucket, &e),
+        }
+    }
+    {
+        let mut unreadable = shared.unreadable();
+        if !unreadable.is_empty() {
+            let before = unreadable.len();
+            for (entry, ..) in &read {
+                unreadable.remove(&(entry.bucket, entry.offset()));
+            }
+            if unreadable.len() != before {
+                metrics::gauge!("delayd_unreadable_messages").set(unreadable.len() as f64);
+            }
+        }
+    }
+    let mut entries = Vec::with_capacity(read.len());
+    let mut deliveries = Vec::with_capacity(read.len());
+    let mut dropped = Vec::new();
+    {
+        let mut registry = shared.registry();
+        for (entry, bucket, message) in read {
+            let location = Location {
+                bucket,
+                seq: message.seq,
+            };
+            match registry.admit(message.id, location, entry) {
+                Admission::Deliver => {
+                    entries.push(entry);
+                    deliveries.push(Delivery {
+                        id: message.id,
+                        location,
+                        message,
+                    });
                 }
-                entries.push(*entry);
-                deliveries.push(Delivery {
-                    id: message.id,
-                    location,
-                    message,
-                });
+                Admission::Cancelled => dropped.push(message),
+                Admission::Held => {
+                    #[cfg(test)]
+                    shared.hook_held(message.id);
+                }
             }
-            Err(e) => {
-                tracing::error!(%bucket, error = %e, "reading a due message failed");
-                metrics::counter!("delayd_read_errors_total").increment(1);
-            }
+        }
+    }
+    for message in dropped {
+        if let (true, Some(key)) = (message.dedup, &message.key) {
+            shared.finished_key(&message.topic, key, message.id);
+        }
+        if let Some(settled) = &shared.settled {
+            let _ = settled.send(vec![(message.id, "cancelled")]);
         }
     }
     (entries, deliveries)

@@ -7,6 +7,14 @@
 //!   overdue messages (QMQ reloads only the newest segments and strands the rest).
 //!
 //! A bucket is unwatched a grace period after it ended: nothing new is filed into a past bucket.
+//!
+//! Before taking a bucket's snapshot the loader marks it loaded in the registry (registry.rs): from then
+//! on cancels of its messages are kept in memory, and a cancel acknowledged before is filed before the
+//! snapshot is taken (or still held in memory as unfiled), so the snapshot and the cancels never miss
+//! each other. Once the snapshot is taken, cancels of records it leaves out as finished are dropped
+//! from memory (no lane will meet them). A retired bucket is forgotten by the registry with its cancels. Unwatching a bucket does
+//! not drop its cancels: its entries may still wait in a sink's backlog (a catch-up at a rate limit can
+//! outlast the grace period), and a lane must still drop them.
 
 use super::Shared;
 use crossbeam_channel::{select, Receiver, Sender};
@@ -54,8 +62,18 @@ impl Loader {
             let now = self.shared.clock.now_ms();
             let mut retry_soon = false;
             for bucket in self.due_buckets(now) {
+                self.shared
+                    .registry()
+                    .mark_loaded(bucket, self.shared.log.filed_below());
+                #[cfg(test)]
+                self.shared.hook_loader_marked(bucket);
+                // Every record below this is in the snapshot unless it is finished.
+                let filed_below = self.shared.log.filed_below();
                 match self.shared.log.watch(bucket) {
                     Ok(snapshot) => {
+                        self.shared
+                            .registry()
+                            .snapshot_taken(&snapshot, filed_below);
                         self.loaded.insert(bucket);
                         self.live.insert(bucket);
                         if loaded.send(snapshot).is_err() {
@@ -84,6 +102,13 @@ impl Loader {
             if now >= next_retire {
                 match self.shared.log.retire() {
                     Ok(retired) if !retired.is_empty() => {
+                        let mut registry = self.shared.registry();
+                        for bucket in &retired {
+                            registry.forget(*bucket);
+                            // Past buckets take no new records: never loaded again.
+                            self.loaded.remove(bucket);
+                        }
+                        drop(registry);
                         tracing::info!(?retired, "retired buckets")
                     }
                     Ok(_) => {}
@@ -141,8 +166,6 @@ impl Loader {
         for bucket in ended {
             self.live.remove(&bucket);
             self.shared.log.unwatch(bucket);
-            self.shared.cancelled().retain(|l| l.bucket != bucket);
-            self.shared.dropped().retain(|l, _| l.bucket != bucket);
         }
     }
 }

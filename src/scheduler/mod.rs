@@ -17,20 +17,30 @@
 //!   bytes each, in due order) while time keeps running for every other sink.
 //! - A **lane** per sink (a tokio task) reads records, drops cancelled ones, calls the sink with up to
 //!   `max_in_flight` batches at a time, writes retries back through the WAL as new attempts and records
-//!   outcomes in the dispatch log, always after the sink answered.
+//!   outcomes in the dispatch log, always after the sink answered. A record it cannot read goes back to
+//!   the wheel (dispatcher.rs says when): it stays pending and counted, never forgotten.
+//! - The **registry** (registry.rs) is where lanes, cancels and the loader meet under one lock: what is in
+//!   flight, what is being cancelled, which cancels must stay in memory. It makes a cancel's answer true:
+//!   200 only when no attempt will start afterwards, 409 `delivery_in_flight` while one is running.
+//!
+//! Lanes report each message sent with an idempotency key (`dedup`) once it is finished (delivered, dead
+//! or cancelled) on the channel [`Scheduler::take_finished_keys`] hands out, so that the HTTP edge's
+//! idempotency index lets go of it.
 //!
 //! All time comes from the [`Clock`] the scheduler is given.
 
 mod dispatcher;
 mod loader;
 pub mod rate;
+mod registry;
 pub mod wheel;
 
 use crate::sink::{Sink, SinkRegistry};
 use crossbeam_channel::{select, Receiver, Sender};
 use rate::TokenBucket;
-use schedulelog::{Bucket, BucketSnapshot, Clock, Location, MessageId, Replayed, ScheduleLog};
-use std::collections::{HashMap, HashSet, VecDeque};
+use registry::Registry;
+use schedulelog::{Bucket, BucketSnapshot, Clock, MessageId, Replayed, ScheduleLog};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -38,7 +48,17 @@ use std::time::Duration;
 use wheel::{Entry, Wheel};
 
 pub use dispatcher::DEAD_TOPIC;
+pub use registry::{CancelError, Cancelled};
 pub use schedulelog::{ManualClock, SystemClock};
+
+/// A message sent with an idempotency key that is finished (delivered, dead or cancelled): its key is
+/// free again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedKey {
+    pub topic: String,
+    pub key: String,
+    pub id: MessageId,
+}
 
 /// Scheduler settings.
 #[derive(Clone)]
@@ -86,8 +106,14 @@ impl Default for SchedulerConfig {
 pub(crate) struct Shared {
     pub log: Arc<ScheduleLog>,
     pub clock: Arc<dyn Clock>,
-    /// Cancels reported for watched buckets; a lane drops such a message instead of delivering it.
-    pub cancelled: Mutex<HashSet<Location>>,
+    /// In flight, being cancelled, cancelled: see registry.rs.
+    registry: Mutex<Registry>,
+    /// Woken each time a cancel finishes (another cancel of the same message may be waiting).
+    pub cancel_done: tokio::sync::Notify,
+    /// Due entries whose record could not be read, by (bucket minute, offset), with their failures so far.
+    pub unreadable: Mutex<HashMap<(u32, u64), u32>>,
+    /// Where finished messages with an idempotency key are reported.
+    finished_keys: tokio::sync::mpsc::UnboundedSender<FinishedKey>,
     pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
     pub dead_letters: Option<Arc<dyn Sink>>,
     /// Records in buckets not loaded yet (set by the loader; part of `delayd_pending_messages`).
@@ -96,10 +122,11 @@ pub(crate) struct Shared {
     pub in_memory: AtomicU64,
     /// Set at shutdown: lanes start no new batch (what they did not start stays pending on disk).
     pub stopping: std::sync::atomic::AtomicBool,
-    /// Entries a lane skipped for a cancel whose tombstone is not durable yet; put back if it fails.
-    pub dropped: Mutex<HashMap<Location, Entry>>,
-    /// Entries handed back to the wheel (a failed retry write, a failed cancel, a lost dead letter).
+    /// Entries handed back to the wheel (an unreadable record, a failed retry write, a failed cancel, a
+    /// postponed delivery).
     pub requeued: Sender<Entry>,
+    #[cfg(test)]
+    pub hooks: Mutex<tests::Hooks>,
 }
 
 impl Shared {
@@ -111,12 +138,21 @@ impl Shared {
         metrics::gauge!("delayd_pending_messages").set(pending as f64);
     }
 
-    pub fn cancelled(&self) -> std::sync::MutexGuard<'_, HashSet<Location>> {
-        self.cancelled.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn dropped(&self) -> std::sync::MutexGuard<'_, HashMap<Location, Entry>> {
-        self.dropped.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn unreadable(&self) -> std::sync::MutexGuard<'_, HashMap<(u32, u64), u32>> {
+        self.unreadable.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reports a finished message that carries an idempotency key.
+    pub fn finished_key(&self, topic: &str, key: &str, id: MessageId) {
+        let _ = self.finished_keys.send(FinishedKey {
+            topic: topic.to_string(),
+            key: key.to_string(),
+            id,
+        });
     }
 
     /// Hands an entry back to the wheel, due a second from `now_ms`.
@@ -128,11 +164,6 @@ impl Shared {
     pub fn requeue_at(&self, entry: Entry, due_ms: i64) {
         let _ = self.requeued.send(entry.due_at(due_ms));
     }
-
-    /// Whether the attempt at `location` was cancelled; forgets it (it will not come up again).
-    pub fn take_cancelled(&self, location: &Location) -> bool {
-        self.cancelled().remove(location)
-    }
 }
 
 /// A running scheduler. Stop it with [`Scheduler::shutdown`].
@@ -140,6 +171,7 @@ impl Shared {
 pub struct Scheduler {
     shared: Arc<Shared>,
     running: Mutex<Option<Running>>,
+    finished_keys: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<FinishedKey>>>,
 }
 
 #[derive(Debug)]
@@ -159,17 +191,22 @@ impl Scheduler {
         runtime: &tokio::runtime::Handle,
     ) -> std::io::Result<Scheduler> {
         let (requeued, requeued_rx) = crossbeam_channel::unbounded();
+        let (finished_keys, finished_keys_rx) = tokio::sync::mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             log: log.clone(),
             clock: clock.clone(),
-            cancelled: Mutex::default(),
+            registry: Mutex::default(),
+            cancel_done: tokio::sync::Notify::new(),
+            unreadable: Mutex::default(),
+            finished_keys,
             settled: config.settled.clone(),
             dead_letters: config.dead_letters.clone(),
             unloaded_records: AtomicU64::default(),
             in_memory: AtomicU64::default(),
             stopping: Default::default(),
-            dropped: Mutex::default(),
             requeued,
+            #[cfg(test)]
+            hooks: Mutex::default(),
         });
         let (tap_tx, tap_rx) = crossbeam_channel::unbounded();
         log.set_tap(tap_tx);
@@ -218,24 +255,28 @@ impl Scheduler {
                 threads: vec![wheel_thread, loader_thread],
                 lanes,
             })),
+            finished_keys: Mutex::new(Some(finished_keys_rx)),
         })
     }
 
-    /// Cancels the attempt at `location`: no delivery starts after this call, and once it returns `Ok`
-    /// the tombstone is durable. (The set is consulted right before the sink is called; the tombstone
-    /// alone would take effect only once replayed, which could be after the message came due.)
-    pub async fn cancel(&self, location: Location) -> Result<u64, schedulelog::AppendError> {
-        self.shared.cancelled().insert(location);
-        let result = self.shared.log.cancel(location).await;
-        let skipped = self.shared.dropped().remove(&location);
-        if result.is_err() {
-            self.shared.cancelled().remove(&location);
-            // A lane skipped the message for this cancel, which did not happen: it goes back.
-            if let Some(entry) = skipped {
-                self.shared.requeue(entry, self.shared.clock.now_ms());
-            }
-        }
-        result
+    /// Cancels a message: every attempt of it that is still pending. `Ok` means no attempt starts after
+    /// this call and the tombstones are durable; [`CancelError::InFlight`] means an attempt is being
+    /// delivered right now (nothing was written: ask again once it settled). See registry.rs for how the
+    /// answer is kept true. The work runs on a task of its own, so a caller that goes away (a client
+    /// that disconnects) cannot leave a durable tombstone unknown to the lanes.
+    pub async fn cancel(&self, id: MessageId) -> Result<Cancelled, CancelError> {
+        tokio::spawn(registry::cancel(self.shared.clone(), id))
+            .await
+            .map_err(|e| CancelError::Interrupted(e.to_string()))?
+    }
+
+    /// The receiving end of the finished-key reports (see the module doc); `None` after the first call.
+    /// Reports sent before it is taken wait in the channel (at most one per message sent with `dedup`).
+    pub fn take_finished_keys(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<FinishedKey>> {
+        self.finished_keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     /// Stops loading and firing, lets the lanes finish the batches they hold, and returns.
@@ -321,9 +362,12 @@ impl WheelThread {
     ) {
         let changes = self.shared.clock.changes();
         loop {
+            // Read before the drain: every report of a tombstone below it is handled after the drain.
+            let filed_below = self.shared.log.filed_below();
             for event in tap.try_iter() {
                 self.on_replayed(event);
             }
+            self.shared.registry().prune(filed_below, true);
             for snapshot in loaded.try_iter() {
                 self.on_loaded(&snapshot);
             }
@@ -368,7 +412,7 @@ impl WheelThread {
                     Ok(snapshot) => self.on_loaded(&snapshot),
                     Err(_) => return,
                 },
-                                recv(space) -> _ => {},
+                recv(space) -> _ => {},
                 recv(requeued) -> entry => if let Ok(entry) = entry { self.wheel.insert(entry) },
                 recv(changes) -> _ => {},
                 recv(timeout) -> _ => {},
@@ -385,8 +429,8 @@ impl WheelThread {
                 entry.frame_len,
                 entry.sink_tag,
             )),
-            Replayed::Cancelled(location) => {
-                self.shared.cancelled().insert(location);
+            Replayed::Cancelled { target, seq } => {
+                self.shared.registry().on_replayed_cancel(target, seq);
             }
         }
     }

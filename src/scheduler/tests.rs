@@ -10,6 +10,68 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// Points where a test holds a scheduler thread or task, to run something else at exactly that moment.
+/// Each is a signal out (the moment has come) and a gate in (a permit, or a message, per pass).
+#[derive(Debug, Default)]
+pub(crate) struct Hooks {
+    /// A lane has written retries through the WAL and not yet recorded their `retried` outcomes.
+    pub retry_written: Option<(Sender<()>, Arc<tokio::sync::Semaphore>)>,
+    /// The loader has marked this bucket loaded and not yet taken its snapshot.
+    pub loader_marked: Option<(Sender<Bucket>, Receiver<()>)>,
+    /// A cancel has taken its message and not yet looked it up.
+    pub cancel_begun: Option<(Sender<MessageId>, Arc<tokio::sync::Semaphore>)>,
+    /// A due record could not be read (the error's text); signalled once its entry was handed back.
+    pub read_failed: Option<Sender<String>>,
+    /// A lane held back a due message whose cancel is in progress.
+    pub held: Option<Sender<MessageId>>,
+}
+
+impl Shared {
+    fn hooks(&self) -> std::sync::MutexGuard<'_, Hooks> {
+        self.hooks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) async fn hook_retry_written(&self) {
+        let hook = self.hooks().retry_written.clone();
+        if let Some((signal, gate)) = hook {
+            let _ = signal.send(());
+            if let Ok(permit) = gate.acquire().await {
+                permit.forget();
+            }
+        }
+    }
+
+    pub(crate) fn hook_loader_marked(&self, bucket: Bucket) {
+        let hook = self.hooks().loader_marked.clone();
+        if let Some((signal, gate)) = hook {
+            let _ = signal.send(bucket);
+            let _ = gate.recv();
+        }
+    }
+
+    pub(crate) async fn hook_cancel_begun(&self, id: MessageId) {
+        let hook = self.hooks().cancel_begun.clone();
+        if let Some((signal, gate)) = hook {
+            let _ = signal.send(id);
+            if let Ok(permit) = gate.acquire().await {
+                permit.forget();
+            }
+        }
+    }
+
+    pub(crate) fn hook_held(&self, id: MessageId) {
+        if let Some(signal) = &self.hooks().held {
+            let _ = signal.send(id);
+        }
+    }
+
+    pub(crate) fn hook_read_failed(&self, error: &schedulelog::Error) {
+        if let Some(signal) = &self.hooks().read_failed {
+            let _ = signal.send(error.to_string());
+        }
+    }
+}
+
 /// 2026-12-01T09:30:00Z
 const T0: i64 = 1_796_117_400_000;
 const MINUTE: i64 = 60_000;
@@ -51,7 +113,8 @@ impl Sink for TestSink {
                 .as_micros() as i64;
             let _ = self.entered.send(());
             if let Some(gate) = &self.gate {
-                let _ = gate.acquire().await.unwrap();
+                // Closed when the harness is dropped: a failed test ends instead of hanging here.
+                let _ = gate.acquire().await;
             }
             let mut script = self.script.lock().unwrap();
             batch
@@ -228,6 +291,21 @@ impl Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
+        // Whatever a failed test left held is let go, so that it fails instead of hanging.
+        for (_, _, gate) in &self.sinks {
+            if let Some(gate) = gate {
+                gate.close();
+            }
+        }
+        if let Some(scheduler) = &self.scheduler {
+            let mut hooks = scheduler.shared.hooks();
+            let retry_gate = hooks.retry_written.take().map(|(_, gate)| gate);
+            let cancel_gate = hooks.cancel_begun.take().map(|(_, gate)| gate);
+            for gate in [retry_gate, cancel_gate].into_iter().flatten() {
+                gate.close();
+            }
+            hooks.loader_marked = None;
+        }
         if let Some(scheduler) = self.scheduler.take() {
             self.runtime.block_on(scheduler.shutdown());
         }
@@ -387,16 +465,27 @@ fn cancels_before_and_after_loading() {
     let before = h.schedule("a", T0 + 2 * HOUR, "cancelled before loading");
     let after = h.schedule("a", T0 + 10 * MINUTE, "cancelled after loading");
     h.schedule("a", T0 + 2 * HOUR + 1, "kept");
+    h.schedule("a", T0, "probe");
     let log = h.log().clone();
     log.cancel(log.lookup(before).unwrap().unwrap().location)
         .wait()
         .unwrap();
     h.start();
+    assert_eq!(h.recv().body, "probe");
+    h.settle(1);
     h.set(T0 + MINUTE);
-    // The bucket of `after` is loaded (it is the current one): cancel it through the scheduler.
-    let location = log.lookup(after).unwrap().unwrap().location;
+    // The bucket of `after` is loaded (it is the current one, and the probe from it came): cancel it
+    // through the scheduler.
     let scheduler = h.scheduler.as_ref().unwrap();
-    h.runtime.block_on(scheduler.cancel(location)).unwrap();
+    assert_eq!(
+        h.runtime.block_on(scheduler.cancel(after)).unwrap(),
+        Cancelled::Now
+    );
+    assert_eq!(
+        h.runtime.block_on(scheduler.cancel(after)).unwrap(),
+        Cancelled::Already,
+        "a second cancel answers the same"
+    );
     h.set(T0 + 10 * MINUTE);
     assert_eq!(h.settle(1), vec![(after, "cancelled")]);
     h.set(T0 + 2 * HOUR + 1);
@@ -603,43 +692,231 @@ fn real_clock_lateness() {
     );
 }
 
+/// A cancel while the sink holds an attempt is refused (409 `delivery_in_flight` at the edge): the
+/// attempt may still be delivered, so a 200 would be contradicted by a later `delivered`. Once the attempt
+/// settled, a cancel answers for what it became.
 #[test]
-fn a_cancel_that_races_a_retry_stops_the_series() {
+fn a_cancel_while_an_attempt_is_in_flight_is_refused_not_contradicted() {
     let mut h = Harness::manual();
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     h.sinks = vec![("a", SinkPolicy::default(), Some(gate.clone()))];
+    let id = h.schedule("a", T0, "in flight");
+    h.start();
+    h.entered
+        .recv_timeout(WAIT)
+        .expect("the attempt reached the sink");
+    let scheduler = h.scheduler.as_ref().unwrap();
+    assert!(matches!(
+        h.runtime.block_on(scheduler.cancel(id)),
+        Err(CancelError::InFlight)
+    ));
+    assert_eq!(
+        h.log().lookup(id).unwrap().unwrap().state,
+        MessageState::Pending,
+        "nothing was written"
+    );
+    gate.add_permits(1);
+    assert_eq!(h.recv().body, "in flight");
+    assert_eq!(h.settle(1), vec![(id, "ok")]);
+    assert!(matches!(
+        h.runtime.block_on(scheduler.cancel(id)),
+        Err(CancelError::AlreadyDelivered)
+    ));
+    assert!(matches!(
+        h.log().lookup(id).unwrap().unwrap().state,
+        MessageState::Delivered { .. }
+    ));
+}
+
+/// The window of the issue: the lane has written the next attempt through the WAL and not yet recorded
+/// the `retried` outcome. A cancel then is refused (the old code cancelled the old attempt, answered 200,
+/// and the new attempt fired after its backoff); once the outcome is recorded the cancel takes the new
+/// attempt, and nothing of the message is delivered again.
+#[test]
+fn a_cancel_between_a_written_retry_and_its_outcome_waits_then_stops_the_series() {
+    let mut h = Harness::manual();
     let retry = SinkOutcome::Retry {
         after: None,
         reason: "503".into(),
     };
     h.script.insert("racy".into(), vec![retry.clone(), retry]);
-    let id = h.schedule("a", T0, "racy");
+    // Due only once the hook is in place.
+    let id = h.schedule("a", T0 + 1, "racy");
     h.start();
-    let location = h.log().lookup(id).unwrap().unwrap().location;
-    // The sink is in its call (it will answer "retry") when the cancel is acknowledged.
-    h.entered
-        .recv_timeout(WAIT)
-        .expect("attempt 0 reached the sink");
-    let scheduler = h.scheduler.as_ref().unwrap();
-    h.runtime.block_on(scheduler.cancel(location)).unwrap();
-    gate.add_permits(10);
+    let (written_tx, written) = crossbeam_channel::unbounded();
+    let outcome_gate = Arc::new(tokio::sync::Semaphore::new(0));
+    h.scheduler.as_ref().unwrap().shared.hooks().retry_written =
+        Some((written_tx, outcome_gate.clone()));
+    h.set(T0 + 1);
     assert_eq!(h.recv().attempt, 0);
+    written
+        .recv_timeout(WAIT)
+        .expect("attempt 1 is durable, its retried outcome is not recorded");
+    let scheduler = h.scheduler.as_ref().unwrap();
+    assert!(matches!(
+        h.runtime.block_on(scheduler.cancel(id)),
+        Err(CancelError::InFlight)
+    ));
+    outcome_gate.add_permits(1);
+    assert_eq!(h.settle(1), vec![(id, "retry")]);
     assert_eq!(
-        h.settle(1),
-        vec![(id, "cancelled")],
-        "no retry is written for a cancelled attempt"
+        h.runtime.block_on(scheduler.cancel(id)).unwrap(),
+        Cancelled::Now
     );
-    h.set(T0 + HOUR);
+    let status = h.log().lookup(id).unwrap().unwrap();
+    assert_eq!(status.message.attempt, 1, "the cancel took the new attempt");
+    assert!(matches!(status.state, MessageState::Cancelled { .. }));
+    // Attempt 1 was due within a second; an hour later only the sentinel has come.
     h.schedule("a", T0 + HOUR, "sentinel");
+    h.set(T0 + HOUR);
     assert_eq!(h.recv().body, "sentinel");
     assert!(
         h.received.try_recv().is_err(),
-        "the cancelled message never came back"
+        "no attempt of the cancelled message started after the 200"
     );
-    assert!(matches!(
-        h.log().lookup(id).unwrap().unwrap().state,
-        MessageState::Cancelled { .. }
-    ));
+}
+
+/// A message that comes due while its cancel is in progress (taken, not yet looked up) is held by the
+/// lane, not delivered, and dropped when the cancel succeeds.
+#[test]
+fn a_message_due_during_its_cancel_is_held_then_dropped() {
+    let mut h = Harness::manual();
+    let id = h.schedule("a", T0 + 1_000, "due meanwhile");
+    h.start();
+    let scheduler = h.scheduler.as_ref().unwrap();
+    let (begun_tx, begun) = crossbeam_channel::unbounded();
+    let (held_tx, held) = crossbeam_channel::unbounded();
+    let lookup_gate = Arc::new(tokio::sync::Semaphore::new(0));
+    {
+        let mut hooks = scheduler.shared.hooks();
+        hooks.cancel_begun = Some((begun_tx, lookup_gate.clone()));
+        hooks.held = Some(held_tx);
+    }
+    std::thread::scope(|s| {
+        let cancel = s.spawn(|| h.runtime.block_on(scheduler.cancel(id)));
+        assert_eq!(begun.recv_timeout(WAIT).unwrap(), id);
+        h.set(T0 + 1_000);
+        assert_eq!(held.recv_timeout(WAIT).unwrap(), id, "the lane holds it");
+        lookup_gate.add_permits(1);
+        assert_eq!(cancel.join().unwrap().unwrap(), Cancelled::Now);
+    });
+    assert_eq!(h.settle(1), vec![(id, "cancelled")]);
+    h.schedule("a", T0 + 2_000, "sentinel");
+    h.set(T0 + 2_000);
+    assert_eq!(h.recv().body, "sentinel");
+    assert!(h.received.try_recv().is_err());
+    assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
+}
+
+/// Cancels of messages in buckets not loaded stay on disk (their tombstones keep them out of the
+/// bucket's snapshot); a cancel in a loaded bucket is held in memory until the lane meets its entry.
+#[test]
+fn far_future_cancels_stay_on_disk_loaded_ones_in_memory_until_met() {
+    let mut h = Harness::manual();
+    let far_at = T0 + 30 * 24 * HOUR;
+    let far: Vec<MessageId> = (0..50)
+        .map(|i| h.schedule("a", far_at + i, &format!("far{i}")))
+        .collect();
+    let near = h.schedule("a", T0 + 10 * MINUTE, "near");
+    h.schedule("a", far_at + HOUR, "sentinel");
+    h.schedule("a", T0, "probe");
+    h.start();
+    assert_eq!(h.recv().body, "probe", "the current bucket is loaded");
+    h.settle(1);
+    let scheduler = h.scheduler.as_ref().unwrap();
+    for id in &far {
+        assert_eq!(
+            h.runtime.block_on(scheduler.cancel(*id)).unwrap(),
+            Cancelled::Now
+        );
+    }
+    h.log().checkpoint().unwrap(); // every tombstone is filed
+    assert_eq!(
+        h.runtime.block_on(scheduler.cancel(near)).unwrap(),
+        Cancelled::Now
+    );
+    {
+        let registry = scheduler.shared.registry();
+        assert_eq!(
+            (registry.cancelled_len(), registry.unfiled_len()),
+            (1, 0),
+            "only the cancel of the loaded bucket is in memory"
+        );
+    }
+    h.set(T0 + 10 * MINUTE);
+    assert_eq!(h.settle(1), vec![(near, "cancelled")]);
+    assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
+    // A month later the far bucket is loaded: its snapshot leaves the cancelled messages out.
+    h.set(far_at + 100);
+    h.set(far_at + HOUR);
+    assert_eq!(h.recv().body, "sentinel");
+    assert!(h.received.try_recv().is_err(), "no cancelled message came");
+}
+
+/// A cancel racing the load of its bucket, both ways round: one acknowledged while the loader has marked
+/// the bucket but not taken its snapshot; one that took its message before the mark and writes its
+/// tombstone only after the snapshot was taken (with the message in it). Neither message is delivered,
+/// though both are overdue when their bucket loads.
+#[test]
+fn a_cancel_racing_the_load_of_its_bucket_is_honoured() {
+    let mut h = Harness::manual();
+    let due = T0 + HOUR; // 10:30, bucket 10:00
+    let first = h.schedule("a", due, "first");
+    let second = h.schedule("a", due + 1, "second");
+    h.schedule("a", due + 2, "sentinel");
+    let bucket = h.log().lookup(first).unwrap().unwrap().location.bucket;
+    h.start();
+    let scheduler = h.scheduler.as_ref().unwrap();
+    let (marked_tx, marked) = crossbeam_channel::unbounded();
+    let (go, go_rx) = crossbeam_channel::unbounded();
+    let (begun_tx, begun) = crossbeam_channel::unbounded();
+    let lookup_gate = Arc::new(tokio::sync::Semaphore::new(0));
+    scheduler.shared.hooks().loader_marked = Some((marked_tx, go_rx));
+    scheduler.shared.hooks().cancel_begun = Some((begun_tx, lookup_gate.clone()));
+    // Waits for the loader to mark `bucket`, letting it past any other bucket.
+    let wait_for_mark = |target: Bucket| loop {
+        let bucket = marked.recv_timeout(WAIT).expect("the loader marks buckets");
+        if bucket == target {
+            return;
+        }
+        go.send(()).unwrap();
+    };
+    std::thread::scope(|s| {
+        // `second`'s cancel takes the message before the mark and waits before its lookup.
+        let late = s.spawn(|| h.runtime.block_on(scheduler.cancel(second)));
+        assert_eq!(begun.recv_timeout(WAIT).unwrap(), second);
+        scheduler.shared.hooks().cancel_begun = None;
+        // 10:55: one pass marks 10:00, then 11:00, in that order.
+        h.set(T0 + HOUR + 25 * MINUTE);
+        wait_for_mark(bucket);
+        // Marked, no snapshot yet: `first`'s cancel is acknowledged now.
+        assert_eq!(
+            h.runtime.block_on(scheduler.cancel(first)).unwrap(),
+            Cancelled::Now
+        );
+        go.send(()).unwrap();
+        // The loader marks 11:00 only after it took 10:00's snapshot (with `second` in it).
+        wait_for_mark(bucket.next(h.log().segment_minutes()));
+        lookup_gate.add_permits(1);
+        assert_eq!(late.join().unwrap().unwrap(), Cancelled::Now);
+        go.send(()).unwrap();
+    });
+    scheduler.shared.hooks().loader_marked = None;
+    drop(go);
+    // `first` was left out of the snapshot (its tombstone was filed before it was taken); `second` was
+    // in it and is dropped by the lane.
+    assert_eq!(h.recv().body, "sentinel");
+    let mut cancelled = Vec::new();
+    while cancelled.is_empty() {
+        let batch = h.settled.recv_timeout(WAIT).expect("settled outcomes");
+        cancelled.extend(batch.into_iter().filter(|(_, l)| *l == "cancelled"));
+    }
+    assert_eq!(cancelled, vec![(second, "cancelled")]);
+    h.schedule("a", due + HOUR, "second sentinel");
+    h.set(due + HOUR);
+    assert_eq!(h.recv().body, "second sentinel");
+    assert!(h.received.try_recv().is_err(), "neither was delivered");
+    assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
 }
 
 /// Fails to store the first dead letter it is given, then stores them.
@@ -704,4 +981,166 @@ fn a_dead_letter_that_cannot_be_stored_at_once_is_stored_later_not_delivered_aga
         "sentinel",
         "the dead message was delivered again"
     );
+}
+
+/// Flips one byte of `needle` in `path` (to make a record's checksum fail, or to undo that).
+fn flip_byte_of(path: &std::path::Path, needle: &[u8]) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .expect("the record is in the file");
+    bytes[at] ^= 0x20;
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// A due message whose record cannot be read stays pending and comes round again: after 1 s for an I/O
+/// error (the segment cannot be opened), after 10 min for a corrupt record; once the file is whole again
+/// it is delivered. (The old lane logged the error and forgot the entry until a restart.)
+#[test]
+fn an_unreadable_due_message_is_handed_back_not_forgotten() {
+    let mut h = Harness::manual();
+    let fragile = h.schedule("a", T0 + MINUTE, "fragile");
+    let corrupt = h.schedule("a", T0 + 2 * MINUTE, "corrupt-me");
+    h.schedule("a", T0, "probe");
+    h.start();
+    assert_eq!(h.recv().body, "probe", "the bucket is loaded");
+    h.settle(1);
+    let scheduler = h.scheduler.as_ref().unwrap();
+    let (failed_tx, failed) = crossbeam_channel::unbounded();
+    scheduler.shared.hooks().read_failed = Some(failed_tx);
+    let bucket = h.log().lookup(fragile).unwrap().unwrap().location.bucket;
+    let segment = h.dir.path().join("schedule").join(format!("{bucket}.log"));
+    let aside = segment.with_extension("aside");
+
+    // An I/O error: the segment cannot be opened.
+    std::fs::rename(&segment, &aside).unwrap();
+    h.set(T0 + MINUTE);
+    let error = failed.recv_timeout(WAIT).expect("the read failed");
+    assert!(error.starts_with("I/O error"), "{error}");
+    assert_eq!(
+        scheduler.shared.unreadable().len(),
+        1,
+        "counted as unreadable"
+    );
+    std::fs::rename(&aside, &segment).unwrap();
+    h.set(T0 + MINUTE + 1_000);
+    let r = h.recv();
+    assert_eq!((r.body.as_str(), r.at_ms), ("fragile", T0 + MINUTE + 1_000));
+    assert_eq!(h.settle(1), vec![(fragile, "ok")]);
+    assert!(scheduler.shared.unreadable().is_empty(), "read at last");
+
+    // A corrupt record: tried again every 10 minutes, delivered once repaired.
+    flip_byte_of(&segment, b"corrupt-me");
+    h.set(T0 + 2 * MINUTE);
+    let error = failed.recv_timeout(WAIT).expect("the read failed");
+    assert!(error.starts_with("corrupt log"), "{error}");
+    flip_byte_of(&segment, b"Corrupt-me");
+    assert!(
+        matches!(
+            h.log().lookup(corrupt).unwrap().unwrap().state,
+            MessageState::Pending
+        ),
+        "still pending"
+    );
+    // Before the 10 minutes are up only a sentinel comes.
+    h.schedule("a", T0 + 12 * MINUTE - 1, "sentinel");
+    h.set(T0 + 12 * MINUTE - 1);
+    assert_eq!(h.recv().body, "sentinel");
+    h.set(T0 + 12 * MINUTE);
+    let r = h.recv();
+    assert_eq!((r.body.as_str(), r.at_ms), ("corrupt-me", T0 + 12 * MINUTE));
+    assert!(failed.try_recv().is_err(), "no more failures");
+}
+
+/// A sink's own delay (an HTTP `Retry-After`) is capped by the sink's backoff cap: `Retry-After:
+/// 99999999999` does not park the message for centuries.
+#[test]
+fn a_sinks_retry_delay_is_capped_by_the_backoff_cap() {
+    let mut h = Harness::manual();
+    h.sinks = vec![(
+        "a",
+        SinkPolicy {
+            backoff: crate::sink::Backoff {
+                cap: Duration::from_secs(60),
+                ..crate::sink::Backoff::default()
+            },
+            ..SinkPolicy::default()
+        },
+        None,
+    )];
+    h.script.insert(
+        "patient".into(),
+        vec![SinkOutcome::Retry {
+            after: Some(Duration::from_secs(99_999_999_999)),
+            reason: "HTTP 503".into(),
+        }],
+    );
+    let id = h.schedule("a", T0, "patient");
+    h.start();
+    assert_eq!(h.recv().attempt, 0);
+    assert_eq!(h.settle(1), vec![(id, "retry")]);
+    assert_eq!(
+        h.log().lookup(id).unwrap().unwrap().message.deliver_at_ms,
+        T0 + 60_000
+    );
+    h.set(T0 + 60_000);
+    let r = h.recv();
+    assert_eq!((r.attempt, r.at_ms), (1, T0 + 60_000));
+}
+
+/// Messages sent with an idempotency key are reported once finished, whichever way: delivered, dead or
+/// cancelled (so that the HTTP edge's index lets go of their keys). Others are not reported.
+#[test]
+fn finished_messages_with_an_idempotency_key_are_reported() {
+    let mut h = Harness::manual();
+    h.script.insert(
+        "dies".into(),
+        vec![SinkOutcome::Dead {
+            reason: "HTTP 400".into(),
+        }],
+    );
+    let keyed = |h: &Harness, at: i64, body: &str| {
+        let message = NewMessage {
+            deliver_at_ms: at,
+            topic: "t".into(),
+            key: Some(body.to_string()),
+            sink: "a".into(),
+            body: body.as_bytes().to_vec(),
+            dedup: true,
+            ..NewMessage::default()
+        };
+        h.log()
+            .append(vec![message.encode().unwrap()])
+            .wait()
+            .unwrap()[0]
+            .id
+    };
+    let delivered = keyed(&h, T0, "delivered");
+    let dies = keyed(&h, T0, "dies");
+    let cancelled = keyed(&h, T0 + HOUR, "cancelled");
+    h.schedule("a", T0, "no key");
+    h.start();
+    let scheduler = h.scheduler.as_ref().unwrap();
+    let mut finished = scheduler.take_finished_keys().unwrap();
+    assert!(scheduler.take_finished_keys().is_none(), "handed out once");
+    h.settle(3);
+    h.runtime.block_on(scheduler.cancel(cancelled)).unwrap();
+    let mut got: Vec<(String, MessageId)> = (0..3)
+        .map(|_| {
+            let key = finished.try_recv().expect("a finished key");
+            assert_eq!(key.topic, "t");
+            (key.key, key.id)
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        vec![
+            ("cancelled".to_string(), cancelled),
+            ("delivered".to_string(), delivered),
+            ("dies".to_string(), dies)
+        ]
+    );
+    assert!(finished.try_recv().is_err(), "nothing else");
 }

@@ -7,9 +7,13 @@
 //! ones and the names above; `content-type` from the message's headers, else `application/octet-stream`.
 //!
 //! Answers: 2xx is delivered; a network error, a timeout, 408, 429 and 5xx are retried (after
-//! `Retry-After` when the receiver sends one, else after the sink's backoff); any other status is dead at
-//! once, with the status in the reason. Redirects are not followed: a webhook reaches only the URL the
-//! configuration names.
+//! `Retry-After` when the receiver sends one, else after the sink's backoff; the scheduler caps either by
+//! the sink's `backoff_cap`); any other status is dead at once, with the status in the reason. Redirects
+//! are not followed: a webhook reaches only the URL the configuration names.
+//!
+//! The reason quotes the start of an error answer's body, at most [`MAX_DETAIL_BYTES`]: only that much
+//! is read (a chunk at a time, so at most one transport chunk past it), never the whole body, which the
+//! receiver may make as large as it likes.
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::api::format_ms;
@@ -186,7 +190,27 @@ async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
     outputs.into_iter().flatten().collect()
 }
 
-async fn classify(response: reqwest::Response) -> SinkOutcome {
+/// Bytes of an error answer's body quoted in the reason.
+pub const MAX_DETAIL_BYTES: usize = 200;
+
+/// The start of a body as text: reads chunks until `max` bytes are in (or the body ends, or fails), and
+/// cuts at a character boundary at most `max` bytes in.
+async fn body_start(response: &mut reqwest::Response, max: usize) -> String {
+    let mut start = Vec::new();
+    while start.len() < max {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                start.extend_from_slice(&chunk[..chunk.len().min(max - start.len())])
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    let mut text = String::from_utf8_lossy(&start).into_owned();
+    text.truncate(text.floor_char_boundary(max));
+    text
+}
+
+async fn classify(mut response: reqwest::Response) -> SinkOutcome {
     let status = response.status();
     if status.is_success() {
         return SinkOutcome::Delivered;
@@ -196,8 +220,8 @@ async fn classify(response: reqwest::Response) -> SinkOutcome {
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(parse_retry_after);
-    let mut detail = response.text().await.unwrap_or_default();
-    detail.truncate(detail.floor_char_boundary(200));
+    // The rest of the body is not read: dropping the response closes the connection.
+    let detail = body_start(&mut response, MAX_DETAIL_BYTES).await;
     let reason = format!(
         "HTTP {}{}",
         status.as_u16(),
@@ -290,6 +314,66 @@ mod tests {
             "{wait:?}"
         );
         assert_eq!(parse_retry_after("soon"), None);
+    }
+
+    /// An error answer whose body never ends: the reason quotes its first 200 bytes and the sink answers
+    /// at once (reading the whole body, as before, waited for the request timeout and then quoted
+    /// nothing).
+    #[test]
+    fn only_the_quoted_start_of_an_error_body_is_read() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}/hook", listener.local_addr().unwrap());
+            let server = tokio::spawn(async move {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let mut request = vec![0u8; 64 * 1024];
+                let _ = socket.read(&mut request).await;
+                let head = "HTTP/1.1 503 Service Unavailable\r\ntransfer-encoding: chunked\r\n\r\n";
+                socket.write_all(head.as_bytes()).await.unwrap();
+                let chunk = format!("1000\r\n{}\r\n", "é".repeat(2048));
+                // Endless: ends only when the client hangs up.
+                while socket.write_all(chunk.as_bytes()).await.is_ok() {}
+            });
+            let clock: Arc<dyn Clock> = Arc::new(schedulelog::SystemClock);
+            let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+            let sink =
+                WebhookSink::new(&url, secret, Duration::from_secs(60), None, clock).unwrap();
+            let first = schedulelog::Location {
+                bucket: schedulelog::Bucket::from_start_minute(29_935_260),
+                seq: 1,
+            };
+            let delivery = Delivery {
+                id: schedulelog::MessageId::new(first),
+                location: first,
+                message: schedulelog::Message {
+                    seq: 1,
+                    deliver_at_ms: 0,
+                    created_at_ms: 0,
+                    id: schedulelog::MessageId::new(first),
+                    attempt: 0,
+                    topic: "t".into(),
+                    key: None,
+                    dedup: false,
+                    headers: Vec::new(),
+                    sink: "hook".into(),
+                    body: b"hello".to_vec(),
+                },
+            };
+            let outcome =
+                tokio::time::timeout(Duration::from_secs(20), sink.deliver_one(&delivery))
+                    .await
+                    .expect("answered without reading the whole body");
+            let SinkOutcome::Retry { reason, .. } = outcome else {
+                panic!("{outcome:?}");
+            };
+            assert_eq!(reason, format!("HTTP 503: {}", "é".repeat(100)));
+            server.await.unwrap();
+        });
     }
 
     #[test]

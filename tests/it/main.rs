@@ -812,6 +812,7 @@ fn every_bounded_series_exists_at_zero_from_the_start() {
         "delayd_pending_messages",
         "delayd_wheel_entries",
         "delayd_segments",
+        "delayd_unreadable_messages",
     ];
     for run in ["fresh", "restarted"] {
         let process = spawn(&data_dir, &["--config", config.to_str().unwrap()]);

@@ -32,6 +32,8 @@ struct Receiver {
     /// Signalled on every hit, so tests wait for arrivals instead of polling.
     arrived: Arc<std::sync::Condvar>,
     bad_signatures: Arc<Mutex<u32>>,
+    /// Requests answered `hold` wait here until notified, then answer 204.
+    release: Arc<tokio::sync::Notify>,
 }
 
 /// A receiver listening on a port of its own, until the test ends.
@@ -108,6 +110,10 @@ async fn receive(
             StatusCode::OK.into_response()
         }
         _ => match answer {
+            "hold" => {
+                receiver.release.notified().await;
+                StatusCode::NO_CONTENT.into_response()
+            }
             "503" => (StatusCode::SERVICE_UNAVAILABLE, "try later").into_response(),
             "400" => (StatusCode::BAD_REQUEST, "bad payload").into_response(),
             "302" => (
@@ -269,6 +275,29 @@ fn webhook_requests_are_signed_and_carry_the_message() {
         settled_status(&server, &id, "delivered")["status"],
         "delivered"
     );
+}
+
+/// `DELETE` while the receiver holds the request: 409 `delivery_in_flight` (it may still be delivered, so
+/// a 200 would be a lie), nothing written; once it is answered, 409 `already_delivered`.
+#[test]
+fn a_cancel_during_a_webhook_call_answers_delivery_in_flight() {
+    let hook = endpoint(&[("held", vec!["hold"])]);
+    let server = Server::start(|c| {
+        c.sinks
+            .insert("billing".into(), webhook_sink(&hook.url, |_| {}));
+    });
+    let id = schedule(&server, "billing", json!({"body": "held"}));
+    hook.wait_for("held", 1);
+    let answer = server.call("DELETE", &format!("/v1/messages/{id}"), None);
+    assert_eq!(answer.status, 409, "{}", answer.json);
+    assert_eq!(answer.json["code"], "delivery_in_flight");
+    let status = server.call("GET", &format!("/v1/messages/{id}"), None);
+    assert_eq!(status.json["status"], "scheduled", "nothing was cancelled");
+    hook.receiver.release.notify_one();
+    settled_status(&server, &id, "delivered");
+    let answer = server.call("DELETE", &format!("/v1/messages/{id}"), None);
+    assert_eq!(answer.status, 409, "{}", answer.json);
+    assert_eq!(answer.json["code"], "already_delivered");
 }
 
 #[test]

@@ -34,7 +34,7 @@ fn drain(reports: &crossbeam_channel::Receiver<Replayed>) -> (Vec<u64>, Vec<u64>
     for report in reports.try_iter() {
         match report {
             Replayed::Scheduled { entry, .. } => scheduled.push(entry.seq),
-            Replayed::Cancelled(location) => cancelled.push(location.seq),
+            Replayed::Cancelled { target, .. } => cancelled.push(target.seq),
         }
     }
     (scheduled, cancelled)

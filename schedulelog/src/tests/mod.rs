@@ -213,6 +213,92 @@ fn cancel_outcomes_and_retries_show_in_status() {
     check(&log);
 }
 
+/// A retry the dispatcher wrote but whose `retried` outcome it never recorded (the log was poisoned, or
+/// it shut down, in between): the lookup still finds the newest attempt, through the pointer the replayer
+/// filed under the first attempt, before and after a crash; an attempt left without an outcome is
+/// reported orphaned; the first attempt counts as finished for the loader.
+#[test]
+fn a_retry_whose_outcome_was_never_recorded_is_still_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let first = append_one(&log, T0 + 60_000, "r");
+    let retry = |attempt: u16, deliver_at_ms: i64| NewMessage {
+        deliver_at_ms,
+        topic: "orders.timeout".into(),
+        sink: "broker".into(),
+        body: b"r".to_vec(),
+        retry_of: Some((first.id, attempt)),
+        ..Default::default()
+    };
+    let append =
+        |log: &ScheduleLog, m: NewMessage| log.append(vec![m.encode().unwrap()]).wait().unwrap()[0];
+
+    // Attempt 1 is written; the `retried` outcome of attempt 0 is not.
+    clock.advance(60_000);
+    let one = append(&log, retry(1, T0 + 2 * HOUR_MS));
+    let status = log.lookup(first.id).unwrap().unwrap();
+    assert_eq!(status.location, one.location, "the newest attempt");
+    assert_eq!(status.message.attempt, 1);
+    assert_eq!(status.state, MessageState::Pending);
+    assert_eq!(
+        status.last_retry_reason, None,
+        "its reason was never recorded"
+    );
+    assert!(
+        status.orphaned.is_empty(),
+        "the first attempt has the pointer as its outcome"
+    );
+    let snapshot = log.watch(first.location.bucket).unwrap();
+    assert!(
+        snapshot.pending.iter().all(|e| e.seq != first.location.seq),
+        "the loader does not deliver attempt 0 again"
+    );
+
+    // Now attempt 0's outcome is recorded, attempt 2 written, and attempt 1's outcome lost.
+    log.record_outcomes(&[(
+        first.location.bucket,
+        Outcome {
+            seq: first.location.seq,
+            at_ms: T0 + 60_000,
+            attempt: 0,
+            kind: OutcomeKind::Retried {
+                next: one.location,
+                reason: "HTTP 503".into(),
+            },
+        },
+    )])
+    .unwrap();
+    clock.set(T0 + 2 * HOUR_MS);
+    let two = append(&log, retry(2, T0 + 3 * HOUR_MS));
+    let check = |log: &ScheduleLog| {
+        let status = log.lookup(first.id).unwrap().unwrap();
+        assert_eq!(status.location, two.location);
+        assert_eq!(status.message.attempt, 2);
+        assert_eq!(status.state, MessageState::Pending);
+        assert_eq!(status.orphaned, vec![one.location]);
+    };
+    check(&log);
+    log.crash();
+    let log = open(dir.path(), &clock);
+    check(&log);
+
+    // Once attempt 2 is delivered, that is the message's state.
+    log.record_outcomes(&[(
+        two.location.bucket,
+        Outcome {
+            seq: two.location.seq,
+            at_ms: T0 + 3 * HOUR_MS,
+            attempt: 2,
+            kind: OutcomeKind::Delivered,
+        },
+    )])
+    .unwrap();
+    let status = log.lookup(first.id).unwrap().unwrap();
+    assert_eq!(status.location, two.location);
+    assert!(matches!(status.state, MessageState::Delivered { .. }));
+}
+
 #[test]
 fn a_second_open_of_the_same_dir_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -430,7 +516,7 @@ fn watch_hands_off_between_snapshot_and_live_reports() {
     let got: Vec<_> = reports.try_iter().collect();
     assert_eq!(got.len(), 2, "{got:?}");
     assert!(matches!(got[0], Replayed::Scheduled { entry, .. } if entry.seq == after.location.seq));
-    assert_eq!(got[1], Replayed::Cancelled(before.location));
+    assert!(matches!(got[1], Replayed::Cancelled { target, .. } if target == before.location));
 }
 
 /// Appenders write into a bucket while it is being watched: every record must show up exactly once,
