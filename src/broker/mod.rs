@@ -548,8 +548,20 @@ fn decode_payload(payload: &[u8]) -> Option<(StoredMeta, &[u8])> {
     Some((meta, payload.get(4 + meta_len..)?))
 }
 
+/// The temporary file `write_atomically` writes `path` through: its name ends in `~`, which no topic or
+/// group name may contain, so it never is another file's name (`a.z` and `a` would both write through
+/// `a.tmp`, the file of a group named `a.tmp`) nor taken for a group's file after a crash.
+fn temp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(TEMP_SUFFIX);
+    path.with_file_name(name)
+}
+
+/// Ends the name of every temporary file of an atomic replacement.
+const TEMP_SUFFIX: &str = ".tmp~";
+
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), BrokerError> {
-    let tmp = path.with_extension("tmp");
+    let tmp = temp_path(path);
     let written = fs::write(&tmp, bytes)
         .and_then(|()| File::open(&tmp)?.sync_all())
         .and_then(|()| fs::rename(&tmp, path));
@@ -918,8 +930,15 @@ mod tests {
         assert_eq!(max, 600);
         let pulled = broker.read("t", 0, 0, 1000).unwrap().unwrap();
         assert_eq!(pulled.from, min);
-        assert_eq!(pulled.messages.len() as u64, 600 - min);
         assert!(pulled.messages[0].meta.queue_offset == min && min > 0);
+        // The rest, a few segments per read.
+        let mut read = pulled.messages.len() as u64;
+        while min + read < 600 {
+            let more = broker.read("t", 0, min + read, 1000).unwrap().unwrap();
+            assert_eq!(more.messages[0].meta.queue_offset, min + read);
+            read += more.messages.len() as u64;
+        }
+        assert_eq!(read, 600 - min);
         let queue_files = files(&dir.path().join("broker/consumequeue/t/0"));
         assert!(
             queue_files[0].parse::<u64>().unwrap() <= min,
@@ -1234,6 +1253,33 @@ mod tests {
             5
         );
         assert_eq!(open_here(), 1);
+    }
+
+    #[test]
+    fn a_read_spans_a_bounded_number_of_segments() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        // Each message of `t` in a segment of its own, with a large one of `u` between.
+        let filler = "u".repeat(50 << 10);
+        for i in 0..20 {
+            broker
+                .append(&[
+                    incoming("t", None, &format!("t{i}")),
+                    incoming("u", None, &filler),
+                ])
+                .unwrap();
+        }
+        assert!(files(&dir.path().join("broker/commitlog")).len() >= 19);
+        let first = broker.read("t", 0, 0, 100).unwrap().unwrap();
+        // Each segment read holds a descriptor until the answer is sent: a few per read, not 20.
+        assert_eq!(first.messages.len(), store::MAX_SEGMENTS_PER_READ);
+        let next = |p: &Pulled| p.from + p.messages.len() as u64;
+        let rest = broker.read("t", 0, next(&first), 100).unwrap().unwrap();
+        let mut all = bodies(&first);
+        all.extend(bodies(&rest));
+        let more = broker.read("t", 0, next(&rest), 100).unwrap().unwrap();
+        all.extend(bodies(&more));
+        assert_eq!(all, (0..20).map(|i| format!("t{i}")).collect::<Vec<_>>());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Consumer group offsets: where each group is in each queue it consumes.
 //!
 //! ```text
-//! broker/groups/{group}   JSON {topic: {queue: offset}}, replaced atomically (tmp, fsync, rename, dir fsync)
+//! broker/groups/{group}   JSON {topic: {queue: offset}}, replaced atomically ({group}.tmp~, fsync,
+//!                         rename, dir fsync; a leftover .tmp~ is deleted on open)
 //! ```
 //!
 //! Invariants:
@@ -12,7 +13,7 @@
 //! - Group names match `[A-Za-z0-9._-]{1,200}` and are not all dots: safe as file names. At most
 //!   `max_groups` groups: a commit for one more is refused.
 
-use super::{io_err, make_dir, sync_dir, write_atomically, BrokerError};
+use super::{io_err, make_dir, sync_dir, write_atomically, BrokerError, TEMP_SUFFIX};
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
@@ -69,8 +70,14 @@ impl Offsets {
             let Some(group) = path.file_name().and_then(|n| n.to_str()) else {
                 continue;
             };
+            if group.ends_with(TEMP_SUFFIX) {
+                // Left by a commit a crash interrupted before its rename: the group's file (if
+                // any) holds its last durable offsets.
+                fs::remove_file(&path).map_err(io_err(&path))?;
+                continue;
+            }
             if !crate::api::valid_name(group) {
-                continue; // a leftover .tmp of an interrupted commit, or a stranger's file
+                continue; // a stranger's file
             }
             let bytes = fs::read(&path).map_err(io_err(&path))?;
             let topics: GroupOffsets =
@@ -158,5 +165,27 @@ mod tests {
         ));
         offsets.commit("b", "t", 1, 8, 2).unwrap();
         assert!(!dir.path().join("groups/c").exists());
+    }
+
+    #[test]
+    fn a_commit_interrupted_before_its_rename_leaves_no_group_and_names_never_collide() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut offsets = Offsets::open(dir.path()).unwrap();
+        offsets.commit("a.tmp", "t", 0, 4, 10).unwrap();
+        // Groups whose temporary files would once have been `a.tmp`, the file of the group above.
+        offsets.commit("a.z", "t", 0, 5, 10).unwrap();
+        offsets.commit("a", "t", 0, 6, 10).unwrap();
+        // A crash before the rename leaves a temporary file: empty (its data never reached the disk)
+        // or whole.
+        fs::write(dir.path().join("groups/a.z.tmp~"), b"").unwrap();
+        fs::write(dir.path().join("groups/b.tmp~"), br#"{"t":{"0":9}}"#).unwrap();
+        drop(offsets);
+        let offsets = Offsets::open(dir.path()).unwrap();
+        assert_eq!(offsets.of("a.tmp", "t"), BTreeMap::from([(0, 4)]));
+        assert_eq!(offsets.of("a.z", "t"), BTreeMap::from([(0, 5)]));
+        assert_eq!(offsets.of("a", "t"), BTreeMap::from([(0, 6)]));
+        assert_eq!(offsets.groups.len(), 3, "{:?}", offsets.groups.keys());
+        assert!(!dir.path().join("groups/b.tmp~").exists());
+        assert!(!dir.path().join("groups/a.z.tmp~").exists());
     }
 }

@@ -40,6 +40,10 @@ use std::sync::Arc;
 const CHECKPOINT_EVERY: u64 = 10_000;
 /// Bytes stored between two checkpoints, at most.
 const CHECKPOINT_EVERY_BYTES: u64 = 256 << 20;
+/// A read stops at this many commit-log segments (the next pull goes on from there): each holds a
+/// descriptor until the answer is sent, and a queue whose records are spread thinly (other topics in
+/// between, or small segments) would otherwise hold one per message, taking descriptors storage needs.
+pub(crate) const MAX_SEGMENTS_PER_READ: usize = 8;
 
 #[derive(Debug, Default)]
 struct Topic {
@@ -384,9 +388,9 @@ impl Store {
             .map(|t| t.queues.iter().map(|q| (q.min_offset, q.units)).collect())
     }
 
-    /// Where the records of up to `max` messages (and `max_bytes`, unless the first alone is larger) of a
-    /// queue from `offset` are; `None` for an unknown topic or queue. Below `min_offset` it starts at
-    /// `min_offset`.
+    /// Where the records of up to `max` messages (and `max_bytes`, unless the first alone is larger; and
+    /// in at most [`MAX_SEGMENTS_PER_READ`] segment files) of a queue from `offset` are; `None` for an
+    /// unknown topic or queue. Below `min_offset` it starts at `min_offset`.
     pub(crate) fn plan_read(
         &self,
         topic: &str,
@@ -408,6 +412,7 @@ impl Store {
         let mut bytes = 0u64;
         // Consecutive records are mostly in one segment: one handle for them.
         let mut open: Option<(u64, Arc<File>)> = None;
+        let mut segments = 0;
         for (i, unit) in q.read(from, max as u64)?.into_iter().enumerate() {
             let at = from + i as u64;
             bytes += u64::from(unit.len);
@@ -434,7 +439,9 @@ impl Store {
             };
             let file = match &open {
                 Some((open_base, file)) if *open_base == base => file.clone(),
+                _ if segments == MAX_SEGMENTS_PER_READ => break,
                 _ => {
+                    segments += 1;
                     let file = self.log.file(base)?;
                     open = Some((base, file.clone()));
                     file
