@@ -36,10 +36,14 @@ pub fn soft_limit() -> io::Result<u64> {
 }
 
 /// Descriptors open in this process now (Linux: the entries of `/proc/self/fd`, less the one reading
-/// it); `None` where that cannot be read.
-pub fn open_count() -> Option<u64> {
-    let entries = std::fs::read_dir("/proc/self/fd").ok()?;
-    Some((entries.count() as u64).saturating_sub(1))
+/// it); `Ok(None)` on a system without `/proc`. An error is most likely EMFILE: every descriptor is
+/// taken, which is no time to assume that none are.
+pub fn open_count() -> io::Result<Option<u64>> {
+    match std::fs::read_dir("/proc/self/fd") {
+        Ok(entries) => Ok(Some((entries.count() as u64).saturating_sub(1))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Descriptors kept for refusing connections past the cap: a refused connection is still accepted and
@@ -97,9 +101,9 @@ mod tests {
     fn the_limit_and_the_count_are_read() {
         let soft = soft_limit().unwrap();
         assert!(soft >= 16, "{soft}");
-        let before = open_count().expect("/proc/self/fd");
+        let before = open_count().unwrap().expect("/proc/self/fd");
         let file = tempfile::tempfile().unwrap();
-        let with_file = open_count().unwrap();
+        let with_file = open_count().unwrap().unwrap();
         drop(file);
         // Other tests open and close files meanwhile; at least the one opened here counts.
         assert!(with_file >= 1 && before >= 1, "{before} {with_file}");

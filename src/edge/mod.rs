@@ -158,8 +158,22 @@ impl Edge {
         let ours = (self.open.load(Ordering::Acquire)
             + (fds::REFUSAL_SLOTS - self.refusing.available_permits())) as u64
             + 1; // the listener
-                 // Without /proc/self/fd the reserve alone stands for everything else.
-        let open = fds::open_count();
+        let open = match fds::open_count() {
+            Ok(open) => open,
+            Err(e) => {
+                // Probably EMFILE: no new connection until the count can be read again (a cap
+                // computed as if nothing else were open would hand storage's descriptors to HTTP).
+                let cap = self
+                    .cap
+                    .load(Ordering::Acquire)
+                    .min(self.open.load(Ordering::Acquire));
+                self.cap.store(cap, Ordering::Release);
+                metrics::gauge!("delayd_http_connections_max").set(cap as f64);
+                tracing::debug!(error = %e, cap, "counting open descriptors failed; no new connections");
+                return Ok(cap);
+            }
+        };
+        // Without /proc/self/fd the reserve alone stands for everything else.
         let other = open.map_or(0, |n| n.saturating_sub(ours));
         let cap = self.budget.cap(soft, other);
         self.cap.store(cap, Ordering::Release);
@@ -176,7 +190,7 @@ impl Edge {
         if cap < fds::MIN_CONNECTIONS.min(self.budget.max_connections) {
             return Err(EdgeError::TooFewDescriptors {
                 soft: fds::soft_limit().map_err(EdgeError::Limit)?,
-                open: fds::open_count().unwrap_or(0),
+                open: fds::open_count().ok().flatten().unwrap_or(0),
                 reserved: self.budget.reserved,
                 cap,
             });
@@ -255,7 +269,7 @@ pub async fn serve(
         %address,
         max_connections = cap,
         fd_limit = soft,
-        fds_open = fds::open_count().unwrap_or(0),
+        fds_open = fds::open_count().ok().flatten().unwrap_or(0),
         reserved_fds = limits.reserved_fds,
         header_timeout = ?limits.timeouts.header,
         body_timeout = ?limits.timeouts.body,
