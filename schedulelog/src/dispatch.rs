@@ -190,13 +190,29 @@ impl DispatchLogs {
 
     /// Every outcome recorded for `bucket`, oldest first (empty when it has no log).
     pub(crate) fn read(&self, bucket: Bucket) -> Result<Vec<Outcome>> {
+        self.read_sized(bucket).map(|(outcomes, _)| outcomes)
+    }
+
+    /// [`Self::read`], with the size of the log read (0 without one).
+    pub(crate) fn read_sized(&self, bucket: Bucket) -> Result<(Vec<Outcome>, u64)> {
         let path = path(&self.dir, bucket);
         let bytes = match fs::read(&path) {
             Ok(bytes) => bytes,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
             Err(e) => return Err(Error::io(&path)(e)),
         };
-        Ok(scan(&path, &bytes, bucket, self.width)?.outcomes)
+        let outcomes = scan(&path, &bytes, bucket, self.width)?.outcomes;
+        Ok((outcomes, bytes.len() as u64))
+    }
+
+    /// The size of a bucket's log now (0 without one).
+    pub(crate) fn size(&self, bucket: Bucket) -> Result<u64> {
+        let path = path(&self.dir, bucket);
+        match fs::metadata(&path) {
+            Ok(meta) => Ok(meta.len()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(0),
+            Err(e) => Err(Error::io(&path)(e)),
+        }
     }
 
     /// Forgets the handle of a bucket and deletes its log.

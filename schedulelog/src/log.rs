@@ -527,30 +527,34 @@ impl ScheduleLog {
 
     /// Reads a bucket's unfinished records and starts reporting every later record and cancel filed into
     /// it to the channel given to [`ScheduleLog::set_tap`]. Nothing is lost or reported twice between
-    /// the snapshot and the reports: both are taken under the replayer's lock.
+    /// the snapshot and the reports: the bulk is read first, then, under the replayer's lock, what was
+    /// filed meanwhile, and the bucket is watched. A failure leaves the bucket unwatched (nothing was
+    /// reported), so that a later call neither misses nor repeats a record.
     pub fn watch(&self, bucket: Bucket) -> Result<BucketSnapshot> {
         // The snapshot then holds at least everything acknowledged before this call.
         self.wait_replayed(0);
-        let (reader, total) = {
+        // The bulk, outside the lock: the replayer goes on filing meanwhile.
+        let (mut pending, read) = match self.reader(bucket)? {
+            Some(reader) => (reader.entries(0, reader.len())?, reader.len()),
+            None => (Vec::new(), 0),
+        };
+        let (mut outcomes, outcomes_read) = self.shared.dispatch.read_sized(bucket)?;
+        let total = {
             let mut replay = self.shared.replay();
-            replay.watched.insert(bucket);
-            match replay.entries(bucket) {
-                Some(entries) => (
-                    Some(SegmentReader::open(replay.schedule_dir(), bucket, entries)?),
-                    entries,
-                ),
-                None => (None, 0),
+            let total = replay.entries(bucket).unwrap_or(0);
+            if total > read {
+                let reader = SegmentReader::open(replay.schedule_dir(), bucket, total)?;
+                pending.extend(reader.entries(read, total - read)?);
             }
+            // Outcomes recorded meanwhile: above all tombstones, which the replayer files under this
+            // lock and reports only once the bucket is watched.
+            if self.shared.dispatch.size(bucket)? != outcomes_read {
+                outcomes = self.shared.dispatch.read(bucket)?;
+            }
+            replay.watched.insert(bucket);
+            total
         };
-        let Some(reader) = reader else {
-            return Ok(BucketSnapshot {
-                bucket,
-                pending: Vec::new(),
-                total: 0,
-            });
-        };
-        let finished: HashSet<u64> = self.outcomes(bucket)?.iter().map(|o| o.seq).collect();
-        let mut pending = reader.entries(0, total)?;
+        let finished: HashSet<u64> = outcomes.iter().map(|o| o.seq).collect();
         pending.retain(|e| !finished.contains(&e.seq));
         Ok(BucketSnapshot {
             bucket,

@@ -519,6 +519,42 @@ fn watch_hands_off_between_snapshot_and_live_reports() {
     assert!(matches!(got[1], Replayed::Cancelled { target, .. } if target == before.location));
 }
 
+/// A watch that fails (here: the index cannot be opened, as with EMFILE) must leave the bucket
+/// unwatched: records filed meanwhile are not reported, so the retry's snapshot, which holds them, is
+/// the only place they appear. Reported and in the snapshot, they would be in the wheel twice.
+#[test]
+fn a_failed_watch_leaves_the_bucket_unwatched_so_a_retry_neither_misses_nor_repeats() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let (tap, reports) = crossbeam_channel::unbounded();
+    log.set_tap(tap);
+    let first = append_one(&log, T0 + 60_000, "first");
+    let bucket = first.location.bucket;
+    assert!(log.wait_replayed(first.location.seq));
+    let idx = dir.path().join("schedule").join(format!("{bucket}.idx"));
+    let aside = idx.with_extension("aside");
+    std::fs::rename(&idx, &aside).unwrap();
+    assert!(log.watch(bucket).is_err());
+    let second = append_one(&log, T0 + 61_000, "second");
+    assert!(log.wait_replayed(second.location.seq));
+    let reported: Vec<_> = reports.try_iter().collect();
+    assert!(reported.is_empty(), "{reported:?}");
+    std::fs::rename(&aside, &idx).unwrap();
+    let snapshot = log.watch(bucket).unwrap();
+    assert_eq!(
+        snapshot.pending.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        vec![first.location.seq, second.location.seq]
+    );
+    let third = append_one(&log, T0 + 62_000, "third");
+    assert!(log.wait_replayed(third.location.seq));
+    let reported: Vec<_> = reports.try_iter().collect();
+    assert_eq!(reported.len(), 1, "{reported:?}");
+    assert!(
+        matches!(reported[0], Replayed::Scheduled { entry, .. } if entry.seq == third.location.seq)
+    );
+}
+
 /// Appenders write into a bucket while it is being watched: every record must show up exactly once,
 /// either in the snapshot or in the live reports, whatever the interleaving.
 #[test]
