@@ -507,13 +507,18 @@ fn unreadable(shared: &Shared, entry: &Entry, bucket: Bucket, error: &schedulelo
 fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     let mut readers = HashMap::new();
     let mut read = Vec::with_capacity(batch.len());
+    // Entries read, or gone with their retired bucket: no longer unreadable.
+    let mut settled = Vec::new();
     for entry in batch {
         let bucket = entry_bucket(entry);
         let reader = match readers.entry(bucket) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => match shared.log.reader(bucket) {
                 Ok(Some(reader)) => v.insert(reader),
-                Ok(None) => continue, // retired meanwhile
+                Ok(None) => {
+                    settled.push(*entry); // retired meanwhile
+                    continue;
+                }
                 Err(e) => {
                     unreadable(shared, entry, bucket, &e);
                     continue;
@@ -521,7 +526,10 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
             },
         };
         match reader.read_at(entry.offset(), entry.frame_len) {
-            Ok(message) => read.push((*entry, bucket, message)),
+            Ok(message) => {
+                settled.push(*entry);
+                read.push((*entry, bucket, message));
+            }
             Err(e) => unreadable(shared, entry, bucket, &e),
         }
     }
@@ -529,7 +537,7 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
         let mut unreadable = shared.unreadable();
         if !unreadable.is_empty() {
             let before = unreadable.len();
-            for (entry, ..) in &read {
+            for entry in &settled {
                 unreadable.remove(&(entry.bucket, entry.offset()));
             }
             if unreadable.len() != before {

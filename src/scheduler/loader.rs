@@ -6,7 +6,8 @@
 //! - every older bucket that has a segment, oldest first: after a restart or a long outage they hold the
 //!   overdue messages (QMQ reloads only the newest segments and strands the rest).
 //!
-//! A bucket is unwatched a grace period after it ended: nothing new is filed into a past bucket.
+//! A bucket is unwatched a grace period after it ended: nothing new is filed into a past bucket. One
+//! that never got a segment is then forgotten; the others when they are retired.
 //!
 //! Before taking a bucket's snapshot the loader marks it loaded in the registry (registry.rs): from then
 //! on cancels of its messages are kept in memory, and a cancel acknowledged before is filed before the
@@ -163,9 +164,16 @@ impl Loader {
             .copied()
             .filter(|b| b.end_ms(self.width) + UNWATCH_GRACE_MS <= now)
             .collect();
+        let with_segment: BTreeSet<Bucket> = self.shared.log.buckets().into_iter().collect();
         for bucket in ended {
             self.live.remove(&bucket);
             self.shared.log.unwatch(bucket);
+            if !with_segment.contains(&bucket) {
+                // It never held a record, and none is filed into it any more: nothing to remember
+                // it for (retirement, which forgets the others, never sees a bucket without a segment).
+                self.loaded.remove(&bucket);
+                self.shared.registry().forget(bucket);
+            }
         }
     }
 }

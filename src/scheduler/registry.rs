@@ -24,7 +24,8 @@
 //!   a full disk), so a cancel whose tombstone is not filed yet stays in `recent` until it is, and a
 //!   bucket marked meanwhile takes it into `cancelled`.
 //! - The replayer also reports tombstones filed into watched buckets (the tap). Those of cancels made
-//!   here are known by their seq in `recent` and ignored: the cancel put its location in memory already,
+//!   here are known by their seq in `recent`, or, while their cancel is still writing (a report may
+//!   come before it knows the seq), by their target in `targets`, and ignored: the cancel put its location in memory already,
 //!   and a report arriving after a lane met the entry would otherwise put it back for good. A report of
 //!   any other tombstone (written straight through `ScheduleLog::cancel`) goes into `cancelled`.
 //! - Memory: cancels are held only for loaded buckets (until a lane meets the entry, the bucket's
@@ -66,6 +67,9 @@ pub(crate) struct Registry {
     in_flight: HashMap<MessageId, u32>,
     /// Messages a cancel is working on.
     cancelling: HashSet<MessageId>,
+    /// The attempts those cancels are writing tombstones for: the replayer may report a tombstone
+    /// before its cancel has put its seq in `recent`, and the cancel decides where it goes.
+    targets: HashSet<Location>,
     /// Entries a lane met while their message was being cancelled, with their locations.
     held: HashMap<MessageId, Vec<(Location, Entry)>>,
 }
@@ -104,7 +108,7 @@ impl Registry {
 
     /// A tombstone the replayer filed into a watched (so loaded) bucket.
     pub fn on_replayed_cancel(&mut self, target: Location, seq: u64) {
-        if self.recent.remove(&seq).is_none() {
+        if self.recent.remove(&seq).is_none() && !self.targets.contains(&target) {
             self.cancelled.insert(target);
         }
     }
@@ -198,7 +202,8 @@ pub enum CancelError {
     /// The cancel's task ended without an answer (it panicked).
     #[error("the cancel was interrupted: {0}")]
     Interrupted(String),
-    /// Writing the tombstone failed: nothing of this cancel is in effect.
+    /// Writing a tombstone failed: the current attempt is not cancelled (orphaned older attempts,
+    /// cancelled first, may be).
     #[error(transparent)]
     Append(#[from] AppendError),
 }
@@ -213,6 +218,8 @@ struct Intent {
     done: Vec<(u64, Location)>,
     /// The current attempt, when the lookup found it cancelled before.
     cancelled_before: Option<Location>,
+    /// The attempts whose tombstones this cancel writes (registered as `targets`).
+    targets: Vec<Location>,
 }
 
 impl Drop for Intent {
@@ -221,6 +228,9 @@ impl Drop for Intent {
         let held = {
             let mut registry = self.shared.registry();
             registry.cancelling.remove(&self.id);
+            for target in &self.targets {
+                registry.targets.remove(target);
+            }
             let held = registry.held.remove(&self.id).unwrap_or_default();
             for &(seq, location) in &self.done {
                 registry.recent.insert(seq, location);
@@ -286,6 +296,7 @@ pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancell
                 id,
                 done: Vec::new(),
                 cancelled_before: None,
+                targets: Vec::new(),
             };
         }
         // Another cancel of the same message is in progress: its answer decides this one's.
@@ -309,9 +320,15 @@ pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancell
     if status.state == MessageState::Pending {
         targets.push(status.location);
     }
+    // Their reports are the cancel's to handle (see `targets`), even if one comes before this knows
+    // the tombstone's seq.
+    shared.registry().targets.extend(targets.iter().copied());
+    intent.targets.clone_from(&targets);
     for location in targets {
         let seq = shared.log.cancel(location).await?;
         intent.done.push((seq, location));
+        #[cfg(test)]
+        shared.hook_tombstone_written(seq).await;
     }
     let message = &status.message;
     if let (true, Some(key)) = (message.dedup, &message.key) {

@@ -24,6 +24,8 @@ pub(crate) struct Hooks {
     pub read_failed: Option<Sender<String>>,
     /// A lane held back a due message whose cancel is in progress.
     pub held: Option<Sender<MessageId>>,
+    /// A cancel's tombstone is durable (its seq) and the cancel has not yet recorded it.
+    pub tombstone_written: Option<(Sender<u64>, Arc<tokio::sync::Semaphore>)>,
 }
 
 impl Shared {
@@ -53,6 +55,16 @@ impl Shared {
         let hook = self.hooks().cancel_begun.clone();
         if let Some((signal, gate)) = hook {
             let _ = signal.send(id);
+            if let Ok(permit) = gate.acquire().await {
+                permit.forget();
+            }
+        }
+    }
+
+    pub(crate) async fn hook_tombstone_written(&self, seq: u64) {
+        let hook = self.hooks().tombstone_written.clone();
+        if let Some((signal, gate)) = hook {
+            let _ = signal.send(seq);
             if let Ok(permit) = gate.acquire().await {
                 permit.forget();
             }
@@ -804,6 +816,48 @@ fn a_message_due_during_its_cancel_is_held_then_dropped() {
     h.schedule("a", T0 + 2_000, "sentinel");
     h.set(T0 + 2_000);
     assert_eq!(h.recv().body, "sentinel");
+    assert!(h.received.try_recv().is_err());
+    assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
+}
+
+/// The replayer may report a cancel's tombstone before the cancel has recorded its seq: the cancel
+/// still decides what stays in memory (here nothing: the lane met the entry and dropped it), instead of
+/// the report keeping the cancelled location for good.
+#[test]
+fn a_tombstone_reported_before_its_cancel_ends_leaves_nothing_behind() {
+    let mut h = Harness::manual();
+    let id = h.schedule("a", T0 + 1_000, "due meanwhile");
+    h.start();
+    let scheduler = h.scheduler.as_ref().unwrap();
+    let (begun_tx, begun) = crossbeam_channel::unbounded();
+    let (held_tx, held) = crossbeam_channel::unbounded();
+    let (written_tx, written) = crossbeam_channel::unbounded();
+    let lookup_gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let written_gate = Arc::new(tokio::sync::Semaphore::new(0));
+    {
+        let mut hooks = scheduler.shared.hooks();
+        hooks.cancel_begun = Some((begun_tx, lookup_gate.clone()));
+        hooks.held = Some(held_tx);
+        hooks.tombstone_written = Some((written_tx, written_gate.clone()));
+    }
+    std::thread::scope(|s| {
+        let cancel = s.spawn(|| h.runtime.block_on(scheduler.cancel(id)));
+        assert_eq!(begun.recv_timeout(WAIT).unwrap(), id);
+        h.set(T0 + 1_000);
+        assert_eq!(held.recv_timeout(WAIT).unwrap(), id, "the lane holds it");
+        lookup_gate.add_permits(1);
+        written.recv_timeout(WAIT).unwrap();
+        // Filed after the tombstone, so reported after it: once this is delivered, the wheel
+        // thread has handled the tombstone's report.
+        h.schedule("a", T0 + 1_500, "after the tombstone");
+        h.set(T0 + 1_500);
+        assert_eq!(h.recv().body, "after the tombstone");
+        written_gate.add_permits(1);
+        assert_eq!(cancel.join().unwrap().unwrap(), Cancelled::Now);
+    });
+    let mut settled = h.settle(2);
+    settled.sort_by_key(|(_, label)| *label);
+    assert_eq!(settled[0], (id, "cancelled"));
     assert!(h.received.try_recv().is_err());
     assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
 }
