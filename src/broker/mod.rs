@@ -493,6 +493,7 @@ impl Broker {
             metrics::counter!("delayd_broker_retired_bytes_total", "store" => *name)
                 .increment(bytes);
         }
+        // Counted once the files are gone (the retention test relies on it).
         metrics::counter!("delayd_broker_unread_retired_total").increment(retired.unread);
         self.report_sizes();
         match failed {
