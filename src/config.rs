@@ -555,7 +555,7 @@ impl Config {
         }
         for (name, sink) in &self.sinks {
             let key = format!("sinks.{name}");
-            if !crate::api::valid_name(name) {
+            if !crate::format::valid_name(name) {
                 return Err(invalid(&key, "sink names match [A-Za-z0-9._-]{1,200}"));
             }
             match (sink.kind.as_str(), &sink.url, &sink.secret) {

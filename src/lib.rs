@@ -12,6 +12,7 @@ pub mod broker;
 pub mod config;
 pub mod disk;
 pub mod edge;
+pub mod format;
 pub mod metrics;
 pub mod scheduler;
 pub mod sink;

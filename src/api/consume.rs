@@ -1,8 +1,9 @@
 //! Consumption from the built-in broker: topics, offset pulls with long polling, consumer group offsets.
 
 use super::error::ApiError;
-use super::{format_ms, valid_name, AppState, JsonBody};
+use super::{AppState, JsonBody};
 use crate::broker::Stored;
+use crate::format::{format_ms, valid_name};
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;

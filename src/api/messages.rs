@@ -12,7 +12,8 @@
 
 use super::error::ApiError;
 use super::DedupIndex;
-use super::{format_ms, parse_json, parse_rfc3339, valid_name, AppState, RawBody, Text};
+use super::{parse_json, AppState, RawBody};
+use crate::format::{format_ms, parse_rfc3339, valid_name, Text};
 use crate::scheduler::{Cancelled, FinishedKey};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;

@@ -76,7 +76,7 @@ impl Offsets {
                 fs::remove_file(&path).map_err(io_err(&path))?;
                 continue;
             }
-            if !crate::api::valid_name(group) {
+            if !crate::format::valid_name(group) {
                 continue; // a stranger's file
             }
             let bytes = fs::read(&path).map_err(io_err(&path))?;

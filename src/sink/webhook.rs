@@ -16,7 +16,7 @@
 //! receiver may make as large as it likes.
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
-use crate::api::format_ms;
+use crate::format::format_ms;
 use base64::Engine;
 use hmac::{Hmac, Mac};
 use schedulelog::Clock;
