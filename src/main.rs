@@ -234,12 +234,12 @@ async fn shutdown_signal() {
     }
 }
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(60)))
+/// The CLI's HTTP client: the webhooks' (reqwest), in its blocking form.
+fn agent() -> anyhow::Result<reqwest::blocking::Client> {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
         .build()
-        .into()
+        .context("building the HTTP client")
 }
 
 /// Sends a request and returns the status and the JSON answer (Null when the body is not JSON).
@@ -250,32 +250,19 @@ fn exchange(
     body: Option<&Value>,
 ) -> anyhow::Result<(u16, Value)> {
     let url = format!("{}{path}", client.url.trim_end_matches('/'));
-    let agent = agent();
-    let auth = client.token.as_ref().map(|t| format!("Bearer {t}"));
-    let mut response = match (method, body) {
-        ("GET", _) => {
-            let mut request = agent.get(&url);
-            if let Some(auth) = &auth {
-                request = request.header("Authorization", auth);
-            }
-            request.call()
-        }
-        (_, Some(body)) => {
-            let mut request = if method == "PUT" {
-                agent.put(&url)
-            } else {
-                agent.post(&url)
-            };
-            if let Some(auth) = &auth {
-                request = request.header("Authorization", auth);
-            }
-            request.send_json(body)
-        }
+    let agent = agent()?;
+    let mut request = match (method, body) {
+        ("GET", _) => agent.get(&url),
+        ("PUT", Some(body)) => agent.put(&url).json(body),
+        (_, Some(body)) => agent.post(&url).json(body),
         _ => bail!("unsupported request"),
+    };
+    if let Some(token) = &client.token {
+        request = request.bearer_auth(token);
     }
-    .with_context(|| format!("{method} {url}"))?;
+    let response = request.send().with_context(|| format!("{method} {url}"))?;
     let status = response.status().as_u16();
-    let value: Value = response.body_mut().read_json().unwrap_or(Value::Null);
+    let value: Value = response.json().unwrap_or(Value::Null);
     Ok((status, value))
 }
 
