@@ -13,6 +13,7 @@ pub mod config;
 pub mod disk;
 pub mod edge;
 pub mod format;
+pub mod intake;
 pub mod metrics;
 pub mod scheduler;
 pub mod sink;
@@ -118,13 +119,6 @@ pub async fn run_with_ready(
         clock.clone(),
         &tokio::runtime::Handle::current(),
     )?);
-    // The idempotency index is rebuilt from the pending messages that carry an idempotency key.
-    let pending = log.clone();
-    let dedup: api::DedupIndex = tokio::task::spawn_blocking(move || pending.pending_dedup())
-        .await??
-        .into_iter()
-        .filter_map(|(_, m)| Some(((m.topic, m.key?), m.id)))
-        .collect();
     let disk = Arc::new(disk::DiskWatch::new(
         config.data_dir.clone(),
         config.limits.min_free_disk_bytes,
@@ -136,6 +130,23 @@ pub async fn run_with_ready(
         disk.clone(),
         clock.clone(),
     ));
+    // The idempotency index is rebuilt from the pending messages that carry an idempotency key.
+    let intake = {
+        let (log, scheduler, config, clock, disk) = (
+            log.clone(),
+            scheduler.clone(),
+            config.clone(),
+            clock.clone(),
+            disk.clone(),
+        );
+        Arc::new(
+            tokio::task::spawn_blocking(move || {
+                intake::Intake::open(log, scheduler, config, clock, disk)
+            })
+            .await??,
+        )
+    };
+    intake.start_pruning();
     let state = Arc::new(api::Services {
         log: log.clone(),
         scheduler: scheduler.clone(),
@@ -144,7 +155,7 @@ pub async fn run_with_ready(
         config: config.clone(),
         clock,
         metrics,
-        dedup: Arc::new(tokio::sync::Mutex::new(dedup)),
+        intake,
     });
     let router = api::router(state);
     tracing::info!(data_dir = %config.data_dir.display(), "recovery done: storage and the broker are open");

@@ -179,6 +179,27 @@ impl From<crate::broker::BrokerError> for ApiError {
     }
 }
 
+impl From<crate::intake::Rejection> for ApiError {
+    fn from(rejection: crate::intake::Rejection) -> ApiError {
+        if rejection.too_large {
+            ApiError::too_large(rejection.detail)
+        } else {
+            ApiError::bad_request(rejection.code, rejection.detail)
+        }
+    }
+}
+
+impl From<crate::intake::IntakeError> for ApiError {
+    fn from(error: crate::intake::IntakeError) -> ApiError {
+        use crate::intake::IntakeError;
+        match error {
+            IntakeError::Append(e) => e.into(),
+            IntakeError::Lookup(e) => e.into(),
+            IntakeError::Interrupted(e) => ApiError::internal(e),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::to_vec(&self.problem()).unwrap_or_default();

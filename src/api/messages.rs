@@ -8,30 +8,25 @@
 //! writes nothing (the scheduler's registry.rs keeps this true). Repeating a DELETE is safe.
 //!
 //! The idempotency index (`dedup`) holds a key only while its message is pending: the scheduler reports
-//! each finished one (delivered, dead, cancelled) and [`start_dedup_pruning`] drops it from the index.
+//! each finished one (delivered, dead, cancelled) and the intake drops it from the index (intake.rs).
 
 use super::error::ApiError;
-use super::DedupIndex;
 use super::{parse_json, AppState, RawBody};
-use crate::format::{format_ms, parse_rfc3339, valid_name, Text};
-use crate::scheduler::{Cancelled, FinishedKey};
+use crate::format::{format_ms, parse_rfc3339, Text};
+use crate::intake::{Draft, Keyed};
+use crate::scheduler::Cancelled;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
-use schedulelog::{Appended, EncodedMessage, MessageId, MessageRef, MessageState, MessageStatus};
+use schedulelog::{Appended, MessageId, MessageState, MessageStatus};
 use serde::de::{Deserializer, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
-
-const MAX_KEY_BYTES: usize = 1024;
-const MAX_HEADERS: usize = 64;
-const MAX_HEADER_VALUE_BYTES: usize = 8 * 1024;
 
 /// `deliver_at` (RFC 3339 or unix milliseconds) and `delay` (`"30s"`-style or milliseconds): a number
 /// or a string. Read by a visitor: serde's untagged enums buffer every value before trying each variant.
@@ -105,48 +100,13 @@ pub struct BatchRequest<'a> {
     messages: Vec<&'a RawValue>,
 }
 
-/// A checked request, still borrowing from it.
-#[derive(Debug)]
-struct Checked<'a> {
-    deliver_at_ms: i64,
-    topic: &'a str,
-    key: Option<&'a str>,
-    headers: Vec<(&'a str, &'a str)>,
-    sink: &'a str,
-    body: Cow<'a, [u8]>,
-    dedup: bool,
-}
-
-impl Checked<'_> {
-    fn encode(&self) -> Result<EncodedMessage, ApiError> {
-        MessageRef {
-            deliver_at_ms: self.deliver_at_ms,
-            topic: self.topic,
-            key: self.key,
-            headers: &self.headers,
-            sink: self.sink,
-            body: &self.body,
-            retry_of: None,
-            dedup: self.dedup,
-        }
-        .encode()
-        .map_err(|e| ApiError::too_large(e.to_string()))
-    }
-}
-
 /// Checks a request and turns it into a message for the log.
 fn validate<'a>(
     state: &AppState,
     request: &'a ScheduleRequest<'_>,
     now_ms: i64,
-) -> Result<Checked<'a>, ApiError> {
+) -> Result<Draft<'a>, ApiError> {
     let config = &state.config;
-    if !valid_name(&request.topic.0) {
-        return Err(ApiError::bad_request(
-            "invalid_topic",
-            "topic must match [A-Za-z0-9._-]{1,200} and not be only dots",
-        ));
-    }
     let deliver_at_ms = match (&request.deliver_at, &request.delay, request.delay_level) {
         (Some(at), None, None) => match at {
             NumberOrText::Number(ms) if *ms >= 0 => *ms,
@@ -204,15 +164,6 @@ fn validate<'a>(
             ))
         }
     };
-    if deliver_at_ms.saturating_sub(now_ms) > config.max_delay.as_ms() {
-        return Err(ApiError::bad_request(
-            "delay_too_long",
-            format!(
-                "the delivery time is more than max_delay ({} ms) away",
-                config.max_delay.as_ms()
-            ),
-        ));
-    }
     let body: Cow<'a, [u8]> = match (&request.body, &request.body_base64) {
         (Some(text), None) => Cow::Borrowed(text.0.as_bytes()),
         (None, Some(encoded)) => Cow::Owned(
@@ -235,69 +186,21 @@ fn validate<'a>(
             ))
         }
     };
-    if body.len() > config.limits.max_message_bytes {
-        return Err(ApiError::too_large(format!(
-            "the body has {} bytes; limits.max_message_bytes is {}",
-            body.len(),
-            config.limits.max_message_bytes
-        )));
-    }
-    let key = request.key.as_ref().map(|k| &*k.0);
-    if let Some(key) = key {
-        if key.is_empty() || key.len() > MAX_KEY_BYTES {
-            return Err(ApiError::bad_request(
-                "invalid_key",
-                format!("key must have 1 to {MAX_KEY_BYTES} bytes"),
-            ));
-        }
-    }
-    if request.headers.len() > MAX_HEADERS {
-        return Err(ApiError::bad_request(
-            "invalid_header",
-            format!("at most {MAX_HEADERS} headers"),
-        ));
-    }
-    for (name, value) in &request.headers {
-        let name_ok = (1..=256).contains(&name.len())
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-        if !name_ok {
-            return Err(ApiError::bad_request(
-                "invalid_header",
-                format!("header name {name:?} must match [A-Za-z0-9._-]{{1,256}}"),
-            ));
-        }
-        if value.len() > MAX_HEADER_VALUE_BYTES || value.chars().any(char::is_control) {
-            return Err(ApiError::bad_request(
-                "invalid_header",
-                format!("header {name:?}: at most {MAX_HEADER_VALUE_BYTES} bytes and no control characters"),
-            ));
-        }
-    }
-    if request.dedup && key.is_none() {
-        return Err(ApiError::bad_request("invalid_key", "dedup needs a key"));
-    }
-    let sink = request.sink.as_ref().map_or("broker", |s| &*s.0);
-    if !config.sinks.contains_key(sink) {
-        return Err(ApiError::bad_request(
-            "unknown_sink",
-            format!("no sink named {sink:?} is configured"),
-        ));
-    }
-    Ok(Checked {
+    let draft = Draft {
         deliver_at_ms,
         topic: &request.topic.0,
-        key,
+        key: request.key.as_ref().map(|k| &*k.0),
         headers: request
             .headers
             .iter()
             .map(|(n, v)| (n.as_str(), v.as_str()))
             .collect(),
-        sink,
+        sink: request.sink.as_ref().map_or("broker", |s| &*s.0),
         body,
         dedup: request.dedup,
-    })
+    };
+    draft.check(config, now_ms)?;
+    Ok(draft)
 }
 
 /// The answer for a scheduled message (typed and borrowed, not a `Value`: a batch answers thousands).
@@ -355,79 +258,40 @@ fn check_disk(state: &AppState, bytes: usize) -> Result<(), ApiError> {
     })
 }
 
-/// Lets the idempotency index forget each key once its message is finished, as the scheduler reports
-/// them. Runs once per scheduler (later calls do nothing): the service may start it when it starts, and
-/// every handler here starts it if it is not running yet; reports made before wait in their channel.
-pub fn start_dedup_pruning(state: &AppState) {
-    if let Some(finished) = state.scheduler.take_finished_keys() {
-        tokio::spawn(prune_dedup_index(state.dedup.clone(), finished));
-    }
-}
-
-/// Drops each finished message's key from the index, until the scheduler is gone.
-async fn prune_dedup_index(
-    index: Arc<tokio::sync::Mutex<DedupIndex>>,
-    mut finished: tokio::sync::mpsc::UnboundedReceiver<FinishedKey>,
-) {
-    while let Some(first) = finished.recv().await {
-        let mut index = index.lock().await;
-        let mut next = Some(first);
-        while let Some(done) = next {
-            let key = (done.topic, done.key);
-            // Only this message's entry: the key may name a newer pending message by now.
-            if index.get(&key) == Some(&done.id) {
-                index.remove(&key);
-            }
-            next = finished.try_recv().ok();
-        }
-        // A map keeps its capacity; give memory back once most of it is unused.
-        if index.capacity() > 1024 && index.len() < index.capacity() / 4 {
-            index.shrink_to_fit();
-        }
-    }
-}
-
 pub async fn schedule(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
-    start_dedup_pruning(&state);
+    state.intake.start_pruning();
     check_disk(&state, bytes.len())?;
     let request: ScheduleRequest = parse_json(&bytes)?;
     let message = validate(&state, &request, state.clock.now_ms())?;
     let encoded = message.encode()?;
-    // Idempotency: check and append under one lock, so two requests with one key make one message.
-    let mut index = match (message.dedup, message.key) {
-        (true, Some(key)) => {
-            let mut index = state.dedup.clone().lock_owned().await;
-            let dedup_key = (message.topic.to_string(), key.to_string());
-            if let Some(existing) = index.get(&dedup_key).copied() {
-                match lookup(&state, existing).await? {
-                    Some(status) if status.state == MessageState::Pending => {
-                        let mut answer = scheduled_status(existing, &status);
-                        answer["duplicate"] = json!(true);
-                        return Ok(Json(answer).into_response());
-                    }
-                    _ => {
-                        index.remove(&dedup_key);
-                    }
-                }
+    let appended = match (message.dedup, message.key) {
+        (true, Some(key)) => match state
+            .intake
+            .schedule_keyed(message.topic, key, encoded)
+            .await?
+        {
+            Keyed::Scheduled(appended) => appended,
+            Keyed::Pending(existing, status) => {
+                let mut answer = scheduled_status(existing, &status);
+                answer["duplicate"] = json!(true);
+                return Ok(Json(answer).into_response());
             }
-            Some((index, dedup_key))
-        }
-        _ => None,
+        },
+        _ => state
+            .intake
+            .schedule(vec![encoded])
+            .await?
+            .into_iter()
+            .next()
+            .ok_or_else(|| ApiError::internal("an append returned no id"))?,
     };
-    let appended = state.log.append(vec![encoded]).await?;
     count_received(message.sink, 1);
-    let appended = appended
-        .first()
-        .ok_or_else(|| ApiError::internal("an append returned no id"))?;
-    if let Some((index, dedup_key)) = index.as_mut() {
-        index.insert(dedup_key.clone(), appended.id);
-    }
     Ok((
         StatusCode::CREATED,
-        Json(scheduled(appended, message.topic)),
+        Json(scheduled(&appended, message.topic)),
     )
         .into_response())
 }
@@ -495,7 +359,7 @@ pub async fn schedule_batch(
     let appended = if encoded.is_empty() {
         Ok(Vec::new())
     } else {
-        state.log.append(encoded).await.map_err(ApiError::from)
+        state.intake.schedule(encoded).await.map_err(ApiError::from)
     };
     let mut appended = match appended {
         Ok(appended) => appended.into_iter(),
@@ -559,7 +423,7 @@ pub async fn status(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    start_dedup_pruning(&state);
+    state.intake.start_pruning();
     let (id, status) = find(&state, &id).await?;
     let message = &status.message;
     let mut body = json!({
@@ -600,7 +464,7 @@ pub async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    start_dedup_pruning(&state);
+    state.intake.start_pruning();
     let id: MessageId = id
         .parse()
         .map_err(|_| ApiError::not_found(format!("{id:?} is not a message id")))?;
@@ -608,49 +472,4 @@ pub async fn cancel(
         metrics::counter!("delayd_messages_cancelled_total").increment(1);
     }
     Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use schedulelog::{Bucket, Location};
-
-    fn id(seq: u64) -> MessageId {
-        MessageId::new(Location {
-            bucket: Bucket::from_start_minute(29_935_260),
-            seq,
-        })
-    }
-
-    fn key(topic: &str, key: &str) -> (String, String) {
-        (topic.to_string(), key.to_string())
-    }
-
-    /// A finished message's key leaves the index; a key that names a newer message stays.
-    #[test]
-    fn finished_keys_leave_the_idempotency_index() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let index = Arc::new(tokio::sync::Mutex::new(DedupIndex::from([
-            (key("t", "a"), id(1)),
-            (key("t", "b"), id(3)), // b was sent again after message 2 finished
-            (key("u", "a"), id(4)),
-        ])));
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let finished = |topic: &str, k: &str, seq| FinishedKey {
-            topic: topic.into(),
-            key: k.into(),
-            id: id(seq),
-        };
-        tx.send(finished("t", "a", 1)).unwrap();
-        tx.send(finished("t", "b", 2)).unwrap();
-        drop(tx); // the pruning ends with the scheduler
-        runtime.block_on(prune_dedup_index(index.clone(), rx));
-        let index = runtime.block_on(index.lock());
-        assert_eq!(
-            *index,
-            DedupIndex::from([(key("t", "b"), id(3)), (key("u", "a"), id(4))])
-        );
-    }
 }

@@ -38,12 +38,9 @@ pub struct Services {
     pub config: Arc<Config>,
     pub clock: Arc<dyn Clock>,
     pub metrics: PrometheusHandle,
-    /// Idempotency index: (topic, key) → the pending message sent with `dedup`.
-    pub dedup: Arc<tokio::sync::Mutex<DedupIndex>>,
+    /// New messages' way in, shared with the MQ sources.
+    pub intake: Arc<crate::intake::Intake>,
 }
-
-/// (topic, key) → message id, for messages sent with `dedup: true`.
-pub type DedupIndex = std::collections::HashMap<(String, String), schedulelog::MessageId>;
 
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
