@@ -251,6 +251,47 @@ impl SinkConfig {
         self.max_batch
             .unwrap_or(if self.kind == "broker" { 1024 } else { 256 })
     }
+
+    /// A sink that publishes to another message queue: its targets are that MQ's names (a Redis
+    /// stream key may hold `:`), not topic names.
+    pub fn is_mq(&self) -> bool {
+        self.kind == "redis"
+    }
+}
+
+/// One `[sources.NAME]` table: delay requests consumed from another MQ (DESIGN.md §11).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SourceConfig {
+    /// `redis` (Redis Streams).
+    pub kind: String,
+    /// Where the MQ is: `redis://127.0.0.1:6379/`.
+    pub url: Option<String>,
+    /// The sink that delivers what this source schedules (required).
+    pub sink: Option<String>,
+    /// Redis: the stream requests are read from.
+    pub stream_key: Option<String>,
+    /// The consumer group.
+    pub group: String,
+    /// This node's consumer name in the group: its unacknowledged requests are read again after a
+    /// restart under the same name.
+    pub consumer: String,
+    /// Requests per batch, made durable in one group commit.
+    pub batch: usize,
+}
+
+impl Default for SourceConfig {
+    fn default() -> SourceConfig {
+        SourceConfig {
+            kind: String::new(),
+            url: None,
+            sink: None,
+            stream_key: None,
+            group: "delayd".into(),
+            consumer: "delayd".into(),
+            batch: 256,
+        }
+    }
 }
 
 /// The whole configuration.
@@ -273,6 +314,7 @@ pub struct Config {
     pub auth: Auth,
     pub broker: BrokerConfig,
     pub sinks: BTreeMap<String, SinkConfig>,
+    pub sources: BTreeMap<String, SourceConfig>,
 }
 
 /// RocketMQ's 18 levels.
@@ -302,6 +344,7 @@ impl Default for Config {
             auth: Auth::default(),
             broker: BrokerConfig::default(),
             sinks: BTreeMap::new(),
+            sources: BTreeMap::new(),
         }
     }
 }
@@ -578,16 +621,67 @@ impl Config {
                 ("webhook", _, _) => {
                     return Err(invalid(&key, "a webhook sink needs url and secret"))
                 }
+                ("redis", Some(url), None) => {
+                    redis::Client::open(url.as_str())
+                        .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
+                }
+                ("redis", _, _) => {
+                    return Err(invalid(
+                        &key,
+                        "a redis sink needs a url and takes no secret",
+                    ))
+                }
                 (kind, _, _) => {
                     return Err(invalid(
                         &format!("{key}.kind"),
-                        format!("unknown sink kind {kind:?}: use \"broker\" or \"webhook\""),
+                        format!(
+                            "unknown sink kind {kind:?}: use \"broker\", \"webhook\" or \"redis\""
+                        ),
                     ))
                 }
             }
         }
         // The built-in broker sink always exists; a [sinks.broker] table only tunes it.
         self.sinks.entry("broker".into()).or_default();
+        for (name, source) in &self.sources {
+            let key = format!("sources.{name}");
+            if !crate::format::valid_name(name) {
+                return Err(invalid(&key, "source names match [A-Za-z0-9._-]{1,200}"));
+            }
+            match source.sink.as_deref() {
+                None => {
+                    return Err(invalid(
+                        &format!("{key}.sink"),
+                        "name the sink that delivers what this source schedules",
+                    ))
+                }
+                Some(sink) if !self.sinks.contains_key(sink) => {
+                    return Err(invalid(
+                        &format!("{key}.sink"),
+                        format!("no sink named {sink:?} is configured"),
+                    ))
+                }
+                Some(_) => {}
+            }
+            if !(1..=10_000).contains(&source.batch) {
+                return Err(invalid(&format!("{key}.batch"), "between 1 and 10000"));
+            }
+            match (source.kind.as_str(), &source.url, &source.stream_key) {
+                ("redis", Some(url), Some(stream_key)) if !stream_key.is_empty() => {
+                    redis::Client::open(url.as_str())
+                        .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
+                }
+                ("redis", _, _) => {
+                    return Err(invalid(&key, "a redis source needs url and stream_key"))
+                }
+                (kind, _, _) => {
+                    return Err(invalid(
+                        &format!("{key}.kind"),
+                        format!("unknown source kind {kind:?}: use \"redis\" (nats, amqp and kafka are not built yet)"),
+                    ))
+                }
+            }
+        }
         // No retry is scheduled further ahead than a new message may be: the cap bounds the backoff
         // and a receiver's own `Retry-After` alike.
         for sink in self.sinks.values_mut() {

@@ -17,6 +17,13 @@ pub fn valid_name(name: &str) -> bool {
         && !name.bytes().all(|b| b == b'.')
 }
 
+/// A target on another message queue (a Redis stream key, a NATS subject, an AMQP routing key): 1 to 255
+/// bytes, no whitespace or control characters. Never a file name.
+pub fn valid_target(target: &str) -> bool {
+    (1..=255).contains(&target.len())
+        && !target.chars().any(|c| c.is_whitespace() || c.is_control())
+}
+
 /// A JSON string borrowed from the request when it has no escapes (most do not), copied when it has.
 #[derive(Debug)]
 pub struct Text<'a>(pub Cow<'a, str>);

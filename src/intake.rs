@@ -13,7 +13,7 @@
 
 use crate::config::Config;
 use crate::disk::DiskWatch;
-use crate::format::{parse_rfc3339, valid_name};
+use crate::format::{parse_rfc3339, valid_name, valid_target};
 use crate::scheduler::{FinishedKey, Scheduler};
 use schedulelog::{
     AppendError, Appended, Clock, EncodedMessage, MessageId, MessageRef, MessageState,
@@ -100,7 +100,14 @@ pub struct Draft<'a> {
 impl Draft<'_> {
     /// Every check but the delivery time's parsing (the caller's, as its format differs).
     pub fn check(&self, config: &Config, now_ms: i64) -> Result<(), Rejection> {
-        if !valid_name(self.topic) {
+        let mq = config.sinks.get(self.sink).is_some_and(|s| s.is_mq());
+        if mq && !valid_target(self.topic) {
+            return Err(Rejection::new(
+                "invalid_target",
+                "the target must have 1 to 255 bytes and no whitespace or control characters",
+            ));
+        }
+        if !mq && !valid_name(self.topic) {
             return Err(Rejection::new(
                 "invalid_topic",
                 "topic must match [A-Za-z0-9._-]{1,200} and not be only dots",

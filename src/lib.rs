@@ -14,9 +14,11 @@ pub mod disk;
 pub mod edge;
 pub mod format;
 pub mod intake;
+pub mod link;
 pub mod metrics;
 pub mod scheduler;
 pub mod sink;
+pub mod source;
 
 pub use schedulelog;
 
@@ -80,6 +82,7 @@ pub async fn run_with_ready(
     .await??;
 
     let mut sinks = SinkRegistry::new();
+    let mut sink_links = Vec::new();
     for (name, sink) in &config.sinks {
         let policy = SinkPolicy {
             max_in_flight: sink.max_in_flight,
@@ -101,6 +104,11 @@ pub async fn run_with_ready(
                 sink.ca_file.as_deref(),
                 clock.clone(),
             )?),
+            ("redis", Some(url), _) => {
+                let link = link::Link::new("sink", name, &sink.kind);
+                sink_links.push(link.clone());
+                Arc::new(sink::redis::RedisSink::new(url, link, clock.clone())?)
+            }
             _ => Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
         };
         sinks.register(name, target, policy)?;
@@ -147,6 +155,7 @@ pub async fn run_with_ready(
         )
     };
     intake.start_pruning();
+    let (stop_sources, sources) = start_sources(&config, &intake, &broker).await?;
     let state = Arc::new(api::Services {
         log: log.clone(),
         scheduler: scheduler.clone(),
@@ -156,6 +165,8 @@ pub async fn run_with_ready(
         clock,
         metrics,
         intake,
+        sources: sources.iter().map(|(link, _)| link.clone()).collect(),
+        sink_links,
     });
     let router = api::router(state);
     tracing::info!(data_dir = %config.data_dir.display(), "recovery done: storage and the broker are open");
@@ -171,6 +182,11 @@ pub async fn run_with_ready(
         tracing::info!("shutting down: no new requests; finishing deliveries in flight");
     }
     housekeeping.abort();
+    // Sources first: what they took is acknowledged or left to the MQ before the log closes.
+    let _ = stop_sources.send(true);
+    for (_, task) in sources {
+        let _ = task.await;
+    }
     scheduler.shutdown().await;
     drop(scheduler);
     // The last reference closes the log: pending group commits finish and a checkpoint is written.
@@ -186,6 +202,49 @@ pub async fn run_with_ready(
     served.context("serving HTTP")?;
     tracing::info!("stopped cleanly");
     Ok(())
+}
+
+/// Opens and starts every configured source; each runs until the sender says `true`.
+async fn start_sources(
+    config: &Config,
+    intake: &Arc<intake::Intake>,
+    broker: &Arc<Broker>,
+) -> anyhow::Result<(
+    tokio::sync::watch::Sender<bool>,
+    Vec<(link::Link, tokio::task::JoinHandle<()>)>,
+)> {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut started = Vec::new();
+    for (name, source) in &config.sources {
+        let transport: Box<dyn source::Transport> =
+            match (source.kind.as_str(), &source.url, &source.stream_key) {
+                ("redis", Some(url), Some(stream_key)) => Box::new(
+                    source::redis::RedisTransport::new(
+                        url,
+                        stream_key,
+                        &source.group,
+                        &source.consumer,
+                    )
+                    .with_context(|| format!("sources.{name}"))?,
+                ),
+                _ => anyhow::bail!("sources.{name}: kind {:?} is not supported", source.kind),
+            };
+        let settings = source::SourceSettings {
+            name: name.clone(),
+            sink: source.sink.clone().unwrap_or_default(),
+            batch: source.batch,
+            data_dir: config.data_dir.clone(),
+        };
+        let link = link::Link::new("source", name, &source.kind);
+        let (intake, broker, runner_link) = (intake.clone(), broker.clone(), link.clone());
+        let runner = tokio::task::spawn_blocking(move || {
+            source::SourceRunner::open(settings, intake, broker, runner_link, transport)
+        })
+        .await?
+        .with_context(|| format!("opening sources.{name}"))?;
+        started.push((link, tokio::spawn(runner.run(stopped.clone()))));
+    }
+    Ok((stop, started))
 }
 
 /// Once a second: broker retention, the disk's state, and the log's health, each change logged once.

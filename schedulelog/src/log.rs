@@ -594,6 +594,38 @@ impl ScheduleLog {
         Ok(found)
     }
 
+    /// Every record with a seq of `seq` or more that is still kept (messages and retries alike), bucket
+    /// by bucket: what an MQ source rebuilds the positions of its unacknowledged requests from after a
+    /// restart. Each bucket's index is searched for its first entry at `seq` or above (entries are in
+    /// seq order), and only the records from there are read.
+    pub fn records_since(&self, seq: u64) -> Result<Vec<Message>> {
+        self.wait_replayed(0);
+        let mut found = Vec::new();
+        for bucket in self.buckets() {
+            let Some(reader) = self.reader(bucket)? else {
+                continue;
+            };
+            let (mut lo, mut hi) = (0u64, reader.len());
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                match reader.entries(mid, 1)?.first() {
+                    Some(entry) if entry.seq < seq => lo = mid + 1,
+                    _ => hi = mid,
+                }
+            }
+            for entry in reader.entries(lo, reader.len() - lo)? {
+                found.push(reader.read(&entry)?);
+            }
+        }
+        Ok(found)
+    }
+
+    /// The seq the next appended record will have, at least.
+    pub fn next_seq(&self) -> u64 {
+        self.wait_replayed(0);
+        self.filed_below()
+    }
+
     /// Stops reporting a bucket.
     pub fn unwatch(&self, bucket: Bucket) {
         self.shared.replay().watched.remove(&bucket);

@@ -40,6 +40,10 @@ pub struct Services {
     pub metrics: PrometheusHandle,
     /// New messages' way in, shared with the MQ sources.
     pub intake: Arc<crate::intake::Intake>,
+    /// The MQ sources' connections.
+    pub sources: Vec<crate::link::Link>,
+    /// The MQ sinks' connections.
+    pub sink_links: Vec<crate::link::Link>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -64,6 +68,8 @@ pub fn router(state: AppState) -> Router {
             "/v1/groups/{group}/offsets/{topic}",
             get(consume::group_offsets),
         )
+        .route("/v1/sources", get(sources))
+        .route("/v1/sinks", get(sinks))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(v1)
@@ -90,6 +96,40 @@ pub fn router(state: AppState) -> Router {
 /// delivers, cancels and serves pulls (and a sidecar's failing readiness would take its whole pod out of
 /// service), and says why in `"disk_full"`. 503 `storage_failed` while the log or a broker store refuses
 /// writes until a restart.
+/// `GET /v1/sources`: each MQ source, its kind and its connection.
+async fn sources(State(state): State<AppState>) -> Response {
+    let sources: Vec<_> = state
+        .config
+        .sources
+        .iter()
+        .zip(&state.sources)
+        .map(|((_, config), link)| {
+            let mut value = link.describe();
+            value["sink"] = serde_json::json!(config.sink);
+            value
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "sources": sources })).into_response()
+}
+
+/// `GET /v1/sinks`: each sink, its kind, and for an MQ sink its connection.
+async fn sinks(State(state): State<AppState>) -> Response {
+    let sinks: Vec<_> = state
+        .config
+        .sinks
+        .iter()
+        .map(|(name, config)| {
+            let link = state
+                .sink_links
+                .iter()
+                .map(crate::link::Link::describe)
+                .find(|l| l["name"] == name.as_str());
+            link.unwrap_or_else(|| serde_json::json!({ "name": name, "kind": config.kind }))
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "sinks": sinks })).into_response()
+}
+
 async fn ready(State(state): State<AppState>) -> Response {
     if let Some(cause) = state.log.poisoned().or_else(|| state.broker.failed()) {
         let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);

@@ -1,0 +1,103 @@
+//! The state of a connection to another message queue, kept by each MQ source and MQ sink: whether it
+//! is up and the last error. `GET /v1/sources` and `GET /v1/sinks` show it, the gauges
+//! `delayd_source_connected{source}` / `delayd_sink_connected{sink}` follow it, and the log says each
+//! change once (not every failed retry while the MQ stays away).
+
+use crate::format::format_ms;
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, Default)]
+struct State {
+    connected: bool,
+    /// Whether anything was reported yet (the first failure is logged even without a success before).
+    reported: bool,
+    last_error: Option<(i64, String)>,
+    failures: u64,
+}
+
+/// One connection's state; cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub struct Link {
+    /// `source` or `sink`: the gauge's and the log's word.
+    role: &'static str,
+    name: String,
+    kind: String,
+    state: Arc<Mutex<State>>,
+}
+
+impl Link {
+    pub fn new(role: &'static str, name: &str, kind: &str) -> Link {
+        let link = Link {
+            role,
+            name: name.to_string(),
+            kind: kind.to_string(),
+            state: Arc::default(),
+        };
+        link.gauge(false);
+        link
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn gauge(&self, up: bool) {
+        let value = if up { 1.0 } else { 0.0 };
+        match self.role {
+            "source" => {
+                metrics::gauge!("delayd_source_connected", "source" => self.name.clone()).set(value)
+            }
+            _ => metrics::gauge!("delayd_sink_connected", "sink" => self.name.clone()).set(value),
+        }
+    }
+
+    /// The connection works (a command succeeded).
+    pub fn up(&self) {
+        let mut state = self.state();
+        if !state.connected {
+            if state.failures > 0 {
+                tracing::info!(role = self.role, name = %self.name, kind = %self.kind, failures = state.failures, "connected again");
+            } else {
+                tracing::info!(role = self.role, name = %self.name, kind = %self.kind, "connected");
+            }
+            state.connected = true;
+            state.reported = true;
+            state.failures = 0;
+            self.gauge(true);
+        }
+    }
+
+    /// The connection failed at `now_ms`: logged when it was up (or at the first failure), counted
+    /// otherwise.
+    pub fn down(&self, now_ms: i64, error: &str) {
+        let mut state = self.state();
+        state.failures += 1;
+        state.last_error = Some((now_ms, error.to_string()));
+        if state.connected || !state.reported {
+            tracing::warn!(role = self.role, name = %self.name, kind = %self.kind, %error, "connection lost or refused; retrying with backoff");
+            state.connected = false;
+            state.reported = true;
+            self.gauge(false);
+        }
+    }
+
+    pub fn is_up(&self) -> bool {
+        self.state().connected
+    }
+
+    /// What `GET /v1/sources` and `/v1/sinks` show.
+    pub fn describe(&self) -> Value {
+        let state = self.state();
+        let mut value = json!({
+            "name": self.name,
+            "kind": self.kind,
+            "connected": state.connected,
+        });
+        if let Some((at_ms, error)) = &state.last_error {
+            value["last_error"] = json!(error);
+            value["last_error_at"] = json!(format_ms(*at_ms));
+        }
+        value
+    }
+}

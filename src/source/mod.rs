@@ -1,0 +1,718 @@
+//! Sources: delay requests consumed from another message queue (DESIGN.md §11). A request is an ordinary
+//! message of that MQ whose headers say when and where; a source turns each into a message (or a cancel,
+//! or a dead letter) through the same intake as the HTTP API, and acknowledges it to its MQ only after
+//! the group commit holding it returned from `fdatasync`.
+//!
+//! Each MQ's [`Transport`] only connects, receives and acknowledges; [`SourceRunner`] does the rest, the
+//! same for every MQ.
+//!
+//! Invariants:
+//! - A request is acknowledged only once what it asked for is durable: its message or cancel in the log,
+//!   or its dead letter in the broker (`$dead`). One group commit per batch of requests.
+//! - A request the MQ delivers again (a crash between the fsync and the ack) is not scheduled twice. Each
+//!   message records where its request was (the header `delayd-source-position`, `{source}/{position}`);
+//!   the runner remembers the positions written and not yet acknowledged, and keeps on disk
+//!   (`sources/{name}`, decimal) a seq below which every record of the source was acknowledged. At a
+//!   start it reads the records from that seq on and remembers their positions: a redelivered one is
+//!   acknowledged without a second message.
+//! - A request that cannot be scheduled (no or a bad time, no target, too large, a bad header) is never
+//!   dropped and never delivered: it becomes a dead letter with the reason, and is acknowledged.
+//! - An MQ that is away never stops delayd: the runner reconnects with backoff; the link (link.rs)
+//!   shows the state.
+
+pub mod redis;
+
+use crate::broker::{Broker, Incoming};
+use crate::intake::{delay_from_text, deliver_at_from_text, Draft, Intake, Keyed, Rejection};
+use crate::link::Link;
+use crate::scheduler::{CancelError, DEAD_TOPIC};
+use crate::sink::BoxFuture;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The header recording where a message's request was in its source.
+pub const POSITION_HEADER: &str = "delayd-source-position";
+
+/// One request as read from an MQ.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Where it is in its source (Redis entry id, JetStream stream sequence, ...): what a redelivery is
+    /// recognised by.
+    pub position: String,
+    /// Its headers (Redis: the entry's fields other than `body`), in order.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    /// Why the transport could not read it as a request (say, a header that is not UTF-8): a dead letter.
+    pub unreadable: Option<String>,
+}
+
+/// A transport's failure: the connection is dropped and made again, with backoff.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TransportError(pub String);
+
+/// What an MQ must do for a source.
+pub trait Transport: Send + Sync + std::fmt::Debug + 'static {
+    /// Connects (again); afterwards `receive` first returns the requests delivered to this consumer before
+    /// and not acknowledged.
+    fn connect(&mut self) -> BoxFuture<'_, Result<(), TransportError>>;
+    /// At most `max` requests, waiting up to `wait` for the first; none when there were none.
+    fn receive(
+        &mut self,
+        max: usize,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>>;
+    /// Acknowledges requests to the MQ: it will not deliver them again.
+    fn ack<'a>(&'a mut self, positions: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>>;
+    /// After a failed write: the requests not acknowledged are to be received again.
+    fn rewind(&mut self);
+}
+
+/// What a request asks for.
+#[derive(Debug)]
+enum Action {
+    Schedule {
+        deliver_at_ms: i64,
+        target: String,
+        key: Option<String>,
+        headers: Vec<(String, String)>,
+    },
+    Cancel {
+        target: String,
+        key: String,
+    },
+    Dead(Rejection),
+}
+
+/// Headers a request's meaning is read from, which are not passed on.
+fn consumed(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    lower.starts_with("delayd-")
+        || matches!(
+            lower.as_str(),
+            "x-delay"
+                | "nats-schedule"
+                | "nats-schedule-target"
+                | "scheduler-epoch"
+                | "scheduler-target-topic"
+                | "scheduler-target-key"
+        )
+}
+
+/// Reads a request's headers (DESIGN.md §11): when, where, key, cancel. `now_ms` anchors delays.
+fn classify(request: &Request, now_ms: i64) -> Action {
+    if let Some(why) = &request.unreadable {
+        return Action::Dead(Rejection::new("invalid_header", why.clone()));
+    }
+    let get = |name: &str| {
+        request
+            .headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.trim())
+    };
+    let target = get("delayd-target")
+        .or_else(|| get("Nats-Schedule-Target"))
+        .or_else(|| get("scheduler-target-topic"));
+    let key = get("delayd-key").or_else(|| get("scheduler-target-key"));
+    let Some(target) = target.filter(|t| !t.is_empty()) else {
+        return Action::Dead(Rejection::new(
+            "missing_target",
+            "give delayd-target: where to deliver the message",
+        ));
+    };
+    if get("delayd-cancel").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return match key {
+            Some(key) if !key.is_empty() => Action::Cancel {
+                target: target.to_string(),
+                key: key.to_string(),
+            },
+            _ => Action::Dead(Rejection::new(
+                "invalid_key",
+                "a cancel needs delayd-key (with delayd-target)",
+            )),
+        };
+    }
+    let times: Vec<(&str, &str)> = [
+        "delayd-deliver-at",
+        "delayd-delay",
+        "x-delay",
+        "Nats-Schedule",
+        "scheduler-epoch",
+    ]
+    .into_iter()
+    .filter_map(|name| get(name).map(|v| (name, v)))
+    .collect();
+    let deliver_at_ms = match times[..] {
+        [] => {
+            return Action::Dead(Rejection::new(
+                "missing_deliver_time",
+                "give one of delayd-deliver-at or delayd-delay",
+            ))
+        }
+        [(name, value)] => match when(name, value, now_ms) {
+            Ok(at) => at,
+            Err(rejection) => return Action::Dead(rejection),
+        },
+        _ => {
+            return Action::Dead(Rejection::new(
+                "conflicting_time_fields",
+                format!(
+                    "give exactly one delivery time, not {}",
+                    times.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+                ),
+            ))
+        }
+    };
+    let headers = request
+        .headers
+        .iter()
+        .filter(|(name, _)| !consumed(name))
+        .cloned()
+        .collect();
+    Action::Schedule {
+        deliver_at_ms,
+        target: target.to_string(),
+        key: key.filter(|k| !k.is_empty()).map(str::to_string),
+        headers,
+    }
+}
+
+/// A delivery time from one of the time headers.
+fn when(name: &str, value: &str, now_ms: i64) -> Result<i64, Rejection> {
+    let after =
+        |d: Duration| now_ms.saturating_add(i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    match name {
+        "delayd-deliver-at" => deliver_at_from_text(value),
+        "delayd-delay" => delay_from_text(value).map(after),
+        // As the delayed-message exchange reads it: integer milliseconds; 0 or less is now.
+        "x-delay" => value
+            .parse::<f64>()
+            .ok()
+            .filter(|ms| ms.is_finite())
+            .map(|ms| now_ms.saturating_add(ms.max(0.0).min(i64::MAX as f64) as i64))
+            .ok_or_else(|| Rejection::new("invalid_delay", format!("x-delay {value:?} is not a number of milliseconds"))),
+        "Nats-Schedule" => value
+            .strip_prefix("@at ")
+            .map(str::trim)
+            .ok_or_else(|| Rejection::new("invalid_deliver_at", format!("Nats-Schedule {value:?}: only \"@at <RFC 3339 time>\" is a one-off delivery time")))
+            .and_then(deliver_at_from_text),
+        "scheduler-epoch" => value
+            .parse::<i64>()
+            .ok()
+            .and_then(|s| s.checked_mul(1000))
+            .filter(|ms| *ms >= 0)
+            .ok_or_else(|| Rejection::new("invalid_deliver_at", format!("scheduler-epoch {value:?} is not unix seconds"))),
+        _ => Err(Rejection::new("invalid_deliver_at", name.to_string())),
+    }
+}
+
+/// How a request ended, as counted in `delayd_source_messages_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Scheduled,
+    Duplicate,
+    Cancelled,
+    Dead,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 4] = [
+        Outcome::Scheduled,
+        Outcome::Duplicate,
+        Outcome::Cancelled,
+        Outcome::Dead,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Scheduled => "scheduled",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Dead => "dead",
+        }
+    }
+}
+
+/// A batch could not be made durable: nothing of it is acknowledged, and the requests are received again.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct NotStored(String);
+
+/// The runner's settings.
+#[derive(Debug, Clone)]
+pub struct SourceSettings {
+    pub name: String,
+    /// The sink that delivers what this source schedules.
+    pub sink: String,
+    /// Requests per batch (one group commit) at most.
+    pub batch: usize,
+    pub data_dir: PathBuf,
+}
+
+/// Runs one source: receive, schedule, acknowledge; reconnect when the MQ goes away.
+#[derive(Debug)]
+pub struct SourceRunner {
+    settings: SourceSettings,
+    intake: Arc<Intake>,
+    broker: Arc<Broker>,
+    link: Link,
+    transport: Box<dyn Transport>,
+    /// Positions written and not yet acknowledged, with the seq of their record.
+    unacked: HashMap<String, u64>,
+    /// Every record of this source below this seq was acknowledged (kept in `sources/{name}`).
+    mark: u64,
+    mark_saved: u64,
+    last_written: u64,
+    /// Before the next connection attempt, after a failure.
+    pause: Duration,
+}
+
+const FIRST_PAUSE: Duration = Duration::from_millis(100);
+
+impl SourceRunner {
+    /// Loads the source's mark and the positions of the records after it (blocking: call it off the
+    /// async threads).
+    pub fn open(
+        settings: SourceSettings,
+        intake: Arc<Intake>,
+        broker: Arc<Broker>,
+        link: Link,
+        transport: Box<dyn Transport>,
+    ) -> anyhow::Result<SourceRunner> {
+        let path = mark_path(&settings.data_dir, &settings.name);
+        let mark = match std::fs::read_to_string(&path) {
+            Ok(text) => text.trim().parse::<u64>().unwrap_or_else(|_| {
+                tracing::warn!(path = %path.display(), "the source's mark is unreadable; reading every record kept for redelivered requests");
+                0
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Never consumed anything: no record of it exists.
+                let mark = intake.log.next_seq();
+                write_mark(&path, mark)?;
+                mark
+            }
+            Err(e) => return Err(anyhow::anyhow!("reading {}: {e}", path.display())),
+        };
+        let prefix = format!("{}/", settings.name);
+        let mut unacked = HashMap::new();
+        let mut last_written = mark;
+        for message in intake.log.records_since(mark)? {
+            let position = message
+                .headers
+                .iter()
+                .find(|(n, _)| n == POSITION_HEADER)
+                .and_then(|(_, v)| v.strip_prefix(&prefix));
+            if let (Some(position), 0) = (position, message.attempt) {
+                unacked.insert(position.to_string(), message.seq);
+                last_written = last_written.max(message.seq + 1);
+            }
+        }
+        if !unacked.is_empty() {
+            tracing::info!(source = %settings.name, records = unacked.len(), "requests scheduled before the restart may be delivered again by the MQ; they will not be scheduled twice");
+        }
+        for outcome in Outcome::ALL {
+            metrics::counter!("delayd_source_messages_total", "source" => settings.name.clone(), "outcome" => outcome.label()).absolute(0);
+        }
+        Ok(SourceRunner {
+            settings,
+            intake,
+            broker,
+            link,
+            transport,
+            unacked,
+            mark,
+            mark_saved: mark,
+            last_written,
+            pause: FIRST_PAUSE,
+        })
+    }
+
+    /// Runs until `stop` says so. A failure (to connect, receive or acknowledge) drops the connection
+    /// and makes it again after a pause that doubles up to 5 s, and is reset by a round that worked.
+    pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
+        while !*stop.borrow() {
+            let served = tokio::select! {
+                connected = self.transport.connect() => match connected {
+                    Ok(()) => self.serve(&mut stop).await,
+                    Err(e) => Err(e),
+                },
+                _ = stop.changed() => break,
+            };
+            if let Err(e) = served {
+                self.link.down(self.intake.clock.now_ms(), &e.0);
+                tokio::select! {
+                    _ = tokio::time::sleep(self.pause) => {},
+                    _ = stop.changed() => break,
+                }
+                self.pause = (self.pause * 2).min(Duration::from_secs(5));
+            }
+        }
+        self.save_mark();
+    }
+
+    /// A round worked: the MQ is there.
+    fn healthy(&mut self) {
+        self.link.up();
+        self.pause = FIRST_PAUSE;
+    }
+
+    /// Receives and handles batches until the connection fails or `stop` says so.
+    async fn serve(
+        &mut self,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<(), TransportError> {
+        loop {
+            if *stop.borrow() {
+                return Ok(());
+            }
+            let received = tokio::select! {
+                received = self.transport.receive(self.settings.batch, Duration::from_secs(1)) => received?,
+                _ = stop.changed() => return Ok(()),
+            };
+            if received.is_empty() {
+                self.healthy();
+                self.save_mark();
+                continue;
+            }
+            match self.handle(&received).await {
+                Ok(positions) => {
+                    self.transport.ack(&positions).await?;
+                    self.healthy();
+                    for position in &positions {
+                        self.unacked.remove(position);
+                    }
+                    self.mark = self
+                        .unacked
+                        .values()
+                        .copied()
+                        .min()
+                        .unwrap_or(self.last_written);
+                }
+                Err(NotStored(why)) => {
+                    tracing::warn!(source = %self.settings.name, %why, "requests not stored; they will be received again");
+                    self.transport.rewind();
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {},
+                        _ = stop.changed() => return Ok(()),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Makes a batch durable; returns the positions to acknowledge (all of them).
+    async fn handle(&mut self, requests: &[Request]) -> Result<Vec<String>, NotStored> {
+        let now = self.intake.clock.now_ms();
+        let config = self.intake.config.clone();
+        let bytes: usize = requests.iter().map(|r| r.body.len()).sum();
+        if self.intake.disk.admit(bytes).is_err() {
+            return Err(NotStored(
+                "the disk is nearly full (limits.min_free_disk_bytes)".into(),
+            ));
+        }
+        let mut outcomes: Vec<(usize, Outcome)> = Vec::new();
+        let mut plain = Vec::new(); // (request index, encoded)
+        let mut keyed = Vec::new(); // (request index, target, key, encoded)
+        let mut cancels = Vec::new();
+        let mut dead = Vec::new();
+        for (i, request) in requests.iter().enumerate() {
+            if self.unacked.contains_key(&request.position) {
+                outcomes.push((i, Outcome::Duplicate));
+                continue;
+            }
+            match classify(request, now) {
+                Action::Schedule {
+                    deliver_at_ms,
+                    target,
+                    key,
+                    mut headers,
+                } => {
+                    headers.push((
+                        POSITION_HEADER.to_string(),
+                        format!("{}/{}", self.settings.name, request.position),
+                    ));
+                    let draft = Draft {
+                        deliver_at_ms,
+                        topic: &target,
+                        key: key.as_deref(),
+                        headers: headers
+                            .iter()
+                            .map(|(n, v)| (n.as_str(), v.as_str()))
+                            .collect(),
+                        sink: &self.settings.sink,
+                        body: std::borrow::Cow::Borrowed(&request.body),
+                        dedup: key.is_some(),
+                    };
+                    match draft.check(&config, now).and_then(|()| draft.encode()) {
+                        Ok(encoded) => match &key {
+                            Some(key) => keyed.push((i, target.clone(), key.clone(), encoded)),
+                            None => plain.push((i, encoded)),
+                        },
+                        Err(rejection) => dead.push((i, rejection)),
+                    }
+                }
+                Action::Cancel { target, key } => cancels.push((i, target, key)),
+                Action::Dead(rejection) => dead.push((i, rejection)),
+            }
+        }
+        if !plain.is_empty() {
+            let (indexes, encoded): (Vec<usize>, Vec<_>) = plain.into_iter().unzip();
+            let appended = self
+                .intake
+                .schedule(encoded)
+                .await
+                .map_err(|e| NotStored(e.to_string()))?;
+            for (i, one) in indexes.into_iter().zip(appended) {
+                self.written(&requests[i].position, one.location.seq);
+                outcomes.push((i, Outcome::Scheduled));
+            }
+        }
+        for (i, target, key, encoded) in keyed {
+            match self.intake.schedule_keyed(&target, &key, encoded).await {
+                Ok(Keyed::Scheduled(one)) => {
+                    self.written(&requests[i].position, one.location.seq);
+                    outcomes.push((i, Outcome::Scheduled));
+                }
+                Ok(Keyed::Pending(..)) => outcomes.push((i, Outcome::Duplicate)),
+                Err(e) => return Err(NotStored(e.to_string())),
+            }
+        }
+        for (i, target, key) in cancels {
+            self.cancel(&target, &key).await?;
+            outcomes.push((i, Outcome::Cancelled));
+        }
+        if !dead.is_empty() {
+            let letters: Vec<Incoming> = dead
+                .iter()
+                .map(|(i, why)| self.dead_letter(&requests[*i], why, now))
+                .collect();
+            let broker = self.broker.clone();
+            tokio::task::spawn_blocking(move || broker.append(&letters))
+                .await
+                .map_err(|e| NotStored(e.to_string()))?
+                .map_err(|e| NotStored(format!("storing dead letters: {e}")))?;
+            for (i, why) in &dead {
+                tracing::debug!(source = %self.settings.name, position = %requests[*i].position, reason = %why, "request made a dead letter");
+                outcomes.push((*i, Outcome::Dead));
+            }
+        }
+        for (_, outcome) in &outcomes {
+            metrics::counter!("delayd_source_messages_total", "source" => self.settings.name.clone(), "outcome" => outcome.label()).increment(1);
+        }
+        if !outcomes.is_empty() {
+            metrics::counter!("delayd_messages_received_total", "sink" => self.settings.sink.clone())
+                .increment(outcomes.iter().filter(|(_, o)| *o == Outcome::Scheduled).count() as u64);
+        }
+        Ok(requests.iter().map(|r| r.position.clone()).collect())
+    }
+
+    fn written(&mut self, position: &str, seq: u64) {
+        self.unacked.insert(position.to_string(), seq);
+        self.last_written = self.last_written.max(seq + 1);
+    }
+
+    /// Cancels the pending message with this target and key, if there is one; waits while an attempt of
+    /// it is being delivered (that ends it either way).
+    async fn cancel(&self, target: &str, key: &str) -> Result<(), NotStored> {
+        let Some(id) = self.intake.pending_with_key(target, key).await else {
+            return Ok(()); // none pending: delivered, cancelled, or never sent
+        };
+        loop {
+            match self.intake.scheduler.cancel(id).await {
+                Ok(_)
+                | Err(CancelError::NotFound)
+                | Err(CancelError::AlreadyDelivered)
+                | Err(CancelError::AlreadyDead) => return Ok(()),
+                Err(CancelError::InFlight) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(NotStored(e.to_string())),
+            }
+        }
+    }
+
+    fn dead_letter(&self, request: &Request, why: &Rejection, now_ms: i64) -> Incoming {
+        let mut headers: BTreeMap<String, String> = request
+            .headers
+            .iter()
+            .filter(|(n, v)| !n.is_empty() && !v.chars().any(char::is_control))
+            .cloned()
+            .collect();
+        headers.insert("delayd-reason".into(), why.to_string());
+        headers.insert(
+            POSITION_HEADER.into(),
+            format!("{}/{}", self.settings.name, request.position),
+        );
+        Incoming {
+            topic: DEAD_TOPIC.to_string(),
+            id: format!("{}/{}", self.settings.name, request.position),
+            key: None,
+            headers,
+            deliver_at_ms: now_ms,
+            delivered_at_ms: now_ms,
+            attempt: 0,
+            body: request.body.clone(),
+        }
+    }
+
+    /// Writes the mark when it moved (at most once per empty receive, and at the end).
+    fn save_mark(&mut self) {
+        if self.mark == self.mark_saved {
+            return;
+        }
+        let path = mark_path(&self.settings.data_dir, &self.settings.name);
+        match write_mark(&path, self.mark) {
+            Ok(()) => self.mark_saved = self.mark,
+            Err(error) => {
+                tracing::warn!(source = %self.settings.name, %error, "saving the source's mark failed; a restart reads more records")
+            }
+        }
+    }
+}
+
+fn mark_path(data_dir: &Path, name: &str) -> PathBuf {
+    data_dir.join("sources").join(name)
+}
+
+/// Replaces the mark file durably (tmp, fsync, rename, directory fsync).
+fn write_mark(path: &Path, mark: u64) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, format!("{mark}\n"))?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(headers: &[(&str, &str)]) -> Request {
+        Request {
+            position: "1-0".into(),
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            body: b"b".to_vec(),
+            unreadable: None,
+        }
+    }
+
+    fn dead_code(action: Action) -> &'static str {
+        match action {
+            Action::Dead(r) => r.code,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn headers_say_when_and_where_and_are_stripped() {
+        let now = 1_796_117_400_000;
+        let Action::Schedule {
+            deliver_at_ms,
+            target,
+            key,
+            headers,
+        } = classify(
+            &request(&[
+                ("delayd-delay", "1500ms"),
+                ("delayd-target", "orders:out"),
+                ("delayd-key", "o-42"),
+                ("trace", "t1"),
+            ]),
+            now,
+        )
+        else {
+            panic!()
+        };
+        assert_eq!(deliver_at_ms, now + 1500);
+        assert_eq!(
+            (target.as_str(), key.as_deref()),
+            ("orders:out", Some("o-42"))
+        );
+        assert_eq!(headers, vec![("trace".to_string(), "t1".to_string())]);
+        // The migration headers, as their MQs write them.
+        let at = |h: &[(&str, &str)]| match classify(&request(h), now) {
+            Action::Schedule { deliver_at_ms, .. } => deliver_at_ms,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(at(&[("x-delay", "250"), ("delayd-target", "t")]), now + 250);
+        assert_eq!(at(&[("x-delay", "-5"), ("delayd-target", "t")]), now);
+        assert_eq!(
+            at(&[
+                ("Nats-Schedule", "@at 2026-12-01T09:30:01Z"),
+                ("Nats-Schedule-Target", "t")
+            ]),
+            now + 1000
+        );
+        assert_eq!(
+            at(&[
+                ("scheduler-epoch", "1796117401"),
+                ("scheduler-target-topic", "t")
+            ]),
+            now + 1000
+        );
+        assert_eq!(
+            at(&[
+                ("delayd-deliver-at", "1796117400500"),
+                ("delayd-target", "t")
+            ]),
+            now + 500
+        );
+    }
+
+    #[test]
+    fn bad_requests_are_dead_letters_with_a_reason() {
+        let now = 1_796_117_400_000;
+        assert_eq!(
+            dead_code(classify(&request(&[("delayd-delay", "1s")]), now)),
+            "missing_target"
+        );
+        assert_eq!(
+            dead_code(classify(&request(&[("delayd-target", "t")]), now)),
+            "missing_deliver_time"
+        );
+        assert_eq!(
+            dead_code(classify(
+                &request(&[("delayd-target", "t"), ("delayd-delay", "soon")]),
+                now
+            )),
+            "invalid_delay"
+        );
+        assert_eq!(
+            dead_code(classify(
+                &request(&[
+                    ("delayd-target", "t"),
+                    ("delayd-delay", "1s"),
+                    ("x-delay", "5")
+                ]),
+                now
+            )),
+            "conflicting_time_fields"
+        );
+        assert_eq!(
+            dead_code(classify(
+                &request(&[("delayd-target", "t"), ("delayd-cancel", "true")]),
+                now
+            )),
+            "invalid_key"
+        );
+        assert!(matches!(
+            classify(
+                &request(&[
+                    ("delayd-target", "t"),
+                    ("delayd-cancel", "true"),
+                    ("delayd-key", "k")
+                ]),
+                now
+            ),
+            Action::Cancel { .. }
+        ));
+    }
+}

@@ -1,0 +1,218 @@
+//! The Redis Streams transport: `XREADGROUP` in a consumer group, `XACK` after the fsync. An entry's field
+//! `body` is the request's body; its other fields are its headers.
+//!
+//! After each (re)connect this consumer's pending entries (delivered before, never acknowledged: a crash
+//! between the fsync and the ack) are read first (`XREADGROUP ... 0`), then new ones (`>`, blocking).
+//! The group is created at the stream's start when missing (`XGROUP CREATE ... 0 MKSTREAM`), so that
+//! requests written before delayd first ran are taken too.
+
+use super::{Request, Transport, TransportError};
+use crate::sink::BoxFuture;
+use redis::aio::MultiplexedConnection;
+use redis::Value;
+use std::time::Duration;
+
+#[derive(Debug)]
+pub struct RedisTransport {
+    client: redis::Client,
+    stream_key: String,
+    group: String,
+    consumer: String,
+    connection: Option<MultiplexedConnection>,
+    /// Read this consumer's pending entries before new ones.
+    pending_first: bool,
+}
+
+impl RedisTransport {
+    pub fn new(
+        url: &str,
+        stream_key: &str,
+        group: &str,
+        consumer: &str,
+    ) -> Result<RedisTransport, TransportError> {
+        Ok(RedisTransport {
+            client: redis::Client::open(url).map_err(|e| TransportError(e.to_string()))?,
+            stream_key: stream_key.to_string(),
+            group: group.to_string(),
+            consumer: consumer.to_string(),
+            connection: None,
+            pending_first: true,
+        })
+    }
+}
+
+fn failed(error: redis::RedisError) -> TransportError {
+    TransportError(error.to_string())
+}
+
+/// A connection whose commands time out a while after the longest block asked for.
+pub(crate) async fn connect(
+    client: &redis::Client,
+) -> Result<MultiplexedConnection, TransportError> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(5)))
+        .set_response_timeout(Some(Duration::from_secs(15)));
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .map_err(failed)
+}
+
+fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// The entries of an `XREADGROUP` answer for one stream: `[[key, [[id, [field, value, ...]], ...]]]`
+/// (RESP2) or a map of key to entries (RESP3); nil when the wait ended with none.
+fn entries(answer: Value) -> Result<Vec<Request>, TransportError> {
+    let streams = match answer {
+        Value::Nil => return Ok(Vec::new()),
+        Value::Array(streams) => streams
+            .into_iter()
+            .filter_map(|s| match s {
+                Value::Array(mut pair) if pair.len() == 2 => pair.pop(),
+                _ => None,
+            })
+            .collect::<Vec<_>>(),
+        Value::Map(streams) => streams.into_iter().map(|(_, v)| v).collect(),
+        other => {
+            return Err(TransportError(format!(
+                "unexpected XREADGROUP answer {other:?}"
+            )))
+        }
+    };
+    let mut requests = Vec::new();
+    for stream in streams {
+        let Value::Array(list) = stream else { continue };
+        for entry in list {
+            let Value::Array(mut parts) = entry else {
+                continue;
+            };
+            if parts.len() != 2 {
+                continue;
+            }
+            let fields = parts.pop().unwrap_or(Value::Nil);
+            let Some(position) = parts.pop().as_ref().and_then(text) else {
+                continue;
+            };
+            let mut request = Request {
+                position,
+                headers: Vec::new(),
+                body: Vec::new(),
+                unreadable: None,
+            };
+            match fields {
+                Value::Array(fields) => {
+                    for pair in fields.chunks(2) {
+                        let [name, value] = pair else { continue };
+                        let (Some(name), Value::BulkString(value)) = (text(name), value) else {
+                            request.unreadable = Some("a field name is not UTF-8".into());
+                            continue;
+                        };
+                        if name == "body" {
+                            request.body = value.clone();
+                        } else {
+                            match String::from_utf8(value.clone()) {
+                                Ok(value) => request.headers.push((name, value)),
+                                Err(_) => {
+                                    request.unreadable =
+                                        Some(format!("field {name:?} is not UTF-8"))
+                                }
+                            }
+                        }
+                    }
+                }
+                // A pending entry deleted from the stream since (XDEL, a trim): nothing to read.
+                _ => request.unreadable = Some("the entry was deleted from the stream".into()),
+            }
+            requests.push(request);
+        }
+    }
+    Ok(requests)
+}
+
+impl Transport for RedisTransport {
+    fn connect(&mut self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async move {
+            self.connection = None;
+            let mut connection = connect(&self.client).await?;
+            let created: redis::RedisResult<Value> = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(&self.stream_key)
+                .arg(&self.group)
+                .arg("0")
+                .arg("MKSTREAM")
+                .query_async(&mut connection)
+                .await;
+            match created {
+                Ok(_) => {}
+                Err(e) if e.code() == Some("BUSYGROUP") => {}
+                Err(e) => return Err(failed(e)),
+            }
+            self.connection = Some(connection);
+            self.pending_first = true;
+            Ok(())
+        })
+    }
+
+    fn receive(
+        &mut self,
+        max: usize,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>> {
+        Box::pin(async move {
+            let connection = self
+                .connection
+                .as_mut()
+                .ok_or_else(|| TransportError("not connected".into()))?;
+            let mut command = redis::cmd("XREADGROUP");
+            command
+                .arg("GROUP")
+                .arg(&self.group)
+                .arg(&self.consumer)
+                .arg("COUNT")
+                .arg(max.max(1));
+            if !self.pending_first {
+                command.arg("BLOCK").arg(wait.as_millis().max(1) as u64);
+            }
+            command
+                .arg("STREAMS")
+                .arg(&self.stream_key)
+                .arg(if self.pending_first { "0" } else { ">" });
+            let answer: Value = command.query_async(connection).await.map_err(failed)?;
+            let requests = entries(answer)?;
+            if self.pending_first && requests.is_empty() {
+                self.pending_first = false;
+            }
+            Ok(requests)
+        })
+    }
+
+    fn ack<'a>(&'a mut self, positions: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            if positions.is_empty() {
+                return Ok(());
+            }
+            let connection = self
+                .connection
+                .as_mut()
+                .ok_or_else(|| TransportError("not connected".into()))?;
+            let _: Value = redis::cmd("XACK")
+                .arg(&self.stream_key)
+                .arg(&self.group)
+                .arg(positions)
+                .query_async(connection)
+                .await
+                .map_err(failed)?;
+            Ok(())
+        })
+    }
+
+    fn rewind(&mut self) {
+        self.pending_first = true;
+    }
+}
