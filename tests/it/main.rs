@@ -10,6 +10,7 @@ mod common;
 mod disk;
 mod edge;
 mod retention;
+mod sidecar_redis;
 mod webhook;
 
 use common::{now_ms, parse, request, scrape, spawn, spawn_cli, Answer};

@@ -1,0 +1,574 @@
+//! The Redis Streams sidecar end to end: the real `delayd` binary beside a real `redis-server` (Debian's
+//! package), started by each test on a free loopback port with its own directory, durable
+//! (`appendfsync always`), and killed on drop. Requests are `XADD`ed to the source stream as an
+//! application would; an independent reader `XREAD`s the target streams.
+//!
+//! Without `redis-server` a test prints why it is skipped, and fails under `CI=true`.
+
+use super::common::{now_ms, request, scrape, spawn, Process};
+use redis::Value;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `redis-server` for one test, killed on drop.
+struct RedisServer {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl RedisServer {
+    /// Starts one, or says why not (and fails under CI, where it must exist).
+    fn start(dir: &Path) -> Option<RedisServer> {
+        if Command::new("redis-server")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            let why = "redis-server is not installed (apt-get install -y redis-server)";
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+            println!("skipped: {why}");
+            return None;
+        }
+        Some(RedisServer::start_on(free_port(), dir, &[]))
+    }
+
+    /// Starts one on `port` with its data in `dir` (again, after a stop), with extra arguments.
+    fn start_on(port: u16, dir: &Path, extra: &[&str]) -> RedisServer {
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string(), "--dir"])
+            .arg(dir)
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let server = RedisServer {
+            child,
+            port,
+            dir: dir.to_path_buf(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ping: redis::RedisResult<String> = server
+                .client()
+                .get_connection_with_timeout(Duration::from_secs(1))
+                .and_then(|mut c| redis::cmd("PING").query(&mut c));
+            if ping.is_ok() {
+                return server;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start: {ping:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).unwrap()
+    }
+
+    fn connection(&self) -> redis::Connection {
+        self.client()
+            .get_connection_with_timeout(Duration::from_secs(5))
+            .unwrap()
+    }
+
+    /// Stops it (SIGKILL: what is acknowledged is on disk already) and starts it again on the same port
+    /// and directory.
+    fn restart(&mut self, extra: &[&str]) {
+        self.stop();
+        *self = RedisServer::start_on(self.port, &self.dir.clone(), extra);
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A config with a Redis source `in` (stream `delayd:in`) feeding a Redis sink `out`.
+fn config(dir: &Path, redis: &RedisServer) -> PathBuf {
+    let path = dir.join("delayd.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[sinks.out]\nkind = \"redis\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
+             [sources.in]\nkind = \"redis\"\nurl = \"{url}\"\nstream_key = \"delayd:in\"\nsink = \"out\"\n",
+            url = redis.url()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn start_delayd(data: &Path, config: &Path) -> Process {
+    spawn(data, &["--config", config.to_str().unwrap()])
+}
+
+/// Publishes a request: `fields` are its headers, then its body.
+fn publish(redis: &mut redis::Connection, fields: &[(&str, &str)], body: &str) -> String {
+    let mut command = redis::cmd("XADD");
+    command.arg("delayd:in").arg("*");
+    for (name, value) in fields {
+        command.arg(*name).arg(*value);
+    }
+    command.arg("body").arg(body);
+    command.query(redis).unwrap()
+}
+
+/// One entry read from a target stream: its fields, and when it was read.
+#[derive(Debug, Clone)]
+struct Got {
+    fields: BTreeMap<String, String>,
+    at_ms: i64,
+}
+
+/// Reads `stream` from `from` until `count` entries came or `within` passed.
+fn read_target(
+    redis: &mut redis::Connection,
+    stream: &str,
+    count: usize,
+    within: Duration,
+) -> Vec<Got> {
+    let deadline = Instant::now() + within;
+    let mut got = Vec::new();
+    let mut last = "0".to_string();
+    while got.len() < count && Instant::now() < deadline {
+        let answer: Value = redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(100)
+            .arg("BLOCK")
+            .arg(100)
+            .arg("STREAMS")
+            .arg(stream)
+            .arg(&last)
+            .query(redis)
+            .unwrap();
+        let at_ms = now_ms();
+        let Value::Array(streams) = answer else {
+            continue;
+        };
+        for stream in streams {
+            let Value::Array(pair) = stream else { continue };
+            let Some(Value::Array(entries)) = pair.get(1) else {
+                continue;
+            };
+            for entry in entries {
+                let Value::Array(parts) = entry else { continue };
+                let (Some(Value::BulkString(id)), Some(Value::Array(fields))) =
+                    (parts.first(), parts.get(1))
+                else {
+                    continue;
+                };
+                last = String::from_utf8(id.clone()).unwrap();
+                let fields = fields
+                    .chunks(2)
+                    .map(|pair| match pair {
+                        [Value::BulkString(n), Value::BulkString(v)] => (
+                            String::from_utf8(n.clone()).unwrap(),
+                            String::from_utf8(v.clone()).unwrap(),
+                        ),
+                        other => panic!("{other:?}"),
+                    })
+                    .collect();
+                got.push(Got { fields, at_ms });
+            }
+        }
+    }
+    got
+}
+
+/// Entries of the source stream delivered to delayd's group and not acknowledged.
+fn pending(redis: &mut redis::Connection) -> i64 {
+    let answer: Value = redis::cmd("XPENDING")
+        .arg("delayd:in")
+        .arg("delayd")
+        .query(redis)
+        .unwrap();
+    match answer {
+        Value::Array(parts) => match parts.first() {
+            Some(Value::Int(n)) => *n,
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+}
+
+fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Requests due 1–3 s ahead arrive at their target stream, none early, with the application's fields,
+/// without delayd's, and with `delayd-id`, which the HTTP API knows as delivered.
+#[test]
+fn requests_through_redis_arrive_on_time_with_their_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
+    let mut connection = redis.connection();
+    let count = 30;
+    let mut due = BTreeMap::new();
+    for i in 0..count {
+        let delay_ms = 1000 + i * 2000 / count;
+        let published = now_ms();
+        publish(
+            &mut connection,
+            &[
+                ("delayd-delay", &format!("{delay_ms}ms")),
+                ("delayd-target", "orders:out"),
+                ("trace", &format!("t{i}")),
+            ],
+            &format!("order {i}"),
+        );
+        due.insert(format!("order {i}"), published + delay_ms);
+    }
+    // One in the delayed-message exchange's form.
+    let published = now_ms();
+    publish(
+        &mut connection,
+        &[("x-delay", "1500"), ("delayd-target", "orders:out")],
+        "migrated",
+    );
+    due.insert("migrated".into(), published + 1500);
+    let got = read_target(
+        &mut connection,
+        "orders:out",
+        due.len(),
+        Duration::from_secs(30),
+    );
+    assert_eq!(got.len(), due.len(), "{got:?}");
+    let mut lateness = Vec::new();
+    for entry in &got {
+        let body = &entry.fields["body"];
+        let due_ms = due[body];
+        assert!(
+            entry.at_ms >= due_ms,
+            "{body} arrived {} ms early",
+            due_ms - entry.at_ms
+        );
+        lateness.push(entry.at_ms - due_ms);
+        assert!(!entry.fields.contains_key("delayd-delay"));
+        assert!(!entry.fields.contains_key("delayd-target"));
+        assert!(!entry.fields.contains_key("x-delay"));
+        assert!(!entry.fields.contains_key("delayd-source-position"));
+        if body != "migrated" {
+            assert_eq!(entry.fields["trace"], format!("t{}", &body[6..]));
+        }
+        let id = &entry.fields["delayd-id"];
+        let status = request(
+            &delayd.base,
+            "GET",
+            &format!("/v1/messages/{id}"),
+            None,
+            None,
+        );
+        assert_eq!(status.json["status"], "delivered", "{}", status.json);
+        assert_eq!(status.json["topic"], "orders:out");
+    }
+    lateness.sort();
+    println!(
+        "lateness over {} messages (ms, including this reader's 100 ms polls): p50 {}, max {}",
+        lateness.len(),
+        lateness[lateness.len() / 2],
+        lateness[lateness.len() - 1]
+    );
+    assert_eq!(pending(&mut connection), 0, "every request acknowledged");
+    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
+    assert_eq!(sources.json["sources"][0]["name"], "in");
+    assert_eq!(sources.json["sources"][0]["connected"], true);
+    let metrics = scrape(&delayd.base);
+    assert_eq!(
+        metrics[r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#],
+        due.len() as f64
+    );
+    assert_eq!(metrics[r#"delayd_source_connected{source="in"}"#], 1.0);
+    assert_eq!(metrics[r#"delayd_sink_connected{sink="out"}"#], 1.0);
+}
+
+/// A request that cannot be scheduled is a dead letter with its reason, acknowledged, never delivered;
+/// a cancel by target and key keeps its message from being delivered.
+#[test]
+fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
+    let mut connection = redis.connection();
+    let bad: [(&[(&str, &str)], &str); 4] = [
+        (&[("delayd-delay", "1s")], "missing_target"),
+        (&[("delayd-target", "t")], "missing_deliver_time"),
+        (
+            &[("delayd-target", "t"), ("delayd-delay", "soon")],
+            "invalid_delay",
+        ),
+        (
+            &[
+                ("delayd-target", "t"),
+                ("delayd-delay", "1s"),
+                ("delayd-deliver-at", "0"),
+            ],
+            "conflicting_time_fields",
+        ),
+    ];
+    for (fields, _) in &bad {
+        publish(&mut connection, fields, "bad");
+    }
+    publish(
+        &mut connection,
+        &[
+            ("delayd-delay", "2s"),
+            ("delayd-target", "orders:out"),
+            ("delayd-key", "o-1"),
+        ],
+        "cancel me",
+    );
+    publish(
+        &mut connection,
+        &[
+            ("delayd-target", "orders:out"),
+            ("delayd-key", "o-1"),
+            ("delayd-cancel", "true"),
+        ],
+        "",
+    );
+    publish(
+        &mut connection,
+        &[("delayd-delay", "2500ms"), ("delayd-target", "orders:out")],
+        "sentinel",
+    );
+    let got = read_target(&mut connection, "orders:out", 1, Duration::from_secs(30));
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].fields["body"], "sentinel");
+    // Nothing else comes: the cancelled one was due half a second before the sentinel.
+    assert_eq!(
+        read_target(&mut connection, "orders:out", 2, Duration::from_millis(500)).len(),
+        1
+    );
+    assert_eq!(pending(&mut connection), 0);
+    // The dead letters, with their reasons, in the broker's $dead topic.
+    let mut reasons = Vec::new();
+    let topic = request(&delayd.base, "GET", "/v1/topics/$dead", None, None);
+    let queues = topic.json["queues"].as_array().unwrap().len();
+    for queue in 0..queues {
+        let pulled = request(
+            &delayd.base,
+            "GET",
+            &format!("/v1/topics/$dead/queues/{queue}/messages?offset=0&max=100"),
+            None,
+            None,
+        );
+        for message in pulled.json["messages"].as_array().unwrap() {
+            assert_eq!(message["body"], "bad");
+            reasons.push(
+                message["headers"]["delayd-reason"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            );
+        }
+    }
+    assert_eq!(reasons.len(), bad.len(), "{reasons:?}");
+    for (_, code) in &bad {
+        assert!(
+            reasons.iter().any(|r| r.starts_with(code)),
+            "{code} in {reasons:?}"
+        );
+    }
+    let metrics = scrape(&delayd.base);
+    let count = |outcome: &str| {
+        metrics[&format!(r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#)]
+    };
+    assert_eq!(
+        (count("dead"), count("cancelled"), count("scheduled")),
+        (4.0, 1.0, 2.0)
+    );
+}
+
+/// The worst moment for a crash: requests are durable in delayd and not acknowledged to Redis (here its
+/// XACK is disabled, so every ack fails, and delayd is killed with SIGKILL). After both restart, Redis
+/// delivers the requests again; delayd recognises them by their entry ids and schedules each once.
+/// Meanwhile (Redis without XACK, then away) HTTP kept working and the source said it was down.
+#[test]
+fn a_crash_between_the_fsync_and_the_ack_schedules_each_request_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    redis.restart(&["--rename-command", "XACK", ""]);
+    let data = dir.path().join("data");
+    let config = config(dir.path(), &redis);
+    let mut connection = redis.connection();
+    let count = 20;
+    // Published before delayd starts, so that it takes them in one batch (a consumer whose acks fail
+    // reads its pending requests again and again, and no new ones).
+    for i in 0..count {
+        publish(
+            &mut connection,
+            &[("delayd-delay", "3s"), ("delayd-target", "orders:out")],
+            &format!("once {i}"),
+        );
+    }
+    let mut delayd = start_delayd(&data, &config);
+    // All scheduled (durable), none acknowledged.
+    wait_for(
+        "the requests to be scheduled",
+        Duration::from_secs(30),
+        || {
+            scrape(&delayd.base)
+                .get(r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#)
+                .copied()
+                == Some(count as f64)
+        },
+    );
+    assert_eq!(pending(&mut connection), count);
+    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
+    assert!(
+        sources.json["sources"][0]["last_error"].as_str().is_some(),
+        "{}",
+        sources.json
+    );
+    delayd.kill();
+    redis.restart(&[]);
+    drop(connection);
+    let mut connection = redis.connection();
+    let delayd = start_delayd(&data, &config);
+    let got = read_target(
+        &mut connection,
+        "orders:out",
+        count as usize,
+        Duration::from_secs(30),
+    );
+    assert_eq!(got.len(), count as usize);
+    // Nothing more: each once.
+    assert_eq!(
+        read_target(
+            &mut connection,
+            "orders:out",
+            count as usize + 1,
+            Duration::from_secs(1)
+        )
+        .len(),
+        count as usize
+    );
+    let mut bodies: Vec<_> = got.iter().map(|g| g.fields["body"].clone()).collect();
+    bodies.sort();
+    bodies.dedup();
+    assert_eq!(bodies.len(), count as usize);
+    wait_for("the acknowledgements", Duration::from_secs(10), || {
+        pending(&mut connection) == 0
+    });
+    let metrics = scrape(&delayd.base);
+    assert_eq!(
+        metrics[r#"delayd_source_messages_total{source="in",outcome="duplicate"}"#],
+        count as f64
+    );
+    assert_eq!(
+        metrics[r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#],
+        0.0
+    );
+}
+
+/// Redis going away mid-run: delayd keeps serving HTTP and says the source and sink are down; once Redis
+/// is back, what was scheduled before and what is published after is delivered.
+#[test]
+fn redis_restarted_mid_run_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
+    let mut connection = redis.connection();
+    publish(
+        &mut connection,
+        &[("delayd-delay", "1500ms"), ("delayd-target", "orders:out")],
+        "before",
+    );
+    wait_for(
+        "the request to be acknowledged",
+        Duration::from_secs(10),
+        || {
+            pending(&mut connection) == 0
+                && scrape(&delayd.base)
+                    .get(r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#)
+                    .copied()
+                    == Some(1.0)
+        },
+    );
+    redis.stop();
+    wait_for("the source to notice", Duration::from_secs(20), || {
+        let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
+        sources.json["sources"][0]["connected"] == json!(false)
+    });
+    // The message falls due while Redis is away: the sink fails and retries.
+    wait_for("the sink to notice", Duration::from_secs(20), || {
+        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
+        sinks.json["sinks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["name"] == "out" && s["connected"] == json!(false))
+    });
+    assert_eq!(
+        request(&delayd.base, "GET", "/readyz", None, None).status,
+        200
+    );
+    let http = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic": "http", "body": "still here", "delay": 0}"#),
+        None,
+    );
+    assert_eq!(http.status, 201, "{}", http.json);
+    redis.restart(&[]);
+    let mut connection = redis.connection();
+    publish(
+        &mut connection,
+        &[("delayd-delay", "500ms"), ("delayd-target", "orders:out")],
+        "after",
+    );
+    let got = read_target(&mut connection, "orders:out", 2, Duration::from_secs(30));
+    let mut bodies: Vec<_> = got.iter().map(|g| g.fields["body"].clone()).collect();
+    bodies.sort();
+    assert_eq!(bodies, ["after", "before"]);
+    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
+    assert_eq!(sources.json["sources"][0]["connected"], true);
+}
