@@ -38,9 +38,13 @@ pub const POSITION_HEADER: &str = "delayd-source-position";
 /// One request as read from an MQ.
 #[derive(Debug, Clone)]
 pub struct Request {
-    /// Where it is in its source (Redis entry id, JetStream stream sequence, ...): what a redelivery is
-    /// recognised by.
-    pub position: String,
+    /// Where it is in its source (Redis entry id, JetStream stream sequence, an AMQP `message_id`):
+    /// what a redelivery is recognised by. `None` when the MQ gives nothing stable (an AMQP message
+    /// without `message_id`): such a request, delivered again after a crash, is scheduled again.
+    pub position: Option<String>,
+    /// What the transport acknowledges it by (Redis: the entry id; AMQP: the delivery tag; NATS: the
+    /// reply subject).
+    pub receipt: String,
     /// Its headers (Redis: the entry's fields other than `body`), in order.
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
@@ -64,8 +68,8 @@ pub trait Transport: Send + Sync + std::fmt::Debug + 'static {
         max: usize,
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>>;
-    /// Acknowledges requests to the MQ: it will not deliver them again.
-    fn ack<'a>(&'a mut self, positions: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>>;
+    /// Acknowledges requests to the MQ by their receipts: it will not deliver them again.
+    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>>;
     /// After a failed write: the requests not acknowledged are to be received again.
     fn rewind(&mut self);
 }
@@ -378,10 +382,12 @@ impl SourceRunner {
                 continue;
             }
             match self.handle(&received).await {
-                Ok(positions) => {
-                    self.transport.ack(&positions).await?;
+                Ok(()) => {
+                    let receipts: Vec<String> =
+                        received.iter().map(|r| r.receipt.clone()).collect();
+                    self.transport.ack(&receipts).await?;
                     self.healthy();
-                    for position in &positions {
+                    for position in received.iter().filter_map(|r| r.position.as_ref()) {
                         self.unacked.remove(position);
                     }
                     self.mark = self
@@ -403,8 +409,8 @@ impl SourceRunner {
         }
     }
 
-    /// Makes a batch durable; returns the positions to acknowledge (all of them).
-    async fn handle(&mut self, requests: &[Request]) -> Result<Vec<String>, NotStored> {
+    /// Makes a batch durable; then every request of it may be acknowledged.
+    async fn handle(&mut self, requests: &[Request]) -> Result<(), NotStored> {
         let now = self.intake.clock.now_ms();
         let config = self.intake.config.clone();
         let bytes: usize = requests.iter().map(|r| r.body.len()).sum();
@@ -419,7 +425,11 @@ impl SourceRunner {
         let mut cancels = Vec::new();
         let mut dead = Vec::new();
         for (i, request) in requests.iter().enumerate() {
-            if self.unacked.contains_key(&request.position) {
+            if request
+                .position
+                .as_ref()
+                .is_some_and(|p| self.unacked.contains_key(p))
+            {
                 outcomes.push((i, Outcome::Duplicate));
                 continue;
             }
@@ -430,10 +440,12 @@ impl SourceRunner {
                     key,
                     mut headers,
                 } => {
-                    headers.push((
-                        POSITION_HEADER.to_string(),
-                        format!("{}/{}", self.settings.name, request.position),
-                    ));
+                    if let Some(position) = &request.position {
+                        headers.push((
+                            POSITION_HEADER.to_string(),
+                            format!("{}/{position}", self.settings.name),
+                        ));
+                    }
                     let draft = Draft {
                         deliver_at_ms,
                         topic: &target,
@@ -466,14 +478,14 @@ impl SourceRunner {
                 .await
                 .map_err(|e| NotStored(e.to_string()))?;
             for (i, one) in indexes.into_iter().zip(appended) {
-                self.written(&requests[i].position, one.location.seq);
+                self.written(&requests[i], one.location.seq);
                 outcomes.push((i, Outcome::Scheduled));
             }
         }
         for (i, target, key, encoded) in keyed {
             match self.intake.schedule_keyed(&target, &key, encoded).await {
                 Ok(Keyed::Scheduled(one)) => {
-                    self.written(&requests[i].position, one.location.seq);
+                    self.written(&requests[i], one.location.seq);
                     outcomes.push((i, Outcome::Scheduled));
                 }
                 Ok(Keyed::Pending(..)) => outcomes.push((i, Outcome::Duplicate)),
@@ -495,7 +507,7 @@ impl SourceRunner {
                 .map_err(|e| NotStored(e.to_string()))?
                 .map_err(|e| NotStored(format!("storing dead letters: {e}")))?;
             for (i, why) in &dead {
-                tracing::debug!(source = %self.settings.name, position = %requests[*i].position, reason = %why, "request made a dead letter");
+                tracing::debug!(source = %self.settings.name, receipt = %requests[*i].receipt, reason = %why, "request made a dead letter");
                 outcomes.push((*i, Outcome::Dead));
             }
         }
@@ -506,11 +518,13 @@ impl SourceRunner {
             metrics::counter!("delayd_messages_received_total", "sink" => self.settings.sink.clone())
                 .increment(outcomes.iter().filter(|(_, o)| *o == Outcome::Scheduled).count() as u64);
         }
-        Ok(requests.iter().map(|r| r.position.clone()).collect())
+        Ok(())
     }
 
-    fn written(&mut self, position: &str, seq: u64) {
-        self.unacked.insert(position.to_string(), seq);
+    fn written(&mut self, request: &Request, seq: u64) {
+        if let Some(position) = &request.position {
+            self.unacked.insert(position.clone(), seq);
+        }
         self.last_written = self.last_written.max(seq + 1);
     }
 
@@ -542,13 +556,14 @@ impl SourceRunner {
             .cloned()
             .collect();
         headers.insert("delayd-reason".into(), why.to_string());
+        let position = request.position.as_ref().unwrap_or(&request.receipt);
         headers.insert(
             POSITION_HEADER.into(),
-            format!("{}/{}", self.settings.name, request.position),
+            format!("{}/{position}", self.settings.name),
         );
         Incoming {
             topic: DEAD_TOPIC.to_string(),
-            id: format!("{}/{}", self.settings.name, request.position),
+            id: format!("{}/{position}", self.settings.name),
             key: None,
             headers,
             deliver_at_ms: now_ms,
@@ -594,7 +609,8 @@ mod tests {
 
     fn request(headers: &[(&str, &str)]) -> Request {
         Request {
-            position: "1-0".into(),
+            position: Some("1-0".into()),
+            receipt: "1-0".into(),
             headers: headers
                 .iter()
                 .map(|(n, v)| (n.to_string(), v.to_string()))

@@ -100,7 +100,8 @@ fn entries(answer: Value) -> Result<Vec<Request>, TransportError> {
                 continue;
             };
             let mut request = Request {
-                position,
+                position: Some(position.clone()),
+                receipt: position,
                 headers: Vec::new(),
                 body: Vec::new(),
                 unreadable: None,
@@ -192,9 +193,9 @@ impl Transport for RedisTransport {
         })
     }
 
-    fn ack<'a>(&'a mut self, positions: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
-            if positions.is_empty() {
+            if receipts.is_empty() {
                 return Ok(());
             }
             let connection = self
@@ -204,7 +205,7 @@ impl Transport for RedisTransport {
             let _: Value = redis::cmd("XACK")
                 .arg(&self.stream_key)
                 .arg(&self.group)
-                .arg(positions)
+                .arg(receipts)
                 .query_async(connection)
                 .await
                 .map_err(failed)?;
