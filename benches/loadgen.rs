@@ -34,7 +34,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 #[derive(Debug, Clone, Parser)]
 struct Args {
-    /// delayd, redis or postgres
+    /// delayd (HTTP), delayd-redis (delayd as a Redis Streams sidecar: its source stream `delayd:in`,
+    /// target `loadgen:out`, at --redis-url), redis or postgres
     #[arg(long)]
     target: String,
     #[arg(long, default_value = "http://127.0.0.1:7070")]
@@ -103,6 +104,11 @@ struct Job {
 /// when nothing did.
 trait Target: Send + Sync + 'static {
     fn schedule(&self, jobs: Vec<Job>) -> impl Future<Output = anyhow::Result<()>> + Send;
+    /// Returns once everything `schedule` handed over is durable in the target (at once for a target
+    /// whose `schedule` returns only then; the sidecar path waits for delayd's acknowledgements).
+    fn settled(&self) -> impl Future<Output = anyhow::Result<()>> + Send {
+        async { Ok(()) }
+    }
     fn consume(
         &self,
         consumer: usize,
@@ -326,6 +332,128 @@ impl Target for Redis {
     }
 }
 
+// ---------------------------------------------------------------- delayd as a Redis sidecar
+
+/// The sidecar path: requests `XADD`ed to delayd's source stream (pipelined per batch), due messages
+/// read from the target stream delayd's Redis sink writes to. A request counts as ingested once delayd
+/// acknowledged it (`XACK`, after its fsync): [`Target::settled`] waits for the group to have read and
+/// acknowledged every entry.
+struct Sidecar {
+    connection: redis::aio::MultiplexedConnection,
+    /// The last target entry read (one consumer reads the target stream).
+    last: tokio::sync::Mutex<String>,
+    produced: AtomicU64,
+}
+
+const SIDECAR_IN: &str = "delayd:in";
+const SIDECAR_OUT: &str = "loadgen:out";
+
+impl Target for Sidecar {
+    async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
+        let mut pipe = redis::pipe();
+        for job in &jobs {
+            pipe.cmd("XADD")
+                .arg(SIDECAR_IN)
+                .arg("*")
+                .arg("delayd-deliver-at")
+                .arg(job.due_ms)
+                .arg("delayd-target")
+                .arg(SIDECAR_OUT)
+                .arg("body")
+                .arg(&job.body)
+                .ignore();
+        }
+        let mut connection = self.connection.clone();
+        let () = pipe.query_async(&mut connection).await?;
+        self.produced.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn settled(&self) -> anyhow::Result<()> {
+        let mut connection = self.connection.clone();
+        loop {
+            // [pending count, ...] and the group's entries-read.
+            let pending: redis::Value = redis::cmd("XPENDING")
+                .arg(SIDECAR_IN)
+                .arg("delayd")
+                .query_async(&mut connection)
+                .await?;
+            let pending = match pending {
+                redis::Value::Array(parts) => match parts.first() {
+                    Some(redis::Value::Int(n)) => *n,
+                    _ => 0,
+                },
+                _ => 0,
+            };
+            let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+                .arg("GROUPS")
+                .arg(SIDECAR_IN)
+                .query_async(&mut connection)
+                .await?;
+            let read = groups
+                .first()
+                .and_then(|g| g.get("entries-read"))
+                .and_then(|v| redis::from_redis_value::<u64>(v.clone()).ok())
+                .unwrap_or(0);
+            if pending == 0 && read >= self.produced.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn consume(&self, consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
+        if consumer > 0 {
+            // One reader of the target stream: two would each read every entry.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Ok(Vec::new());
+        }
+        let mut last = self.last.lock().await;
+        let mut connection = self.connection.clone();
+        let answer: redis::Value = redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(1000)
+            .arg("BLOCK")
+            .arg(200)
+            .arg("STREAMS")
+            .arg(SIDECAR_OUT)
+            .arg(last.as_str())
+            .query_async(&mut connection)
+            .await?;
+        let mut got = Vec::new();
+        let redis::Value::Array(streams) = answer else {
+            return Ok(got);
+        };
+        for stream in streams {
+            let redis::Value::Array(pair) = stream else {
+                continue;
+            };
+            let Some(redis::Value::Array(entries)) = pair.get(1) else {
+                continue;
+            };
+            for entry in entries {
+                let redis::Value::Array(parts) = entry else {
+                    continue;
+                };
+                if let Some(redis::Value::BulkString(id)) = parts.first() {
+                    *last = String::from_utf8_lossy(id).into_owned();
+                }
+                let Some(redis::Value::Array(fields)) = parts.get(1) else {
+                    continue;
+                };
+                for pair in fields.chunks(2) {
+                    if let [redis::Value::BulkString(name), redis::Value::BulkString(value)] = pair {
+                        if name == b"body" {
+                            got.push(parse_body(&String::from_utf8_lossy(value)));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(got)
+    }
+}
+
 // ---------------------------------------------------------------- PostgreSQL
 
 struct Postgres {
@@ -534,6 +662,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     for producer in producers {
         producer.await.unwrap();
     }
+    target.settled().await.unwrap();
     let ingest_s = started.elapsed().as_secs_f64();
     progress("scheduled", args.messages, args.messages);
     eprintln!();
@@ -646,13 +775,30 @@ fn main() -> anyhow::Result<()> {
                 };
                 run(Arc::new(target), args.clone()).await
             }
+            "delayd-redis" => {
+                let client = redis::Client::open(args.redis_url.as_str())?;
+                let mut connection = client.get_multiplexed_async_connection().await?;
+                connection.set_response_timeout(Duration::from_secs(120));
+                let () = redis::cmd("DEL")
+                    .arg(SIDECAR_OUT)
+                    .query_async(&mut connection)
+                    .await?;
+                let target = Sidecar {
+                    connection,
+                    last: tokio::sync::Mutex::new("0".into()),
+                    produced: AtomicU64::new(0),
+                };
+                run(Arc::new(target), args.clone()).await
+            }
             "postgres" => {
                 let mut target =
                     Postgres::connect(&args.postgres, args.concurrency.min(32) + 2).await?;
                 target.poll = poll;
                 run(Arc::new(target), args.clone()).await
             }
-            other => anyhow::bail!("unknown target {other:?}: delayd, redis or postgres"),
+            other => anyhow::bail!(
+                "unknown target {other:?}: delayd, delayd-redis, redis or postgres"
+            ),
         })
     })?;
     println!("{result}");
