@@ -36,11 +36,14 @@ impl RedisSink {
     }
 
     async fn send(&self, batch: &[Delivery]) -> Result<Vec<SinkOutcome>, String> {
-        let mut held = self.connection.lock().await;
-        if held.is_none() {
-            *held = Some(connect(&self.client).await.map_err(|e| e.0)?);
-        }
-        let connection = held.as_mut().ok_or("not connected")?;
+        // A multiplexed connection is shared by clones: the lock guards only making it.
+        let mut connection = {
+            let mut held = self.connection.lock().await;
+            if held.is_none() {
+                *held = Some(connect(&self.client).await.map_err(|e| e.0)?);
+            }
+            held.clone().ok_or("not connected")?
+        };
         let mut pipe = redis::pipe();
         for delivery in batch {
             let message = &delivery.message;
@@ -59,10 +62,10 @@ impl RedisSink {
             }
         }
         let answers: Vec<redis::RedisResult<Value>> =
-            match pipe.ignore_errors().query_async(connection).await {
+            match pipe.ignore_errors().query_async(&mut connection).await {
                 Ok(answers) => answers,
                 Err(e) => {
-                    *held = None; // made again on the next call
+                    *self.connection.lock().await = None; // made again on the next call
                     return Err(e.to_string());
                 }
             };

@@ -269,6 +269,7 @@ pub struct SourceRunner {
     /// Every record of this source below this seq was acknowledged (kept in `sources/{name}`).
     mark: u64,
     mark_saved: u64,
+    mark_saved_at: std::time::Instant,
     last_written: u64,
     /// Before the next connection attempt, after a failure.
     pause: Duration,
@@ -329,6 +330,7 @@ impl SourceRunner {
             unacked,
             mark,
             mark_saved: mark,
+            mark_saved_at: std::time::Instant::now(),
             last_written,
             pause: FIRST_PAUSE,
         })
@@ -396,6 +398,10 @@ impl SourceRunner {
                         .copied()
                         .min()
                         .unwrap_or(self.last_written);
+                    // A source that is never idle saves it too, once a second.
+                    if self.mark_saved_at.elapsed() >= Duration::from_secs(1) {
+                        self.save_mark();
+                    }
                 }
                 Err(NotStored(why)) => {
                     tracing::warn!(source = %self.settings.name, %why, "requests not stored; they will be received again");
@@ -573,8 +579,10 @@ impl SourceRunner {
         }
     }
 
-    /// Writes the mark when it moved (at most once per empty receive, and at the end).
+    /// Writes the mark when it moved (after an empty receive, a second after the last save, and at the
+    /// end).
     fn save_mark(&mut self) {
+        self.mark_saved_at = std::time::Instant::now();
         if self.mark == self.mark_saved {
             return;
         }
