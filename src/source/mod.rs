@@ -383,11 +383,14 @@ impl SourceRunner {
                 self.save_mark();
                 continue;
             }
+            let began = std::time::Instant::now();
             match self.handle(&received).await {
                 Ok(()) => {
+                    let stored = began.elapsed();
                     let receipts: Vec<String> =
                         received.iter().map(|r| r.receipt.clone()).collect();
                     self.transport.ack(&receipts).await?;
+                    tracing::trace!(source = %self.settings.name, requests = received.len(), stored_us = stored.as_micros() as u64, acked_us = began.elapsed().as_micros() as u64, "batch");
                     self.healthy();
                     for position in received.iter().filter_map(|r| r.position.as_ref()) {
                         self.unacked.remove(position);

@@ -5,6 +5,11 @@
 //! between the fsync and the ack) are read first (`XREADGROUP ... 0`), then new ones (`>`, blocking).
 //! The group is created at the stream's start when missing (`XGROUP CREATE ... 0 MKSTREAM`), so that
 //! requests written before delayd first ran are taken too.
+//!
+//! An acknowledgement goes in one round trip with the next read (`XACK`, then `XREADGROUP` without
+//! blocking): Redis answers both after one fsync of its log, and the next batch is at hand once the
+//! acknowledgement is confirmed. What was read so is pending for this consumer like anything read, so a
+//! connection lost before it is handled loses nothing.
 
 use super::{Request, Transport, TransportError};
 use crate::sink::BoxFuture;
@@ -21,6 +26,10 @@ pub struct RedisTransport {
     connection: Option<MultiplexedConnection>,
     /// Read this consumer's pending entries before new ones.
     pending_first: bool,
+    /// New entries read with the last acknowledgement, in the same round trip, for the next receive.
+    prefetched: Vec<Request>,
+    /// The batch size the runner asks for.
+    max: usize,
 }
 
 impl RedisTransport {
@@ -37,6 +46,8 @@ impl RedisTransport {
             consumer: consumer.to_string(),
             connection: None,
             pending_first: true,
+            prefetched: Vec::new(),
+            max: 1,
         })
     }
 }
@@ -156,6 +167,7 @@ impl Transport for RedisTransport {
             }
             self.connection = Some(connection);
             self.pending_first = true;
+            self.prefetched.clear();
             Ok(())
         })
     }
@@ -166,6 +178,10 @@ impl Transport for RedisTransport {
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>> {
         Box::pin(async move {
+            self.max = max.max(1);
+            if !self.prefetched.is_empty() {
+                return Ok(std::mem::take(&mut self.prefetched));
+            }
             let connection = self
                 .connection
                 .as_mut()
@@ -202,18 +218,34 @@ impl Transport for RedisTransport {
                 .connection
                 .as_mut()
                 .ok_or_else(|| TransportError("not connected".into()))?;
-            let _: Value = redis::cmd("XACK")
+            let mut pipe = redis::pipe();
+            pipe.cmd("XACK")
                 .arg(&self.stream_key)
                 .arg(&self.group)
                 .arg(receipts)
-                .query_async(connection)
-                .await
-                .map_err(failed)?;
+                .ignore();
+            if !self.pending_first {
+                pipe.cmd("XREADGROUP")
+                    .arg("GROUP")
+                    .arg(&self.group)
+                    .arg(&self.consumer)
+                    .arg("COUNT")
+                    .arg(self.max)
+                    .arg("STREAMS")
+                    .arg(&self.stream_key)
+                    .arg(">");
+            }
+            let answers: Vec<Value> = pipe.query_async(connection).await.map_err(failed)?;
+            if let Some(next) = answers.into_iter().next() {
+                self.prefetched = entries(next)?;
+            }
             Ok(())
         })
     }
 
     fn rewind(&mut self) {
+        // What was prefetched is pending: the pending read takes it again.
+        self.prefetched.clear();
         self.pending_first = true;
     }
 }
