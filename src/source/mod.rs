@@ -356,7 +356,7 @@ impl SourceRunner {
                 self.pause = (self.pause * 2).min(Duration::from_secs(5));
             }
         }
-        self.save_mark();
+        self.save_mark().await;
     }
 
     /// A round worked: the MQ is there.
@@ -380,7 +380,7 @@ impl SourceRunner {
             };
             if received.is_empty() {
                 self.healthy();
-                self.save_mark();
+                self.save_mark().await;
                 continue;
             }
             let began = std::time::Instant::now();
@@ -403,7 +403,7 @@ impl SourceRunner {
                         .unwrap_or(self.last_written);
                     // A source that is never idle saves it too, once a second.
                     if self.mark_saved_at.elapsed() >= Duration::from_secs(1) {
-                        self.save_mark();
+                        self.save_mark().await;
                     }
                 }
                 Err(NotStored(why)) => {
@@ -584,14 +584,19 @@ impl SourceRunner {
 
     /// Writes the mark when it moved (after an empty receive, a second after the last save, and at the
     /// end).
-    fn save_mark(&mut self) {
+    async fn save_mark(&mut self) {
         self.mark_saved_at = std::time::Instant::now();
         if self.mark == self.mark_saved {
             return;
         }
         let path = mark_path(&self.settings.data_dir, &self.settings.name);
-        match write_mark(&path, self.mark) {
-            Ok(()) => self.mark_saved = self.mark,
+        let mark = self.mark;
+        // An fsync: off the async threads.
+        let written = tokio::task::spawn_blocking(move || write_mark(&path, mark))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        match written {
+            Ok(()) => self.mark_saved = mark,
             Err(error) => {
                 tracing::warn!(source = %self.settings.name, %error, "saving the source's mark failed; a restart reads more records")
             }
