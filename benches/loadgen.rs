@@ -365,7 +365,8 @@ impl Target for Sidecar {
         }
         let mut connection = self.connection.clone();
         let () = pipe.query_async(&mut connection).await?;
-        self.produced.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        self.produced
+            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -442,7 +443,8 @@ impl Target for Sidecar {
                     continue;
                 };
                 for pair in fields.chunks(2) {
-                    if let [redis::Value::BulkString(name), redis::Value::BulkString(value)] = pair {
+                    if let [redis::Value::BulkString(name), redis::Value::BulkString(value)] = pair
+                    {
                         if name == b"body" {
                             got.push(parse_body(&String::from_utf8_lossy(value)));
                         }
@@ -796,9 +798,9 @@ fn main() -> anyhow::Result<()> {
                 target.poll = poll;
                 run(Arc::new(target), args.clone()).await
             }
-            other => anyhow::bail!(
-                "unknown target {other:?}: delayd, delayd-redis, redis or postgres"
-            ),
+            other => {
+                anyhow::bail!("unknown target {other:?}: delayd, delayd-redis, redis or postgres")
+            }
         })
     })?;
     println!("{result}");

@@ -35,6 +35,15 @@ pub fn parse(value: &Value) -> i64 {
     (parsed.unix_timestamp_nanos() / 1_000_000) as i64
 }
 
+/// Polls `condition` every 20 ms until it holds; panics naming `what` after `within`.
+pub fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// An HTTP client that returns non-2xx answers instead of failing on them.
 pub fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()

@@ -3,7 +3,7 @@
 //! it the tests say so and pass without running.
 
 use super::*;
-use common::spawn_with_env;
+use common::{spawn_with_env, wait_for};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -148,14 +148,6 @@ fn consume(
         }
     }
     seen
-}
-
-fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// The reserve off, so that the service fills the disk to the last block: the replayer and the broker

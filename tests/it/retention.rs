@@ -40,12 +40,8 @@ fn count_files(path: &Path, extension: &str) -> usize {
 }
 
 /// Polls `condition` until it holds, for at most a minute.
-fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait_for(what: &str, condition: impl FnMut() -> bool) {
+    common::wait_for(what, Duration::from_secs(60), condition);
 }
 
 #[test]

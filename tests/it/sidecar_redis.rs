@@ -5,7 +5,7 @@
 //!
 //! Without `redis-server` a test prints why it is skipped, and fails under `CI=true`.
 
-use super::common::{now_ms, request, scrape, spawn, Process};
+use super::common::{now_ms, request, scrape, spawn, wait_for, Process};
 use redis::Value;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -222,14 +222,6 @@ fn pending(redis: &mut redis::Connection) -> i64 {
             other => panic!("{other:?}"),
         },
         other => panic!("{other:?}"),
-    }
-}
-
-fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
