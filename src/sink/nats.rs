@@ -33,7 +33,10 @@ fn headers(delivery: &Delivery) -> Result<HeaderMap, String> {
     map.insert("delayd-id", id.as_str());
     map.insert("Nats-Msg-Id", id.as_str());
     for (name, value) in &delivery.message.headers {
-        if name.to_ascii_lowercase().starts_with("delayd-") {
+        // delayd's own, and a Nats-Msg-Id of the application's: the id is the message's.
+        if name.to_ascii_lowercase().starts_with("delayd-")
+            || name.eq_ignore_ascii_case("Nats-Msg-Id")
+        {
             continue;
         }
         let name = HeaderName::from_str(name)
