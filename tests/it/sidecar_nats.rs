@@ -193,16 +193,15 @@ impl NatsServer {
         })
     }
 
-    /// Requests delivered to delayd's consumer and not acknowledged, and requests not yet delivered.
-    fn unacknowledged(&self) -> (usize, u64) {
+    /// Requests delivered to delayd's consumer and not acknowledged, and requests not yet delivered;
+    /// `None` before delayd made its consumer.
+    fn unacknowledged(&self) -> Option<(usize, u64)> {
         let js = self.jetstream();
         self.runtime.block_on(async {
-            let mut consumer: consumer::PullConsumer = js
-                .get_consumer_from_stream("delayd", "DELAYS")
-                .await
-                .unwrap();
+            let mut consumer: consumer::PullConsumer =
+                js.get_consumer_from_stream("delayd", "DELAYS").await.ok()?;
             let info = consumer.info().await.unwrap();
-            (info.num_ack_pending, info.num_pending)
+            Some((info.num_ack_pending, info.num_pending))
         })
     }
 
@@ -407,7 +406,7 @@ fn requests_through_nats_arrive_on_time_with_their_headers() {
     wait_for(
         "every request acknowledged",
         Duration::from_secs(10),
-        || nats.unacknowledged() == (0, 0),
+        || nats.unacknowledged() == Some((0, 0)),
     );
     let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
     assert_eq!(sources.json["sources"][0]["name"], "in");
@@ -489,7 +488,7 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
     wait_for(
         "every request acknowledged",
         Duration::from_secs(10),
-        || nats.unacknowledged() == (0, 0),
+        || nats.unacknowledged() == Some((0, 0)),
     );
     let mut reasons = Vec::new();
     let topic = request(&delayd.base, "GET", "/v1/topics/$dead", None, None);
@@ -524,6 +523,36 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
         (count("dead"), count("cancelled"), count("scheduled")),
         (bad.len() as f64, 1.0, 2.0)
     );
+    // A subject no stream captures has no responders: retried, and the reason says why.
+    let sent = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic": "nowhere.x", "sink": "out", "body": "b", "delay": 0}"#),
+        None,
+    );
+    assert_eq!(sent.status, 201, "{}", sent.json);
+    let path = format!("/v1/messages/{}", sent.json["id"].as_str().unwrap());
+    wait_for("the retry's reason", Duration::from_secs(10), || {
+        let status = request(&delayd.base, "GET", &path, None, None);
+        status.json["status"] == "retrying"
+            && status.json["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("no stream captures"))
+    });
+    // A wildcard is never a publish subject: dead at once.
+    let sent = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic": "orders.*", "sink": "out", "body": "b", "delay": 0}"#),
+        None,
+    );
+    assert_eq!(sent.status, 201, "{}", sent.json);
+    let path = format!("/v1/messages/{}", sent.json["id"].as_str().unwrap());
+    wait_for("the wildcard to be dead", Duration::from_secs(10), || {
+        request(&delayd.base, "GET", &path, None, None).json["status"] == "dead"
+    });
 }
 
 /// The worst moment for a crash: requests are durable in delayd and not acknowledged to JetStream (here
@@ -557,18 +586,19 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
         let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
         sources.json["sources"][0]["last_error"].as_str().is_some()
     });
-    assert_eq!(nats.unacknowledged(), (count as usize, 0));
+    assert_eq!(nats.unacknowledged(), Some((count as usize, 0)));
     delayd.kill();
     let delayd = start_delayd(&data, &config(dir.path(), &nats, "delayd", "2s"));
     wait_for(
         "the redelivered requests to be recognised",
         Duration::from_secs(30),
-        || source_count(&delayd, "duplicate") == Some(f64::from(count)),
+        // At least: a request whose ack_wait ran out again before its ack (a busy machine) comes once more.
+        || source_count(&delayd, "duplicate").is_some_and(|n| n >= f64::from(count)),
     );
     let got = nats.read_target(count as usize, Duration::from_secs(30));
     assert_eq!(got.len(), count as usize);
     wait_for("the acknowledgements", Duration::from_secs(10), || {
-        nats.unacknowledged() == (0, 0)
+        nats.unacknowledged() == Some((0, 0))
     });
     // Nothing more: each once.
     assert_eq!(
@@ -581,7 +611,6 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
     bodies.dedup();
     assert_eq!(bodies.len(), count as usize);
     assert_eq!(source_count(&delayd, "scheduled"), Some(0.0));
-    assert_eq!(source_count(&delayd, "duplicate"), Some(f64::from(count)));
 }
 
 /// nats-server going away mid-run: delayd keeps serving HTTP and says the source and sink are down; once
@@ -606,7 +635,7 @@ fn nats_restarted_mid_run_loses_nothing() {
     wait_for(
         "the request to be acknowledged",
         Duration::from_secs(10),
-        || nats.unacknowledged() == (0, 0) && source_count(&delayd, "scheduled") == Some(1.0),
+        || nats.unacknowledged() == Some((0, 0)) && source_count(&delayd, "scheduled") == Some(1.0),
     );
     nats.stop();
     wait_for("the source to notice", Duration::from_secs(20), || {
