@@ -253,9 +253,9 @@ impl SinkConfig {
     }
 
     /// A sink that publishes to another message queue: its targets are that MQ's names (a Redis
-    /// stream key may hold `:`), not topic names.
+    /// stream key may hold `:`, a NATS subject `.`-separated tokens), not topic names.
     pub fn is_mq(&self) -> bool {
-        self.kind == "redis"
+        matches!(self.kind.as_str(), "redis" | "nats")
     }
 }
 
@@ -263,19 +263,25 @@ impl SinkConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SourceConfig {
-    /// `redis` (Redis Streams).
+    /// `redis` (Redis Streams) or `nats` (NATS JetStream).
     pub kind: String,
-    /// Where the MQ is: `redis://127.0.0.1:6379/`.
+    /// Where the MQ is: `redis://127.0.0.1:6379/`, `nats://127.0.0.1:4222`.
     pub url: Option<String>,
     /// The sink that delivers what this source schedules (required).
     pub sink: Option<String>,
     /// Redis: the stream requests are read from.
     pub stream_key: Option<String>,
-    /// The consumer group.
+    /// NATS: the JetStream stream requests are read from (created with `subject` when missing).
+    pub stream: Option<String>,
+    /// NATS: the subjects that stream captures and the consumer takes (wildcards allowed).
+    pub subject: Option<String>,
+    /// The consumer group (Redis); the durable pull consumer's name (NATS).
     pub group: String,
-    /// This node's consumer name in the group: its unacknowledged requests are read again after a
-    /// restart under the same name.
+    /// Redis: this node's consumer name in the group: its unacknowledged requests are read again after
+    /// a restart under the same name.
     pub consumer: String,
+    /// NATS: how long JetStream waits for an ack before delivering a request again.
+    pub ack_wait: Millis,
     /// Requests per batch, made durable in one group commit.
     pub batch: usize,
 }
@@ -287,8 +293,11 @@ impl Default for SourceConfig {
             url: None,
             sink: None,
             stream_key: None,
+            stream: None,
+            subject: None,
             group: "delayd".into(),
             consumer: "delayd".into(),
+            ack_wait: Millis(crate::source::nats::DEFAULT_ACK_WAIT),
             batch: 256,
         }
     }
@@ -631,11 +640,18 @@ impl Config {
                         "a redis sink needs a url and takes no secret",
                     ))
                 }
+                ("nats", Some(url), None) => nats_url(&format!("{key}.url"), url)?,
+                ("nats", _, _) => {
+                    return Err(invalid(
+                        &key,
+                        "a nats sink needs a url (nats://host:4222) and takes no secret",
+                    ))
+                }
                 (kind, _, _) => {
                     return Err(invalid(
                         &format!("{key}.kind"),
                         format!(
-                            "unknown sink kind {kind:?}: use \"broker\", \"webhook\" or \"redis\""
+                            "unknown sink kind {kind:?}: use \"broker\", \"webhook\", \"redis\" or \"nats\""
                         ),
                     ))
                 }
@@ -667,6 +683,12 @@ impl Config {
                 return Err(invalid(&format!("{key}.batch"), "between 1 and 10000"));
             }
             match (source.kind.as_str(), &source.url, &source.stream_key) {
+                ("redis", _, _) if source.stream.is_some() || source.subject.is_some() => {
+                    return Err(invalid(
+                        &key,
+                        "stream and subject are for nats sources; a redis source reads stream_key",
+                    ))
+                }
                 ("redis", Some(url), Some(stream_key)) if !stream_key.is_empty() => {
                     redis::Client::open(url.as_str())
                         .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
@@ -674,10 +696,23 @@ impl Config {
                 ("redis", _, _) => {
                     return Err(invalid(&key, "a redis source needs url and stream_key"))
                 }
+                ("nats", _, Some(_)) => {
+                    return Err(invalid(
+                        &format!("{key}.stream_key"),
+                        "a nats source reads stream (a JetStream stream) and subject",
+                    ))
+                }
+                ("nats", Some(url), None) => {
+                    nats_url(&format!("{key}.url"), url)?;
+                    validate_nats_source(&key, source)?;
+                }
+                ("nats", None, None) => {
+                    return Err(invalid(&key, "a nats source needs url, stream and subject"))
+                }
                 (kind, _, _) => {
                     return Err(invalid(
                         &format!("{key}.kind"),
-                        format!("unknown source kind {kind:?}: use \"redis\" (nats, amqp and kafka are not built yet)"),
+                        format!("unknown source kind {kind:?}: use \"redis\" or \"nats\" (amqp and kafka are not built yet)"),
                     ))
                 }
             }
@@ -689,6 +724,68 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A NATS server address (or a comma-separated list of them).
+fn nats_url(key: &str, url: &str) -> Result<(), ConfigError> {
+    for one in url.split(',') {
+        one.trim()
+            .parse::<async_nats::ServerAddr>()
+            .map_err(|e| invalid(key, format!("{one:?}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// A JetStream stream or consumer name: no whitespace, `.`, `*`, `>`, path separators.
+fn nats_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && !name
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || ".*>/\\".contains(c))
+}
+
+/// A NATS subject that may hold wildcards: `.`-separated non-empty tokens, `>` only last.
+fn nats_subject(subject: &str) -> bool {
+    let tokens: Vec<&str> = subject.split('.').collect();
+    !subject.is_empty()
+        && !subject.chars().any(|c| c.is_whitespace() || c.is_control())
+        && tokens.iter().enumerate().all(|(i, token)| {
+            !token.is_empty()
+                && (*token == "*" || *token == ">" || !token.contains(['*', '>']))
+                && (*token != ">" || i == tokens.len() - 1)
+        })
+}
+
+fn validate_nats_source(key: &str, source: &SourceConfig) -> Result<(), ConfigError> {
+    match source.stream.as_deref() {
+        Some(stream) if nats_name(stream) => {}
+        _ => {
+            return Err(invalid(
+                &format!("{key}.stream"),
+                "the JetStream stream to read (created when missing): a name without whitespace, '.', '*', '>' or slashes",
+            ))
+        }
+    }
+    match source.subject.as_deref() {
+        Some(subject) if nats_subject(subject) => {}
+        _ => {
+            return Err(invalid(
+                &format!("{key}.subject"),
+                "the subjects the stream captures and delayd consumes, such as \"delayd.>\" (an existing stream must capture them)",
+            ))
+        }
+    }
+    if !nats_name(&source.group) {
+        return Err(invalid(
+            &format!("{key}.group"),
+            "the durable consumer's name: no whitespace, '.', '*', '>' or slashes",
+        ));
+    }
+    if source.ack_wait.0 < Duration::from_secs(1) {
+        return Err(invalid(&format!("{key}.ack_wait"), "at least 1s"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -854,6 +951,66 @@ mod tests {
         std::fs::write(&path, "[sinks.billing]\nkind = \"carrier-pigeon\"\n").unwrap();
         let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
         assert!(err.to_string().contains("carrier-pigeon"), "{err}");
+    }
+
+    #[test]
+    fn nats_sources_and_sinks_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nats.toml");
+        let sink = "[sinks.out]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n";
+        let load = |source: &str| {
+            std::fs::write(
+                &path,
+                format!("{sink}[sources.in]\nkind = \"nats\"\nsink = \"out\"\n{source}"),
+            )
+            .unwrap();
+            Config::load(Some(&path), Vec::new(), &Flags::default())
+        };
+        let good = "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\n";
+        let config = load(good).unwrap();
+        assert!(config.sinks["out"].is_mq());
+        assert_eq!(config.sources["in"].group, "delayd");
+        for (source, key) in [
+            (
+                "stream = \"DELAYS\"\nsubject = \"delayd.>\"\n",
+                "sources.in",
+            ),
+            (
+                "url = \"nats://127.0.0.1:4222\"\nsubject = \"delayd.>\"\n",
+                "sources.in.stream",
+            ),
+            (
+                "url = \"nats://127.0.0.1:4222\"\nstream = \"DE.LAYS\"\nsubject = \"delayd.>\"\n",
+                "sources.in.stream",
+            ),
+            (
+                "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\n",
+                "sources.in.subject",
+            ),
+            (
+                "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd.>.x\"\n",
+                "sources.in.subject",
+            ),
+            (
+                "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd..x\"\n",
+                "sources.in.subject",
+            ),
+            (&format!("{good}group = \"a.b\"\n"), "sources.in.group"),
+            (
+                &format!("{good}ack_wait = \"10ms\"\n"),
+                "sources.in.ack_wait",
+            ),
+            (
+                &format!("{good}stream_key = \"x\"\n"),
+                "sources.in.stream_key",
+            ),
+        ] {
+            let err = load(source).unwrap_err();
+            assert!(err.to_string().starts_with(key), "{source}: {err}");
+        }
+        std::fs::write(&path, "[sinks.out]\nkind = \"nats\"\n").unwrap();
+        let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+        assert!(err.to_string().contains("nats sink needs a url"), "{err}");
     }
 
     #[test]

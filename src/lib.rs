@@ -109,6 +109,11 @@ pub async fn run_with_ready(
                 sink_links.push(link.clone());
                 Arc::new(sink::redis::RedisSink::new(url, link, clock.clone())?)
             }
+            ("nats", Some(url), _) => {
+                let link = link::Link::new("sink", name, &sink.kind);
+                sink_links.push(link.clone());
+                Arc::new(sink::nats::NatsSink::new(url, link, clock.clone()))
+            }
             _ => Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
         };
         sinks.register(name, target, policy)?;
@@ -227,6 +232,13 @@ async fn start_sources(
                     )
                     .with_context(|| format!("sources.{name}"))?,
                 ),
+                ("nats", Some(url), None) => Box::new(source::nats::NatsTransport::new(
+                    url,
+                    source.stream.as_deref().unwrap_or_default(),
+                    source.subject.as_deref().unwrap_or_default(),
+                    &source.group,
+                    source.ack_wait.0,
+                )),
                 _ => anyhow::bail!("sources.{name}: kind {:?} is not supported", source.kind),
             };
         let settings = source::SourceSettings {

@@ -1,0 +1,193 @@
+//! The NATS JetStream sink: publishes each due message's body to the subject its topic names (the
+//! request's `delayd-target`), with its headers minus delayd's own (`delayd-*`), plus `delayd-id` and
+//! `Nats-Msg-Id`, both the message id (the same on every attempt: JetStream drops a second copy within
+//! the stream's duplicate window, and consumers can deduplicate on it past that).
+//!
+//! A batch is published at once and its PubAcks awaited together. A message counts as delivered only on
+//! its PubAck (a duplicate's PubAck too: the first copy is stored). The target subject must be captured
+//! by some stream: a subject no stream captures has no responder, and the publish is retried with the
+//! sink's backoff (and dead after `max_attempts`), with the reason saying so. A subject with a wildcard
+//! or an empty token, a header NATS cannot carry or a message over the server's `max_payload` is dead at
+//! once: no retry can fix it.
+
+use super::{BoxFuture, Delivery, Sink, SinkOutcome};
+use crate::link::Link;
+use crate::source::nats::connect;
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use std::str::FromStr;
+use tokio::sync::Mutex;
+
+#[derive(Debug)]
+pub struct NatsSink {
+    url: String,
+    connection: Mutex<Option<(async_nats::Client, async_nats::jetstream::Context)>>,
+    link: Link,
+    clock: std::sync::Arc<dyn schedulelog::Clock>,
+}
+
+/// The headers a message is published with, or why it cannot be.
+fn headers(delivery: &Delivery) -> Result<HeaderMap, String> {
+    let id = delivery.id.to_string();
+    let mut map = HeaderMap::new();
+    map.insert("delayd-id", id.as_str());
+    map.insert("Nats-Msg-Id", id.as_str());
+    for (name, value) in &delivery.message.headers {
+        // delayd's own, and a Nats-Msg-Id of the application's: the id is the message's.
+        if name.to_ascii_lowercase().starts_with("delayd-")
+            || name.eq_ignore_ascii_case("Nats-Msg-Id")
+        {
+            continue;
+        }
+        let name = HeaderName::from_str(name)
+            .map_err(|_| format!("header {name:?} is not a valid NATS header name"))?;
+        let value = HeaderValue::from_str(value)
+            .map_err(|_| format!("header {name}: its value cannot be a NATS header value"))?;
+        map.append(name, value);
+    }
+    Ok(map)
+}
+
+/// Whether one can publish to `subject`: no wildcard, no empty token.
+fn publishable(subject: &str) -> bool {
+    !subject.is_empty()
+        && subject
+            .split('.')
+            .all(|token| !token.is_empty() && token != "*" && token != ">")
+}
+
+impl NatsSink {
+    pub fn new(url: &str, link: Link, clock: std::sync::Arc<dyn schedulelog::Clock>) -> NatsSink {
+        NatsSink {
+            url: url.to_string(),
+            connection: Mutex::new(None),
+            link,
+            clock,
+        }
+    }
+
+    /// The current connection's JetStream context: made again when the connection is lost, so that a
+    /// server away fails at once rather than after a publish timeout.
+    async fn context(&self) -> Result<async_nats::jetstream::Context, String> {
+        let mut held = self.connection.lock().await;
+        if let Some((client, context)) = held.as_ref() {
+            if client.connection_state() == async_nats::connection::State::Connected {
+                return Ok(context.clone());
+            }
+        }
+        *held = None;
+        let client = connect(&self.url).await.map_err(|e| e.0)?;
+        let context = async_nats::jetstream::new(client.clone());
+        *held = Some((client, context.clone()));
+        Ok(context)
+    }
+
+    async fn send(&self, batch: &[Delivery]) -> Result<Vec<SinkOutcome>, String> {
+        let context = self.context().await?;
+        // Publish all, then await every PubAck: one round trip's wait for the batch.
+        let mut published: Vec<Result<PublishAckFuture, SinkOutcome>> = Vec::new();
+        for delivery in batch {
+            let message = &delivery.message;
+            if !publishable(&message.topic) {
+                published.push(Err(SinkOutcome::Dead {
+                    reason: format!(
+                        "{:?} is not a subject one can publish to (a wildcard or an empty token)",
+                        message.topic
+                    ),
+                }));
+                continue;
+            }
+            let headers = match headers(delivery) {
+                Ok(headers) => headers,
+                Err(reason) => {
+                    published.push(Err(SinkOutcome::Dead { reason }));
+                    continue;
+                }
+            };
+            let sent = context
+                .publish_with_headers(message.topic.clone(), headers, message.body.to_vec().into())
+                .await;
+            published.push(sent.map_err(|e| outcome(&message.topic, e.kind(), &e)));
+        }
+        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut lost = None;
+        for (sent, delivery) in published.into_iter().zip(batch) {
+            outcomes.push(match sent {
+                Ok(ack) => match ack.await {
+                    Ok(_) => SinkOutcome::Delivered,
+                    Err(e) => {
+                        if matches!(
+                            e.kind(),
+                            PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
+                        ) {
+                            lost = Some(e.to_string());
+                        }
+                        outcome(&delivery.message.topic, e.kind(), &e)
+                    }
+                },
+                Err(outcome) => outcome,
+            });
+        }
+        match lost {
+            Some(error) => self.link.down(self.clock.now_ms(), &error),
+            None => self.link.up(),
+        }
+        Ok(outcomes)
+    }
+}
+
+/// What a failed publish means for its message.
+fn outcome(subject: &str, kind: PublishErrorKind, error: &dyn std::fmt::Display) -> SinkOutcome {
+    match kind {
+        PublishErrorKind::StreamNotFound => SinkOutcome::Retry {
+            after: None,
+            reason: format!(
+                "nats: no stream captures the subject {subject:?} (no responders): add it to a stream's subjects"
+            ),
+        },
+        PublishErrorKind::MaxPayloadExceeded => SinkOutcome::Dead {
+            reason: format!("nats: {error}"),
+        },
+        _ => SinkOutcome::Retry {
+            after: None,
+            reason: format!("nats: {error}"),
+        },
+    }
+}
+
+impl Sink for NatsSink {
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+        Box::pin(async move {
+            match self.send(batch).await {
+                Ok(outcomes) => outcomes,
+                Err(error) => {
+                    self.link.down(self.clock.now_ms(), &error);
+                    let reason = format!("nats: {error}");
+                    batch
+                        .iter()
+                        .map(|_| SinkOutcome::Retry {
+                            after: None,
+                            reason: reason.clone(),
+                        })
+                        .collect()
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_concrete_subjects_are_publishable() {
+        assert!(publishable("orders.out"));
+        assert!(publishable("orders"));
+        assert!(!publishable("orders.*"));
+        assert!(!publishable("orders.>"));
+        assert!(!publishable("orders..out"));
+        assert!(!publishable(".orders"));
+        assert!(!publishable(""));
+    }
+}

@@ -1,0 +1,677 @@
+//! The NATS JetStream sidecar end to end: the real `delayd` binary beside a real `nats-server -js`
+//! (Debian's package), started by each test on a free loopback port with its own store directory, and
+//! stopped on drop. Requests are published to the source stream as an application would (JetStream
+//! publish, PubAck awaited); an independent consumer reads the target stream `OUT` (`orders.>`).
+//!
+//! Without `nats-server` a test prints why it is skipped, and fails under `CI=true`.
+
+use super::common::{now_ms, request, scrape, spawn, Process};
+use async_nats::jetstream::{self, consumer, stream};
+use futures_util::StreamExt;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Users for the crash test: `noack` may not publish acks.
+const USERS: &str = r#"authorization {
+  users: [
+    {user: delayd, password: secret}
+    {user: noack, password: secret, permissions: {publish: {deny: ["$JS.ACK.>"]}}}
+  ]
+}
+"#;
+
+/// A `nats-server -js` for one test, stopped on drop; with a client of its own (user `delayd`).
+struct NatsServer {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+    runtime: tokio::runtime::Runtime,
+    client: Option<async_nats::Client>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl NatsServer {
+    /// Starts one, or says why not (and fails under CI, where it must exist).
+    fn start(dir: &Path) -> Option<NatsServer> {
+        if Command::new("nats-server")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            let why = "nats-server is not installed (apt-get install -y nats-server)";
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+            println!("skipped: {why}");
+            return None;
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let mut server = NatsServer {
+            child: None,
+            port: free_port(),
+            dir: dir.to_path_buf(),
+            runtime,
+            client: None,
+        };
+        server.run();
+        Some(server)
+    }
+
+    /// Starts the process on its port and store directory (again, after a stop) and waits until
+    /// JetStream answers.
+    fn run(&mut self) {
+        let config = self.dir.join("nats.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "listen: 127.0.0.1:{port}\njetstream {{ store_dir: {store:?} }}\n{USERS}",
+                port = self.port,
+                store = self.dir.join("nats").display().to_string()
+            ),
+        )
+        .unwrap();
+        self.child = Some(
+            Command::new("nats-server")
+                .arg("-c")
+                .arg(&config)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let url = format!("nats://127.0.0.1:{}", self.port);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        self.client = Some(loop {
+            let ready = self.runtime.block_on(async {
+                let client = async_nats::ConnectOptions::with_user_and_password(
+                    "delayd".into(),
+                    "secret".into(),
+                )
+                .connect(&url)
+                .await?;
+                // JetStream's account info (raw: this client's typed answer wants newer fields).
+                let info = client.request("$JS.API.INFO", "".into()).await?;
+                let info: serde_json::Value = serde_json::from_slice(&info.payload)?;
+                if info.get("error").is_some() {
+                    return Err(format!("JetStream is not ready: {info}").into());
+                }
+                Ok::<_, async_nats::Error>(client)
+            });
+            match ready {
+                Ok(client) => break client,
+                Err(e) => assert!(Instant::now() < deadline, "nats-server did not start: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        });
+    }
+
+    fn url(&self, user: &str) -> String {
+        format!("nats://{user}:secret@127.0.0.1:{}", self.port)
+    }
+
+    fn jetstream(&self) -> jetstream::Context {
+        let _runtime = self.runtime.enter();
+        jetstream::new(self.client.clone().unwrap())
+    }
+
+    /// The target stream the sink publishes to.
+    fn create_target_stream(&self) {
+        let js = self.jetstream();
+        self.runtime
+            .block_on(js.get_or_create_stream(stream::Config {
+                name: "OUT".into(),
+                subjects: vec!["orders.>".into()],
+                ..Default::default()
+            }))
+            .unwrap();
+    }
+
+    /// Publishes a request to the source stream (`delayd.in`) and waits for its PubAck.
+    fn publish(&self, headers: &[(&str, &str)], body: &str) {
+        let mut map = async_nats::HeaderMap::new();
+        for (name, value) in headers {
+            map.append(*name, *value);
+        }
+        let js = self.jetstream();
+        self.runtime
+            .block_on(async {
+                js.publish_with_headers("delayd.in", map, body.to_string().into())
+                    .await?
+                    .await
+            })
+            .unwrap();
+    }
+
+    /// Reads the target stream from its start until `count` messages came or `within` passed.
+    fn read_target(&self, count: usize, within: Duration) -> Vec<Got> {
+        let js = self.jetstream();
+        self.runtime.block_on(async {
+            let stream = js.get_stream("OUT").await.unwrap();
+            let reader: consumer::PullConsumer = stream
+                .create_consumer(consumer::pull::Config {
+                    ack_policy: consumer::AckPolicy::None,
+                    inactive_threshold: Duration::from_secs(30),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            let mut messages = reader.messages().await.unwrap();
+            let deadline = tokio::time::Instant::now() + within;
+            let mut got = Vec::new();
+            while got.len() < count {
+                let Ok(Some(message)) = tokio::time::timeout_at(deadline, messages.next()).await
+                else {
+                    break;
+                };
+                let message = message.unwrap();
+                let at_ms = now_ms();
+                let mut headers = BTreeMap::new();
+                for (name, values) in message.headers.iter().flat_map(|h| h.iter()) {
+                    let values: Vec<&str> = values.iter().map(|v| v.as_str()).collect();
+                    headers.insert(name.to_string(), values.join(","));
+                }
+                got.push(Got {
+                    subject: message.subject.to_string(),
+                    headers,
+                    body: String::from_utf8(message.payload.to_vec()).unwrap(),
+                    at_ms,
+                });
+            }
+            got
+        })
+    }
+
+    /// Requests delivered to delayd's consumer and not acknowledged, and requests not yet delivered;
+    /// `None` before delayd made its consumer.
+    fn unacknowledged(&self) -> Option<(usize, u64)> {
+        let js = self.jetstream();
+        self.runtime.block_on(async {
+            let mut consumer: consumer::PullConsumer =
+                js.get_consumer_from_stream("delayd", "DELAYS").await.ok()?;
+            let info = consumer.info().await.unwrap();
+            Some((info.num_ack_pending, info.num_pending))
+        })
+    }
+
+    /// The source stream as delayd creates it, for requests published before delayd first runs.
+    fn create_source_stream(&self) {
+        let js = self.jetstream();
+        self.runtime
+            .block_on(js.get_or_create_stream(stream::Config {
+                name: "DELAYS".into(),
+                subjects: vec!["delayd.>".into()],
+                ..Default::default()
+            }))
+            .unwrap();
+    }
+
+    /// Stops it gracefully (SIGTERM: JetStream flushes its store) and waits.
+    fn stop(&mut self) {
+        self.client = None;
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    fn restart(&mut self) {
+        self.stop();
+        self.run();
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// One message read from the target stream, and when it was read.
+#[derive(Debug, Clone)]
+struct Got {
+    subject: String,
+    headers: BTreeMap<String, String>,
+    body: String,
+    at_ms: i64,
+}
+
+/// A config with a NATS source `in` (stream `DELAYS`, subjects `delayd.>`) feeding a NATS sink `out`,
+/// both as `user`.
+fn config(dir: &Path, nats: &NatsServer, user: &str, ack_wait: &str) -> PathBuf {
+    let path = dir.join(format!("delayd-{user}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "[sinks.out]\nkind = \"nats\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
+             [sources.in]\nkind = \"nats\"\nurl = \"{url}\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\n\
+             group = \"delayd\"\nack_wait = \"{ack_wait}\"\nsink = \"out\"\n",
+            url = nats.url(user)
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn start_delayd(data: &Path, config: &Path) -> Process {
+    spawn(data, &["--config", config.to_str().unwrap()])
+}
+
+fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn source_connected(delayd: &Process) -> bool {
+    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
+    sources.json["sources"][0]["connected"] == json!(true)
+}
+
+fn source_count(delayd: &Process, outcome: &str) -> Option<f64> {
+    scrape(&delayd.base)
+        .get(&format!(
+            r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#
+        ))
+        .copied()
+}
+
+/// RFC 3339 (UTC, whole seconds) for unix ms.
+fn rfc3339(ms: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp(ms / 1000)
+        .unwrap()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap()
+}
+
+/// Requests due 1–3 s ahead arrive at their target subject, none early, with the application's headers,
+/// without delayd's, with `delayd-id` = `Nats-Msg-Id`, which the HTTP API knows as delivered; a request
+/// in NATS 2.12's form (`Nats-Schedule: @at ...`, `Nats-Schedule-Target`) too.
+#[test]
+fn requests_through_nats_arrive_on_time_with_their_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(nats) = NatsServer::start(dir.path()) else {
+        return;
+    };
+    nats.create_target_stream();
+    let delayd = start_delayd(
+        &dir.path().join("data"),
+        &config(dir.path(), &nats, "delayd", "60s"),
+    );
+    // delayd creates the source stream.
+    wait_for("the source to connect", Duration::from_secs(30), || {
+        source_connected(&delayd)
+    });
+    let count = 30;
+    let mut due = BTreeMap::new();
+    for i in 0..count {
+        let delay_ms = 1000 + i * 2000 / count;
+        let published = now_ms();
+        nats.publish(
+            &[
+                ("delayd-delay", &format!("{delay_ms}ms")),
+                ("delayd-target", "orders.out"),
+                ("trace", &format!("t{i}")),
+            ],
+            &format!("order {i}"),
+        );
+        due.insert(format!("order {i}"), published + delay_ms);
+    }
+    // One in NATS 2.12's message-scheduling form, due at a whole second 2–3 s ahead.
+    let at_ms = (now_ms() / 1000 + 3) * 1000;
+    nats.publish(
+        &[
+            ("Nats-Schedule", &format!("@at {}", rfc3339(at_ms))),
+            ("Nats-Schedule-Target", "orders.migrated"),
+        ],
+        "migrated",
+    );
+    due.insert("migrated".into(), at_ms);
+    let got = nats.read_target(due.len(), Duration::from_secs(30));
+    assert_eq!(got.len(), due.len(), "{got:?}");
+    let mut lateness = Vec::new();
+    for message in &got {
+        let due_ms = due[&message.body];
+        assert!(
+            message.at_ms >= due_ms,
+            "{} arrived {} ms early",
+            message.body,
+            due_ms - message.at_ms
+        );
+        lateness.push(message.at_ms - due_ms);
+        for consumed in [
+            "delayd-delay",
+            "delayd-target",
+            "Nats-Schedule",
+            "Nats-Schedule-Target",
+            "delayd-source-position",
+        ] {
+            assert!(
+                !message.headers.contains_key(consumed),
+                "{consumed} in {message:?}"
+            );
+        }
+        if message.body == "migrated" {
+            assert_eq!(message.subject, "orders.migrated");
+        } else {
+            assert_eq!(message.subject, "orders.out");
+            assert_eq!(message.headers["trace"], format!("t{}", &message.body[6..]));
+        }
+        let id = &message.headers["delayd-id"];
+        assert_eq!(&message.headers["Nats-Msg-Id"], id);
+        let status = request(
+            &delayd.base,
+            "GET",
+            &format!("/v1/messages/{id}"),
+            None,
+            None,
+        );
+        assert_eq!(status.json["status"], "delivered", "{}", status.json);
+        assert_eq!(status.json["topic"], message.subject.as_str());
+    }
+    lateness.sort();
+    println!(
+        "lateness over {} messages (ms, as this consumer received them): p50 {}, max {}",
+        lateness.len(),
+        lateness[lateness.len() / 2],
+        lateness[lateness.len() - 1]
+    );
+    wait_for(
+        "every request acknowledged",
+        Duration::from_secs(10),
+        || nats.unacknowledged() == Some((0, 0)),
+    );
+    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
+    assert_eq!(sources.json["sources"][0]["name"], "in");
+    assert_eq!(sources.json["sources"][0]["kind"], "nats");
+    let metrics = scrape(&delayd.base);
+    assert_eq!(
+        metrics[r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#],
+        due.len() as f64
+    );
+    assert_eq!(metrics[r#"delayd_source_connected{source="in"}"#], 1.0);
+    assert_eq!(metrics[r#"delayd_sink_connected{sink="out"}"#], 1.0);
+}
+
+/// A request that cannot be scheduled is a dead letter with its reason, acknowledged, never delivered;
+/// a cancel by target and key keeps its message from being delivered.
+#[test]
+fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(nats) = NatsServer::start(dir.path()) else {
+        return;
+    };
+    nats.create_target_stream();
+    nats.create_source_stream();
+    let delayd = start_delayd(
+        &dir.path().join("data"),
+        &config(dir.path(), &nats, "delayd", "60s"),
+    );
+    let bad: [(&[(&str, &str)], &str); 5] = [
+        (&[("delayd-delay", "1s")], "missing_target"),
+        (&[("delayd-target", "orders.out")], "missing_deliver_time"),
+        (
+            &[("delayd-target", "orders.out"), ("delayd-delay", "soon")],
+            "invalid_delay",
+        ),
+        (
+            &[
+                ("delayd-target", "orders.out"),
+                ("delayd-delay", "1s"),
+                ("Nats-Schedule", "@at 2026-01-01T00:00:00Z"),
+            ],
+            "conflicting_time_fields",
+        ),
+        (
+            &[
+                ("Nats-Schedule-Target", "orders.out"),
+                ("Nats-Schedule", "@every 5m"),
+            ],
+            "invalid_deliver_at",
+        ),
+    ];
+    for (headers, _) in &bad {
+        nats.publish(headers, "bad");
+    }
+    nats.publish(
+        &[
+            ("delayd-delay", "2s"),
+            ("delayd-target", "orders.out"),
+            ("delayd-key", "o-1"),
+        ],
+        "cancel me",
+    );
+    nats.publish(
+        &[
+            ("delayd-target", "orders.out"),
+            ("delayd-key", "o-1"),
+            ("delayd-cancel", "true"),
+        ],
+        "",
+    );
+    nats.publish(
+        &[("delayd-delay", "2500ms"), ("delayd-target", "orders.out")],
+        "sentinel",
+    );
+    let got = nats.read_target(1, Duration::from_secs(30));
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].body, "sentinel");
+    // Nothing else comes: the cancelled one was due half a second before the sentinel.
+    assert_eq!(nats.read_target(2, Duration::from_millis(500)).len(), 1);
+    wait_for(
+        "every request acknowledged",
+        Duration::from_secs(10),
+        || nats.unacknowledged() == Some((0, 0)),
+    );
+    let mut reasons = Vec::new();
+    let topic = request(&delayd.base, "GET", "/v1/topics/$dead", None, None);
+    let queues = topic.json["queues"].as_array().unwrap().len();
+    for queue in 0..queues {
+        let pulled = request(
+            &delayd.base,
+            "GET",
+            &format!("/v1/topics/$dead/queues/{queue}/messages?offset=0&max=100"),
+            None,
+            None,
+        );
+        for message in pulled.json["messages"].as_array().unwrap() {
+            assert_eq!(message["body"], "bad");
+            reasons.push(
+                message["headers"]["delayd-reason"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            );
+        }
+    }
+    assert_eq!(reasons.len(), bad.len(), "{reasons:?}");
+    for (_, code) in &bad {
+        assert!(
+            reasons.iter().any(|r| r.starts_with(code)),
+            "{code} in {reasons:?}"
+        );
+    }
+    let count = |outcome: &str| source_count(&delayd, outcome).unwrap();
+    assert_eq!(
+        (count("dead"), count("cancelled"), count("scheduled")),
+        (bad.len() as f64, 1.0, 2.0)
+    );
+    // A subject no stream captures has no responders: retried, and the reason says why.
+    let sent = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic": "nowhere.x", "sink": "out", "body": "b", "delay": 0}"#),
+        None,
+    );
+    assert_eq!(sent.status, 201, "{}", sent.json);
+    let path = format!("/v1/messages/{}", sent.json["id"].as_str().unwrap());
+    wait_for("the retry's reason", Duration::from_secs(10), || {
+        let status = request(&delayd.base, "GET", &path, None, None);
+        status.json["status"] == "retrying"
+            && status.json["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("no stream captures"))
+    });
+    // A wildcard is never a publish subject: dead at once.
+    let sent = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic": "orders.*", "sink": "out", "body": "b", "delay": 0}"#),
+        None,
+    );
+    assert_eq!(sent.status, 201, "{}", sent.json);
+    let path = format!("/v1/messages/{}", sent.json["id"].as_str().unwrap());
+    wait_for("the wildcard to be dead", Duration::from_secs(10), || {
+        request(&delayd.base, "GET", &path, None, None).json["status"] == "dead"
+    });
+}
+
+/// The worst moment for a crash: requests are durable in delayd and not acknowledged to JetStream (here
+/// delayd's NATS user may not publish acks, so every ack fails, and delayd is killed with SIGKILL).
+/// Restarted as a user that may, delayd gets the requests again once their `ack_wait` passed, recognises
+/// them by their stream sequences and schedules each once.
+#[test]
+fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(nats) = NatsServer::start(dir.path()) else {
+        return;
+    };
+    nats.create_target_stream();
+    nats.create_source_stream();
+    let data = dir.path().join("data");
+    let count = 20;
+    for i in 0..count {
+        nats.publish(
+            &[("delayd-delay", "3s"), ("delayd-target", "orders.out")],
+            &format!("once {i}"),
+        );
+    }
+    let mut delayd = start_delayd(&data, &config(dir.path(), &nats, "noack", "2s"));
+    wait_for(
+        "the requests to be scheduled",
+        Duration::from_secs(30),
+        || source_count(&delayd, "scheduled") == Some(f64::from(count)),
+    );
+    // The acks failed (denied, then timed out), and none is recorded.
+    wait_for("the failed ack", Duration::from_secs(30), || {
+        let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
+        sources.json["sources"][0]["last_error"].as_str().is_some()
+    });
+    assert_eq!(nats.unacknowledged(), Some((count as usize, 0)));
+    delayd.kill();
+    let delayd = start_delayd(&data, &config(dir.path(), &nats, "delayd", "2s"));
+    wait_for(
+        "the redelivered requests to be recognised",
+        Duration::from_secs(30),
+        // At least: a request whose ack_wait ran out again before its ack (a busy machine) comes once more.
+        || source_count(&delayd, "duplicate").is_some_and(|n| n >= f64::from(count)),
+    );
+    let got = nats.read_target(count as usize, Duration::from_secs(30));
+    assert_eq!(got.len(), count as usize);
+    wait_for("the acknowledgements", Duration::from_secs(10), || {
+        nats.unacknowledged() == Some((0, 0))
+    });
+    // Nothing more: each once.
+    assert_eq!(
+        nats.read_target(count as usize + 1, Duration::from_secs(1))
+            .len(),
+        count as usize
+    );
+    let mut bodies: Vec<_> = got.iter().map(|g| g.body.clone()).collect();
+    bodies.sort();
+    bodies.dedup();
+    assert_eq!(bodies.len(), count as usize);
+    assert_eq!(source_count(&delayd, "scheduled"), Some(0.0));
+}
+
+/// nats-server going away mid-run: delayd keeps serving HTTP and says the source and sink are down; once
+/// the server is back (same port, same store), what was scheduled before and what is published after is
+/// delivered.
+#[test]
+fn nats_restarted_mid_run_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut nats) = NatsServer::start(dir.path()) else {
+        return;
+    };
+    nats.create_target_stream();
+    nats.create_source_stream();
+    let delayd = start_delayd(
+        &dir.path().join("data"),
+        &config(dir.path(), &nats, "delayd", "60s"),
+    );
+    nats.publish(
+        &[("delayd-delay", "1500ms"), ("delayd-target", "orders.out")],
+        "before",
+    );
+    wait_for(
+        "the request to be acknowledged",
+        Duration::from_secs(10),
+        || nats.unacknowledged() == Some((0, 0)) && source_count(&delayd, "scheduled") == Some(1.0),
+    );
+    nats.stop();
+    wait_for("the source to notice", Duration::from_secs(20), || {
+        !source_connected(&delayd)
+    });
+    // The message falls due while the server is away: the sink fails and retries.
+    wait_for("the sink to notice", Duration::from_secs(20), || {
+        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
+        sinks.json["sinks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["name"] == "out" && s["connected"] == json!(false))
+    });
+    assert_eq!(
+        request(&delayd.base, "GET", "/readyz", None, None).status,
+        200
+    );
+    let http = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic": "http", "body": "still here", "delay": 0}"#),
+        None,
+    );
+    assert_eq!(http.status, 201, "{}", http.json);
+    nats.restart();
+    nats.publish(
+        &[("delayd-delay", "500ms"), ("delayd-target", "orders.out")],
+        "after",
+    );
+    let got = nats.read_target(2, Duration::from_secs(30));
+    let mut bodies: Vec<_> = got.iter().map(|g| g.body.clone()).collect();
+    bodies.sort();
+    assert_eq!(bodies, ["after", "before"]);
+    wait_for("the source to reconnect", Duration::from_secs(20), || {
+        source_connected(&delayd)
+    });
+}
