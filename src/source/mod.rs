@@ -20,6 +20,7 @@
 //! - An MQ that is away never stops delayd: the runner reconnects with backoff; the link (link.rs)
 //!   shows the state.
 
+pub mod amqp;
 pub mod redis;
 
 use crate::broker::{Broker, Incoming};
