@@ -67,21 +67,24 @@ struct Rabbit {
     port: u16,
     epmd_port: u16,
     dir: PathBuf,
+    /// The watchdog removes `dir` too (the shared node's, which no guard drops).
+    remove_dir: bool,
 }
 
 impl Rabbit {
-    /// Starts a node with its files in `dir` (made and given to the `rabbitmq` user) on free ports.
-    fn start(dir: &Path) -> Rabbit {
+    /// Starts a node with its files in `dir` (made and given to the `rabbitmq` user) on free ports;
+    /// with `remove_dir`, `dir` is removed once this test process is gone.
+    fn start(dir: &Path, remove_dir: bool) -> Rabbit {
         std::fs::create_dir_all(dir).unwrap();
         let (uid, gid) = (id_of("-u"), id_of("-g"));
         std::os::unix::fs::chown(dir, Some(uid), Some(gid)).unwrap();
         std::fs::write(dir.join("enabled_plugins"), "").unwrap();
         std::os::unix::fs::chown(dir.join("enabled_plugins"), Some(uid), Some(gid)).unwrap();
-        Rabbit::start_on(dir, free_port(), free_port(), free_port())
+        Rabbit::start_on(dir, free_port(), free_port(), free_port(), remove_dir)
     }
 
     /// Starts it (again) with these ports and files; waits until it takes connections.
-    fn start_on(dir: &Path, port: u16, dist_port: u16, epmd_port: u16) -> Rabbit {
+    fn start_on(dir: &Path, port: u16, dist_port: u16, epmd_port: u16, remove_dir: bool) -> Rabbit {
         let started = Instant::now();
         let (uid, gid) = (id_of("-u"), id_of("-g"));
         let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
@@ -113,6 +116,7 @@ impl Rabbit {
             port,
             epmd_port,
             dir: dir.to_path_buf(),
+            remove_dir,
         };
         rabbit.watch();
         let deadline = Instant::now() + Duration::from_secs(90);
@@ -154,10 +158,12 @@ impl Rabbit {
         let script = format!(
             "while kill -0 {test} 2>/dev/null && kill -0 {group} 2>/dev/null; do sleep 0.2; done; \
              kill -9 -{group} 2>/dev/null; \
-             for i in $(seq 50); do ERL_EPMD_PORT={epmd} epmd -kill >/dev/null 2>&1 && break; sleep 0.1; done; true",
+             for i in $(seq 50); do ERL_EPMD_PORT={epmd} epmd -kill >/dev/null 2>&1 && break; sleep 0.1; done; \
+             if [ -n \"{remove}\" ] && ! kill -0 {test} 2>/dev/null; then rm -rf \"{remove}\"; fi; true",
             test = std::process::id(),
             group = self.child.id(),
             epmd = self.epmd_port,
+            remove = if self.remove_dir { self.dir.to_str().unwrap() } else { "" },
         );
         Command::new("sh")
             .args(["-c", &script])
@@ -201,7 +207,13 @@ impl Rabbit {
     /// old epmd, must not touch the new one.
     fn restart(&mut self) {
         self.stop();
-        *self = Rabbit::start_on(&self.dir.clone(), self.port, free_port(), free_port());
+        *self = Rabbit::start_on(
+            &self.dir.clone(),
+            self.port,
+            free_port(),
+            free_port(),
+            self.remove_dir,
+        );
     }
 }
 
@@ -218,7 +230,7 @@ fn shared() -> Option<&'static Rabbit> {
         .get_or_init(|| {
             installed().then(|| {
                 let dir = tempfile::tempdir().unwrap().keep();
-                Rabbit::start(&dir)
+                Rabbit::start(&dir, true)
             })
         })
         .as_ref()
@@ -901,7 +913,7 @@ fn rabbitmq_restarted_mid_run_loses_nothing() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut rabbit = Rabbit::start(&dir.path().join("rabbit"));
+    let mut rabbit = Rabbit::start(&dir.path().join("rabbit"), false);
     let (in_queue, out_queue) = ("delayd.in", "orders.out");
     let client = Client::new(&rabbit.url());
     client.declare(in_queue);
@@ -913,8 +925,9 @@ fn rabbitmq_restarted_mid_run_loses_nothing() {
     client.publish(
         "",
         in_queue,
+        // Due well after RabbitMQ is stopped (which takes up to a few seconds), so that the sink fails.
         &[
-            ("delayd-delay", text("1500ms")),
+            ("delayd-delay", text("6s")),
             ("delayd-target", text(out_queue)),
         ],
         "before",
