@@ -203,7 +203,7 @@ impl BrokerConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SinkConfig {
-    /// `broker` (the built-in store) or `webhook`.
+    /// `broker` (the built-in store), `webhook`, `redis` or `amqp`.
     pub kind: String,
     /// Webhook: where to POST (http:// or https://).
     pub url: Option<String>,
@@ -213,6 +213,9 @@ pub struct SinkConfig {
     pub timeout: Millis,
     /// Webhook: a PEM file of extra CA certificates to trust (a private CA), besides the public roots.
     pub ca_file: Option<PathBuf>,
+    /// AMQP: the exchange to publish to, with the target as the routing key; `""` (the default
+    /// exchange) delivers to the queue the target names.
+    pub exchange: Option<String>,
     pub max_attempts: u16,
     pub rate_per_sec: Option<f64>,
     pub burst: u32,
@@ -233,6 +236,7 @@ impl Default for SinkConfig {
             secret: None,
             timeout: Millis(Duration::from_secs(10)),
             ca_file: None,
+            exchange: None,
             max_attempts: 10,
             rate_per_sec: None,
             burst: 100,
@@ -255,7 +259,7 @@ impl SinkConfig {
     /// A sink that publishes to another message queue: its targets are that MQ's names (a Redis
     /// stream key may hold `:`, a NATS subject `.`-separated tokens), not topic names.
     pub fn is_mq(&self) -> bool {
-        matches!(self.kind.as_str(), "redis" | "nats")
+        matches!(self.kind.as_str(), "redis" | "nats" | "amqp")
     }
 }
 
@@ -263,9 +267,10 @@ impl SinkConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SourceConfig {
-    /// `redis` (Redis Streams) or `nats` (NATS JetStream).
+    /// `redis` (Redis Streams), `nats` (NATS JetStream) or `amqp` (AMQP 0-9-1: RabbitMQ).
     pub kind: String,
-    /// Where the MQ is: `redis://127.0.0.1:6379/`, `nats://127.0.0.1:4222`.
+    /// Where the MQ is: `redis://127.0.0.1:6379/`, `nats://127.0.0.1:4222`,
+    /// `amqp://guest:guest@127.0.0.1:5672/%2f`.
     pub url: Option<String>,
     /// The sink that delivers what this source schedules (required).
     pub sink: Option<String>,
@@ -275,6 +280,8 @@ pub struct SourceConfig {
     pub stream: Option<String>,
     /// NATS: the subjects that stream captures and the consumer takes (wildcards allowed).
     pub subject: Option<String>,
+    /// AMQP: the durable queue requests are consumed from (declared when missing).
+    pub queue: Option<String>,
     /// The consumer group (Redis); the durable pull consumer's name (NATS).
     pub group: String,
     /// Redis: this node's consumer name in the group: its unacknowledged requests are read again after
@@ -282,7 +289,7 @@ pub struct SourceConfig {
     pub consumer: String,
     /// NATS: how long JetStream waits for an ack before delivering a request again.
     pub ack_wait: Millis,
-    /// Requests per batch, made durable in one group commit.
+    /// Requests per batch, made durable in one group commit (AMQP: also the prefetch, `basic.qos`).
     pub batch: usize,
 }
 
@@ -295,12 +302,22 @@ impl Default for SourceConfig {
             stream_key: None,
             stream: None,
             subject: None,
+            queue: None,
             group: "delayd".into(),
             consumer: "delayd".into(),
             ack_wait: Millis(crate::source::nats::DEFAULT_ACK_WAIT),
             batch: 256,
         }
     }
+}
+
+/// An AMQP exchange or queue name as RabbitMQ takes it: at most 255 bytes of letters, digits and
+/// `.`, `_`, `:`, `-`; empty is the default exchange.
+fn valid_exchange(name: &str) -> bool {
+    name.len() <= 255
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
 /// The whole configuration.
@@ -647,14 +664,36 @@ impl Config {
                         "a nats sink needs a url (nats://host:4222) and takes no secret",
                     ))
                 }
+                ("amqp", Some(url), None) => {
+                    crate::source::amqp::check_url(url)
+                        .map_err(|e| invalid(&format!("{key}.url"), e))?;
+                    if sink.exchange.as_ref().is_some_and(|e| !valid_exchange(e)) {
+                        return Err(invalid(
+                            &format!("{key}.exchange"),
+                            "an exchange name has at most 255 bytes of [A-Za-z0-9._:-] (\"\" is the default exchange)",
+                        ));
+                    }
+                }
+                ("amqp", _, _) => {
+                    return Err(invalid(
+                        &key,
+                        "an amqp sink needs a url (amqp://user:password@host:5672/vhost) and takes no secret",
+                    ))
+                }
                 (kind, _, _) => {
                     return Err(invalid(
                         &format!("{key}.kind"),
                         format!(
-                            "unknown sink kind {kind:?}: use \"broker\", \"webhook\", \"redis\" or \"nats\""
+                            "unknown sink kind {kind:?}: use \"broker\", \"webhook\", \"redis\", \"nats\" or \"amqp\""
                         ),
                     ))
                 }
+            }
+            if sink.kind != "amqp" && sink.exchange.is_some() {
+                return Err(invalid(
+                    &format!("{key}.exchange"),
+                    "only an amqp sink has an exchange",
+                ));
             }
         }
         // The built-in broker sink always exists; a [sinks.broker] table only tunes it.
@@ -689,12 +728,36 @@ impl Config {
                         "stream and subject are for nats sources; a redis source reads stream_key",
                     ))
                 }
-                ("redis", Some(url), Some(stream_key)) if !stream_key.is_empty() => {
+                ("redis", Some(url), Some(stream_key))
+                    if !stream_key.is_empty() && source.queue.is_none() =>
+                {
                     redis::Client::open(url.as_str())
                         .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
                 }
                 ("redis", _, _) => {
-                    return Err(invalid(&key, "a redis source needs url and stream_key"))
+                    return Err(invalid(
+                        &key,
+                        "a redis source needs url and stream_key (and has no queue)",
+                    ))
+                }
+                ("amqp", Some(url), None) => {
+                    crate::source::amqp::check_url(url)
+                        .map_err(|e| invalid(&format!("{key}.url"), e))?;
+                    match source.queue.as_deref() {
+                        Some(queue) if valid_exchange(queue) && !queue.is_empty() && !queue.starts_with("amq.") => {}
+                        _ => {
+                            return Err(invalid(
+                                &format!("{key}.queue"),
+                                "an amqp source needs a queue: 1 to 255 bytes of [A-Za-z0-9._:-], not starting with amq.",
+                            ))
+                        }
+                    }
+                }
+                ("amqp", _, _) => {
+                    return Err(invalid(
+                        &key,
+                        "an amqp source needs url (amqp://user:password@host:5672/vhost) and queue, and has no stream_key",
+                    ))
                 }
                 ("nats", _, Some(_)) => {
                     return Err(invalid(
@@ -712,7 +775,7 @@ impl Config {
                 (kind, _, _) => {
                     return Err(invalid(
                         &format!("{key}.kind"),
-                        format!("unknown source kind {kind:?}: use \"redis\" or \"nats\" (amqp and kafka are not built yet)"),
+                        format!("unknown source kind {kind:?}: use \"redis\", \"nats\" or \"amqp\" (kafka is not built yet)"),
                     ))
                 }
             }
@@ -1011,6 +1074,62 @@ mod tests {
         std::fs::write(&path, "[sinks.out]\nkind = \"nats\"\n").unwrap();
         let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
         assert!(err.to_string().contains("nats sink needs a url"), "{err}");
+    }
+
+    #[test]
+    fn amqp_sources_and_sinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("amqp.toml");
+        let load = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            Config::load(Some(&path), Vec::new(), &Flags::default())
+        };
+        let good = "[sinks.out]\nkind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"\"\n\n\
+                    [sources.in]\nkind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nqueue = \"delayd.in\"\nsink = \"out\"\nbatch = 64\n";
+        let config = load(good).unwrap();
+        assert!(config.sinks["out"].is_mq());
+        assert_eq!(config.sources["in"].queue.as_deref(), Some("delayd.in"));
+        for (bad, key) in [
+            (
+                good.replace("queue = \"delayd.in\"\n", ""),
+                "sources.in.queue",
+            ),
+            (
+                good.replace("queue = \"delayd.in\"", "queue = \"amq.x\""),
+                "sources.in.queue",
+            ),
+            (
+                good.replace("queue = \"delayd.in\"", "queue = \"a b\""),
+                "sources.in.queue",
+            ),
+            (
+                good.replace(
+                    "amqp://guest:guest@127.0.0.1:5672/%2f\"\nqueue",
+                    "amqps://127.0.0.1/\"\nqueue",
+                ),
+                "sources.in.url",
+            ),
+            (
+                good.replace("exchange = \"\"", "exchange = \"no spaces\""),
+                "sinks.out.exchange",
+            ),
+            (
+                good.replace(
+                    "amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange",
+                    "http://x/\"\nexchange",
+                ),
+                "sinks.out.url",
+            ),
+            (
+                good.replace("queue = \"delayd.in\"", "stream_key = \"s\""),
+                "sources.in",
+            ),
+        ] {
+            let err = load(&bad).unwrap_err();
+            assert!(err.to_string().starts_with(key), "{bad}: {err}");
+        }
+        let err = load("[sinks.out]\nkind = \"webhook\"\nurl = \"http://x/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nexchange = \"e\"\n").unwrap_err();
+        assert!(err.to_string().starts_with("sinks.out.exchange"), "{err}");
     }
 
     #[test]

@@ -114,6 +114,16 @@ pub async fn run_with_ready(
                 sink_links.push(link.clone());
                 Arc::new(sink::nats::NatsSink::new(url, link, clock.clone()))
             }
+            ("amqp", Some(url), _) => {
+                let link = link::Link::new("sink", name, &sink.kind);
+                sink_links.push(link.clone());
+                Arc::new(sink::amqp::AmqpSink::new(
+                    url,
+                    sink.exchange.as_deref().unwrap_or(""),
+                    link,
+                    clock.clone(),
+                ))
+            }
             _ => Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
         };
         sinks.register(name, target, policy)?;
@@ -223,6 +233,12 @@ async fn start_sources(
     for (name, source) in &config.sources {
         let transport: Box<dyn source::Transport> =
             match (source.kind.as_str(), &source.url, &source.stream_key) {
+                ("amqp", Some(url), _) => Box::new(source::amqp::AmqpTransport::new(
+                    url,
+                    source.queue.as_deref().unwrap_or_default(),
+                    name,
+                    source.batch,
+                )),
                 ("redis", Some(url), Some(stream_key)) => Box::new(
                     source::redis::RedisTransport::new(
                         url,

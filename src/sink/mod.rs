@@ -4,6 +4,7 @@
 //! or dead. The scheduler does everything else: rate limits, in-flight caps, retries through the WAL,
 //! outcome records. A sink never sees a message before its `deliver_at`.
 
+pub mod amqp;
 pub mod nats;
 pub mod redis;
 pub mod webhook;

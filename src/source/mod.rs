@@ -20,6 +20,7 @@
 //! - An MQ that is away never stops delayd: the runner reconnects with backoff; the link (link.rs)
 //!   shows the state.
 
+pub mod amqp;
 pub mod nats;
 pub mod redis;
 
@@ -36,6 +37,10 @@ use std::time::Duration;
 /// The header recording where a message's request was in its source.
 pub const POSITION_HEADER: &str = "delayd-source-position";
 
+/// A request's header kept with its message for the MQ sink: the AMQP exchange to publish to instead of
+/// the sink's own (`delayd-*` headers are never passed on).
+pub const EXCHANGE_HEADER: &str = "delayd-exchange";
+
 /// One request as read from an MQ.
 #[derive(Debug, Clone)]
 pub struct Request {
@@ -51,6 +56,9 @@ pub struct Request {
     pub body: Vec<u8>,
     /// Why the transport could not read it as a request (say, a header that is not UTF-8): a dead letter.
     pub unreadable: Option<String>,
+    /// The target when no header names one (AMQP: the routing key it was published with, as the
+    /// delayed-message exchange routes it).
+    pub default_target: Option<String>,
 }
 
 /// A transport's failure: the connection is dropped and made again, with backoff.
@@ -120,7 +128,8 @@ fn classify(request: &Request, now_ms: i64) -> Action {
     };
     let target = get("delayd-target")
         .or_else(|| get("Nats-Schedule-Target"))
-        .or_else(|| get("scheduler-target-topic"));
+        .or_else(|| get("scheduler-target-topic"))
+        .or(request.default_target.as_deref());
     let key = get("delayd-key").or_else(|| get("scheduler-target-key"));
     let Some(target) = target.filter(|t| !t.is_empty()) else {
         return Action::Dead(Rejection::new(
@@ -174,8 +183,13 @@ fn classify(request: &Request, now_ms: i64) -> Action {
     let headers = request
         .headers
         .iter()
-        .filter(|(name, _)| !consumed(name))
-        .cloned()
+        .filter(|(name, _)| !consumed(name) || name.eq_ignore_ascii_case(EXCHANGE_HEADER))
+        .map(
+            |(name, value)| match name.eq_ignore_ascii_case(EXCHANGE_HEADER) {
+                true => (EXCHANGE_HEADER.to_string(), value.trim().to_string()),
+                false => (name.clone(), value.clone()),
+            },
+        )
         .collect();
     Action::Schedule {
         deliver_at_ms,
@@ -634,6 +648,7 @@ mod tests {
                 .collect(),
             body: b"b".to_vec(),
             unreadable: None,
+            default_target: None,
         }
     }
 
@@ -697,6 +712,37 @@ mod tests {
                 ("delayd-target", "t")
             ]),
             now + 500
+        );
+    }
+
+    #[test]
+    fn amqp_routing_key_is_the_default_target_and_the_exchange_is_kept() {
+        let now = 1_796_117_400_000;
+        let mut from_exchange = request(&[
+            ("x-delay", "1000"),
+            ("delayd-exchange", " orders "),
+            ("trace", "t1"),
+        ]);
+        from_exchange.default_target = Some("orders.created".into());
+        let Action::Schedule {
+            target, headers, ..
+        } = classify(&from_exchange, now)
+        else {
+            panic!()
+        };
+        assert_eq!(target, "orders.created");
+        assert_eq!(
+            headers,
+            vec![
+                (EXCHANGE_HEADER.to_string(), "orders".to_string()),
+                ("trace".to_string(), "t1".to_string())
+            ]
+        );
+        // A header still wins over the routing key.
+        let mut named = request(&[("x-delay", "1000"), ("delayd-target", "elsewhere")]);
+        named.default_target = Some("orders.created".into());
+        assert!(
+            matches!(classify(&named, now), Action::Schedule { target, .. } if target == "elsewhere")
         );
     }
 

@@ -130,6 +130,7 @@ fn request(message: &async_nats::Message, stream_sequence: Option<u64>) -> Reque
         receipt: receipt.unwrap_or_default(),
         headers,
         body: message.payload.to_vec(),
+        default_target: None,
     }
 }
 

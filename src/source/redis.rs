@@ -116,6 +116,7 @@ fn entries(answer: Value) -> Result<Vec<Request>, TransportError> {
                 headers: Vec::new(),
                 body: Vec::new(),
                 unreadable: None,
+                default_target: None,
             };
             match fields {
                 Value::Array(fields) => {

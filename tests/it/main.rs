@@ -10,6 +10,7 @@ mod common;
 mod disk;
 mod edge;
 mod retention;
+mod sidecar_amqp;
 mod sidecar_nats;
 mod sidecar_redis;
 mod webhook;

@@ -5,7 +5,7 @@
 //!
 //! Without `nats-server` a test prints why it is skipped, and fails under `CI=true`.
 
-use super::common::{now_ms, request, scrape, spawn, Process};
+use super::common::{now_ms, request, scrape, spawn, wait_for, Process};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use serde_json::json;
@@ -280,14 +280,6 @@ fn config(dir: &Path, nats: &NatsServer, user: &str, ack_wait: &str) -> PathBuf 
 
 fn start_delayd(data: &Path, config: &Path) -> Process {
     spawn(data, &["--config", config.to_str().unwrap()])
-}
-
-fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn source_connected(delayd: &Process) -> bool {

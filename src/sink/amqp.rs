@@ -1,0 +1,249 @@
+//! The AMQP 0-9-1 (RabbitMQ) sink: publishes each due message to the sink's `exchange` (or the one its
+//! request named in `delayd-exchange`) with its topic (the request's target) as the routing key; with
+//! the default exchange `""` the target is the queue's name.
+//!
+//! Each publish is persistent (`delivery_mode` 2), `mandatory`, with `message_id` = the delayd id and the
+//! headers of its request minus delayd's own (`delayd-*`) plus `delayd-id` (the same on every attempt:
+//! what consumers deduplicate on). The channel is in confirm mode; a message counts as delivered only on
+//! the broker's ack without a `basic.return`. A returned message (no queue bound for its routing key) or
+//! a nack is retried with the sink's backoff, as is everything when the connection or channel fails (a
+//! publish to an exchange that does not exist closes the channel: it is opened again for the next call).
+
+use super::{BoxFuture, Delivery, Sink, SinkOutcome};
+use crate::link::Link;
+use crate::source::amqp::{close, connect};
+use crate::source::EXCHANGE_HEADER;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection};
+use lapin::{Confirmation, PublisherConfirm};
+use std::time::Duration;
+use tokio::sync::Mutex;
+
+/// How long a batch may wait for its confirms.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub struct AmqpSink {
+    url: String,
+    exchange: String,
+    open: Mutex<Option<(Connection, Channel)>>,
+    link: Link,
+    clock: std::sync::Arc<dyn schedulelog::Clock>,
+}
+
+impl std::fmt::Debug for AmqpSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpSink")
+            .field("exchange", &self.exchange)
+            .field("link", &self.link)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why one message could not be published: the first retries, the second is dead.
+enum Unpublishable {
+    Connection(String),
+    Message(String),
+}
+
+impl AmqpSink {
+    pub fn new(
+        url: &str,
+        exchange: &str,
+        link: Link,
+        clock: std::sync::Arc<dyn schedulelog::Clock>,
+    ) -> AmqpSink {
+        AmqpSink {
+            url: url.to_string(),
+            exchange: exchange.to_string(),
+            open: Mutex::new(None),
+            link,
+            clock,
+        }
+    }
+
+    /// The confirming channel, opened (with its connection) when there is none or it failed.
+    async fn channel(&self) -> Result<Channel, String> {
+        let mut open = self.open.lock().await;
+        if let Some((connection, channel)) = open.as_ref() {
+            if connection.status().connected() && channel.status().connected() {
+                return Ok(channel.clone());
+            }
+            // A closed channel (say, after a publish to a missing exchange) on a live connection.
+            if connection.status().connected() {
+                let channel = confirming(connection).await?;
+                if let Some((_, held)) = open.as_mut() {
+                    *held = channel.clone();
+                }
+                return Ok(channel);
+            }
+            close(connection).await;
+            *open = None;
+        }
+        let connection = connect(&self.url).await.map_err(|e| e.0)?;
+        let channel = match confirming(&connection).await {
+            Ok(channel) => channel,
+            Err(e) => {
+                close(&connection).await;
+                return Err(e);
+            }
+        };
+        *open = Some((connection, channel.clone()));
+        Ok(channel)
+    }
+
+    /// One outcome per delivery, and the connection's failure if it failed on the way (what was
+    /// confirmed before stays delivered).
+    async fn send(&self, batch: &[Delivery]) -> Result<(Vec<SinkOutcome>, Option<String>), String> {
+        let channel = self.channel().await?;
+        let mut confirms = Vec::with_capacity(batch.len());
+        for delivery in batch {
+            let published = match self.publish(&channel, delivery).await {
+                Ok(confirm) => Ok(confirm),
+                Err(Unpublishable::Message(reason)) => Err(SinkOutcome::Dead { reason }),
+                Err(Unpublishable::Connection(reason)) => Err(SinkOutcome::Retry {
+                    after: None,
+                    reason,
+                }),
+            };
+            confirms.push(published);
+        }
+        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut connection_failed = None;
+        for (delivery, confirm) in batch.iter().zip(confirms) {
+            let outcome = match confirm {
+                Err(outcome) => outcome,
+                Ok(confirm) => match tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await {
+                    Err(_) => retry("no publisher confirm within 30 s".into()),
+                    Ok(Err(e)) => {
+                        connection_failed = Some(e.to_string());
+                        retry(format!("amqp: publish not confirmed: {e}"))
+                    }
+                    Ok(Ok(Confirmation::Ack(None))) => SinkOutcome::Delivered,
+                    Ok(Ok(Confirmation::Ack(Some(returned))))
+                    | Ok(Ok(Confirmation::Nack(Some(returned)))) => retry(format!(
+                        "amqp: returned unroutable ({} {}): no queue is bound to exchange {:?} with routing key {:?}",
+                        returned.reply_code,
+                        returned.reply_text,
+                        self.exchange_of(delivery),
+                        delivery.message.topic
+                    )),
+                    Ok(Ok(Confirmation::Nack(None))) => {
+                        retry("amqp: the broker nacked the publish".into())
+                    }
+                    Ok(Ok(Confirmation::NotRequested)) => {
+                        retry("amqp: the channel is not in confirm mode".into())
+                    }
+                },
+            };
+            outcomes.push(outcome);
+        }
+        if let Some(error) = connection_failed {
+            // The channel is gone (a missing exchange closes it; so does a lost connection): is the
+            // connection? The link says down only when it is.
+            let open = self.open.lock().await;
+            if !open
+                .as_ref()
+                .is_some_and(|(connection, _)| connection.status().connected())
+            {
+                return Ok((outcomes, Some(error)));
+            }
+        }
+        Ok((outcomes, None))
+    }
+
+    fn exchange_of<'a>(&'a self, delivery: &'a Delivery) -> &'a str {
+        delivery
+            .message
+            .headers
+            .iter()
+            .find(|(name, _)| name == EXCHANGE_HEADER)
+            .map_or(self.exchange.as_str(), |(_, value)| value.as_str())
+    }
+
+    async fn publish(
+        &self,
+        channel: &Channel,
+        delivery: &Delivery,
+    ) -> Result<PublisherConfirm, Unpublishable> {
+        let message = &delivery.message;
+        let id = delivery.id.to_string();
+        let short = |what: &str, text: &str| {
+            ShortString::try_new(text).map_err(|_| {
+                Unpublishable::Message(format!("{what} {text:?} is longer than 255 bytes"))
+            })
+        };
+        let mut headers = FieldTable::default();
+        for (name, value) in &message.headers {
+            if !name.to_ascii_lowercase().starts_with("delayd-") {
+                headers.insert(
+                    short("the header name", name)?,
+                    AMQPValue::LongString(LongString::from(value.as_str())),
+                );
+            }
+        }
+        headers.insert(
+            ShortString::from("delayd-id"),
+            AMQPValue::LongString(LongString::from(id.as_str())),
+        );
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(short("the id", &id)?)
+            .with_headers(headers);
+        channel
+            .basic_publish(
+                short("the exchange", self.exchange_of(delivery))?,
+                short("the target", &message.topic)?,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &message.body,
+                properties,
+            )
+            .await
+            .map_err(|e| Unpublishable::Connection(format!("amqp: publish: {e}")))
+    }
+}
+
+fn retry(reason: String) -> SinkOutcome {
+    SinkOutcome::Retry {
+        after: None,
+        reason,
+    }
+}
+
+/// A channel in confirm mode.
+async fn confirming(connection: &Connection) -> Result<Channel, String> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| format!("opening a channel: {e}"))?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|e| format!("confirm.select: {e}"))?;
+    Ok(channel)
+}
+
+impl Sink for AmqpSink {
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+        Box::pin(async move {
+            match self.send(batch).await {
+                Ok((outcomes, None)) => {
+                    self.link.up();
+                    outcomes
+                }
+                Ok((outcomes, Some(error))) => {
+                    self.link.down(self.clock.now_ms(), &error);
+                    outcomes
+                }
+                Err(error) => {
+                    self.link.down(self.clock.now_ms(), &error);
+                    let reason = format!("amqp: {error}");
+                    batch.iter().map(|_| retry(reason.clone())).collect()
+                }
+            }
+        })
+    }
+}
