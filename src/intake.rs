@@ -113,12 +113,6 @@ impl Draft<'_> {
                 "topic must match [A-Za-z0-9._-]{1,200} and not be only dots",
             ));
         }
-        if self.deliver_at_ms < 0 {
-            return Err(Rejection::new(
-                "invalid_deliver_at",
-                "the delivery time must not be before 1970",
-            ));
-        }
         if self.deliver_at_ms.saturating_sub(now_ms) > config.max_delay.as_ms() {
             return Err(Rejection::new(
                 "delay_too_long",
@@ -298,6 +292,67 @@ impl Intake {
             .ok_or_else(|| IntakeError::Interrupted("an append returned no id".into()))?;
         index.insert(index_key, appended.id);
         Ok(Keyed::Scheduled(appended))
+    }
+
+    /// Schedules messages in one group commit, in order. One with a `(topic, key)` is left out (`None`)
+    /// while a message with that topic and key is pending, or an earlier one of this call has them.
+    pub async fn schedule_all(
+        &self,
+        messages: Vec<(Option<(String, String)>, EncodedMessage)>,
+    ) -> Result<Vec<Option<Appended>>, IntakeError> {
+        self.start_pruning();
+        // Checked and appended under one lock, as `schedule_keyed`, when any message has a key.
+        let mut index = match messages.iter().any(|(key, _)| key.is_some()) {
+            true => Some(self.keys.lock().await),
+            false => None,
+        };
+        let mut kept = Vec::with_capacity(messages.len());
+        let mut encoded = Vec::with_capacity(messages.len());
+        let mut this_call = std::collections::HashSet::new();
+        for (key, message) in messages {
+            let keep = match (&key, index.as_mut()) {
+                (Some(key), Some(index)) => {
+                    if !this_call.insert(key.clone()) {
+                        false
+                    } else if let Some(existing) = index.get(key).copied() {
+                        match self.lookup(existing).await? {
+                            Some(status) if status.state == MessageState::Pending => false,
+                            _ => {
+                                index.remove(key);
+                                true
+                            }
+                        }
+                    } else {
+                        true
+                    }
+                }
+                _ => true,
+            };
+            if keep {
+                encoded.push(message);
+            }
+            kept.push((keep, key));
+        }
+        let mut appended = match encoded.is_empty() {
+            true => Vec::new(),
+            false => self.log.append(encoded).await?,
+        }
+        .into_iter();
+        let mut answers = Vec::with_capacity(kept.len());
+        for (keep, key) in kept {
+            if !keep {
+                answers.push(None);
+                continue;
+            }
+            let one = appended
+                .next()
+                .ok_or_else(|| IntakeError::Interrupted("an append returned too few ids".into()))?;
+            if let (Some(key), Some(index)) = (key, index.as_mut()) {
+                index.insert(key, one.id);
+            }
+            answers.push(Some(one));
+        }
+        Ok(answers)
     }
 
     /// The pending message with this topic and key, if any.

@@ -599,7 +599,7 @@ impl ScheduleLog {
     /// restart. Each bucket's index is searched for its first entry at `seq` or above (entries are in
     /// seq order), and only the records from there are read.
     pub fn records_since(&self, seq: u64) -> Result<Vec<Message>> {
-        self.wait_replayed(0);
+        self.replayed_all()?;
         let mut found = Vec::new();
         for bucket in self.buckets() {
             let Some(reader) = self.reader(bucket)? else {
@@ -621,9 +621,31 @@ impl ScheduleLog {
     }
 
     /// The seq the next appended record will have, at least.
-    pub fn next_seq(&self) -> u64 {
-        self.wait_replayed(0);
-        self.filed_below()
+    pub fn next_seq(&self) -> Result<u64> {
+        self.replayed_all()?;
+        Ok(self.filed_below())
+    }
+
+    /// Waits, however long it takes, until everything committed so far is filed; fails at once while
+    /// the replayer is held up by a full disk (`NotFiledYet`). What must not miss a record (an MQ
+    /// source rebuilding what it wrote) waits here, not in [`Self::wait_replayed`], which gives up.
+    fn replayed_all(&self) -> Result<()> {
+        let committed = self.shared.committed.load(Ordering::Acquire);
+        let mut replay = self.shared.replay();
+        while replay.next_seq < committed {
+            if self.shared.disk_full.held_up(Blocked::Replayer) {
+                return Err(Error::NotFiledYet {
+                    cause: self.shared.disk_full.cause(),
+                });
+            }
+            replay = self
+                .shared
+                .replayed
+                .wait_timeout(replay, Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
     }
 
     /// Stops reporting a bucket.

@@ -186,6 +186,18 @@ fn validate<'a>(
             ))
         }
     };
+    // Where an MQ source's request was: a message over HTTP must not claim one (a redelivered request
+    // would be taken for it).
+    if request
+        .headers
+        .keys()
+        .any(|n| n.eq_ignore_ascii_case(crate::source::POSITION_HEADER))
+    {
+        return Err(ApiError::bad_request(
+            "invalid_header",
+            format!("{} is delayd's own header", crate::source::POSITION_HEADER),
+        ));
+    }
     let draft = Draft {
         deliver_at_ms,
         topic: &request.topic.0,

@@ -25,14 +25,15 @@ pub mod nats;
 pub mod redis;
 
 use crate::broker::{Broker, Incoming};
-use crate::intake::{delay_from_text, deliver_at_from_text, Draft, Intake, Keyed, Rejection};
+use crate::intake::{delay_from_text, deliver_at_from_text, Draft, Intake, Rejection};
 use crate::link::Link;
 use crate::scheduler::{CancelError, DEAD_TOPIC};
 use crate::sink::BoxFuture;
+use schedulelog::EncodedMessage;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The header recording where a message's request was in its source.
 pub const POSITION_HEADER: &str = "delayd-source-position";
@@ -81,6 +82,13 @@ pub trait Transport: Send + Sync + std::fmt::Debug + 'static {
     fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>>;
     /// After a failed write: the requests not acknowledged are to be received again.
     fn rewind(&mut self);
+    /// How long after a (re)connect the MQ has delivered again everything delivered before and not
+    /// acknowledged. Positions remembered from before a connect and not seen again by then were
+    /// acknowledged after all (an ack whose reply was lost, or records read back at a start), and are
+    /// forgotten, so that the mark moves on.
+    fn redelivery_window(&self) -> Duration {
+        Duration::from_secs(10)
+    }
 }
 
 /// What a request asks for.
@@ -228,6 +236,10 @@ fn when(name: &str, value: &str, now_ms: i64) -> Result<i64, Rejection> {
     }
 }
 
+/// A message of a batch on its way to the log: the request's index, its (target, key) if keyed, and
+/// the message.
+type Pending = (usize, Option<(String, String)>, EncodedMessage);
+
 /// How a request ended, as counted in `delayd_source_messages_total{outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
@@ -279,12 +291,15 @@ pub struct SourceRunner {
     broker: Arc<Broker>,
     link: Link,
     transport: Box<dyn Transport>,
-    /// Positions written and not yet acknowledged, with the seq of their record.
-    unacked: HashMap<String, u64>,
+    /// Positions written and not yet acknowledged, with the seq of their record and when they were
+    /// written (or read back at the start).
+    unacked: HashMap<String, (u64, Instant)>,
+    /// When the current connection was made (with `redelivery_window`: see [`Transport`]).
+    connected_at: Option<Instant>,
     /// Every record of this source below this seq was acknowledged (kept in `sources/{name}`).
     mark: u64,
     mark_saved: u64,
-    mark_saved_at: std::time::Instant,
+    mark_saved_at: Instant,
     last_written: u64,
     /// Before the next connection attempt, after a failure.
     pause: Duration,
@@ -310,7 +325,7 @@ impl SourceRunner {
             }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 // Never consumed anything: no record of it exists.
-                let mark = intake.log.next_seq();
+                let mark = intake.log.next_seq()?;
                 write_mark(&path, mark)?;
                 mark
             }
@@ -326,7 +341,7 @@ impl SourceRunner {
                 .find(|(n, _)| n == POSITION_HEADER)
                 .and_then(|(_, v)| v.strip_prefix(&prefix));
             if let (Some(position), 0) = (position, message.attempt) {
-                unacked.insert(position.to_string(), message.seq);
+                unacked.insert(position.to_string(), (message.seq, Instant::now()));
                 last_written = last_written.max(message.seq + 1);
             }
         }
@@ -345,7 +360,8 @@ impl SourceRunner {
             unacked,
             mark,
             mark_saved: mark,
-            mark_saved_at: std::time::Instant::now(),
+            mark_saved_at: Instant::now(),
+            connected_at: None,
             last_written,
             pause: FIRST_PAUSE,
         })
@@ -357,7 +373,10 @@ impl SourceRunner {
         while !*stop.borrow() {
             let served = tokio::select! {
                 connected = self.transport.connect() => match connected {
-                    Ok(()) => self.serve(&mut stop).await,
+                    Ok(()) => {
+                        self.connected_at = Some(Instant::now());
+                        self.serve(&mut stop).await
+                    }
                     Err(e) => Err(e),
                 },
                 _ = stop.changed() => break,
@@ -372,6 +391,23 @@ impl SourceRunner {
             }
         }
         self.save_mark().await;
+    }
+
+    /// Forgets the positions written before the current connection once the MQ has had its
+    /// `redelivery_window` to deliver them again (see [`Transport::redelivery_window`]), and moves the
+    /// mark to the oldest position still remembered.
+    fn forget_redelivered_window(&mut self) {
+        if let Some(connected_at) = self.connected_at {
+            if connected_at.elapsed() >= self.transport.redelivery_window() {
+                self.unacked.retain(|_, (_, since)| *since >= connected_at);
+            }
+        }
+        self.mark = self
+            .unacked
+            .values()
+            .map(|(seq, _)| *seq)
+            .min()
+            .unwrap_or(self.last_written);
     }
 
     /// A round worked: the MQ is there.
@@ -395,10 +431,11 @@ impl SourceRunner {
             };
             if received.is_empty() {
                 self.healthy();
+                self.forget_redelivered_window();
                 self.save_mark().await;
                 continue;
             }
-            let began = std::time::Instant::now();
+            let began = Instant::now();
             match self.handle(&received).await {
                 Ok(()) => {
                     let stored = began.elapsed();
@@ -410,12 +447,7 @@ impl SourceRunner {
                     for position in received.iter().filter_map(|r| r.position.as_ref()) {
                         self.unacked.remove(position);
                     }
-                    self.mark = self
-                        .unacked
-                        .values()
-                        .copied()
-                        .min()
-                        .unwrap_or(self.last_written);
+                    self.forget_redelivered_window();
                     // A source that is never idle saves it too, once a second.
                     if self.mark_saved_at.elapsed() >= Duration::from_secs(1) {
                         self.save_mark().await;
@@ -444,9 +476,10 @@ impl SourceRunner {
             ));
         }
         let mut outcomes: Vec<(usize, Outcome)> = Vec::new();
-        let mut plain = Vec::new(); // (request index, encoded)
-        let mut keyed = Vec::new(); // (request index, target, key, encoded)
-        let mut cancels = Vec::new();
+        // In stream order: messages go to the log together, in one group commit, up to a cancel, which
+        // runs after the messages before it (a cancel then a new message with its key must leave the new
+        // one pending); dead letters are stored at the end.
+        let mut run: Vec<Pending> = Vec::new();
         let mut dead = Vec::new();
         for (i, request) in requests.iter().enumerate() {
             if request
@@ -483,43 +516,22 @@ impl SourceRunner {
                         dedup: key.is_some(),
                     };
                     match draft.check(&config, now).and_then(|()| draft.encode()) {
-                        Ok(encoded) => match &key {
-                            Some(key) => keyed.push((i, target.clone(), key.clone(), encoded)),
-                            None => plain.push((i, encoded)),
-                        },
+                        Ok(encoded) => {
+                            run.push((i, key.map(|key| (target.clone(), key)), encoded));
+                        }
                         Err(rejection) => dead.push((i, rejection)),
                     }
                 }
-                Action::Cancel { target, key } => cancels.push((i, target, key)),
+                Action::Cancel { target, key } => {
+                    self.write_run(requests, std::mem::take(&mut run), &mut outcomes)
+                        .await?;
+                    self.cancel(&target, &key).await?;
+                    outcomes.push((i, Outcome::Cancelled));
+                }
                 Action::Dead(rejection) => dead.push((i, rejection)),
             }
         }
-        if !plain.is_empty() {
-            let (indexes, encoded): (Vec<usize>, Vec<_>) = plain.into_iter().unzip();
-            let appended = self
-                .intake
-                .schedule(encoded)
-                .await
-                .map_err(|e| NotStored(e.to_string()))?;
-            for (i, one) in indexes.into_iter().zip(appended) {
-                self.written(&requests[i], one.location.seq);
-                outcomes.push((i, Outcome::Scheduled));
-            }
-        }
-        for (i, target, key, encoded) in keyed {
-            match self.intake.schedule_keyed(&target, &key, encoded).await {
-                Ok(Keyed::Scheduled(one)) => {
-                    self.written(&requests[i], one.location.seq);
-                    outcomes.push((i, Outcome::Scheduled));
-                }
-                Ok(Keyed::Pending(..)) => outcomes.push((i, Outcome::Duplicate)),
-                Err(e) => return Err(NotStored(e.to_string())),
-            }
-        }
-        for (i, target, key) in cancels {
-            self.cancel(&target, &key).await?;
-            outcomes.push((i, Outcome::Cancelled));
-        }
+        self.write_run(requests, run, &mut outcomes).await?;
         if !dead.is_empty() {
             let letters: Vec<Incoming> = dead
                 .iter()
@@ -545,9 +557,39 @@ impl SourceRunner {
         Ok(())
     }
 
+    /// Appends a run of messages in one group commit; a keyed one whose message is pending is a
+    /// duplicate.
+    async fn write_run(
+        &mut self,
+        requests: &[Request],
+        run: Vec<Pending>,
+        outcomes: &mut Vec<(usize, Outcome)>,
+    ) -> Result<(), NotStored> {
+        if run.is_empty() {
+            return Ok(());
+        }
+        let (indexes, messages): (Vec<usize>, Vec<_>) =
+            run.into_iter().map(|(i, key, m)| (i, (key, m))).unzip();
+        let appended = self
+            .intake
+            .schedule_all(messages)
+            .await
+            .map_err(|e| NotStored(e.to_string()))?;
+        for (i, one) in indexes.into_iter().zip(appended) {
+            match one {
+                Some(one) => {
+                    self.written(&requests[i], one.location.seq);
+                    outcomes.push((i, Outcome::Scheduled));
+                }
+                None => outcomes.push((i, Outcome::Duplicate)),
+            }
+        }
+        Ok(())
+    }
+
     fn written(&mut self, request: &Request, seq: u64) {
         if let Some(position) = &request.position {
-            self.unacked.insert(position.clone(), seq);
+            self.unacked.insert(position.clone(), (seq, Instant::now()));
         }
         self.last_written = self.last_written.max(seq + 1);
     }
@@ -558,16 +600,19 @@ impl SourceRunner {
         let Some(id) = self.intake.pending_with_key(target, key).await else {
             return Ok(()); // none pending: delivered, cancelled, or never sent
         };
+        // An attempt settles within its sink's timeout, normally; one that does not (its outcome
+        // cannot be written: a full disk) sends the batch round again rather than stall the source.
+        let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             match self.intake.scheduler.cancel(id).await {
                 Ok(_)
                 | Err(CancelError::NotFound)
                 | Err(CancelError::AlreadyDelivered)
                 | Err(CancelError::AlreadyDead) => return Ok(()),
-                Err(CancelError::InFlight) => {
+                Err(CancelError::InFlight) if Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                Err(e) => return Err(NotStored(e.to_string())),
+                Err(e) => return Err(NotStored(format!("cancelling {id}: {e}"))),
             }
         }
     }
@@ -600,7 +645,7 @@ impl SourceRunner {
     /// Writes the mark when it moved (after an empty receive, a second after the last save, and at the
     /// end).
     async fn save_mark(&mut self) {
-        self.mark_saved_at = std::time::Instant::now();
+        self.mark_saved_at = Instant::now();
         if self.mark == self.mark_saved {
             return;
         }

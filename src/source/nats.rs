@@ -259,6 +259,11 @@ impl Transport for NatsTransport {
         })
     }
 
+    fn redelivery_window(&self) -> Duration {
+        // What was delivered before comes again `ack_wait` after its delivery at the latest.
+        self.ack_wait + Duration::from_secs(10)
+    }
+
     fn rewind(&mut self) {
         // The runner calls this from async code and waits a second before the next receive: send the
         // `-NAK`s from a task of their own rather than block here.

@@ -510,7 +510,7 @@ fn redis_restarted_mid_run_loses_nothing() {
     let mut connection = redis.connection();
     publish(
         &mut connection,
-        &[("delayd-delay", "1500ms"), ("delayd-target", "orders:out")],
+        &[("delayd-delay", "6s"), ("delayd-target", "orders:out")],
         "before",
     );
     wait_for(
@@ -563,4 +563,56 @@ fn redis_restarted_mid_run_loses_nothing() {
     assert_eq!(bodies, ["after", "before"]);
     let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
     assert_eq!(sources.json["sources"][0]["connected"], true);
+}
+
+/// Requests take effect in their order, also within one batch: a message, its cancel, then a new message
+/// with the same key leaves the new one pending (and delivered), not the first.
+#[test]
+fn a_cancel_and_a_new_message_with_its_key_in_one_batch_keep_their_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let mut connection = redis.connection();
+    // Published before delayd starts: it reads them in one batch.
+    let keyed = |delay: &'static str| {
+        [
+            ("delayd-delay", delay),
+            ("delayd-target", "orders:out"),
+            ("delayd-key", "o-7"),
+        ]
+    };
+    publish(&mut connection, &keyed("1s"), "first");
+    publish(
+        &mut connection,
+        &[
+            ("delayd-target", "orders:out"),
+            ("delayd-key", "o-7"),
+            ("delayd-cancel", "true"),
+        ],
+        "",
+    );
+    publish(&mut connection, &keyed("1500ms"), "second");
+    publish(
+        &mut connection,
+        &[("delayd-delay", "2s"), ("delayd-target", "orders:out")],
+        "sentinel",
+    );
+    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
+    let got = read_target(&mut connection, "orders:out", 2, Duration::from_secs(30));
+    let mut bodies: Vec<_> = got.iter().map(|g| g.fields["body"].clone()).collect();
+    bodies.sort();
+    assert_eq!(bodies, ["second", "sentinel"]);
+    assert_eq!(
+        read_target(&mut connection, "orders:out", 3, Duration::from_millis(500)).len(),
+        2
+    );
+    let metrics = scrape(&delayd.base);
+    let count = |outcome: &str| {
+        metrics[&format!(r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#)]
+    };
+    assert_eq!(
+        (count("scheduled"), count("cancelled"), count("duplicate")),
+        (3.0, 1.0, 0.0)
+    );
 }
