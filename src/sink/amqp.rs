@@ -5,7 +5,8 @@
 //! Each publish is persistent (`delivery_mode` 2), `mandatory`, with `message_id` = the delayd id and the
 //! headers of its request minus delayd's own (`delayd-*`) plus `delayd-id` (the same on every attempt:
 //! what consumers deduplicate on). The channel is in confirm mode; a message counts as delivered only on
-//! the broker's ack without a `basic.return`. A returned message (no queue bound for its routing key) or
+//! the broker's ack without a `basic.return` for it (returns are matched to messages by `message_id`,
+//! and one batch is in flight on the channel at a time). A returned message (no queue bound for its routing key) or
 //! a nack is retried with the sink's backoff, as is everything when the connection or channel fails (a
 //! publish to an exchange that does not exist closes the channel: it is opened again for the next call).
 
@@ -27,6 +28,10 @@ pub struct AmqpSink {
     url: String,
     exchange: String,
     open: Mutex<Option<(Connection, Channel)>>,
+    /// Held from a batch's first publish to its last confirm: lapin hands a `basic.return` to whichever
+    /// confirm it resolves next, not to its own publish, so returns are matched to this batch's
+    /// messages by `message_id`, and no other batch's may be in flight on the channel meanwhile.
+    publishing: Mutex<()>,
     link: Link,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
 }
@@ -57,6 +62,7 @@ impl AmqpSink {
             url: url.to_string(),
             exchange: exchange.to_string(),
             open: Mutex::new(None),
+            publishing: Mutex::new(()),
             link,
             clock,
         }
@@ -95,6 +101,7 @@ impl AmqpSink {
     /// One outcome per delivery, and the connection's failure if it failed on the way (what was
     /// confirmed before stays delivered).
     async fn send(&self, batch: &[Delivery]) -> Result<(Vec<SinkOutcome>, Option<String>), String> {
+        let _publishing = self.publishing.lock().await;
         let channel = self.channel().await?;
         let mut confirms = Vec::with_capacity(batch.len());
         for delivery in batch {
@@ -108,33 +115,50 @@ impl AmqpSink {
             };
             confirms.push(published);
         }
-        let mut outcomes = Vec::with_capacity(batch.len());
+        // Every confirm first (one deadline for the batch), then the returns they carry, each matched
+        // to its message by `message_id`: the confirm a return comes with may be another message's.
+        let deadline = tokio::time::Instant::now() + CONFIRM_TIMEOUT;
+        let mut answers = Vec::with_capacity(batch.len());
+        let mut returned = std::collections::HashMap::new();
         let mut connection_failed = None;
-        for (delivery, confirm) in batch.iter().zip(confirms) {
-            let outcome = match confirm {
-                Err(outcome) => outcome,
-                Ok(confirm) => match tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await {
-                    Err(_) => retry("no publisher confirm within 30 s".into()),
+        for confirm in confirms {
+            let answer = match confirm {
+                Err(outcome) => Err(outcome),
+                Ok(confirm) => match tokio::time::timeout_at(deadline, confirm).await {
+                    Err(_) => Err(retry("no publisher confirm within 30 s".into())),
                     Ok(Err(e)) => {
                         connection_failed = Some(e.to_string());
-                        retry(format!("amqp: publish not confirmed: {e}"))
+                        Err(retry(format!("amqp: publish not confirmed: {e}")))
                     }
-                    Ok(Ok(Confirmation::Ack(None))) => SinkOutcome::Delivered,
-                    Ok(Ok(Confirmation::Ack(Some(returned))))
-                    | Ok(Ok(Confirmation::Nack(Some(returned)))) => retry(format!(
-                        "amqp: returned unroutable ({} {}): no queue is bound to exchange {:?} with routing key {:?}",
-                        returned.reply_code,
-                        returned.reply_text,
-                        self.exchange_of(delivery),
-                        delivery.message.topic
-                    )),
-                    Ok(Ok(Confirmation::Nack(None))) => {
-                        retry("amqp: the broker nacked the publish".into())
-                    }
-                    Ok(Ok(Confirmation::NotRequested)) => {
-                        retry("amqp: the channel is not in confirm mode".into())
-                    }
+                    Ok(Ok(confirmation)) => Ok(confirmation),
                 },
+            };
+            if let Ok(Confirmation::Ack(Some(back)) | Confirmation::Nack(Some(back))) = &answer {
+                if let Some(id) = back.delivery.properties.message_id() {
+                    returned.insert(
+                        id.to_string(),
+                        (back.reply_code, back.reply_text.to_string()),
+                    );
+                }
+            }
+            answers.push(answer);
+        }
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for (delivery, answer) in batch.iter().zip(answers) {
+            let outcome = match (answer, returned.get(&delivery.id.to_string())) {
+                (Err(outcome), _) => outcome,
+                (Ok(_), Some((code, text))) => retry(format!(
+                    "amqp: returned unroutable ({code} {text}): no queue is bound to exchange {:?} with routing key {:?}",
+                    self.exchange_of(delivery),
+                    delivery.message.topic
+                )),
+                (Ok(Confirmation::Ack(_)), None) => SinkOutcome::Delivered,
+                (Ok(Confirmation::Nack(_)), None) => {
+                    retry("amqp: the broker nacked the publish".into())
+                }
+                (Ok(Confirmation::NotRequested), None) => {
+                    retry("amqp: the channel is not in confirm mode".into())
+                }
             };
             outcomes.push(outcome);
         }

@@ -33,9 +33,16 @@ fn headers(delivery: &Delivery) -> Result<HeaderMap, String> {
     map.insert("delayd-id", id.as_str());
     map.insert("Nats-Msg-Id", id.as_str());
     for (name, value) in &delivery.message.headers {
-        // delayd's own, and a Nats-Msg-Id of the application's: the id is the message's.
-        if name.to_ascii_lowercase().starts_with("delayd-")
-            || name.eq_ignore_ascii_case("Nats-Msg-Id")
+        // delayd's own, and a Nats-Msg-Id of the application's: the id is the message's. JetStream's
+        // publish controls were meant for the request's own stream, not the target's (an expected
+        // stream or sequence would fail every attempt there; a rollup would purge the target).
+        let lower = name.to_ascii_lowercase();
+        if lower.starts_with("delayd-")
+            || lower == "nats-msg-id"
+            || lower.starts_with("nats-expected-")
+            || lower.starts_with("nats-batch-")
+            || lower == "nats-rollup"
+            || lower == "nats-ttl"
         {
             continue;
         }

@@ -325,6 +325,13 @@ impl Transport for AmqpTransport {
         })
     }
 
+    fn redelivery_window(&self) -> Duration {
+        // The broker requeues what an old connection left unacknowledged only once it sees that
+        // connection dead, which for one cut off without a close takes up to two heartbeat intervals
+        // (60 s each by default).
+        Duration::from_secs(130)
+    }
+
     fn rewind(&mut self) {
         self.reopen = true;
     }

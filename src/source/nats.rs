@@ -182,6 +182,9 @@ impl Transport for NatsTransport {
                     name: self.stream.clone(),
                     subjects: vec![self.subject.clone()],
                     storage: stream::StorageType::File,
+                    // A request acknowledged is gone (a stream that kept them would grow for ever, and a
+                    // new consumer would take them all again).
+                    retention: stream::RetentionPolicy::WorkQueue,
                     ..Default::default()
                 })
                 .await

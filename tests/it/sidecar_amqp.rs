@@ -305,8 +305,26 @@ impl Client {
             .unwrap();
     }
 
-    /// Messages ready in `queue` (not delivered to a consumer, or delivered and not acknowledged).
+    /// Messages ready in `queue`: not delivered to a consumer. One delivered and not acknowledged is
+    /// not counted while its consumer's connection lives; see [`Client::unacked_after_stop`].
     fn depth(&self, queue: &str) -> u32 {
+        self.declare_passive(queue).0
+    }
+
+    /// After delayd is killed: the broker requeues what its consumer held unacknowledged once it sees
+    /// the connection gone (the queue has no consumer left); then every message left is one delayd
+    /// never acknowledged.
+    fn unacked_after_stop(&self, queue: &str) -> u32 {
+        wait_for(
+            "the broker to drop delayd's consumer",
+            Duration::from_secs(30),
+            || self.declare_passive(queue).1 == 0,
+        );
+        self.depth(queue)
+    }
+
+    /// (messages ready, consumers) of `queue`.
+    fn declare_passive(&self, queue: &str) -> (u32, u32) {
         let declared = self
             .runtime
             .block_on(self.channel.queue_declare(
@@ -318,7 +336,7 @@ impl Client {
                 FieldTable::default(),
             ))
             .unwrap();
-        declared.message_count()
+        (declared.message_count(), declared.consumer_count())
     }
 
     fn fanout_to(&self, exchange: &str, queue: &str) {
@@ -601,7 +619,6 @@ fn requests_through_rabbitmq_arrive_on_time_with_their_headers() {
         lateness[lateness.len() / 2],
         lateness[lateness.len() - 1]
     );
-    assert_eq!(client.depth(in_queue), 0, "every request acknowledged");
     let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
     assert_eq!(sources.json["sources"][0]["connected"], true);
     let metrics = scrape(&delayd.base);
@@ -611,6 +628,13 @@ fn requests_through_rabbitmq_arrive_on_time_with_their_headers() {
     );
     assert_eq!(metrics[r#"delayd_source_connected{source="in"}"#], 1.0);
     assert_eq!(metrics[r#"delayd_sink_connected{sink="out"}"#], 1.0);
+    let mut delayd = delayd;
+    delayd.kill();
+    assert_eq!(
+        client.unacked_after_stop(in_queue),
+        0,
+        "every request acknowledged"
+    );
 }
 
 /// A request that cannot be scheduled is a dead letter with its reason, acknowledged, never delivered
@@ -771,6 +795,30 @@ fn an_unroutable_amqp_target_is_retried_until_a_queue_exists() {
     );
     assert_eq!(http.status, 201, "{}", http.json);
     let id = http.json["id"].as_str().unwrap().to_string();
+    // A routable and an unroutable message due at the same millisecond, so in one batch: the return
+    // must be matched to the unroutable one, whichever confirm it arrives with.
+    let routable = "orders.out.routable";
+    client.declare(routable);
+    let at = now_ms() + 300;
+    let pair = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages/batch",
+        Some(
+            &json!({"messages": [
+                {"topic": out_queue, "sink": "out", "body": "pair unroutable", "deliver_at": at},
+                {"topic": routable, "sink": "out", "body": "pair routable", "deliver_at": at},
+            ]})
+            .to_string(),
+        ),
+        None,
+    );
+    assert_eq!(pair.status, 200, "{}", pair.json);
+    let unroutable_id = pair.json["results"][0]["id"].as_str().unwrap().to_string();
+    let mut routable_consumer = client.consume(routable);
+    let got = client.read(&mut routable_consumer, 1, Duration::from_secs(20));
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].body, "pair routable");
     let mut reason = String::new();
     wait_for("retries with a reason", Duration::from_secs(20), || {
         let status = request(
@@ -788,6 +836,24 @@ fn an_unroutable_amqp_target_is_retried_until_a_queue_exists() {
     });
     assert!(reason.contains("NO_ROUTE"), "{reason}");
     println!("unroutable: {reason}");
+    let pair_status = request(
+        &delayd.base,
+        "GET",
+        &format!("/v1/messages/{unroutable_id}"),
+        None,
+        None,
+    );
+    assert_eq!(
+        pair_status.json["status"], "retrying",
+        "{}",
+        pair_status.json
+    );
+    assert!(
+        client
+            .read(&mut routable_consumer, 1, Duration::from_millis(1500))
+            .is_empty(),
+        "the routable one of the pair was published once"
+    );
     let metrics = scrape(&delayd.base);
     let delivered_ok: f64 = metrics
         .iter()
@@ -798,13 +864,13 @@ fn an_unroutable_amqp_target_is_retried_until_a_queue_exists() {
         })
         .map(|(_, v)| v)
         .sum();
-    assert_eq!(delivered_ok, 0.0);
+    assert_eq!(delivered_ok, 1.0, "the routable one of the pair only");
     client.declare(out_queue);
     let mut consumer = client.consume(out_queue);
-    let got = client.read(&mut consumer, 2, Duration::from_secs(20));
+    let got = client.read(&mut consumer, 3, Duration::from_secs(20));
     let mut bodies: Vec<_> = got.iter().map(|g| g.body.as_str()).collect();
     bodies.sort();
-    assert_eq!(bodies, ["from amqp", "from http"]);
+    assert_eq!(bodies, ["from amqp", "from http", "pair unroutable"]);
     assert!(client
         .read(&mut consumer, 1, Duration::from_millis(1500))
         .is_empty());

@@ -621,7 +621,7 @@ fn nats_restarted_mid_run_loses_nothing() {
         &config(dir.path(), &nats, "delayd", "60s"),
     );
     nats.publish(
-        &[("delayd-delay", "1500ms"), ("delayd-target", "orders.out")],
+        &[("delayd-delay", "6s"), ("delayd-target", "orders.out")],
         "before",
     );
     wait_for(
