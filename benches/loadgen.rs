@@ -14,6 +14,11 @@
 //! ingests (for memory figures); `--rate` offers a fixed load instead of as much as the target takes
 //! (for lateness under a nominal load); `--dump FILE` writes every delivery.
 //!
+//! delayd as a sidecar of another MQ (`--target delayd-redis`, `delayd-nats`, `delayd-amqp`): the same
+//! messages published to delayd's source (Redis stream, JetStream subject, RabbitMQ queue) as an
+//! application would, counted as ingested once delayd has acknowledged them to the MQ (after its
+//! fsync), and read from a target stream or queue on that MQ when due. `benches/sidecar.sh` runs them.
+//!
 //! Peers, as a competent team would build them:
 //! - Redis (`appendonly yes`, `appendfsync always`): the payload in a hash field, the due time in a
 //!   sorted set, written in one MULTI (pipelined per batch); a mover runs a Lua script every
@@ -35,13 +40,20 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 #[derive(Debug, Clone, Parser)]
 struct Args {
     /// delayd (HTTP), delayd-redis (delayd as a Redis Streams sidecar: its source stream `delayd:in`,
-    /// target `loadgen:out`, at --redis-url), redis or postgres
+    /// target `loadgen:out`, at --redis-url), delayd-nats (a NATS JetStream sidecar: source stream
+    /// `DELAYS` on `delayd.>`, consumer `delayd`, requests to `delayd.in`, target `loadgen.out` in
+    /// stream `LOADGEN_OUT`, at --nats-url), delayd-amqp (a RabbitMQ sidecar: source queue `delayd.in`,
+    /// target queue `loadgen.out`, at --amqp-url; delayd's metrics at --url), redis or postgres
     #[arg(long)]
     target: String,
     #[arg(long, default_value = "http://127.0.0.1:7070")]
     url: String,
     #[arg(long, default_value = "redis://127.0.0.1:6399/")]
     redis_url: String,
+    #[arg(long, default_value = "nats://127.0.0.1:4298")]
+    nats_url: String,
+    #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5698/%2f")]
+    amqp_url: String,
     #[arg(
         long,
         default_value = "host=127.0.0.1 port=5499 user=postgres dbname=postgres"
@@ -456,6 +468,329 @@ impl Target for Sidecar {
     }
 }
 
+// ---------------------------------------------------------------- delayd as a NATS JetStream sidecar
+
+/// The NATS path: requests published through JetStream to delayd's source subject (a batch published,
+/// then its PubAcks awaited), due messages read by a pull consumer on a target stream the load
+/// generator creates. [`Target::settled`] waits until delayd's durable consumer has been handed every
+/// request published and has acknowledged each (it acks after its fsync).
+struct NatsSidecar {
+    js: async_nats::jetstream::Context,
+    /// The target stream's reader (one consumer task reads it).
+    reader: tokio::sync::Mutex<async_nats::jetstream::consumer::pull::Stream>,
+    /// The highest stream sequence a PubAck gave.
+    last_seq: AtomicU64,
+}
+
+/// The source stream, subject and durable consumer as `benches/sidecar.sh` configures delayd (its
+/// defaults for the consumer's name).
+const NATS_STREAM: &str = "DELAYS";
+const NATS_SUBJECTS: &str = "delayd.>";
+const NATS_IN: &str = "delayd.in";
+const NATS_CONSUMER: &str = "delayd";
+/// The target: a subject the load generator's own stream captures.
+const NATS_OUT_STREAM: &str = "LOADGEN_OUT";
+const NATS_OUT: &str = "loadgen.out";
+
+impl NatsSidecar {
+    async fn connect(url: &str, in_flight: usize) -> anyhow::Result<NatsSidecar> {
+        use async_nats::jetstream::{self, consumer, stream};
+        let client = async_nats::connect(url).await?;
+        // Each producer holds a batch of PubAck futures before awaiting them, and the client lets no
+        // more than `max_ack_inflight` wait at once: room for all of them, or the producers would hold
+        // each other up. A durable server under load may answer slowly: wait rather than fail.
+        let js = jetstream::ContextBuilder::new()
+            .timeout(Duration::from_secs(60))
+            .max_ack_inflight(in_flight.max(5_000))
+            .build(client);
+        // The source stream as delayd creates it, should the requests come before its source connects.
+        js.get_or_create_stream(stream::Config {
+            name: NATS_STREAM.into(),
+            subjects: vec![NATS_SUBJECTS.into()],
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await?;
+        let _ = js.delete_stream(NATS_OUT_STREAM).await;
+        let out = js
+            .create_stream(stream::Config {
+                name: NATS_OUT_STREAM.into(),
+                subjects: vec![NATS_OUT.into()],
+                storage: stream::StorageType::File,
+                ..Default::default()
+            })
+            .await?;
+        let reader: consumer::PullConsumer = out
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some("loadgen".into()),
+                ack_policy: consumer::AckPolicy::None,
+                ..Default::default()
+            })
+            .await?;
+        let reader = reader
+            .stream()
+            .max_messages_per_batch(1000)
+            .messages()
+            .await?;
+        Ok(NatsSidecar {
+            js,
+            reader: tokio::sync::Mutex::new(reader),
+            last_seq: AtomicU64::new(0),
+        })
+    }
+}
+
+impl Target for NatsSidecar {
+    async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
+        let mut acks = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("delayd-deliver-at", job.due_ms.to_string().as_str());
+            headers.insert("delayd-target", NATS_OUT);
+            acks.push(
+                self.js
+                    .publish_with_headers(NATS_IN, headers, job.body.clone().into())
+                    .await?,
+            );
+        }
+        let mut last = 0;
+        for ack in acks {
+            last = last.max(ack.await?.sequence);
+        }
+        self.last_seq.fetch_max(last, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn settled(&self) -> anyhow::Result<()> {
+        let last = self.last_seq.load(Ordering::Relaxed);
+        loop {
+            // None until delayd made its consumer.
+            let consumer = self
+                .js
+                .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                    NATS_CONSUMER,
+                    NATS_STREAM,
+                )
+                .await
+                .ok();
+            if let Some(consumer) = consumer {
+                let info = consumer.cached_info();
+                if info.num_pending == 0
+                    && info.num_ack_pending == 0
+                    && info.delivered.stream_sequence >= last
+                {
+                    return Ok(());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn consume(&self, consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
+        use futures_util::{FutureExt, StreamExt};
+        if consumer > 0 {
+            // One reader of the target stream.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Ok(Vec::new());
+        }
+        let mut reader = self.reader.lock().await;
+        let mut got = Vec::new();
+        // Wait a little for one message, then take what else is already here.
+        let mut next = match tokio::time::timeout(Duration::from_millis(200), reader.next()).await {
+            Ok(Some(message)) => Some(message),
+            Ok(None) => anyhow::bail!("the target stream's reader ended"),
+            Err(_) => None,
+        };
+        while let Some(message) = next {
+            match message {
+                Ok(message) => got.push(parse_body(&String::from_utf8_lossy(&message.payload))),
+                // A missed heartbeat under load, say: the reader goes on; a message it lost would
+                // show as lost.
+                Err(error) => eprintln!("\nreading the target stream: {error}"),
+            }
+            if got.len() >= 1000 {
+                break;
+            }
+            next = reader.next().now_or_never().flatten();
+        }
+        Ok(got)
+    }
+}
+
+// ---------------------------------------------------------------- delayd as a RabbitMQ sidecar
+
+/// The AMQP path: persistent requests published to delayd's source queue through the default exchange
+/// on confirming channels (a batch published, then its confirms awaited), due messages consumed
+/// (auto-ack) from a target queue the load generator declares.
+///
+/// [`Target::settled`]: AMQP tells a client a queue's ready messages (a passive `queue.declare`) but not
+/// its unacknowledged ones (only the management plugin or `rabbitmqctl` do). So it waits until the
+/// source queue has no message ready (delayd was handed every request) and then until delayd's
+/// `delayd_source_messages_total` (at `--url`/metrics, counted once a batch's group commit returned
+/// from its fsync, just before its `basic.ack`) reaches the number published.
+struct AmqpSidecar {
+    _connection: lapin::Connection,
+    /// Confirming channels, taken in turn by the producers.
+    channels: Vec<lapin::Channel>,
+    next: AtomicU64,
+    reader: tokio::sync::Mutex<lapin::Consumer>,
+    produced: AtomicU64,
+    /// delayd's HTTP API, for its metrics.
+    http: Http,
+}
+
+/// The source queue as `benches/sidecar.sh` configures delayd, and the target queue.
+const AMQP_IN: &str = "delayd.in";
+const AMQP_OUT: &str = "loadgen.out";
+
+impl AmqpSidecar {
+    async fn connect(url: &str, delayd: &str, channels: usize) -> anyhow::Result<AmqpSidecar> {
+        use lapin::options::{BasicConsumeOptions, ConfirmSelectOptions, QueuePurgeOptions};
+        use lapin::types::FieldTable;
+        let connection =
+            lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
+        let mut opened = Vec::new();
+        for _ in 0..channels.max(1) {
+            let channel = connection.create_channel().await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            opened.push(channel);
+        }
+        let channel = &opened[0];
+        for queue in [AMQP_IN, AMQP_OUT] {
+            // Durable, no arguments: as delayd declares its source queue.
+            channel
+                .queue_declare(
+                    queue.into(),
+                    lapin::options::QueueDeclareOptions::durable(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+        channel
+            .queue_purge(AMQP_OUT.into(), QueuePurgeOptions::default())
+            .await?;
+        let reading = connection.create_channel().await?;
+        let reader = reading
+            .basic_consume(
+                AMQP_OUT.into(),
+                "loadgen".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(AmqpSidecar {
+            _connection: connection,
+            channels: opened,
+            next: AtomicU64::new(0),
+            reader: tokio::sync::Mutex::new(reader),
+            produced: AtomicU64::new(0),
+            http: Http::new(delayd)?,
+        })
+    }
+
+    /// Requests delayd made durable: the sum of `delayd_source_messages_total` over its outcomes.
+    async fn taken(&self) -> anyhow::Result<u64> {
+        let (status, text) = self.http.request("GET", "/metrics", "").await?;
+        anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}");
+        Ok(text
+            .lines()
+            .filter(|l| l.starts_with("delayd_source_messages_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64)
+    }
+}
+
+impl Target for AmqpSidecar {
+    async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
+        use lapin::types::{AMQPValue, FieldTable, LongString};
+        let channel = &self.channels
+            [self.next.fetch_add(1, Ordering::Relaxed) as usize % self.channels.len()];
+        let mut confirms = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            let mut headers = FieldTable::default();
+            headers.insert(
+                "delayd-deliver-at".into(),
+                AMQPValue::LongString(LongString::from(job.due_ms.to_string())),
+            );
+            headers.insert(
+                "delayd-target".into(),
+                AMQPValue::LongString(LongString::from(AMQP_OUT)),
+            );
+            // A message id on every request, as the README asks: what a redelivery is known by.
+            let properties = lapin::BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(job.id.to_string().as_str().into())
+                .with_headers(headers);
+            confirms.push(
+                channel
+                    .basic_publish(
+                        "".into(),
+                        AMQP_IN.into(),
+                        lapin::options::BasicPublishOptions::default(),
+                        job.body.as_bytes(),
+                        properties,
+                    )
+                    .await?,
+            );
+        }
+        for confirm in confirms {
+            anyhow::ensure!(confirm.await?.is_ack(), "the broker nacked a request");
+        }
+        self.produced
+            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn settled(&self) -> anyhow::Result<()> {
+        let produced = self.produced.load(Ordering::Relaxed);
+        loop {
+            let queue = self.channels[0]
+                .queue_declare(
+                    AMQP_IN.into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await?;
+            if queue.message_count() == 0 && self.taken().await? >= produced {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn consume(&self, consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
+        use futures_util::{FutureExt, StreamExt};
+        if consumer > 0 {
+            // One reader of the target queue.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Ok(Vec::new());
+        }
+        let mut reader = self.reader.lock().await;
+        let mut got = Vec::new();
+        let mut next = match tokio::time::timeout(Duration::from_millis(200), reader.next()).await {
+            Ok(Some(delivery)) => Some(delivery),
+            Ok(None) => anyhow::bail!("the target queue's consumer ended"),
+            Err(_) => None,
+        };
+        while let Some(delivery) = next {
+            got.push(parse_body(&String::from_utf8_lossy(&delivery?.data)));
+            if got.len() >= 1000 {
+                break;
+            }
+            next = reader.next().now_or_never().flatten();
+        }
+        Ok(got)
+    }
+}
+
 // ---------------------------------------------------------------- PostgreSQL
 
 struct Postgres {
@@ -792,6 +1127,18 @@ fn main() -> anyhow::Result<()> {
                 };
                 run(Arc::new(target), args.clone()).await
             }
+            "delayd-nats" => {
+                let per_request = if args.mode == "batch" { args.batch } else { 1 };
+                let target =
+                    NatsSidecar::connect(&args.nats_url, args.concurrency * per_request).await?;
+                run(Arc::new(target), args.clone()).await
+            }
+            "delayd-amqp" => {
+                let target =
+                    AmqpSidecar::connect(&args.amqp_url, &args.url, args.concurrency.min(16))
+                        .await?;
+                run(Arc::new(target), args.clone()).await
+            }
             "postgres" => {
                 let mut target =
                     Postgres::connect(&args.postgres, args.concurrency.min(32) + 2).await?;
@@ -799,7 +1146,7 @@ fn main() -> anyhow::Result<()> {
                 run(Arc::new(target), args.clone()).await
             }
             other => {
-                anyhow::bail!("unknown target {other:?}: delayd, delayd-redis, redis or postgres")
+                anyhow::bail!("unknown target {other:?}: delayd, delayd-redis, delayd-nats, delayd-amqp, redis or postgres")
             }
         })
     })?;

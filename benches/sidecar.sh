@@ -1,30 +1,77 @@
 #!/usr/bin/env bash
-# delayd as a Redis Streams sidecar against delayd over HTTP, same messages, on this machine:
-#   benches/sidecar.sh            (as root: installs Redis from Debian if missing)
-# Starts a durable Redis (appendonly yes, appendfsync always) on port 6398 and a fresh delayd (release
-# build, fsync always) with a Redis source (stream delayd:in) and sink for each run, then drives with
-# benches/loadgen.rs:
+# delayd as an MQ sidecar (Redis Streams, NATS JetStream, RabbitMQ) against delayd over HTTP, same
+# messages, on this machine:
+#   benches/sidecar.sh            (as root: installs redis-server, nats-server and rabbitmq-server from
+#   N=50000 benches/sidecar.sh     Debian if missing; N = messages of the as-fast-as-possible runs)
+# Builds the release binaries, then for each run starts a fresh MQ server (fresh state, in a scratch dir
+# removed at the end) and a fresh delayd (fsync always) whose source and sink are on that MQ, and drives
+# it with benches/loadgen.rs:
 #   http-batch       1,000 messages per HTTP request, concurrency 8, as fast as delayd takes them;
-#   sidecar          the same messages XADDed to delayd:in, pipelined 1,000 per round trip, concurrency 8,
-#                    counted as ingested once delayd has acknowledged them (XACK after its fsync);
-#   sidecar-10k      the sidecar path at a nominal 10,000 requests/s for 10 s, for lateness.
-# Bodies are BODY_BYTES (1 KiB) and due 1-10 s after sending. Prints one JSON line per run.
+#   sidecar          Redis: the same messages XADDed to delayd:in, pipelined 1,000 per round trip,
+#                    concurrency 8, counted as ingested once delayd has acknowledged them (XACK after
+#                    its fsync); read from the target stream loadgen:out;
+#   sidecar-10k      the Redis path at a nominal 10,000 messages/s for 10 s (batches of 100), for lateness;
+#   nats, nats-10k   the same two workloads through NATS JetStream (nats-server -js, port 4298):
+#                    published to delayd.in (stream DELAYS), 1,000 PubAcks awaited per batch, ingested
+#                    once delayd's durable consumer has been handed and has acknowledged every request;
+#                    read from stream LOADGEN_OUT (subject loadgen.out). nats-server's JetStream store
+#                    syncs to disk every 2 minutes by default (sync_interval), not per PubAck;
+#   amqp, amqp-10k   the same through RabbitMQ (port 5698, as the rabbitmq user): persistent messages on
+#                    confirming channels to queue delayd.in, 1,000 confirms awaited per batch, ingested
+#                    once the queue has nothing ready and delayd counts every request durable (its
+#                    metrics: AMQP does not tell a client a queue's unacknowledged count); read from
+#                    queue loadgen.out.
+# Redis is durable (appendonly yes, appendfsync always). Bodies are BODY_BYTES (1 KiB) and due 1-10 s
+# after sending. Prints one JSON line per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-100000}
 BODY_BYTES=${BODY_BYTES:-1024}
-command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+RABBIT=/usr/lib/rabbitmq/bin/rabbitmq-server
+# RabbitMQ's AMQP, Erlang distribution and epmd ports (below the ephemeral range, so the tests' free
+# ports never take them).
+AMQP_PORT=5698 DIST_PORT=25698 EPMD_PORT=14398
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v nats-server >/dev/null || missing+=(nats-server)
+[ -x "$RABBIT" ] || missing+=(rabbitmq-server)
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
 WORK=$(mktemp -d /var/tmp/delayd-sidecar.XXXXXX)
-cleanup() {
+chmod 755 "$WORK"
+
+stop_delayd() {
+  [ -n "${DELAYD_PID:-}" ] && { kill "$DELAYD_PID" 2>/dev/null || true; wait "$DELAYD_PID" 2>/dev/null || true; }
+  DELAYD_PID=
+}
+stop_mq() {
   redis-cli -p 6398 shutdown nosave >/dev/null 2>&1 || true
-  [ -n "${DELAYD_PID:-}" ] && kill "$DELAYD_PID" 2>/dev/null || true
+  [ -n "${NATS_PID:-}" ] && { kill "$NATS_PID" 2>/dev/null || true; wait "$NATS_PID" 2>/dev/null || true; }
+  NATS_PID=
+  if [ -n "${RABBIT_PID:-}" ]; then
+    # Its process group: the script, the Erlang VM and its helpers (setsid made it a group leader).
+    kill -TERM -- "-$RABBIT_PID" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 -- "-$RABBIT_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$RABBIT_PID" 2>/dev/null || true
+    wait "$RABBIT_PID" 2>/dev/null || true
+    RABBIT_PID=
+    # Its own epmd (refuses while it still lists the node, until it sees the VM's socket close).
+    for _ in $(seq 50); do ERL_EPMD_PORT=$EPMD_PORT epmd -kill >/dev/null 2>&1 && break; sleep 0.1; done
+  fi
+}
+cleanup() {
+  stop_delayd
+  stop_mq
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }
 trap cleanup EXIT
+
 cargo build --release --benches -q 2>/dev/null || cargo build --release --benches
 LOADGEN=$(ls -t target/release/deps/loadgen-* | grep -v '\.d$' | head -1)
-cat >"$WORK/delayd.toml" <<TOML
+
+cat >"$WORK/redis.toml" <<TOML
 [sinks.out]
 kind = "redis"
 url = "redis://127.0.0.1:6398/"
@@ -37,25 +84,96 @@ stream_key = "delayd:in"
 sink = "out"
 batch = 1024
 TOML
+cat >"$WORK/nats.toml" <<TOML
+[sinks.out]
+kind = "nats"
+url = "nats://127.0.0.1:4298"
+max_in_flight = 8
 
+[sources.in]
+kind = "nats"
+url = "nats://127.0.0.1:4298"
+stream = "DELAYS"
+subject = "delayd.>"
+sink = "out"
+# At most the consumer's max_ack_pending (JetStream's default 1,000, which delayd leaves): a pull for
+# more is refused (409 Exceeded MaxAckPending) and the source, given no answer, reconnects every 11 s.
+batch = 1000
+TOML
+cat >"$WORK/amqp.toml" <<TOML
+[sinks.out]
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"
+exchange = ""
+max_in_flight = 8
+
+[sources.in]
+kind = "amqp"
+url = "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"
+queue = "delayd.in"
+sink = "out"
+batch = 1024
+TOML
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+start_rabbit() {
+  local dir=$WORK/rabbitmq
+  mkdir -p "$dir" && : >"$dir/enabled_plugins" && chown -R rabbitmq:rabbitmq "$dir"
+  # None of the machine's own configuration; a node name, files and ports of its own.
+  setsid runuser -u rabbitmq -- env HOME="$dir" \
+    RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 RABBITMQ_NODE_PORT=$AMQP_PORT RABBITMQ_DIST_PORT=$DIST_PORT \
+    ERL_EPMD_PORT=$EPMD_PORT RABBITMQ_NODENAME=delayd-bench@localhost \
+    RABBITMQ_MNESIA_BASE="$dir/mnesia" RABBITMQ_LOG_BASE="$dir/log" \
+    RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins" RABBITMQ_CONFIG_FILE="$dir/rabbitmq" \
+    RABBITMQ_ADVANCED_CONFIG_FILE="$dir/advanced.config" RABBITMQ_CONF_ENV_FILE="$dir/rabbitmq-env.conf" \
+    "$RABBIT" </dev/null >"$WORK/rabbitmq.out" 2>&1 &
+  RABBIT_PID=$!
+  for _ in $(seq 900); do port_open "$AMQP_PORT" && return; sleep 0.1; done
+  echo "RabbitMQ did not start in 90 s: see $WORK/rabbitmq.out" >&2
+  exit 1
+}
+
+# start MQ: a fresh MQ server (redis, nats or amqp) and a fresh delayd with that MQ's source and sink.
 start() {
-  [ -n "${DELAYD_PID:-}" ] && { kill "$DELAYD_PID"; wait "$DELAYD_PID" 2>/dev/null || true; }
-  redis-cli -p 6398 shutdown nosave >/dev/null 2>&1 || true
-  rm -rf "$WORK/delayd" "$WORK/redis" && mkdir -p "$WORK/redis"
-  redis-server --port 6398 --dir "$WORK/redis" --appendonly yes --appendfsync always --save '' \
-    --daemonize yes --logfile "$WORK/redis.log"
-  for _ in $(seq 50); do redis-cli -p 6398 ping >/dev/null 2>&1 && break; sleep 0.1; done
-  target/release/delayd serve --data-dir "$WORK/delayd" --listen 127.0.0.1:7398 --config "$WORK/delayd.toml" \
+  stop_delayd
+  stop_mq
+  rm -rf "$WORK/delayd" "$WORK/redis" "$WORK/nats" "$WORK/rabbitmq"
+  case $1 in
+    redis)
+      mkdir -p "$WORK/redis"
+      redis-server --port 6398 --dir "$WORK/redis" --appendonly yes --appendfsync always --save '' \
+        --daemonize yes --logfile "$WORK/redis.log"
+      for _ in $(seq 50); do redis-cli -p 6398 ping >/dev/null 2>&1 && break; sleep 0.1; done
+      ;;
+    nats)
+      nats-server -js -p 4298 -sd "$WORK/nats" >"$WORK/nats.log" 2>&1 &
+      NATS_PID=$!
+      for _ in $(seq 100); do port_open 4298 && break; sleep 0.1; done
+      ;;
+    amqp) start_rabbit ;;
+  esac
+  target/release/delayd serve --data-dir "$WORK/delayd" --listen 127.0.0.1:7398 --config "$WORK/$1.toml" \
     >"$WORK/delayd.out" 2>"$WORK/delayd.log" &
   DELAYD_PID=$!
   for _ in $(seq 100); do grep -q "delayd ready" "$WORK/delayd.out" && break; sleep 0.1; done
 }
-common=(--url http://127.0.0.1:7398 --redis-url redis://127.0.0.1:6398/ --body-bytes "$BODY_BYTES"
+common=(--url http://127.0.0.1:7398 --redis-url redis://127.0.0.1:6398/ --nats-url nats://127.0.0.1:4298
+  --amqp-url "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f" --body-bytes "$BODY_BYTES"
   --delay-min-ms 1000 --delay-max-ms 10000)
-start
-"$LOADGEN" --target delayd --mode batch --batch 1000 --concurrency 8 --messages "$N" "${common[@]}" --label http-batch
-start
-"$LOADGEN" --target delayd-redis --mode batch --batch 1000 --concurrency 8 --messages "$N" "${common[@]}" --label sidecar
-start
-"$LOADGEN" --target delayd-redis --mode batch --batch 100 --concurrency 8 --messages 100000 --rate 10000 \
-  "${common[@]}" --label sidecar-10k
+fast=(--mode batch --batch 1000 --concurrency 8 --messages "$N")
+paced=(--mode batch --batch 100 --concurrency 8 --messages 100000 --rate 10000)
+start redis
+"$LOADGEN" --target delayd "${fast[@]}" "${common[@]}" --label http-batch
+start redis
+"$LOADGEN" --target delayd-redis "${fast[@]}" "${common[@]}" --label sidecar
+start redis
+"$LOADGEN" --target delayd-redis "${paced[@]}" "${common[@]}" --label sidecar-10k
+start nats
+"$LOADGEN" --target delayd-nats "${fast[@]}" "${common[@]}" --label nats
+start nats
+"$LOADGEN" --target delayd-nats "${paced[@]}" "${common[@]}" --label nats-10k
+start amqp
+"$LOADGEN" --target delayd-amqp "${fast[@]}" "${common[@]}" --label amqp
+start amqp
+"$LOADGEN" --target delayd-amqp "${paced[@]}" "${common[@]}" --label amqp-10k
