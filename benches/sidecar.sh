@@ -96,9 +96,7 @@ url = "nats://127.0.0.1:4298"
 stream = "DELAYS"
 subject = "delayd.>"
 sink = "out"
-# At most the consumer's max_ack_pending (JetStream's default 1,000, which delayd leaves): a pull for
-# more is refused (409 Exceeded MaxAckPending) and the source, given no answer, reconnects every 11 s.
-batch = 1000
+batch = 1024
 TOML
 cat >"$WORK/amqp.toml" <<TOML
 [sinks.out]

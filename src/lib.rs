@@ -254,6 +254,7 @@ async fn start_sources(
                     source.subject.as_deref().unwrap_or_default(),
                     &source.group,
                     source.ack_wait.0,
+                    source.batch,
                 )),
                 _ => anyhow::bail!("sources.{name}: kind {:?} is not supported", source.kind),
             };

@@ -33,6 +33,9 @@ pub struct NatsTransport {
     subject: String,
     durable: String,
     ack_wait: Duration,
+    /// The runner's batch: the consumer lets at least twice as many requests be unacknowledged (a pull
+    /// for more than JetStream's default of 1,000 would never be answered).
+    batch: usize,
     connected: Option<(async_nats::Client, consumer::PullConsumer)>,
     /// Receipts of requests received and not acknowledged: `-NAK`ed on a rewind or a reconnect.
     held: Vec<String>,
@@ -45,6 +48,7 @@ impl NatsTransport {
         subject: &str,
         durable: &str,
         ack_wait: Duration,
+        batch: usize,
     ) -> NatsTransport {
         NatsTransport {
             url: url.to_string(),
@@ -52,6 +56,7 @@ impl NatsTransport {
             subject: subject.to_string(),
             durable: durable.to_string(),
             ack_wait,
+            batch,
             connected: None,
             held: Vec::new(),
         }
@@ -198,6 +203,8 @@ impl Transport for NatsTransport {
                     deliver_policy: consumer::DeliverPolicy::All,
                     // Every request is taken however often it comes again.
                     max_deliver: -1,
+                    max_ack_pending: i64::try_from(self.batch.saturating_mul(2).max(1000))
+                        .unwrap_or(i64::MAX),
                     ..Default::default()
                 })
                 .await
