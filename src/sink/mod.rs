@@ -60,6 +60,17 @@ pub trait Sink: Send + Sync + fmt::Debug + 'static {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>>;
 }
 
+/// The same retry for every delivery of a batch (the destination could not be reached at all).
+pub fn retry_all(batch: &[Delivery], reason: &str) -> Vec<SinkOutcome> {
+    batch
+        .iter()
+        .map(|_| SinkOutcome::Retry {
+            after: None,
+            reason: reason.to_string(),
+        })
+        .collect()
+}
+
 /// Exponential backoff with jitter: attempt `n` (0-based) waits `initial * multiplier^n`, capped, then
 /// scaled by a random factor in [0.5, 1.0] so that retries of a burst spread out.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -169,14 +169,7 @@ impl Sink for NatsSink {
                 Ok(outcomes) => outcomes,
                 Err(error) => {
                     self.link.down(self.clock.now_ms(), &error);
-                    let reason = format!("nats: {error}");
-                    batch
-                        .iter()
-                        .map(|_| SinkOutcome::Retry {
-                            after: None,
-                            reason: reason.clone(),
-                        })
-                        .collect()
+                    super::retry_all(batch, &format!("nats: {error}"))
                 }
             }
         })

@@ -100,14 +100,7 @@ impl Sink for RedisSink {
                 }
                 Err(error) => {
                     self.link.down(self.clock.now_ms(), &error);
-                    let reason = format!("redis: {error}");
-                    batch
-                        .iter()
-                        .map(|_| SinkOutcome::Retry {
-                            after: None,
-                            reason: reason.clone(),
-                        })
-                        .collect()
+                    super::retry_all(batch, &format!("redis: {error}"))
                 }
             }
         })

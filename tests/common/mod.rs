@@ -44,6 +44,30 @@ pub fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> boo
     }
 }
 
+/// Asserts that the broker's `$dead` topic holds one dead letter per code in `codes`, each with `body`
+/// and a `delayd-reason` starting with its code (the MQ sources' dead letters).
+pub fn assert_dead_letters(base: &str, body: &str, codes: &[&str]) {
+    let mut reasons = Vec::new();
+    let topic = request(base, "GET", "/v1/topics/$dead", None, None);
+    let queues = topic.json["queues"].as_array().unwrap().len();
+    for queue in 0..queues {
+        let path = format!("/v1/topics/$dead/queues/{queue}/messages?offset=0&max=100");
+        let pulled = request(base, "GET", &path, None, None);
+        for message in pulled.json["messages"].as_array().unwrap() {
+            assert_eq!(message["body"], body);
+            let reason = message["headers"]["delayd-reason"].as_str().unwrap();
+            reasons.push(reason.to_string());
+        }
+    }
+    assert_eq!(reasons.len(), codes.len(), "{reasons:?}");
+    for code in codes {
+        assert!(
+            reasons.iter().any(|r| r.starts_with(code)),
+            "{code} in {reasons:?}"
+        );
+    }
+}
+
 /// An HTTP client that returns non-2xx answers instead of failing on them.
 pub fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()

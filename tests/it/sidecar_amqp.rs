@@ -12,7 +12,7 @@
 //! Requests are published to the source queue as an application would; an independent consumer reads
 //! the target queues. Without RabbitMQ a test prints why it is skipped, and fails under `CI=true`.
 
-use super::common::{now_ms, request, scrape, spawn, wait_for, Process};
+use super::common::{assert_dead_letters, now_ms, request, scrape, spawn, wait_for, Process};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -721,34 +721,8 @@ fn bad_amqp_requests_are_dead_letters_and_cancels_by_key_hold() {
         .read(&mut consumer, 1, Duration::from_millis(500))
         .is_empty());
     assert_eq!(client.depth(in_queue), 0);
-    let mut reasons = Vec::new();
-    let topic = request(&delayd.base, "GET", "/v1/topics/$dead", None, None);
-    let queues = topic.json["queues"].as_array().unwrap().len();
-    for queue in 0..queues {
-        let pulled = request(
-            &delayd.base,
-            "GET",
-            &format!("/v1/topics/$dead/queues/{queue}/messages?offset=0&max=100"),
-            None,
-            None,
-        );
-        for message in pulled.json["messages"].as_array().unwrap() {
-            assert_eq!(message["body"], "bad");
-            reasons.push(
-                message["headers"]["delayd-reason"]
-                    .as_str()
-                    .unwrap()
-                    .to_string(),
-            );
-        }
-    }
-    assert_eq!(reasons.len(), bad.len(), "{reasons:?}");
-    for (_, code) in &bad {
-        assert!(
-            reasons.iter().any(|r| r.starts_with(code)),
-            "{code} in {reasons:?}"
-        );
-    }
+    let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
+    assert_dead_letters(&delayd.base, "bad", &codes);
     let metrics = scrape(&delayd.base);
     let count = |outcome: &str| {
         metrics[&format!(r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#)]
@@ -1025,6 +999,10 @@ fn rabbitmq_restarted_mid_run_loses_nothing() {
     assert_eq!(http.status, 201, "{}", http.json);
     rabbit.restart();
     let client = Client::new(&rabbit.url());
+    // As applications do at each connect: under load, a node killed moments after a declare came back
+    // once without the queue (RabbitMQ 3.10, 1 run in about 10).
+    client.declare(in_queue);
+    client.declare(out_queue);
     client.publish(
         "",
         in_queue,

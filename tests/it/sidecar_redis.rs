@@ -5,7 +5,7 @@
 //!
 //! Without `redis-server` a test prints why it is skipped, and fails under `CI=true`.
 
-use super::common::{now_ms, request, scrape, spawn, wait_for, Process};
+use super::common::{assert_dead_letters, now_ms, request, scrape, spawn, wait_for, Process};
 use redis::Value;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -376,34 +376,8 @@ fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
     );
     assert_eq!(pending(&mut connection), 0);
     // The dead letters, with their reasons, in the broker's $dead topic.
-    let mut reasons = Vec::new();
-    let topic = request(&delayd.base, "GET", "/v1/topics/$dead", None, None);
-    let queues = topic.json["queues"].as_array().unwrap().len();
-    for queue in 0..queues {
-        let pulled = request(
-            &delayd.base,
-            "GET",
-            &format!("/v1/topics/$dead/queues/{queue}/messages?offset=0&max=100"),
-            None,
-            None,
-        );
-        for message in pulled.json["messages"].as_array().unwrap() {
-            assert_eq!(message["body"], "bad");
-            reasons.push(
-                message["headers"]["delayd-reason"]
-                    .as_str()
-                    .unwrap()
-                    .to_string(),
-            );
-        }
-    }
-    assert_eq!(reasons.len(), bad.len(), "{reasons:?}");
-    for (_, code) in &bad {
-        assert!(
-            reasons.iter().any(|r| r.starts_with(code)),
-            "{code} in {reasons:?}"
-        );
-    }
+    let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
+    assert_dead_letters(&delayd.base, "bad", &codes);
     let metrics = scrape(&delayd.base);
     let count = |outcome: &str| {
         metrics[&format!(r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#)]
