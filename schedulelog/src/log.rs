@@ -638,6 +638,10 @@ impl ScheduleLog {
                     cause: self.shared.disk_full.cause(),
                 });
             }
+            // A replayer stopped by an error files nothing more.
+            if let Some(cause) = self.poisoned() {
+                return Err(Error::NotFiledYet { cause: Some(cause) });
+            }
             replay = self
                 .shared
                 .replayed

@@ -396,9 +396,12 @@ impl SourceRunner {
     /// Forgets the positions written before the current connection once the MQ has had its
     /// `redelivery_window` to deliver them again (see [`Transport::redelivery_window`]), and moves the
     /// mark to the oldest position still remembered.
-    fn forget_redelivered_window(&mut self) {
+    ///
+    /// Only after a receive that began once the window was over: a redelivery comes with a receive, and
+    /// one begun earlier (before a long batch, say) may not have asked for it yet.
+    fn forget_redelivered_window(&mut self, receive_began: Instant) {
         if let Some(connected_at) = self.connected_at {
-            if connected_at.elapsed() >= self.transport.redelivery_window() {
+            if receive_began >= connected_at + self.transport.redelivery_window() {
                 self.unacked.retain(|_, (_, since)| *since >= connected_at);
             }
         }
@@ -425,13 +428,14 @@ impl SourceRunner {
             if *stop.borrow() {
                 return Ok(());
             }
+            let receive_began = Instant::now();
             let received = tokio::select! {
                 received = self.transport.receive(self.settings.batch, Duration::from_secs(1)) => received?,
                 _ = stop.changed() => return Ok(()),
             };
             if received.is_empty() {
                 self.healthy();
-                self.forget_redelivered_window();
+                self.forget_redelivered_window(receive_began);
                 self.save_mark().await;
                 continue;
             }
@@ -447,7 +451,7 @@ impl SourceRunner {
                     for position in received.iter().filter_map(|r| r.position.as_ref()) {
                         self.unacked.remove(position);
                     }
-                    self.forget_redelivered_window();
+                    self.forget_redelivered_window(receive_began);
                     // A source that is never idle saves it too, once a second.
                     if self.mark_saved_at.elapsed() >= Duration::from_secs(1) {
                         self.save_mark().await;
@@ -475,7 +479,6 @@ impl SourceRunner {
                 "the disk is nearly full (limits.min_free_disk_bytes)".into(),
             ));
         }
-        let mut outcomes: Vec<(usize, Outcome)> = Vec::new();
         // In stream order: messages go to the log together, in one group commit, up to a cancel, which
         // runs after the messages before it (a cancel then a new message with its key must leave the new
         // one pending); dead letters are stored at the end.
@@ -487,7 +490,7 @@ impl SourceRunner {
                 .as_ref()
                 .is_some_and(|p| self.unacked.contains_key(p))
             {
-                outcomes.push((i, Outcome::Duplicate));
+                self.count(Outcome::Duplicate);
                 continue;
             }
             match classify(request, now) {
@@ -523,15 +526,15 @@ impl SourceRunner {
                     }
                 }
                 Action::Cancel { target, key } => {
-                    self.write_run(requests, std::mem::take(&mut run), &mut outcomes)
+                    self.write_run(requests, std::mem::take(&mut run)).await?;
+                    self.cancel(&target, &key, request.position.as_deref())
                         .await?;
-                    self.cancel(&target, &key).await?;
-                    outcomes.push((i, Outcome::Cancelled));
+                    self.count(Outcome::Cancelled);
                 }
                 Action::Dead(rejection) => dead.push((i, rejection)),
             }
         }
-        self.write_run(requests, run, &mut outcomes).await?;
+        self.write_run(requests, run).await?;
         if !dead.is_empty() {
             let letters: Vec<Incoming> = dead
                 .iter()
@@ -544,15 +547,8 @@ impl SourceRunner {
                 .map_err(|e| NotStored(format!("storing dead letters: {e}")))?;
             for (i, why) in &dead {
                 tracing::debug!(source = %self.settings.name, receipt = %requests[*i].receipt, reason = %why, "request made a dead letter");
-                outcomes.push((*i, Outcome::Dead));
+                self.count(Outcome::Dead);
             }
-        }
-        for (_, outcome) in &outcomes {
-            metrics::counter!("delayd_source_messages_total", "source" => self.settings.name.clone(), "outcome" => outcome.label()).increment(1);
-        }
-        if !outcomes.is_empty() {
-            metrics::counter!("delayd_messages_received_total", "sink" => self.settings.sink.clone())
-                .increment(outcomes.iter().filter(|(_, o)| *o == Outcome::Scheduled).count() as u64);
         }
         Ok(())
     }
@@ -563,7 +559,6 @@ impl SourceRunner {
         &mut self,
         requests: &[Request],
         run: Vec<Pending>,
-        outcomes: &mut Vec<(usize, Outcome)>,
     ) -> Result<(), NotStored> {
         if run.is_empty() {
             return Ok(());
@@ -579,12 +574,22 @@ impl SourceRunner {
             match one {
                 Some(one) => {
                     self.written(&requests[i], one.location.seq);
-                    outcomes.push((i, Outcome::Scheduled));
+                    self.count(Outcome::Scheduled);
                 }
-                None => outcomes.push((i, Outcome::Duplicate)),
+                None => self.count(Outcome::Duplicate),
             }
         }
         Ok(())
+    }
+
+    /// Counts a request's outcome as soon as it is durable (a batch that fails later comes round again,
+    /// and its written messages as duplicates).
+    fn count(&self, outcome: Outcome) {
+        metrics::counter!("delayd_source_messages_total", "source" => self.settings.name.clone(), "outcome" => outcome.label()).increment(1);
+        if outcome == Outcome::Scheduled {
+            metrics::counter!("delayd_messages_received_total", "sink" => self.settings.sink.clone())
+                .increment(1);
+        }
     }
 
     fn written(&mut self, request: &Request, seq: u64) {
@@ -596,10 +601,38 @@ impl SourceRunner {
 
     /// Cancels the pending message with this target and key, if there is one; waits while an attempt of
     /// it is being delivered (that ends it either way).
-    async fn cancel(&self, target: &str, key: &str) -> Result<(), NotStored> {
+    async fn cancel(
+        &self,
+        target: &str,
+        key: &str,
+        position: Option<&str>,
+    ) -> Result<(), NotStored> {
         let Some(id) = self.intake.pending_with_key(target, key).await else {
             return Ok(()); // none pending: delivered, cancelled, or never sent
         };
+        // A cancel the MQ delivers again (a crash before its ack) must not cancel a message its key was
+        // given after it: one whose request comes later in this source.
+        if let Some(cancel_at) = position.and_then(ordered) {
+            let status = self
+                .intake
+                .lookup(id)
+                .await
+                .map_err(|e| NotStored(e.to_string()))?;
+            let prefix = format!("{}/", self.settings.name);
+            let later = status.is_some_and(|status| {
+                status
+                    .message
+                    .headers
+                    .iter()
+                    .find(|(name, _)| name == POSITION_HEADER)
+                    .and_then(|(_, value)| value.strip_prefix(&prefix))
+                    .and_then(ordered)
+                    .is_some_and(|message_at| message_at > cancel_at)
+            });
+            if later {
+                return Ok(());
+            }
+        }
         // An attempt settles within its sink's timeout, normally; one that does not (its outcome
         // cannot be written: a full disk) sends the batch round again rather than stall the source.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -662,6 +695,12 @@ impl SourceRunner {
             }
         }
     }
+}
+
+/// A position as numbers that order it in its source (a Redis entry id `1700000000000-3`, a JetStream
+/// stream sequence); `None` for one without an order (an AMQP `message_id`).
+fn ordered(position: &str) -> Option<Vec<u64>> {
+    position.split('-').map(|part| part.parse().ok()).collect()
 }
 
 fn mark_path(data_dir: &Path, name: &str) -> PathBuf {

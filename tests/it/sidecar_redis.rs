@@ -404,13 +404,26 @@ fn a_crash_between_the_fsync_and_the_ack_schedules_each_request_once() {
     let mut connection = redis.connection();
     let count = 20;
     // Published before delayd starts, so that it takes them in one batch (a consumer whose acks fail
-    // reads its pending requests again and again, and no new ones).
+    // reads its pending requests again and again, and no new ones). The last message has a key, and a
+    // cancel of that key comes just before it: delivered again, the cancel must not cancel it.
     for i in 0..count {
-        publish(
-            &mut connection,
-            &[("delayd-delay", "3s"), ("delayd-target", "orders:out")],
-            &format!("once {i}"),
-        );
+        let last = i == count - 1;
+        if last {
+            publish(
+                &mut connection,
+                &[
+                    ("delayd-target", "orders:out"),
+                    ("delayd-key", "again"),
+                    ("delayd-cancel", "true"),
+                ],
+                "",
+            );
+        }
+        let mut fields = vec![("delayd-delay", "3s"), ("delayd-target", "orders:out")];
+        if last {
+            fields.push(("delayd-key", "again"));
+        }
+        publish(&mut connection, &fields, &format!("once {i}"));
     }
     let mut delayd = start_delayd(&data, &config);
     // All scheduled (durable), none acknowledged.
@@ -424,7 +437,11 @@ fn a_crash_between_the_fsync_and_the_ack_schedules_each_request_once() {
                 == Some(count as f64)
         },
     );
-    assert_eq!(pending(&mut connection), count);
+    assert_eq!(
+        pending(&mut connection),
+        count + 1,
+        "the messages and the cancel"
+    );
     let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
     assert!(
         sources.json["sources"][0]["last_error"].as_str().is_some(),
