@@ -721,6 +721,23 @@ impl Config {
             if !(1..=10_000).contains(&source.batch) {
                 return Err(invalid(&format!("{key}.batch"), "between 1 and 10000"));
             }
+            // A key of another kind is a mistake to say, not to ignore.
+            let foreign = match source.kind.as_str() {
+                "nats" => source.queue.as_ref().map(|_| "queue"),
+                "amqp" => [
+                    (source.stream.is_some(), "stream"),
+                    (source.subject.is_some(), "subject"),
+                ]
+                .into_iter()
+                .find_map(|(set, name)| set.then_some(name)),
+                _ => None,
+            };
+            if let Some(field) = foreign {
+                return Err(invalid(
+                    &format!("{key}.{field}"),
+                    format!("a {} source has no {field}", source.kind),
+                ));
+            }
             match (source.kind.as_str(), &source.url, &source.stream_key) {
                 ("redis", _, _) if source.stream.is_some() || source.subject.is_some() => {
                     return Err(invalid(
@@ -1035,6 +1052,10 @@ mod tests {
         assert_eq!(config.sources["in"].group, "delayd");
         for (source, key) in [
             (
+                "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\nqueue = \"q\"\n",
+                "sources.in.queue",
+            ),
+            (
                 "stream = \"DELAYS\"\nsubject = \"delayd.>\"\n",
                 "sources.in",
             ),
@@ -1090,6 +1111,10 @@ mod tests {
         assert!(config.sinks["out"].is_mq());
         assert_eq!(config.sources["in"].queue.as_deref(), Some("delayd.in"));
         for (bad, key) in [
+            (
+                good.replace("batch = 64", "batch = 64\nsubject = \"x.>\""),
+                "sources.in.subject",
+            ),
             (
                 good.replace("queue = \"delayd.in\"\n", ""),
                 "sources.in.queue",

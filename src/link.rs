@@ -1,7 +1,8 @@
 //! The state of a connection to another message queue, kept by each MQ source and MQ sink: whether it
 //! is up and the last error. `GET /v1/sources` and `GET /v1/sinks` show it, the gauges
 //! `delayd_source_connected{source}` / `delayd_sink_connected{sink}` follow it, and the log says each
-//! change once (not every failed retry while the MQ stays away).
+//! change once (not every failed retry while the MQ stays away). A source's link also counts its requests
+//! by outcome since the start.
 
 use crate::format::format_ms;
 use serde_json::{json, Value};
@@ -14,6 +15,8 @@ struct State {
     reported: bool,
     last_error: Option<(i64, String)>,
     failures: u64,
+    /// A source's requests by outcome since the start (`scheduled`, `duplicate`, ...).
+    handled: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// One connection's state; cheap to clone (shared).
@@ -82,6 +85,11 @@ impl Link {
         }
     }
 
+    /// A source handled a request so.
+    pub fn handled(&self, outcome: &'static str) {
+        *self.state().handled.entry(outcome).or_default() += 1;
+    }
+
     pub fn is_up(&self) -> bool {
         self.state().connected
     }
@@ -94,6 +102,9 @@ impl Link {
             "kind": self.kind,
             "connected": state.connected,
         });
+        if self.role == "source" {
+            value["requests"] = json!(state.handled);
+        }
         if let Some((at_ms, error)) = &state.last_error {
             value["last_error"] = json!(error);
             value["last_error_at"] = json!(format_ms(*at_ms));

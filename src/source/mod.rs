@@ -585,6 +585,7 @@ impl SourceRunner {
     /// Counts a request's outcome as soon as it is durable (a batch that fails later comes round again,
     /// and its written messages as duplicates).
     fn count(&self, outcome: Outcome) {
+        self.link.handled(outcome.label());
         metrics::counter!("delayd_source_messages_total", "source" => self.settings.name.clone(), "outcome" => outcome.label()).increment(1);
         if outcome == Outcome::Scheduled {
             metrics::counter!("delayd_messages_received_total", "sink" => self.settings.sink.clone())

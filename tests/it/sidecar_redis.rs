@@ -305,6 +305,10 @@ fn requests_through_redis_arrive_on_time_with_their_fields() {
     let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
     assert_eq!(sources.json["sources"][0]["name"], "in");
     assert_eq!(sources.json["sources"][0]["connected"], true);
+    assert_eq!(
+        sources.json["sources"][0]["requests"]["scheduled"],
+        due.len() as u64
+    );
     let metrics = scrape(&delayd.base);
     assert_eq!(
         metrics[r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#],
