@@ -415,12 +415,7 @@ impl Target for Sidecar {
         }
     }
 
-    async fn consume(&self, consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
-        if consumer > 0 {
-            // One reader of the target stream: two would each read every entry.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            return Ok(Vec::new());
-        }
+    async fn consume(&self, _consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
         let mut last = self.last.lock().await;
         let mut connection = self.connection.clone();
         let answer: redis::Value = redis::cmd("XREAD")
@@ -586,13 +581,8 @@ impl Target for NatsSidecar {
         }
     }
 
-    async fn consume(&self, consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
+    async fn consume(&self, _consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
         use futures_util::{FutureExt, StreamExt};
-        if consumer > 0 {
-            // One reader of the target stream.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            return Ok(Vec::new());
-        }
         let mut reader = self.reader.lock().await;
         let mut got = Vec::new();
         // Wait a little for one message, then take what else is already here.
@@ -766,13 +756,8 @@ impl Target for AmqpSidecar {
         }
     }
 
-    async fn consume(&self, consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
+    async fn consume(&self, _consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
         use futures_util::{FutureExt, StreamExt};
-        if consumer > 0 {
-            // One reader of the target queue.
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            return Ok(Vec::new());
-        }
         let mut reader = self.reader.lock().await;
         let mut got = Vec::new();
         let mut next = match tokio::time::timeout(Duration::from_millis(200), reader.next()).await {
@@ -978,8 +963,13 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     // Consumers run during ingest, as in production.
     let delivered: Arc<Mutex<Vec<(u64, i64, i64)>>> = Arc::default();
     let consuming = Arc::new(std::sync::atomic::AtomicBool::new(!args.no_consume));
-    // One consumer per delayd queue (each holds a long poll); two pollers for the peers.
-    let consumer_count = if args.target == "delayd" { 4 } else { 2 };
+    // One consumer per delayd queue (each holds a long poll); one reader of a sidecar's target (two
+    // would each read every message); two pollers for the peers.
+    let consumer_count = match args.target.as_str() {
+        "delayd" => 4,
+        sidecar if sidecar.starts_with("delayd-") => 1,
+        _ => 2,
+    };
     let consumers: Vec<_> = (0..consumer_count)
         .map(|consumer| {
             let (target, delivered, consuming) =

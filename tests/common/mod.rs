@@ -68,6 +68,31 @@ pub fn assert_dead_letters(base: &str, body: &str, codes: &[&str]) {
     }
 }
 
+/// A loopback port free at the time of asking, for a server a test starts.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Whether an external server the tests need (`program`, from Debian's `package`) is installed; says
+/// why a test is skipped when not, and fails under `CI=true`, where it must be.
+pub fn server_installed(program: &str, package: &str) -> bool {
+    let found = if program.starts_with('/') {
+        Path::new(program).exists()
+    } else {
+        Command::new(program).arg("--version").output().is_ok()
+    };
+    if !found {
+        let why = format!("{package} is not installed (apt-get install -y {package})");
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+        println!("skipped: {why}");
+    }
+    found
+}
+
 /// An HTTP client that returns non-2xx answers instead of failing on them.
 pub fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()

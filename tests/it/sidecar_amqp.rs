@@ -12,7 +12,10 @@
 //! Requests are published to the source queue as an application would; an independent consumer reads
 //! the target queues. Without RabbitMQ a test prints why it is skipped, and fails under `CI=true`.
 
-use super::common::{assert_dead_letters, now_ms, request, scrape, spawn, wait_for, Process};
+use super::common::{
+    assert_dead_letters, free_port, now_ms, request, scrape, server_installed, spawn, wait_for,
+    Process,
+};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -29,23 +32,9 @@ use std::time::{Duration, Instant};
 
 const SERVER: &str = "/usr/lib/rabbitmq/bin/rabbitmq-server";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Whether RabbitMQ is installed; says why not (and fails under CI, where it must be).
+/// Whether RabbitMQ is installed (see [`server_installed`]).
 fn installed() -> bool {
-    if Path::new(SERVER).exists() {
-        return true;
-    }
-    let why = "rabbitmq-server is not installed (apt-get install -y rabbitmq-server)";
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
-    println!("skipped: {why}");
-    false
+    server_installed(SERVER, "rabbitmq-server")
 }
 
 fn id_of(flag: &str) -> u32 {

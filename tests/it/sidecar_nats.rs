@@ -5,7 +5,10 @@
 //!
 //! Without `nats-server` a test prints why it is skipped, and fails under `CI=true`.
 
-use super::common::{assert_dead_letters, now_ms, request, scrape, spawn, wait_for, Process};
+use super::common::{
+    assert_dead_letters, free_port, now_ms, request, scrape, server_installed, spawn, wait_for,
+    Process,
+};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use serde_json::json;
@@ -32,25 +35,10 @@ struct NatsServer {
     client: Option<async_nats::Client>,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl NatsServer {
     /// Starts one, or says why not (and fails under CI, where it must exist).
     fn start(dir: &Path) -> Option<NatsServer> {
-        if Command::new("nats-server")
-            .arg("--version")
-            .output()
-            .is_err()
-        {
-            let why = "nats-server is not installed (apt-get install -y nats-server)";
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
-            println!("skipped: {why}");
+        if !server_installed("nats-server", "nats-server") {
             return None;
         }
         let runtime = tokio::runtime::Builder::new_multi_thread()

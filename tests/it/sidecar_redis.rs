@@ -5,7 +5,10 @@
 //!
 //! Without `redis-server` a test prints why it is skipped, and fails under `CI=true`.
 
-use super::common::{assert_dead_letters, now_ms, request, scrape, spawn, wait_for, Process};
+use super::common::{
+    assert_dead_letters, free_port, now_ms, request, scrape, server_installed, spawn, wait_for,
+    Process,
+};
 use redis::Value;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -20,25 +23,10 @@ struct RedisServer {
     dir: PathBuf,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl RedisServer {
     /// Starts one, or says why not (and fails under CI, where it must exist).
     fn start(dir: &Path) -> Option<RedisServer> {
-        if Command::new("redis-server")
-            .arg("--version")
-            .output()
-            .is_err()
-        {
-            let why = "redis-server is not installed (apt-get install -y redis-server)";
-            assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
-            println!("skipped: {why}");
+        if !server_installed("redis-server", "redis-server") {
             return None;
         }
         Some(RedisServer::start_on(free_port(), dir, &[]))
