@@ -289,7 +289,7 @@ pub struct SourceConfig {
     pub consumer: String,
     /// NATS: how long JetStream waits for an ack before delivering a request again.
     pub ack_wait: Millis,
-    /// Requests per batch, made durable in one group commit (AMQP: also the prefetch, `basic.qos`).
+    /// Requests per batch, made durable in one group commit (AMQP: the prefetch, `basic.qos`, is twice it).
     pub batch: usize,
 }
 
@@ -665,7 +665,7 @@ impl Config {
                     ))
                 }
                 ("amqp", Some(url), None) => {
-                    crate::source::amqp::check_url(url)
+                    crate::mq::amqp::check_url(url)
                         .map_err(|e| invalid(&format!("{key}.url"), e))?;
                     if sink.exchange.as_ref().is_some_and(|e| !valid_exchange(e)) {
                         return Err(invalid(
@@ -758,7 +758,7 @@ impl Config {
                     ))
                 }
                 ("amqp", Some(url), None) => {
-                    crate::source::amqp::check_url(url)
+                    crate::mq::amqp::check_url(url)
                         .map_err(|e| invalid(&format!("{key}.url"), e))?;
                     match source.queue.as_deref() {
                         Some(queue) if valid_exchange(queue) && !queue.is_empty() && !queue.starts_with("amq.") => {}

@@ -16,6 +16,7 @@ pub mod format;
 pub mod intake;
 pub mod link;
 pub mod metrics;
+pub mod mq;
 pub mod scheduler;
 pub mod sink;
 pub mod source;

@@ -86,8 +86,8 @@ impl Link {
     }
 
     /// A source handled a request so.
-    pub fn handled(&self, outcome: &'static str) {
-        *self.state().handled.entry(outcome).or_default() += 1;
+    pub fn handled(&self, outcome: &'static str, count: u64) {
+        *self.state().handled.entry(outcome).or_default() += count;
     }
 
     pub fn is_up(&self) -> bool {

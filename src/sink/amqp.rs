@@ -12,8 +12,8 @@
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
-use crate::source::amqp::{close, connect};
-use crate::source::EXCHANGE_HEADER;
+use crate::mq::amqp::{close, connect};
+use crate::mq::EXCHANGE_HEADER;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};

@@ -12,7 +12,7 @@
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
-use crate::source::nats::connect;
+use crate::mq::nats::connect;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use std::str::FromStr;

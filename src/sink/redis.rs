@@ -8,7 +8,7 @@
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
-use crate::source::redis::connect;
+use crate::mq::redis::connect;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
 use tokio::sync::Mutex;

@@ -1,5 +1,6 @@
 //! The AMQP 0-9-1 (RabbitMQ) transport: a consumer with manual acknowledgements on one durable queue
-//! (declared when missing), `basic.qos` prefetch = the source's batch, `basic.ack` after the fsync.
+//! (declared when missing), `basic.qos` prefetch = twice the source's batch (one batch being stored
+//! while the next is received), `basic.ack` after the fsync.
 //!
 //! - A request's headers are the message's AMQP headers table, each value as text (strings as they are,
 //!   integers, floats, decimals and booleans written out: `x-delay` arrives as an integer from the
@@ -10,7 +11,11 @@
 //!   one a request redelivered after a crash between the fsync and the ack is scheduled again.
 //! - Its receipt is the delivery tag. A batch is acknowledged with one `basic.ack multiple=true` on the
 //!   highest tag when its tags are contiguous, else tag by tag. `multiple` is safe: every batch is
-//!   either acknowledged whole or rewound, so no lower tag is outstanding on the channel.
+//!   either acknowledged whole or rewound, in order, so no lower tag is outstanding on the channel.
+//!   AMQP does not answer a `basic.ack`; a `basic.qos` after it does (`qos-ok`), and the broker handles
+//!   a channel's methods in order, so once it answered the acknowledgements were taken. Until then the
+//!   runner keeps the batch's positions: a connection lost with the acks unsent redelivers the batch,
+//!   which is recognised and not scheduled twice.
 //! - Rewind (a batch that could not be stored) reopens the channel: the broker requeues what the old
 //!   one had unacknowledged and delivers it again. A `basic.reject requeue` per tag would do too, but
 //!   deliveries the client prefetched and buffered meanwhile would then be acknowledged under tags the
@@ -21,14 +26,12 @@
 //! - Only `amqp://` (no TLS): delayd is built without a TLS stack for AMQP.
 
 use super::{Request, Transport, TransportError};
+use crate::mq::amqp::{close, connect, CONNECT_TIMEOUT};
 use crate::sink::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{Channel, Connection, ConnectionProperties, Consumer};
+use lapin::{Channel, Connection, Consumer};
 use std::time::Duration;
-
-/// How long connecting (TCP, handshake, declaring, consuming) may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 pub struct AmqpTransport {
@@ -59,42 +62,13 @@ fn failed(what: &str, error: impl std::fmt::Display) -> TransportError {
     TransportError(format!("{what}: {error}"))
 }
 
-/// Checks an `amqp://` URL: what the config validation calls.
-pub fn check_url(url: &str) -> Result<(), String> {
-    let uri: lapin::uri::AMQPUri = url.parse()?;
-    if uri.scheme != lapin::uri::AMQPScheme::AMQP {
-        return Err("only amqp:// URLs are supported (delayd has no TLS for AMQP)".into());
-    }
-    Ok(())
-}
-
-/// A connection, with a timeout.
-pub(crate) async fn connect(url: &str) -> Result<Connection, TransportError> {
-    tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        Connection::connect(url, ConnectionProperties::default()),
-    )
-    .await
-    .map_err(|_| TransportError("connecting timed out".into()))?
-    .map_err(|e| failed("connecting", e))
-}
-
-/// Closes a connection politely if it still answers; gives up after a second (it may be dead).
-pub(crate) async fn close(connection: &Connection) {
-    let _ = tokio::time::timeout(
-        Duration::from_secs(1),
-        connection.close(200, ShortString::from("delayd reconnects")),
-    )
-    .await;
-}
-
 impl AmqpTransport {
-    pub fn new(url: &str, queue: &str, source: &str, prefetch: usize) -> AmqpTransport {
+    pub fn new(url: &str, queue: &str, source: &str, batch: usize) -> AmqpTransport {
         AmqpTransport {
             url: url.to_string(),
             queue: queue.to_string(),
             consumer_tag: format!("delayd-{source}"),
-            prefetch: u16::try_from(prefetch).unwrap_or(u16::MAX),
+            prefetch: u16::try_from(batch.saturating_mul(2)).unwrap_or(u16::MAX),
             open: None,
             reopen: false,
         }
@@ -321,6 +295,11 @@ impl Transport for AmqpTransport {
                     .await
                     .map_err(|e| failed("basic.ack", e))?;
             }
+            // The broker's answer to this comes after it took the acknowledgements.
+            open.channel
+                .basic_qos(self.prefetch, BasicQosOptions::default())
+                .await
+                .map_err(|e| failed("basic.qos after basic.ack", e))?;
             Ok(())
         })
     }

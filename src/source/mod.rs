@@ -27,6 +27,7 @@ pub mod redis;
 use crate::broker::{Broker, Incoming};
 use crate::intake::{delay_from_text, deliver_at_from_text, Draft, Intake, Rejection};
 use crate::link::Link;
+use crate::mq::{MqError, EXCHANGE_HEADER};
 use crate::scheduler::{CancelError, DEAD_TOPIC};
 use crate::sink::BoxFuture;
 use schedulelog::EncodedMessage;
@@ -37,10 +38,6 @@ use std::time::{Duration, Instant};
 
 /// The header recording where a message's request was in its source.
 pub const POSITION_HEADER: &str = "delayd-source-position";
-
-/// A request's header kept with its message for the MQ sink: the AMQP exchange to publish to instead of
-/// the sink's own (`delayd-*` headers are never passed on).
-pub const EXCHANGE_HEADER: &str = "delayd-exchange";
 
 /// One request as read from an MQ.
 #[derive(Debug, Clone)]
@@ -66,6 +63,12 @@ pub struct Request {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct TransportError(pub String);
+
+impl From<MqError> for TransportError {
+    fn from(error: MqError) -> TransportError {
+        TransportError(error.0)
+    }
+}
 
 /// What an MQ must do for a source.
 pub trait Transport: Send + Sync + std::fmt::Debug + 'static {
@@ -284,25 +287,35 @@ pub struct SourceSettings {
 }
 
 /// Runs one source: receive, schedule, acknowledge; reconnect when the MQ goes away.
+///
+/// Batches go through it as a pipeline of three: while one batch is made durable, the one before it is
+/// acknowledged and the one after it is received (what the MQ has at hand, without waiting), so that a
+/// source waits for its MQ and for the disk at the same time rather than one after the other.
 #[derive(Debug)]
 pub struct SourceRunner {
+    transport: Box<dyn Transport>,
+    writer: Writer,
+    /// When the current connection was made (with `redelivery_window`: see [`Transport`]).
+    connected_at: Option<Instant>,
+    /// Before the next connection attempt, after a failure.
+    pause: Duration,
+}
+
+/// Makes a source's batches durable and remembers where their requests were.
+#[derive(Debug)]
+struct Writer {
     settings: SourceSettings,
     intake: Arc<Intake>,
     broker: Arc<Broker>,
     link: Link,
-    transport: Box<dyn Transport>,
     /// Positions written and not yet acknowledged, with the seq of their record and when they were
     /// written (or read back at the start).
     unacked: HashMap<String, (u64, Instant)>,
-    /// When the current connection was made (with `redelivery_window`: see [`Transport`]).
-    connected_at: Option<Instant>,
     /// Every record of this source below this seq was acknowledged (kept in `sources/{name}`).
     mark: u64,
     mark_saved: u64,
     mark_saved_at: Instant,
     last_written: u64,
-    /// Before the next connection attempt, after a failure.
-    pause: Duration,
 }
 
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
@@ -352,17 +365,19 @@ impl SourceRunner {
             metrics::counter!("delayd_source_messages_total", "source" => settings.name.clone(), "outcome" => outcome.label()).absolute(0);
         }
         Ok(SourceRunner {
-            settings,
-            intake,
-            broker,
-            link,
             transport,
-            unacked,
-            mark,
-            mark_saved: mark,
-            mark_saved_at: Instant::now(),
+            writer: Writer {
+                settings,
+                intake,
+                broker,
+                link,
+                unacked,
+                mark,
+                mark_saved: mark,
+                mark_saved_at: Instant::now(),
+                last_written,
+            },
             connected_at: None,
-            last_written,
             pause: FIRST_PAUSE,
         })
     }
@@ -382,7 +397,9 @@ impl SourceRunner {
                 _ = stop.changed() => break,
             };
             if let Err(e) = served {
-                self.link.down(self.intake.clock.now_ms(), &e.0);
+                self.writer
+                    .link
+                    .down(self.writer.intake.clock.now_ms(), &e.0);
                 tokio::select! {
                     _ = tokio::time::sleep(self.pause) => {},
                     _ = stop.changed() => break,
@@ -390,7 +407,7 @@ impl SourceRunner {
                 self.pause = (self.pause * 2).min(Duration::from_secs(5));
             }
         }
-        self.save_mark().await;
+        self.writer.save_mark().await;
     }
 
     /// Forgets the positions written before the current connection once the MQ has had its
@@ -400,23 +417,38 @@ impl SourceRunner {
     /// Only after a receive that began once the window was over: a redelivery comes with a receive, and
     /// one begun earlier (before a long batch, say) may not have asked for it yet.
     fn forget_redelivered_window(&mut self, receive_began: Instant) {
+        let writer = &mut self.writer;
         if let Some(connected_at) = self.connected_at {
             if receive_began >= connected_at + self.transport.redelivery_window() {
-                self.unacked.retain(|_, (_, since)| *since >= connected_at);
+                writer
+                    .unacked
+                    .retain(|_, (_, since)| *since >= connected_at);
             }
         }
-        self.mark = self
+        writer.mark = writer
             .unacked
             .values()
             .map(|(seq, _)| *seq)
             .min()
-            .unwrap_or(self.last_written);
+            .unwrap_or(writer.last_written);
     }
 
     /// A round worked: the MQ is there.
     fn healthy(&mut self) {
-        self.link.up();
+        self.writer.link.up();
         self.pause = FIRST_PAUSE;
+    }
+
+    /// Acknowledges a durable batch to the MQ, and forgets its positions: the MQ will not deliver it
+    /// again.
+    async fn acknowledge(&mut self, durable: &mut Vec<Request>) -> Result<(), TransportError> {
+        if durable.is_empty() {
+            return Ok(());
+        }
+        self.transport.ack(&receipts(durable)).await?;
+        self.writer.acked(durable);
+        durable.clear();
+        Ok(())
     }
 
     /// Receives and handles batches until the connection fails or `stop` says so.
@@ -424,41 +456,60 @@ impl SourceRunner {
         &mut self,
         stop: &mut tokio::sync::watch::Receiver<bool>,
     ) -> Result<(), TransportError> {
+        // Received and not yet handled; durable and not yet acknowledged.
+        let mut received: Vec<Request> = Vec::new();
+        let mut durable: Vec<Request> = Vec::new();
         loop {
             if *stop.borrow() {
-                return Ok(());
+                return self.acknowledge(&mut durable).await;
             }
-            let receive_began = Instant::now();
-            let received = tokio::select! {
-                received = self.transport.receive(self.settings.batch, Duration::from_secs(1)) => received?,
-                _ = stop.changed() => return Ok(()),
-            };
             if received.is_empty() {
-                self.healthy();
-                self.forget_redelivered_window(receive_began);
-                self.save_mark().await;
-                continue;
-            }
-            let began = Instant::now();
-            match self.handle(&received).await {
-                Ok(()) => {
-                    let stored = began.elapsed();
-                    let receipts: Vec<String> =
-                        received.iter().map(|r| r.receipt.clone()).collect();
-                    self.transport.ack(&receipts).await?;
-                    tracing::trace!(source = %self.settings.name, requests = received.len(), stored_us = stored.as_micros() as u64, acked_us = began.elapsed().as_micros() as u64, "batch");
+                // Nothing to do meanwhile: acknowledge, then wait for requests.
+                self.acknowledge(&mut durable).await?;
+                let receive_began = Instant::now();
+                received = tokio::select! {
+                    received = self.transport.receive(self.writer.settings.batch, Duration::from_secs(1)) => received?,
+                    _ = stop.changed() => return Ok(()),
+                };
+                if received.is_empty() {
                     self.healthy();
-                    for position in received.iter().filter_map(|r| r.position.as_ref()) {
-                        self.unacked.remove(position);
-                    }
                     self.forget_redelivered_window(receive_began);
+                    self.writer.save_mark().await;
+                    continue;
+                }
+            }
+            let batch = std::mem::take(&mut received);
+            let began = Instant::now();
+            let max = self.writer.settings.batch;
+            let transport = &mut self.transport;
+            let (handled, (acked, next)) = tokio::join!(self.writer.handle(&batch), async {
+                if durable.is_empty() {
+                    return (Ok(()), transport.receive(max, Duration::ZERO).await);
+                }
+                match transport.ack(&receipts(&durable)).await {
+                    Ok(()) => (Ok(()), transport.receive(max, Duration::ZERO).await),
+                    Err(e) => (Err(e), Ok(Vec::new())),
+                }
+            });
+            acked?;
+            self.writer.acked(&durable);
+            durable.clear();
+            match handled {
+                Ok(()) => {
+                    tracing::trace!(source = %self.writer.settings.name, requests = batch.len(), stored_us = began.elapsed().as_micros() as u64, "batch");
+                    durable = batch;
+                    received = next?;
+                    self.healthy();
+                    self.forget_redelivered_window(began);
                     // A source that is never idle saves it too, once a second.
-                    if self.mark_saved_at.elapsed() >= Duration::from_secs(1) {
-                        self.save_mark().await;
+                    if self.writer.mark_saved_at.elapsed() >= Duration::from_secs(1) {
+                        self.writer.save_mark().await;
                     }
                 }
                 Err(NotStored(why)) => {
-                    tracing::warn!(source = %self.settings.name, %why, "requests not stored; they will be received again");
+                    tracing::warn!(source = %self.writer.settings.name, %why, "requests not stored; they will be received again");
+                    // The batch and the one received after it come round again.
+                    next?;
                     self.transport.rewind();
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {},
@@ -466,6 +517,19 @@ impl SourceRunner {
                     }
                 }
             }
+        }
+    }
+}
+
+fn receipts(batch: &[Request]) -> Vec<String> {
+    batch.iter().map(|r| r.receipt.clone()).collect()
+}
+
+impl Writer {
+    /// A batch was acknowledged: the MQ will not deliver its requests again.
+    fn acked(&mut self, batch: &[Request]) {
+        for position in batch.iter().filter_map(|r| r.position.as_ref()) {
+            self.unacked.remove(position);
         }
     }
 
@@ -490,7 +554,7 @@ impl SourceRunner {
                 .as_ref()
                 .is_some_and(|p| self.unacked.contains_key(p))
             {
-                self.count(Outcome::Duplicate);
+                self.count(Outcome::Duplicate, 1);
                 continue;
             }
             match classify(request, now) {
@@ -529,7 +593,7 @@ impl SourceRunner {
                     self.write_run(requests, std::mem::take(&mut run)).await?;
                     self.cancel(&target, &key, request.position.as_deref())
                         .await?;
-                    self.count(Outcome::Cancelled);
+                    self.count(Outcome::Cancelled, 1);
                 }
                 Action::Dead(rejection) => dead.push((i, rejection)),
             }
@@ -547,7 +611,7 @@ impl SourceRunner {
                 .map_err(|e| NotStored(format!("storing dead letters: {e}")))?;
             for (i, why) in &dead {
                 tracing::debug!(source = %self.settings.name, receipt = %requests[*i].receipt, reason = %why, "request made a dead letter");
-                self.count(Outcome::Dead);
+                self.count(Outcome::Dead, 1);
             }
         }
         Ok(())
@@ -570,26 +634,29 @@ impl SourceRunner {
             .schedule_all(messages)
             .await
             .map_err(|e| NotStored(e.to_string()))?;
-        for (i, one) in indexes.into_iter().zip(appended) {
-            match one {
-                Some(one) => {
-                    self.written(&requests[i], one.location.seq);
-                    self.count(Outcome::Scheduled);
-                }
-                None => self.count(Outcome::Duplicate),
+        let mut scheduled = 0;
+        for (i, one) in indexes.iter().zip(appended) {
+            if let Some(one) = one {
+                self.written(&requests[*i], one.location.seq);
+                scheduled += 1;
             }
         }
+        self.count(Outcome::Scheduled, scheduled);
+        self.count(Outcome::Duplicate, indexes.len() as u64 - scheduled);
         Ok(())
     }
 
     /// Counts a request's outcome as soon as it is durable (a batch that fails later comes round again,
     /// and its written messages as duplicates).
-    fn count(&self, outcome: Outcome) {
-        self.link.handled(outcome.label());
-        metrics::counter!("delayd_source_messages_total", "source" => self.settings.name.clone(), "outcome" => outcome.label()).increment(1);
+    fn count(&self, outcome: Outcome, count: u64) {
+        if count == 0 {
+            return;
+        }
+        self.link.handled(outcome.label(), count);
+        metrics::counter!("delayd_source_messages_total", "source" => self.settings.name.clone(), "outcome" => outcome.label()).increment(count);
         if outcome == Outcome::Scheduled {
             metrics::counter!("delayd_messages_received_total", "sink" => self.settings.sink.clone())
-                .increment(1);
+                .increment(count);
         }
     }
 

@@ -14,6 +14,7 @@
 //!   be (a push consumer under the same name) is an error said in the log and `GET /v1/sources`.
 
 use super::{Request, Transport, TransportError};
+use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::sink::BoxFuture;
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
@@ -22,9 +23,6 @@ use std::time::Duration;
 /// How long the server waits for an ack before delivering a request again (also what a delayd
 /// killed between the fsync and the ack costs in delay).
 pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(60);
-
-/// Requests, acks and publishes give up after this; the connection is then made again.
-pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug)]
 pub struct NatsTransport {
@@ -87,29 +85,6 @@ impl NatsTransport {
 
 fn failed(what: &str, error: impl std::fmt::Display) -> TransportError {
     TransportError(format!("{what}: {error}"))
-}
-
-/// A connection that fails at once when the server is not there (the runner retries with backoff and
-/// says so), and whose requests give up after [`REQUEST_TIMEOUT`]. A `user:password@` in the URL is
-/// sent as the user's credentials (the client itself ignores it).
-pub(crate) async fn connect(url: &str) -> Result<async_nats::Client, TransportError> {
-    let credentials = url.split(',').find_map(|one| {
-        let address = one.trim().parse::<async_nats::ServerAddr>().ok()?;
-        let user = address.username()?.to_string();
-        Some((user, address.password().unwrap_or_default().to_string()))
-    });
-    let options = match credentials {
-        Some((user, password)) => {
-            async_nats::ConnectOptions::with_user_and_password(user, password)
-        }
-        None => async_nats::ConnectOptions::new(),
-    };
-    options
-        .connection_timeout(REQUEST_TIMEOUT)
-        .request_timeout(Some(REQUEST_TIMEOUT))
-        .connect(url)
-        .await
-        .map_err(|e| failed("connecting to NATS", e))
 }
 
 /// One JetStream message as a request; `stream_sequence` is from its reply subject.
@@ -227,7 +202,7 @@ impl Transport for NatsTransport {
             let bound = wait + REQUEST_TIMEOUT;
             let received = tokio::time::timeout(bound, async {
                 let mut messages = self.fetch_now(max).await?;
-                if messages.is_empty() {
+                if messages.is_empty() && !wait.is_zero() {
                     // Nothing now: wait for one, then take what came with it. A pull for the whole
                     // batch would hold a lone request until its expiry.
                     messages = self.fetch_one(wait).await?;
@@ -264,7 +239,8 @@ impl Transport for NatsTransport {
             if let Some(error) = answers.into_iter().find_map(Result::err) {
                 return Err(failed("acknowledging", error));
             }
-            self.held.retain(|held| !receipts.contains(held));
+            let acked: std::collections::HashSet<&String> = receipts.iter().collect();
+            self.held.retain(|held| !acked.contains(held));
             Ok(())
         })
     }

@@ -12,6 +12,7 @@
 //! connection lost before it is handled loses nothing.
 
 use super::{Request, Transport, TransportError};
+use crate::mq::redis::connect;
 use crate::sink::BoxFuture;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
@@ -26,6 +27,9 @@ pub struct RedisTransport {
     connection: Option<MultiplexedConnection>,
     /// Read this consumer's pending entries before new ones.
     pending_first: bool,
+    /// The pending entries after this id are still to be read (the last one read: the runner may ask
+    /// for the next batch before it acknowledged the last).
+    pending_after: String,
     /// New entries read with the last acknowledgement, in the same round trip, for the next receive.
     prefetched: Vec<Request>,
     /// The batch size the runner asks for.
@@ -46,6 +50,7 @@ impl RedisTransport {
             consumer: consumer.to_string(),
             connection: None,
             pending_first: true,
+            pending_after: "0".into(),
             prefetched: Vec::new(),
             max: 1,
         })
@@ -56,23 +61,10 @@ fn failed(error: redis::RedisError) -> TransportError {
     TransportError(error.to_string())
 }
 
-/// A connection whose commands time out a while after the longest block asked for.
-pub(crate) async fn connect(
-    client: &redis::Client,
-) -> Result<MultiplexedConnection, TransportError> {
-    let config = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(5)))
-        .set_response_timeout(Some(Duration::from_secs(15)));
-    client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .map_err(failed)
-}
-
-fn text(value: &Value) -> Option<String> {
+fn text(value: Value) -> Option<String> {
     match value {
-        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
+        Value::BulkString(bytes) => String::from_utf8(bytes).ok(),
+        Value::SimpleString(s) => Some(s),
         _ => None,
     }
 }
@@ -107,7 +99,7 @@ fn entries(answer: Value) -> Result<Vec<Request>, TransportError> {
                 continue;
             }
             let fields = parts.pop().unwrap_or(Value::Nil);
-            let Some(position) = parts.pop().as_ref().and_then(text) else {
+            let Some(position) = parts.pop().and_then(text) else {
                 continue;
             };
             let mut request = Request {
@@ -120,16 +112,16 @@ fn entries(answer: Value) -> Result<Vec<Request>, TransportError> {
             };
             match fields {
                 Value::Array(fields) => {
-                    for pair in fields.chunks(2) {
-                        let [name, value] = pair else { continue };
+                    let mut fields = fields.into_iter();
+                    while let (Some(name), Some(value)) = (fields.next(), fields.next()) {
                         let (Some(name), Value::BulkString(value)) = (text(name), value) else {
                             request.unreadable = Some("a field name is not UTF-8".into());
                             continue;
                         };
                         if name == "body" {
-                            request.body = value.clone();
+                            request.body = value;
                         } else {
-                            match String::from_utf8(value.clone()) {
+                            match String::from_utf8(value) {
                                 Ok(value) => request.headers.push((name, value)),
                                 Err(_) => {
                                     request.unreadable =
@@ -168,6 +160,7 @@ impl Transport for RedisTransport {
             }
             self.connection = Some(connection);
             self.pending_first = true;
+            self.pending_after = "0".into();
             self.prefetched.clear();
             Ok(())
         })
@@ -194,17 +187,24 @@ impl Transport for RedisTransport {
                 .arg(&self.consumer)
                 .arg("COUNT")
                 .arg(max.max(1));
-            if !self.pending_first {
+            // (BLOCK 0 would wait for ever: without BLOCK, the read takes what is there.)
+            if !self.pending_first && !wait.is_zero() {
                 command.arg("BLOCK").arg(wait.as_millis().max(1) as u64);
             }
             command
                 .arg("STREAMS")
                 .arg(&self.stream_key)
-                .arg(if self.pending_first { "0" } else { ">" });
+                .arg(match self.pending_first {
+                    true => self.pending_after.as_str(),
+                    false => ">",
+                });
             let answer: Value = command.query_async(connection).await.map_err(failed)?;
             let requests = entries(answer)?;
-            if self.pending_first && requests.is_empty() {
-                self.pending_first = false;
+            if self.pending_first {
+                match requests.last() {
+                    Some(last) => self.pending_after = last.receipt.clone(),
+                    None => self.pending_first = false,
+                }
             }
             Ok(requests)
         })
@@ -245,8 +245,9 @@ impl Transport for RedisTransport {
     }
 
     fn rewind(&mut self) {
-        // What was prefetched is pending: the pending read takes it again.
+        // What was read and not acknowledged is pending: the pending read takes it again.
         self.prefetched.clear();
         self.pending_first = true;
+        self.pending_after = "0".into();
     }
 }
