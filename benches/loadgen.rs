@@ -85,6 +85,10 @@ struct Args {
     /// Only ingest (no consumer)
     #[arg(long)]
     no_consume: bool,
+    /// A sidecar target with no delayd: only publish the requests to the MQ, and count them ingested
+    /// once the MQ confirmed them (the MQ's own ceiling for the sidecar's requests); no consumer
+    #[arg(long)]
+    publish_only: bool,
     /// The target's process id, for its peak RSS
     #[arg(long)]
     pid: Option<u32>,
@@ -962,7 +966,8 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
         .collect();
     // Consumers run during ingest, as in production.
     let delivered: Arc<Mutex<Vec<(u64, i64, i64)>>> = Arc::default();
-    let consuming = Arc::new(std::sync::atomic::AtomicBool::new(!args.no_consume));
+    let consume = !args.no_consume && !args.publish_only;
+    let consuming = Arc::new(std::sync::atomic::AtomicBool::new(consume));
     // One consumer per delayd queue (each holds a long poll); one reader of a sidecar's target (two
     // would each read every message); two pollers for the peers.
     let consumer_count = match args.target.as_str() {
@@ -989,12 +994,14 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     for producer in producers {
         producer.await.unwrap();
     }
-    target.settled().await.unwrap();
+    if !args.publish_only {
+        target.settled().await.unwrap();
+    }
     let ingest_s = started.elapsed().as_secs_f64();
     progress("scheduled", args.messages, args.messages);
     eprintln!();
     let mut result = json!({});
-    if !args.no_consume {
+    if consume {
         // Wait for everything to come due and out (plus five seconds of grace).
         let last_due = due.lock().unwrap().values().copied().max().unwrap_or(0);
         let deadline =

@@ -2,7 +2,8 @@
 # delayd as an MQ sidecar (Redis Streams, NATS JetStream, RabbitMQ) against delayd over HTTP, same
 # messages, on this machine:
 #   benches/sidecar.sh            (as root: installs redis-server, nats-server and rabbitmq-server from
-#   N=50000 benches/sidecar.sh     Debian if missing; N = messages of the as-fast-as-possible runs)
+#   N=50000 benches/sidecar.sh     Debian if missing; N = messages of the as-fast-as-possible runs;
+#   RUNS="sidecar nats" ...        RUNS = the runs to do, by label, all by default)
 # Builds the release binaries, then for each run starts a fresh MQ server (fresh state, in a scratch dir
 # removed at the end) and a fresh delayd (fsync always) whose source and sink are on that MQ, and drives
 # it with benches/loadgen.rs:
@@ -21,11 +22,15 @@
 #                    once the queue has nothing ready and delayd counts every request durable (its
 #                    metrics: AMQP does not tell a client a queue's unacknowledged count); read from
 #                    queue loadgen.out.
+#   redis-publish, nats-publish, amqp-publish
+#                    the MQ's own ceiling: the same requests published the same way to an MQ with no
+#                    delayd, counted once the MQ confirmed them (XADD answered, PubAck, confirm).
 # Redis is durable (appendonly yes, appendfsync always). Bodies are BODY_BYTES (1 KiB) and due 1-10 s
 # after sending. Prints one JSON line per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-100000}
+RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k}
 BODY_BYTES=${BODY_BYTES:-1024}
 RABBIT=/usr/lib/rabbitmq/bin/rabbitmq-server
 # RabbitMQ's AMQP, Erlang distribution and epmd ports (below the ephemeral range, so the tests' free
@@ -132,7 +137,8 @@ start_rabbit() {
   exit 1
 }
 
-# start MQ: a fresh MQ server (redis, nats or amqp) and a fresh delayd with that MQ's source and sink.
+# start MQ [alone]: a fresh MQ server (redis, nats or amqp) and, unless alone, a fresh delayd with that
+# MQ's source and sink.
 start() {
   stop_delayd
   stop_mq
@@ -151,6 +157,7 @@ start() {
       ;;
     amqp) start_rabbit ;;
   esac
+  [ "${2:-}" = alone ] && return
   target/release/delayd serve --data-dir "$WORK/delayd" --listen 127.0.0.1:7398 --config "$WORK/$1.toml" \
     >"$WORK/delayd.out" 2>"$WORK/delayd.log" &
   DELAYD_PID=$!
@@ -161,17 +168,21 @@ common=(--url http://127.0.0.1:7398 --redis-url redis://127.0.0.1:6398/ --nats-u
   --delay-min-ms 1000 --delay-max-ms 10000)
 fast=(--mode batch --batch 1000 --concurrency 8 --messages "$N")
 paced=(--mode batch --batch 100 --concurrency 8 --messages 100000 --rate 10000)
-start redis
-"$LOADGEN" --target delayd "${fast[@]}" "${common[@]}" --label http-batch
-start redis
-"$LOADGEN" --target delayd-redis "${fast[@]}" "${common[@]}" --label sidecar
-start redis
-"$LOADGEN" --target delayd-redis "${paced[@]}" "${common[@]}" --label sidecar-10k
-start nats
-"$LOADGEN" --target delayd-nats "${fast[@]}" "${common[@]}" --label nats
-start nats
-"$LOADGEN" --target delayd-nats "${paced[@]}" "${common[@]}" --label nats-10k
-start amqp
-"$LOADGEN" --target delayd-amqp "${fast[@]}" "${common[@]}" --label amqp
-start amqp
-"$LOADGEN" --target delayd-amqp "${paced[@]}" "${common[@]}" --label amqp-10k
+run() { # run LABEL MQ TARGET WORKLOAD...: one run, when RUNS names it
+  local label=$1 mq=$2 target=$3 alone=
+  shift 3
+  [[ " $RUNS " == *" $label "* ]] || return 0
+  [[ " $* " == *" --publish-only "* ]] && alone=alone
+  start "$mq" $alone
+  "$LOADGEN" --target "$target" "$@" "${common[@]}" --label "$label"
+}
+run http-batch redis delayd "${fast[@]}"
+run redis-publish redis delayd-redis "${fast[@]}" --publish-only
+run sidecar redis delayd-redis "${fast[@]}"
+run sidecar-10k redis delayd-redis "${paced[@]}"
+run nats-publish nats delayd-nats "${fast[@]}" --publish-only
+run nats nats delayd-nats "${fast[@]}"
+run nats-10k nats delayd-nats "${paced[@]}"
+run amqp-publish amqp delayd-amqp "${fast[@]}" --publish-only
+run amqp amqp delayd-amqp "${fast[@]}"
+run amqp-10k amqp delayd-amqp "${paced[@]}"
