@@ -22,6 +22,7 @@
 #                    once the queue has nothing ready and delayd counts every request durable (its
 #                    metrics: AMQP does not tell a client a queue's unacknowledged count); read from
 #                    queue loadgen.out.
+#   amqp-5k          RabbitMQ at a nominal 5,000 requests/s (at 10,000 it is near its own ceiling here);
 #   redis-publish, nats-publish, amqp-publish
 #                    the MQ's own ceiling: the same requests published the same way to an MQ with no
 #                    delayd, counted once the MQ confirmed them (XADD answered, PubAck, confirm).
@@ -30,7 +31,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-100000}
-RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k}
+RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k}
 BODY_BYTES=${BODY_BYTES:-1024}
 RABBIT=/usr/lib/rabbitmq/bin/rabbitmq-server
 # RabbitMQ's AMQP, Erlang distribution and epmd ports (below the ephemeral range, so the tests' free
@@ -186,3 +187,4 @@ run nats-10k nats delayd-nats "${paced[@]}"
 run amqp-publish amqp delayd-amqp "${fast[@]}" --publish-only
 run amqp amqp delayd-amqp "${fast[@]}"
 run amqp-10k amqp delayd-amqp "${paced[@]}"
+run amqp-5k amqp delayd-amqp --mode batch --batch 100 --concurrency 8 --messages 50000 --rate 5000

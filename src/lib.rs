@@ -121,6 +121,7 @@ pub async fn run_with_ready(
                 Arc::new(sink::amqp::AmqpSink::new(
                     url,
                     sink.exchange.as_deref().unwrap_or(""),
+                    sink.max_in_flight,
                     link,
                     clock.clone(),
                 ))

@@ -6,7 +6,8 @@
 //! headers of its request minus delayd's own (`delayd-*`) plus `delayd-id` (the same on every attempt:
 //! what consumers deduplicate on). The channel is in confirm mode; a message counts as delivered only on
 //! the broker's ack without a `basic.return` for it (returns are matched to messages by `message_id`,
-//! and one batch is in flight on the channel at a time). A returned message (no queue bound for its routing key) or
+//! and one batch is in flight on a channel at a time: the sink holds one channel per batch it may have
+//! in flight, `max_in_flight`, on one connection). A returned message (no queue bound for its routing key) or
 //! a nack is retried with the sink's backoff, as is everything when the connection or channel fails (a
 //! publish to an exchange that does not exist closes the channel: it is opened again for the next call).
 
@@ -27,11 +28,14 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct AmqpSink {
     url: String,
     exchange: String,
-    open: Mutex<Option<(Connection, Channel)>>,
-    /// Held from a batch's first publish to its last confirm: lapin hands a `basic.return` to whichever
-    /// confirm it resolves next, not to its own publish, so returns are matched to this batch's
-    /// messages by `message_id`, and no other batch's may be in flight on the channel meanwhile.
-    publishing: Mutex<()>,
+    connection: Mutex<Option<Connection>>,
+    /// Confirming channels, each held from a batch's first publish to its last confirm: lapin hands a
+    /// `basic.return` to whichever confirm it resolves next on the channel, not to its own publish, so
+    /// returns are matched to this batch's messages by `message_id`, and no other batch's may be in
+    /// flight on the channel meanwhile.
+    channels: Vec<Mutex<Option<Channel>>>,
+    /// The channel the next batch tries first.
+    next: std::sync::atomic::AtomicUsize,
     link: Link,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
 }
@@ -52,36 +56,40 @@ enum Unpublishable {
 }
 
 impl AmqpSink {
+    /// `channels`: the batches it may have in flight (the sink's `max_in_flight`).
     pub fn new(
         url: &str,
         exchange: &str,
+        channels: usize,
         link: Link,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
     ) -> AmqpSink {
         AmqpSink {
             url: url.to_string(),
             exchange: exchange.to_string(),
-            open: Mutex::new(None),
-            publishing: Mutex::new(()),
+            connection: Mutex::new(None),
+            channels: (0..channels.max(1)).map(|_| Mutex::new(None)).collect(),
+            next: std::sync::atomic::AtomicUsize::new(0),
             link,
             clock,
         }
     }
 
-    /// The confirming channel, opened (with its connection) when there is none or it failed.
-    async fn channel(&self) -> Result<Channel, String> {
-        let mut open = self.open.lock().await;
-        if let Some((connection, channel)) = open.as_ref() {
-            if connection.status().connected() && channel.status().connected() {
-                return Ok(channel.clone());
-            }
-            // A closed channel (say, after a publish to a missing exchange) on a live connection.
+    /// A confirming channel in `held`: the one there if it is open, else a new one (on a new
+    /// connection if the connection failed).
+    async fn channel(&self, held: &mut Option<Channel>) -> Result<Channel, String> {
+        let mut open = self.connection.lock().await;
+        if let Some(connection) = open.as_ref() {
             if connection.status().connected() {
-                let channel = confirming(connection).await?;
-                if let Some((_, held)) = open.as_mut() {
-                    *held = channel.clone();
+                match held.as_ref() {
+                    Some(channel) if channel.status().connected() => return Ok(channel.clone()),
+                    // None yet, or a closed one (say, after a publish to a missing exchange).
+                    _ => {
+                        let channel = confirming(connection).await?;
+                        *held = Some(channel.clone());
+                        return Ok(channel);
+                    }
                 }
-                return Ok(channel);
             }
             close(connection).await;
             *open = None;
@@ -94,15 +102,23 @@ impl AmqpSink {
                 return Err(e);
             }
         };
-        *open = Some((connection, channel.clone()));
+        *open = Some(connection);
+        *held = Some(channel.clone());
         Ok(channel)
     }
 
     /// One outcome per delivery, and the connection's failure if it failed on the way (what was
     /// confirmed before stays delivered).
     async fn send(&self, batch: &[Delivery]) -> Result<(Vec<SinkOutcome>, Option<String>), String> {
-        let _publishing = self.publishing.lock().await;
-        let channel = self.channel().await?;
+        // A free channel, else the next in turn (waiting for its batch).
+        let first = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let slots = self.channels.len();
+        let mut held =
+            match (0..slots).find_map(|i| self.channels[(first + i) % slots].try_lock().ok()) {
+                Some(held) => held,
+                None => self.channels[first % slots].lock().await,
+            };
+        let channel = self.channel(&mut held).await?;
         let mut confirms = Vec::with_capacity(batch.len());
         for delivery in batch {
             let published = match self.publish(&channel, delivery).await {
@@ -165,10 +181,10 @@ impl AmqpSink {
         if let Some(error) = connection_failed {
             // The channel is gone (a missing exchange closes it; so does a lost connection): is the
             // connection? The link says down only when it is.
-            let open = self.open.lock().await;
+            let open = self.connection.lock().await;
             if !open
                 .as_ref()
-                .is_some_and(|(connection, _)| connection.status().connected())
+                .is_some_and(|connection| connection.status().connected())
             {
                 return Ok((outcomes, Some(error)));
             }
