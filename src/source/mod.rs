@@ -461,6 +461,11 @@ impl SourceRunner {
         let mut durable: Vec<Request> = Vec::new();
         loop {
             if *stop.borrow() {
+                // What was read ahead too, rather than leave it to the MQ's redelivery (NATS: after
+                // ack_wait); what cannot be stored now is read again after the restart.
+                if !received.is_empty() && self.writer.handle(&received).await.is_ok() {
+                    durable.append(&mut received);
+                }
                 return self.acknowledge(&mut durable).await;
             }
             if received.is_empty() {
