@@ -13,7 +13,7 @@
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
-use crate::mq::amqp::{close, connect};
+use crate::mq::amqp::{close, connect, CONNECT_TIMEOUT};
 use crate::mq::EXCHANGE_HEADER;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -21,6 +21,9 @@ use lapin::{BasicProperties, Channel, Connection};
 use lapin::{Confirmation, PublisherConfirm};
 use std::time::Duration;
 use tokio::sync::Mutex;
+
+/// Channels at most, whatever `max_in_flight` says (RabbitMQ's `channel_max` is 2,047 by default).
+const MAX_CHANNELS: usize = 256;
 
 /// How long a batch may wait for its confirms.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
@@ -56,7 +59,7 @@ enum Unpublishable {
 }
 
 impl AmqpSink {
-    /// `channels`: the batches it may have in flight (the sink's `max_in_flight`).
+    /// `channels`: the batches it may have in flight (the sink's `max_in_flight`, up to 256).
     pub fn new(
         url: &str,
         exchange: &str,
@@ -68,7 +71,9 @@ impl AmqpSink {
             url: url.to_string(),
             exchange: exchange.to_string(),
             connection: Mutex::new(None),
-            channels: (0..channels.max(1)).map(|_| Mutex::new(None)).collect(),
+            channels: (0..channels.clamp(1, MAX_CHANNELS))
+                .map(|_| Mutex::new(None))
+                .collect(),
             next: std::sync::atomic::AtomicUsize::new(0),
             link,
             clock,
@@ -141,7 +146,11 @@ impl AmqpSink {
             let answer = match confirm {
                 Err(outcome) => Err(outcome),
                 Ok(confirm) => match tokio::time::timeout_at(deadline, confirm).await {
-                    Err(_) => Err(retry("no publisher confirm within 30 s".into())),
+                    Err(_) => {
+                        // A late confirm or return must not be taken for the next batch's.
+                        *held = None;
+                        Err(retry("no publisher confirm within 30 s".into()))
+                    }
                     Ok(Err(e)) => {
                         connection_failed = Some(e.to_string());
                         Err(retry(format!("amqp: publish not confirmed: {e}")))
@@ -253,17 +262,22 @@ fn retry(reason: String) -> SinkOutcome {
     }
 }
 
-/// A channel in confirm mode.
+/// A channel in confirm mode (within the connect timeout: a broker that does not answer must not hold
+/// the connection's lock, and every batch with it).
 async fn confirming(connection: &Connection) -> Result<Channel, String> {
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|e| format!("opening a channel: {e}"))?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|e| format!("confirm.select: {e}"))?;
-    Ok(channel)
+    tokio::time::timeout(CONNECT_TIMEOUT, async {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| format!("opening a channel: {e}"))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| format!("confirm.select: {e}"))?;
+        Ok(channel)
+    })
+    .await
+    .map_err(|_| "opening a channel timed out".to_string())?
 }
 
 impl Sink for AmqpSink {

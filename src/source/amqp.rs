@@ -145,6 +145,7 @@ impl AmqpTransport {
             unreadable: None,
             default_target: Some(delivery.routing_key.as_str().to_string())
                 .filter(|key| !key.is_empty() && *key != self.queue),
+            default_key: None,
         };
         if let Some(table) = delivery.properties.headers() {
             for (name, value) in table.inner() {
@@ -296,10 +297,14 @@ impl Transport for AmqpTransport {
                     .map_err(|e| failed("basic.ack", e))?;
             }
             // The broker's answer to this comes after it took the acknowledgements.
-            open.channel
-                .basic_qos(self.prefetch, BasicQosOptions::default())
-                .await
-                .map_err(|e| failed("basic.qos after basic.ack", e))?;
+            tokio::time::timeout(
+                CONNECT_TIMEOUT,
+                open.channel
+                    .basic_qos(self.prefetch, BasicQosOptions::default()),
+            )
+            .await
+            .map_err(|_| TransportError("no answer to basic.qos after basic.ack".into()))?
+            .map_err(|e| failed("basic.qos after basic.ack", e))?;
             Ok(())
         })
     }

@@ -57,6 +57,8 @@ pub struct Request {
     /// The target when no header names one (AMQP: the routing key it was published with, as the
     /// delayed-message exchange routes it).
     pub default_target: Option<String>,
+    /// The key when no header gives one (Kafka: the record's key).
+    pub default_key: Option<String>,
 }
 
 /// A transport's failure: the connection is dropped and made again, with backoff.
@@ -141,7 +143,9 @@ fn classify(request: &Request, now_ms: i64) -> Action {
         .or_else(|| get("Nats-Schedule-Target"))
         .or_else(|| get("scheduler-target-topic"))
         .or(request.default_target.as_deref());
-    let key = get("delayd-key").or_else(|| get("scheduler-target-key"));
+    let key = get("delayd-key")
+        .or_else(|| get("scheduler-target-key"))
+        .or(request.default_key.as_deref());
     let Some(target) = target.filter(|t| !t.is_empty()) else {
         return Action::Dead(Rejection::new(
             "missing_target",
@@ -463,8 +467,13 @@ impl SourceRunner {
             if *stop.borrow() {
                 // What was read ahead too, rather than leave it to the MQ's redelivery (NATS: after
                 // ack_wait); what cannot be stored now is read again after the restart.
-                if !received.is_empty() && self.writer.handle(&received).await.is_ok() {
-                    durable.append(&mut received);
+                if !received.is_empty() {
+                    match self.writer.handle(&received).await {
+                        Ok(()) => durable.append(&mut received),
+                        Err(NotStored(why)) => {
+                            tracing::warn!(source = %self.writer.settings.name, %why, "requests read ahead not stored at the stop; they will be received again")
+                        }
+                    }
                 }
                 return self.acknowledge(&mut durable).await;
             }
@@ -501,7 +510,7 @@ impl SourceRunner {
             durable.clear();
             match handled {
                 Ok(()) => {
-                    tracing::trace!(source = %self.writer.settings.name, requests = batch.len(), stored_us = began.elapsed().as_micros() as u64, "batch");
+                    tracing::trace!(source = %self.writer.settings.name, requests = batch.len(), joined_us = began.elapsed().as_micros() as u64, "batch stored, the one before acknowledged, the next read");
                     durable = batch;
                     received = next?;
                     self.healthy();
@@ -554,11 +563,14 @@ impl Writer {
         let mut run: Vec<Pending> = Vec::new();
         let mut dead = Vec::new();
         for (i, request) in requests.iter().enumerate() {
-            if request
+            if let Some(seen) = request
                 .position
                 .as_ref()
-                .is_some_and(|p| self.unacked.contains_key(p))
+                .and_then(|p| self.unacked.get_mut(p))
             {
+                // Delivered again: remembered until this delivery is acknowledged, not forgotten with
+                // the positions of before the connect that never came again.
+                seen.1 = Instant::now();
                 self.count(Outcome::Duplicate, 1);
                 continue;
             }
@@ -700,7 +712,7 @@ impl Writer {
                     .find(|(name, _)| name == POSITION_HEADER)
                     .and_then(|(_, value)| value.strip_prefix(&prefix))
                     .and_then(ordered)
-                    .is_some_and(|message_at| message_at > cancel_at)
+                    .is_some_and(|(place, at)| place == cancel_at.0 && at > cancel_at.1)
             });
             if later {
                 return Ok(());
@@ -770,10 +782,17 @@ impl Writer {
     }
 }
 
-/// A position as numbers that order it in its source (a Redis entry id `1700000000000-3`, a JetStream
-/// stream sequence); `None` for one without an order (an AMQP `message_id`).
-fn ordered(position: &str) -> Option<Vec<u64>> {
-    position.split('-').map(|part| part.parse().ok()).collect()
+/// A position as where it is ordered and the numbers that order it there: a Redis entry id
+/// `1700000000000-3` or a JetStream stream sequence (one order for the whole source), a Kafka
+/// `topic/partition/offset` (an order per partition); `None` for one without an order (an AMQP
+/// `message_id`).
+fn ordered(position: &str) -> Option<(&str, Vec<u64>)> {
+    let (place, at) = position.rsplit_once('/').unwrap_or(("", position));
+    let numbers = at
+        .split('-')
+        .map(|part| part.parse().ok())
+        .collect::<Option<_>>()?;
+    Some((place, numbers))
 }
 
 fn mark_path(data_dir: &Path, name: &str) -> PathBuf {
@@ -806,6 +825,7 @@ mod tests {
             body: b"b".to_vec(),
             unreadable: None,
             default_target: None,
+            default_key: None,
         }
     }
 

@@ -31,8 +31,10 @@ pub struct NatsTransport {
     subject: String,
     durable: String,
     ack_wait: Duration,
-    /// The runner's batch: the consumer lets at least twice as many requests be unacknowledged (a pull
-    /// for more than JetStream's default of 1,000 would never be answered).
+    /// The runner's batch: the consumer lets three times as many requests be unacknowledged, at least
+    /// 1,000. The runner holds two batches unacknowledged (one durable, one read ahead), and after a
+    /// crash those of the last run are outstanding until `ack_wait`; a pull made while the limit is
+    /// full goes unanswered.
     batch: usize,
     connected: Option<(async_nats::Client, consumer::PullConsumer)>,
     /// Receipts of requests received and not acknowledged: `-NAK`ed on a rewind or a reconnect.
@@ -111,6 +113,7 @@ fn request(message: &async_nats::Message, stream_sequence: Option<u64>) -> Reque
         headers,
         body: message.payload.to_vec(),
         default_target: None,
+        default_key: None,
     }
 }
 
@@ -178,7 +181,7 @@ impl Transport for NatsTransport {
                     deliver_policy: consumer::DeliverPolicy::All,
                     // Every request is taken however often it comes again.
                     max_deliver: -1,
-                    max_ack_pending: i64::try_from(self.batch.saturating_mul(2).max(1000))
+                    max_ack_pending: i64::try_from(self.batch.saturating_mul(3).max(1000))
                         .unwrap_or(i64::MAX),
                     ..Default::default()
                 })

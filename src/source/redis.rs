@@ -109,6 +109,7 @@ fn entries(answer: Value) -> Result<Vec<Request>, TransportError> {
                 body: Vec::new(),
                 unreadable: None,
                 default_target: None,
+                default_key: None,
             };
             match fields {
                 Value::Array(fields) => {
