@@ -203,7 +203,7 @@ impl BrokerConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SinkConfig {
-    /// `broker` (the built-in store), `webhook`, `redis` or `amqp`.
+    /// `broker` (the built-in store), `webhook`, `redis`, `nats`, `amqp` or `kafka`.
     pub kind: String,
     /// Webhook: where to POST (http:// or https://).
     pub url: Option<String>,
@@ -267,10 +267,10 @@ impl SinkConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SourceConfig {
-    /// `redis` (Redis Streams), `nats` (NATS JetStream) or `amqp` (AMQP 0-9-1: RabbitMQ).
+    /// `redis` (Redis Streams), `nats` (NATS JetStream), `amqp` (AMQP 0-9-1: RabbitMQ) or `kafka`.
     pub kind: String,
     /// Where the MQ is: `redis://127.0.0.1:6379/`, `nats://127.0.0.1:4222`,
-    /// `amqp://guest:guest@127.0.0.1:5672/%2f`.
+    /// `amqp://guest:guest@127.0.0.1:5672/%2f`, `kafka://127.0.0.1:9092` (brokers comma-separated).
     pub url: Option<String>,
     /// The sink that delivers what this source schedules (required).
     pub sink: Option<String>,
@@ -282,10 +282,13 @@ pub struct SourceConfig {
     pub subject: Option<String>,
     /// AMQP: the durable queue requests are consumed from (declared when missing).
     pub queue: Option<String>,
-    /// The consumer group (Redis); the durable pull consumer's name (NATS).
+    /// Kafka: the topics requests are consumed from (they must exist).
+    pub topics: Vec<String>,
+    /// The consumer group (Redis, Kafka); the durable pull consumer's name (NATS).
     pub group: String,
     /// Redis: this node's consumer name in the group: its unacknowledged requests are read again after
-    /// a restart under the same name.
+    /// a restart under the same name. Kafka: this node's `group.instance.id` (static membership: a
+    /// restarted node gets its partitions back at once); each node sharing a group needs its own.
     pub consumer: String,
     /// NATS: how long JetStream waits for an ack before delivering a request again.
     pub ack_wait: Millis,
@@ -303,6 +306,7 @@ impl Default for SourceConfig {
             stream: None,
             subject: None,
             queue: None,
+            topics: Vec::new(),
             group: "delayd".into(),
             consumer: "delayd".into(),
             ack_wait: Millis(crate::source::nats::DEFAULT_ACK_WAIT),
@@ -680,11 +684,21 @@ impl Config {
                         "an amqp sink needs a url (amqp://user:password@host:5672/vhost) and takes no secret",
                     ))
                 }
+                ("kafka", Some(url), None) => {
+                    crate::mq::kafka::bootstrap_servers(url)
+                        .map_err(|e| invalid(&format!("{key}.url"), e))?;
+                }
+                ("kafka", _, _) => {
+                    return Err(invalid(
+                        &key,
+                        "a kafka sink needs a url (kafka://host:9092) and takes no secret",
+                    ))
+                }
                 (kind, _, _) => {
                     return Err(invalid(
                         &format!("{key}.kind"),
                         format!(
-                            "unknown sink kind {kind:?}: use \"broker\", \"webhook\", \"redis\", \"nats\" or \"amqp\""
+                            "unknown sink kind {kind:?}: use \"broker\", \"webhook\", \"redis\", \"nats\", \"amqp\" or \"kafka\""
                         ),
                     ))
                 }
@@ -724,6 +738,13 @@ impl Config {
             // A key of another kind is a mistake to say, not to ignore.
             let foreign = match source.kind.as_str() {
                 "nats" => source.queue.as_ref().map(|_| "queue"),
+                "kafka" => [
+                    (source.stream.is_some(), "stream"),
+                    (source.subject.is_some(), "subject"),
+                    (source.queue.is_some(), "queue"),
+                ]
+                .into_iter()
+                .find_map(|(set, name)| set.then_some(name)),
                 "amqp" => [
                     (source.stream.is_some(), "stream"),
                     (source.subject.is_some(), "subject"),
@@ -732,6 +753,9 @@ impl Config {
                 .find_map(|(set, name)| set.then_some(name)),
                 _ => None,
             };
+            let foreign = foreign.or_else(|| {
+                (source.kind != "kafka" && !source.topics.is_empty()).then_some("topics")
+            });
             if let Some(field) = foreign {
                 return Err(invalid(
                     &format!("{key}.{field}"),
@@ -789,10 +813,34 @@ impl Config {
                 ("nats", None, None) => {
                     return Err(invalid(&key, "a nats source needs url, stream and subject"))
                 }
+                ("kafka", Some(url), None) => {
+                    crate::mq::kafka::bootstrap_servers(url)
+                        .map_err(|e| invalid(&format!("{key}.url"), e))?;
+                    if source.topics.is_empty()
+                        || !source.topics.iter().all(|t| kafka_name(t))
+                    {
+                        return Err(invalid(
+                            &format!("{key}.topics"),
+                            "a kafka source needs topics: a list of names of 1 to 249 [A-Za-z0-9._-]",
+                        ));
+                    }
+                    if !kafka_name(&source.group) || !kafka_name(&source.consumer) {
+                        return Err(invalid(
+                            &key,
+                            "group and consumer are 1 to 249 [A-Za-z0-9._-]",
+                        ));
+                    }
+                }
+                ("kafka", _, _) => {
+                    return Err(invalid(
+                        &key,
+                        "a kafka source needs url (kafka://host:9092) and topics, and has no stream_key",
+                    ))
+                }
                 (kind, _, _) => {
                     return Err(invalid(
                         &format!("{key}.kind"),
-                        format!("unknown source kind {kind:?}: use \"redis\", \"nats\" or \"amqp\" (kafka is not built yet)"),
+                        format!("unknown source kind {kind:?}: use \"redis\", \"nats\", \"amqp\" or \"kafka\""),
                     ))
                 }
             }
@@ -804,6 +852,14 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A Kafka topic, group or instance name.
+fn kafka_name(name: &str) -> bool {
+    (1..=249).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 /// A NATS server address (or a comma-separated list of them).
@@ -1155,6 +1211,60 @@ mod tests {
         }
         let err = load("[sinks.out]\nkind = \"webhook\"\nurl = \"http://x/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nexchange = \"e\"\n").unwrap_err();
         assert!(err.to_string().starts_with("sinks.out.exchange"), "{err}");
+    }
+
+    #[test]
+    fn kafka_sources_and_sinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kafka.toml");
+        let load = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            Config::load(Some(&path), Vec::new(), &Flags::default())
+        };
+        let good = "[sinks.out]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092,127.0.0.2:9092\"\n\n\
+                    [sources.in]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092\"\ntopics = [\"delayd-in\"]\nsink = \"out\"\nconsumer = \"node-1\"\n";
+        let config = load(good).unwrap();
+        assert!(!config.sinks["out"].is_mq(), "targets are topic names");
+        assert_eq!(config.sources["in"].topics, ["delayd-in"]);
+        assert_eq!(
+            crate::mq::kafka::bootstrap_servers("kafka://127.0.0.1:9092,127.0.0.2:9092").unwrap(),
+            "127.0.0.1:9092,127.0.0.2:9092"
+        );
+        for (bad, key) in [
+            (
+                good.replace("topics = [\"delayd-in\"]\n", ""),
+                "sources.in.topics",
+            ),
+            (
+                good.replace("[\"delayd-in\"]", "[\"no spaces\"]"),
+                "sources.in.topics",
+            ),
+            (
+                good.replace(
+                    "kafka://127.0.0.1:9092\"\ntopics",
+                    "kafka://127.0.0.1\"\ntopics",
+                ),
+                "sources.in.url",
+            ),
+            (
+                good.replace("consumer = \"node-1\"", "consumer = \"a/b\""),
+                "sources.in",
+            ),
+            (
+                good.replace("sink = \"out\"", "sink = \"out\"\nqueue = \"q\""),
+                "sources.in.queue",
+            ),
+            (
+                good.replace("kafka://127.0.0.1:9092,127.0.0.2:9092", "redis://x/"),
+                "sinks.out.url",
+            ),
+        ] {
+            let err = load(&bad).unwrap_err();
+            assert!(err.to_string().starts_with(key), "{bad}: {err}");
+        }
+        // topics belong to kafka sources only.
+        let err = load("[sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\n\n[sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\nstream_key = \"s\"\ntopics = [\"t\"]\nsink = \"out\"\n").unwrap_err();
+        assert!(err.to_string().starts_with("sources.in.topics"), "{err}");
     }
 
     #[test]

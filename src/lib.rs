@@ -126,6 +126,11 @@ pub async fn run_with_ready(
                     clock.clone(),
                 ))
             }
+            ("kafka", Some(url), _) => {
+                let link = link::Link::new("sink", name, &sink.kind);
+                sink_links.push(link.clone());
+                Arc::new(sink::kafka::KafkaSink::new(url, link, clock.clone())?)
+            }
             _ => Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
         };
         sinks.register(name, target, policy)?;
@@ -250,6 +255,12 @@ async fn start_sources(
                     )
                     .with_context(|| format!("sources.{name}"))?,
                 ),
+                ("kafka", Some(url), None) => Box::new(source::kafka::KafkaTransport::new(
+                    url,
+                    &source.topics,
+                    &source.group,
+                    &source.consumer,
+                )),
                 ("nats", Some(url), None) => Box::new(source::nats::NatsTransport::new(
                     url,
                     source.stream.as_deref().unwrap_or_default(),

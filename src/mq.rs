@@ -97,3 +97,41 @@ pub mod amqp {
         .await;
     }
 }
+
+pub mod kafka {
+    use rdkafka::ClientConfig;
+
+    /// The brokers of a `kafka://host:port[,host:port...]` URL (or a bare `host:port` list), as
+    /// librdkafka's `bootstrap.servers`.
+    pub fn bootstrap_servers(url: &str) -> Result<String, String> {
+        let list = url
+            .strip_prefix("kafka://")
+            .unwrap_or(url)
+            .trim_end_matches('/');
+        let servers: Vec<&str> = list.split(',').map(str::trim).collect();
+        let valid = |server: &&str| {
+            server
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+        };
+        if servers.is_empty() || !servers.iter().all(valid) {
+            return Err(format!(
+                "{url:?} is not kafka://host:port (several brokers: kafka://a:9092,b:9092)"
+            ));
+        }
+        Ok(servers.join(","))
+    }
+
+    /// A client's settings shared by sources and sinks: the brokers, and failures reported within
+    /// seconds rather than minutes (the caller retries with backoff and says so).
+    pub fn client_config(url: &str) -> Result<ClientConfig, super::MqError> {
+        let servers = bootstrap_servers(url).map_err(super::MqError)?;
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", servers)
+            .set("socket.timeout.ms", "10000")
+            .set("reconnect.backoff.max.ms", "5000")
+            .set("log_level", "3");
+        Ok(config)
+    }
+}

@@ -5,6 +5,7 @@
 //! outcome records. A sink never sees a message before its `deliver_at`.
 
 pub mod amqp;
+pub mod kafka;
 pub mod nats;
 pub mod redis;
 pub mod webhook;

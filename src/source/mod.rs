@@ -21,6 +21,7 @@
 //!   shows the state.
 
 pub mod amqp;
+pub mod kafka;
 pub mod nats;
 pub mod redis;
 
@@ -449,7 +450,9 @@ impl SourceRunner {
         if durable.is_empty() {
             return Ok(());
         }
+        let began = Instant::now();
         self.transport.ack(&receipts(durable)).await?;
+        tracing::trace!(source = %self.writer.settings.name, requests = durable.len(), acked_us = began.elapsed().as_micros() as u64, "batch acknowledged");
         self.writer.acked(durable);
         durable.clear();
         Ok(())

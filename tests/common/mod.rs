@@ -77,16 +77,16 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Whether an external server the tests need (`program`, from Debian's `package`) is installed; says
-/// why a test is skipped when not, and fails under `CI=true`, where it must be.
-pub fn server_installed(program: &str, package: &str) -> bool {
+/// Whether an external server the tests need (`program`, installed by the command `install`) is
+/// installed; says why a test is skipped when not, and fails under `CI=true`, where it must be.
+pub fn server_installed(program: &str, install: &str) -> bool {
     let found = if program.starts_with('/') {
         Path::new(program).exists()
     } else {
         Command::new(program).arg("--version").output().is_ok()
     };
     if !found {
-        let why = format!("{package} is not installed (apt-get install -y {package})");
+        let why = format!("{program} is not installed ({install})");
         assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
         println!("skipped: {why}");
     }

@@ -11,6 +11,7 @@ mod disk;
 mod edge;
 mod retention;
 mod sidecar_amqp;
+mod sidecar_kafka;
 mod sidecar_nats;
 mod sidecar_redis;
 mod webhook;

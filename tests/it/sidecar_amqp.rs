@@ -34,7 +34,7 @@ const SERVER: &str = "/usr/lib/rabbitmq/bin/rabbitmq-server";
 
 /// Whether RabbitMQ is installed (see [`server_installed`]).
 fn installed() -> bool {
-    server_installed(SERVER, "rabbitmq-server")
+    server_installed(SERVER, "apt-get install -y rabbitmq-server")
 }
 
 fn id_of(flag: &str) -> u32 {

@@ -38,7 +38,7 @@ struct NatsServer {
 impl NatsServer {
     /// Starts one, or says why not (and fails under CI, where it must exist).
     fn start(dir: &Path) -> Option<NatsServer> {
-        if !server_installed("nats-server", "nats-server") {
+        if !server_installed("nats-server", "apt-get install -y nats-server") {
             return None;
         }
         let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -26,7 +26,7 @@ struct RedisServer {
 impl RedisServer {
     /// Starts one, or says why not (and fails under CI, where it must exist).
     fn start(dir: &Path) -> Option<RedisServer> {
-        if !server_installed("redis-server", "redis-server") {
+        if !server_installed("redis-server", "apt-get install -y redis-server") {
             return None;
         }
         Some(RedisServer::start_on(free_port(), dir, &[]))

@@ -1,0 +1,158 @@
+//! The Kafka sink: produces each due message to the topic its target names, with its key (`delayd-key`,
+//! or the request's record key) as the record key, its body as the value, and the headers of its
+//! request minus delayd's own (`delayd-*`) plus `delayd-id` (the message id, the same on every attempt:
+//! what consumers deduplicate on).
+//!
+//! The producer is idempotent (`enable.idempotence`) with `acks=all`: a record counts as delivered only
+//! on a delivery report without error, after every in-sync replica has it. Failures retry with the
+//! sink's backoff (a topic that does not exist yet among them), except a record the broker can never
+//! take (too large for it, a topic name Kafka refuses), which is dead at once.
+
+use super::{BoxFuture, Delivery, Sink, SinkOutcome};
+use crate::link::Link;
+use crate::mq::kafka::client_config;
+use crate::mq::MqError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use std::time::Duration;
+
+/// How long a record may wait for a place in the producer's queue (it is full when the broker is slow
+/// or away); the delivery report comes within `message.timeout.ms` after that.
+const QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub struct KafkaSink {
+    producer: FutureProducer,
+    link: Link,
+    clock: std::sync::Arc<dyn schedulelog::Clock>,
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSink")
+            .field("link", &self.link)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaSink {
+    pub fn new(
+        url: &str,
+        link: Link,
+        clock: std::sync::Arc<dyn schedulelog::Clock>,
+    ) -> Result<KafkaSink, MqError> {
+        let mut config = client_config(url)?;
+        config
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            // A report within 30 s, so that a broker away shows as failed attempts (retried with the
+            // sink's backoff) rather than as deliveries stuck for librdkafka's default 5 minutes.
+            .set("message.timeout.ms", "30000")
+            .set("linger.ms", "2");
+        let producer = config
+            .create()
+            .map_err(|e| MqError(format!("creating the producer: {e}")))?;
+        Ok(KafkaSink {
+            producer,
+            link,
+            clock,
+        })
+    }
+
+    async fn produce(&self, delivery: &Delivery) -> Result<(), KafkaError> {
+        let message = &delivery.message;
+        let id = delivery.id.to_string();
+        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len() + 1);
+        for (name, value) in &message.headers {
+            if !name.to_ascii_lowercase().starts_with("delayd-") {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(value.as_bytes()),
+                });
+            }
+        }
+        headers = headers.insert(Header {
+            key: "delayd-id",
+            value: Some(id.as_bytes()),
+        });
+        let mut record = FutureRecord::to(&message.topic)
+            .payload(&message.body[..])
+            .headers(headers);
+        if let Some(key) = &message.key {
+            record = record.key(key.as_str());
+        }
+        self.producer
+            .send(record, QUEUE_TIMEOUT)
+            .await
+            .map(|_| ())
+            .map_err(|(error, _)| error)
+    }
+}
+
+/// What a failed produce means for the message.
+fn outcome(error: &KafkaError) -> SinkOutcome {
+    let reason = format!("kafka: {error}");
+    match error.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::MessageSizeTooLarge
+            | RDKafkaErrorCode::InvalidMessageSize
+            | RDKafkaErrorCode::InvalidTopic,
+        ) => SinkOutcome::Dead { reason },
+        _ => SinkOutcome::Retry {
+            after: None,
+            reason,
+        },
+    }
+}
+
+impl Sink for KafkaSink {
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+        Box::pin(async move {
+            let results =
+                futures_util::future::join_all(batch.iter().map(|d| self.produce(d))).await;
+            // The broker answered if any record went through or was refused by it; a batch that all
+            // failed otherwise (timed out, no broker) says the link is down.
+            let answered = results.iter().any(|r| match r {
+                Ok(()) => true,
+                Err(e) => matches!(outcome(e), SinkOutcome::Dead { .. }),
+            });
+            match results.iter().find_map(|r| r.as_ref().err()) {
+                Some(error) if !answered => self.link.down(self.clock.now_ms(), &error.to_string()),
+                _ => self.link.up(),
+            }
+            results
+                .iter()
+                .map(|r| match r {
+                    Ok(()) => SinkOutcome::Delivered,
+                    Err(error) => outcome(error),
+                })
+                .collect()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_the_broker_can_never_take_is_dead_and_the_rest_retry() {
+        let produce = |code| KafkaError::MessageProduction(code);
+        assert!(matches!(
+            outcome(&produce(RDKafkaErrorCode::MessageSizeTooLarge)),
+            SinkOutcome::Dead { .. }
+        ));
+        assert!(matches!(
+            outcome(&produce(RDKafkaErrorCode::InvalidTopic)),
+            SinkOutcome::Dead { .. }
+        ));
+        assert!(matches!(
+            outcome(&produce(RDKafkaErrorCode::UnknownTopicOrPartition)),
+            SinkOutcome::Retry { .. }
+        ));
+        assert!(matches!(
+            outcome(&produce(RDKafkaErrorCode::MessageTimedOut)),
+            SinkOutcome::Retry { .. }
+        ));
+    }
+}

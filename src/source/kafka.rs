@@ -1,0 +1,339 @@
+//! The Kafka transport: a consumer group (`group`) on `topics`, with offsets committed by delayd
+//! (`enable.auto.commit=false`) only for requests whose batch is durable.
+//!
+//! - A request's headers are the record's headers (values as UTF-8 text; a null value is empty), its
+//!   body the record's value; the record's key is its key when no `delayd-key` (or
+//!   `scheduler-target-key`) header gives one (DESIGN.md §11). A header value, or a key needed as the
+//!   key, that is not UTF-8 makes the request a dead letter.
+//! - Its position (what a redelivery is recognised by) and receipt: `{topic}/{partition}/{offset}`. An
+//!   acknowledgement commits, per partition, the batch's highest offset + 1, synchronously (the group
+//!   coordinator answered).
+//! - No read-ahead: a receive asked not to wait returns nothing, so the consumer is polled (and
+//!   librdkafka runs a rebalance only inside a poll) only when every durable request was committed and
+//!   none is being written. Partitions revoked by a rebalance therefore carry nothing durable and
+//!   uncommitted, and nothing is committed for them afterwards. A rebalance during a receive drops
+//!   what that receive had collected (nothing of it is durable): the partitions' next owner, or this
+//!   consumer again, reads it from the committed offset.
+//! - Static membership: `group.instance.id` is the source's `consumer` name, so a restarted node gets
+//!   its partitions back at once instead of after the session timeout. Each node sharing a group needs
+//!   its own.
+//! - Rewind (a batch that could not be stored) makes the consumer anew: it resumes from the committed
+//!   offsets.
+
+use super::{Request, Transport, TransportError};
+use crate::mq::kafka::client_config;
+use crate::sink::BoxFuture;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What librdkafka reports from inside a poll: revocations, and errors (a broker away).
+#[derive(Default)]
+struct Events {
+    revoked: AtomicU64,
+    error: Mutex<Option<String>>,
+}
+
+impl ClientContext for Events {
+    fn error(&self, error: KafkaError, reason: &str) {
+        *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{error}: {reason}"));
+    }
+}
+
+impl ConsumerContext for Events {
+    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(partitions) = rebalance {
+            self.revoked.fetch_add(1, Ordering::SeqCst);
+            tracing::info!(
+                partitions = partitions.count(),
+                "kafka: partitions revoked by a rebalance"
+            );
+        }
+    }
+}
+
+type KafkaConsumer = StreamConsumer<Events>;
+
+pub struct KafkaTransport {
+    url: String,
+    topics: Vec<String>,
+    group: String,
+    instance: String,
+    consumer: Option<Arc<KafkaConsumer>>,
+    /// The next receive makes the consumer anew first (after a rewind).
+    reopen: bool,
+}
+
+impl std::fmt::Debug for KafkaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaTransport")
+            .field("topics", &self.topics)
+            .field("group", &self.group)
+            .field("instance", &self.instance)
+            .finish_non_exhaustive()
+    }
+}
+
+fn failed(what: &str, error: impl std::fmt::Display) -> TransportError {
+    TransportError(format!("{what}: {error}"))
+}
+
+impl KafkaTransport {
+    pub fn new(url: &str, topics: &[String], group: &str, instance: &str) -> KafkaTransport {
+        KafkaTransport {
+            url: url.to_string(),
+            topics: topics.to_vec(),
+            group: group.to_string(),
+            instance: instance.to_string(),
+            consumer: None,
+            reopen: false,
+        }
+    }
+
+    fn consumer(&self) -> Result<Arc<KafkaConsumer>, TransportError> {
+        self.consumer
+            .clone()
+            .ok_or_else(|| TransportError("not connected".into()))
+    }
+
+    /// Closes the consumer off the async threads (a close may wait for the broker).
+    fn close(&mut self) {
+        if let Some(old) = self.consumer.take() {
+            tokio::task::spawn_blocking(move || drop(old));
+        }
+    }
+}
+
+/// One record as a request.
+fn request(message: &BorrowedMessage<'_>) -> Request {
+    let position = format!(
+        "{}/{}/{}",
+        message.topic(),
+        message.partition(),
+        message.offset()
+    );
+    let mut request = Request {
+        position: Some(position.clone()),
+        receipt: position,
+        headers: Vec::new(),
+        body: message.payload().unwrap_or_default().to_vec(),
+        unreadable: None,
+        default_target: None,
+        default_key: None,
+    };
+    if let Some(headers) = message.headers() {
+        for header in headers.iter() {
+            match std::str::from_utf8(header.value.unwrap_or_default()) {
+                Ok(value) => request
+                    .headers
+                    .push((header.key.to_string(), value.to_string())),
+                Err(_) => {
+                    request.unreadable = Some(format!("header {:?} is not UTF-8", header.key))
+                }
+            }
+        }
+    }
+    let keyed = request.headers.iter().any(|(name, _)| {
+        name.eq_ignore_ascii_case("delayd-key") || name.eq_ignore_ascii_case("scheduler-target-key")
+    });
+    match message.key().map(std::str::from_utf8) {
+        Some(Ok(key)) if !key.is_empty() => request.default_key = Some(key.to_string()),
+        Some(Err(_)) if !keyed => {
+            request.unreadable =
+                Some("the record key is not UTF-8 (give delayd-key instead)".into())
+        }
+        _ => {}
+    }
+    request
+}
+
+/// A receipt's topic, partition and offset.
+fn parse_receipt(receipt: &str) -> Result<(&str, i32, i64), TransportError> {
+    let mut parts = receipt.rsplitn(3, '/');
+    let (Some(offset), Some(partition), Some(topic)) = (parts.next(), parts.next(), parts.next())
+    else {
+        return Err(TransportError(format!(
+            "{receipt:?} is not a Kafka receipt"
+        )));
+    };
+    let bad = |e: std::num::ParseIntError| failed(&format!("the receipt {receipt:?}"), e);
+    Ok((
+        topic,
+        partition.parse().map_err(bad)?,
+        offset.parse().map_err(bad)?,
+    ))
+}
+
+/// What to commit for a batch: per partition, its highest offset + 1.
+fn commits(receipts: &[String]) -> Result<TopicPartitionList, TransportError> {
+    let mut next: BTreeMap<(&str, i32), i64> = BTreeMap::new();
+    for receipt in receipts {
+        let (topic, partition, offset) = parse_receipt(receipt)?;
+        let entry = next.entry((topic, partition)).or_insert(offset + 1);
+        *entry = (*entry).max(offset + 1);
+    }
+    let mut list = TopicPartitionList::new();
+    for ((topic, partition), offset) in next {
+        list.add_partition_offset(topic, partition, Offset::Offset(offset))
+            .map_err(|e| failed("a commit", e))?;
+    }
+    Ok(list)
+}
+
+impl Transport for KafkaTransport {
+    fn connect(&mut self) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async move {
+            self.close();
+            self.reopen = false;
+            let mut config = client_config(&self.url)?;
+            config
+                .set("group.id", &self.group)
+                .set("group.instance.id", &self.instance)
+                .set("enable.auto.commit", "false")
+                .set("enable.auto.offset.store", "false")
+                .set("auto.offset.reset", "earliest")
+                .set("enable.partition.eof", "false")
+                // A broker may hold a fetch that long before it answers, even when records came
+                // meanwhile (tansu does; Kafka answers at once): a bound on the time a request waits.
+                .set("fetch.wait.max.ms", "50");
+            let consumer: KafkaConsumer = config
+                .create_with_context(Events::default())
+                .map_err(|e| failed("creating the consumer", e))?;
+            let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+            consumer
+                .subscribe(&topics)
+                .map_err(|e| failed("subscribing", e))?;
+            let consumer = Arc::new(consumer);
+            // Connected once the cluster answers (an unreachable broker is a failed connect).
+            let probe = consumer.clone();
+            tokio::task::spawn_blocking(move || {
+                probe.fetch_metadata(None, Duration::from_secs(10))
+            })
+            .await
+            .map_err(|e| failed("connecting", e))?
+            .map_err(|e| failed("connecting", e))?;
+            self.consumer = Some(consumer);
+            Ok(())
+        })
+    }
+
+    fn receive(
+        &mut self,
+        max: usize,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>> {
+        Box::pin(async move {
+            if wait.is_zero() {
+                return Ok(Vec::new()); // no read-ahead: see the module's doc
+            }
+            if self.reopen {
+                self.connect().await?;
+            }
+            let consumer = self.consumer()?;
+            let revoked = consumer.context().revoked.load(Ordering::SeqCst);
+            let mut requests = Vec::new();
+            match tokio::time::timeout(wait, consumer.recv()).await {
+                Err(_) => {
+                    // Nothing came: say why if librdkafka reported a failure (a broker away).
+                    let error = consumer
+                        .context()
+                        .error
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .take();
+                    return match error {
+                        Some(error) => Err(TransportError(format!("kafka: {error}"))),
+                        None => Ok(Vec::new()),
+                    };
+                }
+                Ok(Err(e)) => return Err(failed("consuming", e)),
+                Ok(Ok(message)) => requests.push(request(&message)),
+            }
+            while requests.len() < max.max(1) {
+                match tokio::time::timeout(Duration::ZERO, consumer.recv()).await {
+                    Err(_) => break,
+                    Ok(Err(e)) => return Err(failed("consuming", e)),
+                    Ok(Ok(message)) => requests.push(request(&message)),
+                }
+            }
+            if consumer.context().revoked.load(Ordering::SeqCst) != revoked {
+                tracing::info!(
+                    records = requests.len(),
+                    "kafka: a rebalance came while reading; what was read is left to the partitions' next owner"
+                );
+                return Ok(Vec::new());
+            }
+            Ok(requests)
+        })
+    }
+
+    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            if receipts.is_empty() {
+                return Ok(());
+            }
+            let list = commits(receipts)?;
+            let consumer = self.consumer()?;
+            tokio::task::spawn_blocking(move || consumer.commit(&list, CommitMode::Sync))
+                .await
+                .map_err(|e| failed("committing offsets", e))?
+                .map_err(|e| failed("committing offsets", e))
+        })
+    }
+
+    /// A restarted consumer resumes from its committed offsets at once (static membership); one
+    /// whose partitions went to another member never sees them again.
+    fn redelivery_window(&self) -> Duration {
+        Duration::from_secs(60)
+    }
+
+    fn rewind(&mut self) {
+        self.reopen = true;
+    }
+}
+
+impl Drop for KafkaTransport {
+    fn drop(&mut self) {
+        // A consumer closed on the async threads would block one; off them if a runtime is there.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.close();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_commits_each_partitions_highest_offset_plus_one() {
+        let receipts: Vec<String> = ["in/0/7", "in/1/3", "in/0/9", "in/0/8", "other-topic/0/1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let list = commits(&receipts).unwrap();
+        let mut got: Vec<(String, i32, Offset)> = list
+            .elements()
+            .iter()
+            .map(|e| (e.topic().to_string(), e.partition(), e.offset()))
+            .collect();
+        got.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        assert_eq!(
+            got,
+            [
+                ("in".to_string(), 0, Offset::Offset(10)),
+                ("in".to_string(), 1, Offset::Offset(4)),
+                ("other-topic".to_string(), 0, Offset::Offset(2)),
+            ]
+        );
+        assert!(commits(&["in/x/1".to_string()]).is_err());
+        assert!(commits(&["nothing".to_string()]).is_err());
+    }
+}
