@@ -824,6 +824,13 @@ impl Config {
                             "a kafka source needs topics: a list of names of 1 to 249 [A-Za-z0-9._-]",
                         ));
                     }
+                    // Two nodes under one group.instance.id fence each other: no shared default.
+                    if source.consumer == SourceConfig::default().consumer {
+                        return Err(invalid(
+                            &format!("{key}.consumer"),
+                            "a kafka source needs consumer: this node's group.instance.id, its own among the nodes sharing the group (say its host name)",
+                        ));
+                    }
                     if !kafka_name(&source.group) || !kafka_name(&source.consumer) {
                         return Err(invalid(
                             &key,
@@ -1249,6 +1256,10 @@ mod tests {
             (
                 good.replace("consumer = \"node-1\"", "consumer = \"a/b\""),
                 "sources.in",
+            ),
+            (
+                good.replace("consumer = \"node-1\"\n", ""),
+                "sources.in.consumer",
             ),
             (
                 good.replace("sink = \"out\"", "sink = \"out\"\nqueue = \"q\""),

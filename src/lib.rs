@@ -129,7 +129,12 @@ pub async fn run_with_ready(
             ("kafka", Some(url), _) => {
                 let link = link::Link::new("sink", name, &sink.kind);
                 sink_links.push(link.clone());
-                Arc::new(sink::kafka::KafkaSink::new(url, link, clock.clone())?)
+                Arc::new(sink::kafka::KafkaSink::new(
+                    url,
+                    config.limits.max_message_bytes,
+                    link,
+                    clock.clone(),
+                )?)
             }
             _ => Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
         };

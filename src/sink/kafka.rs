@@ -14,7 +14,7 @@ use crate::mq::kafka::client_config;
 use crate::mq::MqError;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use std::time::Duration;
 
 /// How long a record may wait for a place in the producer's queue (it is full when the broker is slow
@@ -22,7 +22,10 @@ use std::time::Duration;
 const QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub struct KafkaSink {
-    producer: FutureProducer,
+    config: rdkafka::ClientConfig,
+    /// Made anew after a fatal error (an idempotent producer's sequence lost): until then every send
+    /// fails.
+    producer: std::sync::Mutex<FutureProducer>,
     link: Link,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
 }
@@ -36,8 +39,11 @@ impl std::fmt::Debug for KafkaSink {
 }
 
 impl KafkaSink {
+    /// `max_message_bytes`: the largest body delayd takes (`limits.max_message_bytes`); the producer
+    /// takes records that large, with room for the headers.
     pub fn new(
         url: &str,
+        max_message_bytes: usize,
         link: Link,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
     ) -> Result<KafkaSink, MqError> {
@@ -48,18 +54,40 @@ impl KafkaSink {
             // A report within 30 s, so that a broker away shows as failed attempts (retried with the
             // sink's backoff) rather than as deliveries stuck for librdkafka's default 5 minutes.
             .set("message.timeout.ms", "30000")
-            .set("linger.ms", "2");
+            .set("linger.ms", "2")
+            .set(
+                "message.max.bytes",
+                (max_message_bytes + (256 << 10)).to_string(),
+            );
         let producer = config
             .create()
             .map_err(|e| MqError(format!("creating the producer: {e}")))?;
         Ok(KafkaSink {
-            producer,
+            config,
+            producer: std::sync::Mutex::new(producer),
             link,
             clock,
         })
     }
 
-    async fn produce(&self, delivery: &Delivery) -> Result<(), KafkaError> {
+    /// The producer; a new one if the last had a fatal error.
+    fn producer(&self) -> FutureProducer {
+        let mut producer = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            tracing::warn!(?code, %reason, "kafka: the producer had a fatal error; making a new one");
+            match self.config.create() {
+                Ok(new) => *producer = new,
+                Err(error) => tracing::warn!(%error, "kafka: making a new producer failed"),
+            }
+        }
+        producer.clone()
+    }
+
+    async fn produce(
+        &self,
+        producer: &FutureProducer,
+        delivery: &Delivery,
+    ) -> Result<(), KafkaError> {
         let message = &delivery.message;
         let id = delivery.id.to_string();
         let mut headers = OwnedHeaders::new_with_capacity(message.headers.len() + 1);
@@ -81,7 +109,7 @@ impl KafkaSink {
         if let Some(key) = &message.key {
             record = record.key(key.as_str());
         }
-        self.producer
+        producer
             .send(record, QUEUE_TIMEOUT)
             .await
             .map(|_| ())
@@ -108,16 +136,27 @@ fn outcome(error: &KafkaError) -> SinkOutcome {
 impl Sink for KafkaSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
+            let producer = self.producer();
             let results =
-                futures_util::future::join_all(batch.iter().map(|d| self.produce(d))).await;
-            // The broker answered if any record went through or was refused by it; a batch that all
-            // failed otherwise (timed out, no broker) says the link is down.
-            let answered = results.iter().any(|r| match r {
-                Ok(()) => true,
-                Err(e) => matches!(outcome(e), SinkOutcome::Dead { .. }),
-            });
+                futures_util::future::join_all(batch.iter().map(|d| self.produce(&producer, d)))
+                    .await;
+            // Down when no broker answered (a record timed out, no broker is reachable), up when
+            // one did, whatever it said of a record.
+            let unanswered = |e: &KafkaError| {
+                matches!(
+                    e.rdkafka_error_code(),
+                    Some(
+                        RDKafkaErrorCode::MessageTimedOut
+                            | RDKafkaErrorCode::AllBrokersDown
+                            | RDKafkaErrorCode::BrokerTransportFailure
+                            | RDKafkaErrorCode::Fatal
+                    )
+                )
+            };
             match results.iter().find_map(|r| r.as_ref().err()) {
-                Some(error) if !answered => self.link.down(self.clock.now_ms(), &error.to_string()),
+                Some(error) if results.iter().all(|r| r.as_ref().is_err_and(unanswered)) => {
+                    self.link.down(self.clock.now_ms(), &error.to_string())
+                }
                 _ => self.link.up(),
             }
             results

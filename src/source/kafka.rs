@@ -26,25 +26,36 @@ use crate::sink::BoxFuture;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-/// What librdkafka reports from inside a poll: revocations, and errors (a broker away).
+/// What librdkafka reports from inside a poll: revocations.
 #[derive(Default)]
 struct Events {
     revoked: AtomicU64,
-    error: Mutex<Option<String>>,
 }
 
-impl ClientContext for Events {
-    fn error(&self, error: KafkaError, reason: &str) {
-        *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{error}: {reason}"));
+impl ClientContext for Events {}
+
+/// How long an offset commit may take.
+const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An error a poll returned: librdkafka recovers from most by itself (one broker of several away, a
+/// coordinator moving), and the consumer goes on; all brokers away, or a fatal error (this node's
+/// `group.instance.id` taken by another), makes it anew.
+fn consumption_error(error: KafkaError) -> Result<(), TransportError> {
+    let fatal = matches!(error, KafkaError::MessageConsumptionFatal(_))
+        || error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown);
+    if fatal {
+        return Err(failed("consuming", error));
     }
+    tracing::warn!(%error, "kafka: the consumer reported an error; it goes on");
+    Ok(())
 }
 
 impl ConsumerContext for Events {
@@ -203,23 +214,26 @@ impl Transport for KafkaTransport {
                 // A broker may hold a fetch that long before it answers, even when records came
                 // meanwhile (tansu does; Kafka answers at once): a bound on the time a request waits.
                 .set("fetch.wait.max.ms", "50");
-            let consumer: KafkaConsumer = config
-                .create_with_context(Events::default())
-                .map_err(|e| failed("creating the consumer", e))?;
-            let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
-            consumer
-                .subscribe(&topics)
-                .map_err(|e| failed("subscribing", e))?;
-            let consumer = Arc::new(consumer);
-            // Connected once the cluster answers (an unreachable broker is a failed connect).
-            let probe = consumer.clone();
-            tokio::task::spawn_blocking(move || {
-                probe.fetch_metadata(None, Duration::from_secs(10))
+            let topics = self.topics.clone();
+            // Made, subscribed and probed off the async threads: a consumer that fails is dropped
+            // there too (closing one waits for the broker).
+            let consumer = tokio::task::spawn_blocking(move || {
+                let consumer: KafkaConsumer = config
+                    .create_with_context(Events::default())
+                    .map_err(|e| failed("creating the consumer", e))?;
+                let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+                consumer
+                    .subscribe(&names)
+                    .map_err(|e| failed("subscribing", e))?;
+                // Connected once the cluster answers (an unreachable broker is a failed connect).
+                consumer
+                    .fetch_metadata(Some(&topics[0]), Duration::from_secs(10))
+                    .map_err(|e| failed("connecting", e))?;
+                Ok::<_, TransportError>(consumer)
             })
             .await
-            .map_err(|e| failed("connecting", e))?
-            .map_err(|e| failed("connecting", e))?;
-            self.consumer = Some(consumer);
+            .map_err(|e| failed("connecting", e))??;
+            self.consumer = Some(Arc::new(consumer));
             Ok(())
         })
     }
@@ -237,38 +251,30 @@ impl Transport for KafkaTransport {
                 self.connect().await?;
             }
             let consumer = self.consumer()?;
-            let revoked = consumer.context().revoked.load(Ordering::SeqCst);
+            let mut revoked = consumer.context().revoked.load(Ordering::SeqCst);
             let mut requests = Vec::new();
-            match tokio::time::timeout(wait, consumer.recv()).await {
-                Err(_) => {
-                    // Nothing came: say why if librdkafka reported a failure (a broker away).
-                    let error = consumer
-                        .context()
-                        .error
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .take();
-                    return match error {
-                        Some(error) => Err(TransportError(format!("kafka: {error}"))),
-                        None => Ok(Vec::new()),
-                    };
-                }
-                Ok(Err(e)) => return Err(failed("consuming", e)),
-                Ok(Ok(message)) => requests.push(request(&message)),
-            }
+            let mut limit = wait;
             while requests.len() < max.max(1) {
-                match tokio::time::timeout(Duration::ZERO, consumer.recv()).await {
+                let next = match tokio::time::timeout(limit, consumer.recv()).await {
                     Err(_) => break,
-                    Ok(Err(e)) => return Err(failed("consuming", e)),
-                    Ok(Ok(message)) => requests.push(request(&message)),
+                    Ok(next) => next,
+                };
+                // A revocation was served inside that poll: what was read before it is dropped
+                // (librdkafka purged those partitions; their next owner, or this consumer again,
+                // fetches from the committed offset), what comes after it is of the new assignment.
+                let now = consumer.context().revoked.load(Ordering::SeqCst);
+                if now != revoked {
+                    if !requests.is_empty() {
+                        tracing::info!(records = requests.len(), "kafka: a rebalance came while reading; what was read is read again by the partitions' owner");
+                    }
+                    requests.clear();
+                    revoked = now;
                 }
-            }
-            if consumer.context().revoked.load(Ordering::SeqCst) != revoked {
-                tracing::info!(
-                    records = requests.len(),
-                    "kafka: a rebalance came while reading; what was read is left to the partitions' next owner"
-                );
-                return Ok(Vec::new());
+                match next {
+                    Ok(message) => requests.push(request(&message)),
+                    Err(error) => consumption_error(error)?,
+                }
+                limit = Duration::ZERO;
             }
             Ok(requests)
         })
@@ -281,8 +287,13 @@ impl Transport for KafkaTransport {
             }
             let list = commits(receipts)?;
             let consumer = self.consumer()?;
-            tokio::task::spawn_blocking(move || consumer.commit(&list, CommitMode::Sync))
+            // A synchronous commit waits for the coordinator as long as librdkafka lets it; a stop
+            // must not. A commit that lands after the timeout is of durable requests: harmless.
+            let committed =
+                tokio::task::spawn_blocking(move || consumer.commit(&list, CommitMode::Sync));
+            tokio::time::timeout(COMMIT_TIMEOUT, committed)
                 .await
+                .map_err(|_| TransportError("committing offsets: no answer".into()))?
                 .map_err(|e| failed("committing offsets", e))?
                 .map_err(|e| failed("committing offsets", e))
         })
