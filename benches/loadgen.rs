@@ -14,8 +14,9 @@
 //! ingests (for memory figures); `--rate` offers a fixed load instead of as much as the target takes
 //! (for lateness under a nominal load); `--dump FILE` writes every delivery.
 //!
-//! delayd as a sidecar of another MQ (`--target delayd-redis`, `delayd-nats`, `delayd-amqp`): the same
-//! messages published to delayd's source (Redis stream, JetStream subject, RabbitMQ queue) as an
+//! delayd as a sidecar of another MQ (`--target delayd-redis`, `delayd-nats`, `delayd-amqp`,
+//! `delayd-kafka`): the same messages published to delayd's source (Redis stream, JetStream subject,
+//! RabbitMQ queue, Kafka topic) as an
 //! application would, counted as ingested once delayd has acknowledged them to the MQ (after its
 //! fsync), and read from a target stream or queue on that MQ when due. `benches/sidecar.sh` runs them.
 //!
@@ -43,7 +44,9 @@ struct Args {
     /// target `loadgen:out`, at --redis-url), delayd-nats (a NATS JetStream sidecar: source stream
     /// `DELAYS` on `delayd.>`, consumer `delayd`, requests to `delayd.in`, target `loadgen.out` in
     /// stream `LOADGEN_OUT`, at --nats-url), delayd-amqp (a RabbitMQ sidecar: source queue `delayd.in`,
-    /// target queue `loadgen.out`, at --amqp-url; delayd's metrics at --url), redis or postgres
+    /// target queue `loadgen.out`, at --amqp-url; delayd's metrics at --url), delayd-kafka (a Kafka
+    /// sidecar: source topic `delayd-in`, target topic `loadgen-out`, both created, at --kafka-brokers;
+    /// delayd's metrics at --url), redis or postgres
     #[arg(long)]
     target: String,
     #[arg(long, default_value = "http://127.0.0.1:7070")]
@@ -54,6 +57,9 @@ struct Args {
     nats_url: String,
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5698/%2f")]
     amqp_url: String,
+    /// Kafka brokers (`host:port`, comma-separated) for `--target delayd-kafka`
+    #[arg(long, default_value = "127.0.0.1:9498")]
+    kafka_brokers: String,
     #[arg(
         long,
         default_value = "host=127.0.0.1 port=5499 user=postgres dbname=postgres"
@@ -780,6 +786,140 @@ impl Target for AmqpSidecar {
     }
 }
 
+// ---------------------------------------------------------------- delayd as a Kafka sidecar
+
+/// The Kafka path: requests produced to delayd's source topic (idempotent, `acks=all`, a batch sent
+/// then its delivery reports awaited), due messages read from a target topic by a consumer group of the
+/// load generator's own. Both topics are created (tansu creates none on use); a request counts as
+/// ingested once delayd counts it durable (`delayd_source_messages_total` at `--url`/metrics), just
+/// before it commits the offset.
+struct KafkaSidecar {
+    producer: rdkafka::producer::FutureProducer,
+    reader: rdkafka::consumer::StreamConsumer,
+    produced: AtomicU64,
+    http: Http,
+}
+
+/// The source topic as `benches/sidecar.sh` configures delayd, and the target topic.
+const KAFKA_IN: &str = "delayd-in";
+const KAFKA_OUT: &str = "loadgen-out";
+
+impl KafkaSidecar {
+    async fn connect(brokers: &str, delayd: &str) -> anyhow::Result<KafkaSidecar> {
+        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+        use rdkafka::consumer::Consumer;
+        let config = |extra: &[(&str, &str)]| {
+            let mut config = rdkafka::ClientConfig::new();
+            config
+                .set("bootstrap.servers", brokers)
+                .set("log_level", "3");
+            for (key, value) in extra {
+                config.set(*key, *value);
+            }
+            config
+        };
+        let admin: AdminClient<_> = config(&[]).create()?;
+        let topics = [
+            NewTopic::new(KAFKA_IN, 4, TopicReplication::Fixed(1)),
+            NewTopic::new(KAFKA_OUT, 4, TopicReplication::Fixed(1)),
+        ];
+        // Already there from an earlier run is fine.
+        for created in admin.create_topics(&topics, &AdminOptions::new()).await? {
+            if let Err((topic, code)) = created {
+                anyhow::ensure!(
+                    code == rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists,
+                    "creating {topic}: {code}"
+                );
+            }
+        }
+        let producer = config(&[
+            ("acks", "all"),
+            ("enable.idempotence", "true"),
+            ("linger.ms", "2"),
+        ])
+        .create()?;
+        let reader: rdkafka::consumer::StreamConsumer = config(&[
+            ("group.id", "loadgen"),
+            // A fresh topic (sidecar.sh starts a fresh broker): from its start, since joining the
+            // group may take longer than the first messages take to come due.
+            ("auto.offset.reset", "earliest"),
+            ("enable.partition.eof", "false"),
+            ("fetch.wait.max.ms", "10"),
+        ])
+        .create()?;
+        reader.subscribe(&[KAFKA_OUT])?;
+        Ok(KafkaSidecar {
+            producer,
+            reader,
+            produced: AtomicU64::new(0),
+            http: Http::new(delayd)?,
+        })
+    }
+}
+
+impl Target for KafkaSidecar {
+    async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
+        use rdkafka::message::{Header, OwnedHeaders};
+        let sends = jobs.iter().map(|job| {
+            let due = job.due_ms.to_string();
+            let headers = OwnedHeaders::new()
+                .insert(Header {
+                    key: "delayd-deliver-at",
+                    value: Some(due.as_str()),
+                })
+                .insert(Header {
+                    key: "delayd-target",
+                    value: Some(KAFKA_OUT),
+                });
+            let record = rdkafka::producer::FutureRecord::<(), _>::to(KAFKA_IN)
+                .payload(job.body.as_str())
+                .headers(headers);
+            self.producer.send(record, Duration::from_secs(60))
+        });
+        for sent in futures_util::future::join_all(sends).await {
+            sent.map_err(|(e, _)| e)?;
+        }
+        self.produced
+            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn settled(&self) -> anyhow::Result<()> {
+        let produced = self.produced.load(Ordering::Relaxed);
+        loop {
+            let (status, text) = self.http.request("GET", "/metrics", "").await?;
+            anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}");
+            let taken = text
+                .lines()
+                .filter(|l| l.starts_with("delayd_source_messages_total{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64;
+            if taken >= produced {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn consume(&self, _consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
+        use rdkafka::message::Message;
+        let mut got = Vec::new();
+        let mut wait = Duration::from_millis(200);
+        while got.len() < 1000 {
+            match tokio::time::timeout(wait, self.reader.recv()).await {
+                Err(_) => break,
+                Ok(message) => {
+                    let message = message?;
+                    let body = String::from_utf8_lossy(message.payload().unwrap_or_default());
+                    got.push(parse_body(&body));
+                }
+            }
+            wait = Duration::ZERO;
+        }
+        Ok(got)
+    }
+}
+
 // ---------------------------------------------------------------- PostgreSQL
 
 struct Postgres {
@@ -1136,6 +1276,10 @@ fn main() -> anyhow::Result<()> {
                         .await?;
                 run(Arc::new(target), args.clone()).await
             }
+            "delayd-kafka" => {
+                let target = KafkaSidecar::connect(&args.kafka_brokers, &args.url).await?;
+                run(Arc::new(target), args.clone()).await
+            }
             "postgres" => {
                 let mut target =
                     Postgres::connect(&args.postgres, args.concurrency.min(32) + 2).await?;
@@ -1143,7 +1287,7 @@ fn main() -> anyhow::Result<()> {
                 run(Arc::new(target), args.clone()).await
             }
             other => {
-                anyhow::bail!("unknown target {other:?}: delayd, delayd-redis, delayd-nats, delayd-amqp, redis or postgres")
+                anyhow::bail!("unknown target {other:?}: delayd, delayd-redis, delayd-nats, delayd-amqp, delayd-kafka, redis or postgres")
             }
         })
     })?;

@@ -23,6 +23,10 @@
 #                    metrics: AMQP does not tell a client a queue's unacknowledged count); read from
 #                    queue loadgen.out.
 #   amqp-5k          RabbitMQ at a nominal 5,000 requests/s (at 10,000 it is near its own ceiling here);
+#   kafka, kafka-10k the same through a Kafka-protocol broker, tansu (`cargo install tansu --version
+#                    0.6.0 --locked --features libsql`; port 9498, SQLite store): produced to topic
+#                    delayd-in (4 partitions; idempotent, acks=all, 1,000 delivery reports awaited per
+#                    batch), ingested once delayd counts them durable; read from topic loadgen-out;
 #   redis-publish, nats-publish, amqp-publish
 #                    the MQ's own ceiling: the same requests published the same way to an MQ with no
 #                    delayd, counted once the MQ confirmed them (XADD answered, PubAck, confirm).
@@ -31,7 +35,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-100000}
-RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k}
+RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k kafka-publish kafka kafka-10k}
 BODY_BYTES=${BODY_BYTES:-1024}
 RABBIT=/usr/lib/rabbitmq/bin/rabbitmq-server
 # RabbitMQ's AMQP, Erlang distribution and epmd ports (below the ephemeral range, so the tests' free
@@ -44,6 +48,10 @@ command -v nats-server >/dev/null || missing+=(nats-server)
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+if [[ " $RUNS " == *" kafka"* ]] && ! command -v tansu >/dev/null; then
+  echo "tansu is not installed: cargo install tansu --version 0.6.0 --locked --features libsql" >&2
+  exit 1
+fi
 WORK=$(mktemp -d /var/tmp/delayd-sidecar.XXXXXX)
 chmod 755 "$WORK"
 
@@ -53,6 +61,8 @@ stop_delayd() {
 }
 stop_mq() {
   redis-cli -p 6398 shutdown nosave >/dev/null 2>&1 || true
+  [ -n "${TANSU_PID:-}" ] && { kill "$TANSU_PID" 2>/dev/null || true; wait "$TANSU_PID" 2>/dev/null || true; }
+  TANSU_PID=
   [ -n "${NATS_PID:-}" ] && { kill "$NATS_PID" 2>/dev/null || true; wait "$NATS_PID" 2>/dev/null || true; }
   NATS_PID=
   if [ -n "${RABBIT_PID:-}" ]; then
@@ -104,6 +114,20 @@ subject = "delayd.>"
 sink = "out"
 batch = 1024
 TOML
+cat >"$WORK/kafka.toml" <<TOML
+[sinks.out]
+kind = "kafka"
+url = "kafka://127.0.0.1:9498"
+max_in_flight = 8
+
+[sources.in]
+kind = "kafka"
+url = "kafka://127.0.0.1:9498"
+topics = ["delayd-in"]
+consumer = "bench"
+sink = "out"
+batch = 1024
+TOML
 cat >"$WORK/amqp.toml" <<TOML
 [sinks.out]
 kind = "amqp"
@@ -143,7 +167,7 @@ start_rabbit() {
 start() {
   stop_delayd
   stop_mq
-  rm -rf "$WORK/delayd" "$WORK/redis" "$WORK/nats" "$WORK/rabbitmq"
+  rm -rf "$WORK/delayd" "$WORK/redis" "$WORK/nats" "$WORK/rabbitmq" "$WORK/kafka"
   case $1 in
     redis)
       mkdir -p "$WORK/redis"
@@ -157,6 +181,14 @@ start() {
       for _ in $(seq 100); do port_open 4298 && break; sleep 0.1; done
       ;;
     amqp) start_rabbit ;;
+    kafka)
+      mkdir -p "$WORK/kafka"
+      (cd "$WORK/kafka" && exec tansu broker --listener-url tcp://127.0.0.1:9498 \
+        --advertised-listener-url tcp://127.0.0.1:9498 --storage-engine sqlite://tansu.db) \
+        >"$WORK/tansu.log" 2>&1 &
+      TANSU_PID=$!
+      for _ in $(seq 100); do port_open 9498 && break; sleep 0.1; done
+      ;;
   esac
   [ "${2:-}" = alone ] && return
   target/release/delayd serve --data-dir "$WORK/delayd" --listen 127.0.0.1:7398 --config "$WORK/$1.toml" \
@@ -165,7 +197,8 @@ start() {
   for _ in $(seq 100); do grep -q "delayd ready" "$WORK/delayd.out" && break; sleep 0.1; done
 }
 common=(--url http://127.0.0.1:7398 --redis-url redis://127.0.0.1:6398/ --nats-url nats://127.0.0.1:4298
-  --amqp-url "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f" --body-bytes "$BODY_BYTES"
+  --amqp-url "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f" --kafka-brokers 127.0.0.1:9498
+  --body-bytes "$BODY_BYTES"
   --delay-min-ms 1000 --delay-max-ms 10000)
 fast=(--mode batch --batch 1000 --concurrency 8 --messages "$N")
 paced=(--mode batch --batch 100 --concurrency 8 --messages 100000 --rate 10000)
@@ -188,3 +221,6 @@ run amqp-publish amqp delayd-amqp "${fast[@]}" --publish-only
 run amqp amqp delayd-amqp "${fast[@]}"
 run amqp-10k amqp delayd-amqp "${paced[@]}"
 run amqp-5k amqp delayd-amqp --mode batch --batch 100 --concurrency 8 --messages 50000 --rate 5000
+run kafka-publish kafka delayd-kafka "${fast[@]}" --publish-only
+run kafka kafka delayd-kafka "${fast[@]}"
+run kafka-10k kafka delayd-kafka "${paced[@]}"
