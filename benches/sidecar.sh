@@ -23,7 +23,10 @@
 #                    metrics: AMQP does not tell a client a queue's unacknowledged count); read from
 #                    queue loadgen.out.
 #   amqp-5k          RabbitMQ at a nominal 5,000 requests/s (at 10,000 it is near its own ceiling here);
-#   kafka, kafka-10k the same through a Kafka-protocol broker, tansu (`cargo install tansu --version
+#   kafka, kafka-10k NOT IN THE DEFAULT RUNS: on 2026-12-01 both stalled with nothing ingested (delayd
+#                    never counted a request durable within 6 minutes), even with the topics created
+#                    before delayd started; not yet understood. kafka-publish works.
+#                    The same through a Kafka-protocol broker, tansu (`cargo install tansu --version
 #                    0.6.0 --locked --features libsql`; port 9498, SQLite store): produced to topic
 #                    delayd-in (4 partitions; idempotent, acks=all, 1,000 delivery reports awaited per
 #                    batch), ingested once delayd counts them durable; read from topic loadgen-out;
@@ -35,7 +38,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-100000}
-RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k kafka-publish kafka kafka-10k}
+RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k kafka-publish}
 BODY_BYTES=${BODY_BYTES:-1024}
 RABBIT=/usr/lib/rabbitmq/bin/rabbitmq-server
 # RabbitMQ's AMQP, Erlang distribution and epmd ports (below the ephemeral range, so the tests' free
