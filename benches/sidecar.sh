@@ -23,9 +23,10 @@
 #                    metrics: AMQP does not tell a client a queue's unacknowledged count); read from
 #                    queue loadgen.out.
 #   amqp-5k          RabbitMQ at a nominal 5,000 requests/s (at 10,000 it is near its own ceiling here);
-#   kafka, kafka-10k NOT IN THE DEFAULT RUNS: on 2026-12-01 both stalled with nothing ingested (delayd
-#                    never counted a request durable within 6 minutes), even with the topics created
-#                    before delayd started; not yet understood. kafka-publish works.
+#   kafka, kafka-10k NOT IN THE DEFAULT RUNS: on 2026-12-01, with N=50000, neither finished within 6
+#                    minutes; with N=5000 the kafka run took 537 requests/s, lateness p50 5 s (delayd
+#                    subscribes before loadgen creates the topics, and took ~6 s to join after). Not yet
+#                    understood. kafka-publish works.
 #                    The same through a Kafka-protocol broker, tansu (`cargo install tansu --version
 #                    0.6.0 --locked --features libsql`; port 9498, SQLite store): produced to topic
 #                    delayd-in (4 partitions; idempotent, acks=all, 1,000 delivery reports awaited per
