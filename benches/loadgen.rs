@@ -692,17 +692,18 @@ impl AmqpSidecar {
             http: Http::new(delayd)?,
         })
     }
+}
 
-    /// Requests delayd made durable: the sum of `delayd_source_messages_total` over its outcomes.
-    async fn taken(&self) -> anyhow::Result<u64> {
-        let (status, text) = self.http.request("GET", "/metrics", "").await?;
-        anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}");
-        Ok(text
-            .lines()
-            .filter(|l| l.starts_with("delayd_source_messages_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64)
-    }
+/// Requests delayd made durable (at `http`): the sum of `delayd_source_messages_total` over its
+/// sources and outcomes.
+async fn taken(http: &Http) -> anyhow::Result<u64> {
+    let (status, text) = http.request("GET", "/metrics", "").await?;
+    anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}");
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with("delayd_source_messages_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64)
 }
 
 impl Target for AmqpSidecar {
@@ -759,7 +760,7 @@ impl Target for AmqpSidecar {
                     lapin::types::FieldTable::default(),
                 )
                 .await?;
-            if queue.message_count() == 0 && self.taken().await? >= produced {
+            if queue.message_count() == 0 && taken(&self.http).await? >= produced {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -887,14 +888,7 @@ impl Target for KafkaSidecar {
     async fn settled(&self) -> anyhow::Result<()> {
         let produced = self.produced.load(Ordering::Relaxed);
         loop {
-            let (status, text) = self.http.request("GET", "/metrics", "").await?;
-            anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}");
-            let taken = text
-                .lines()
-                .filter(|l| l.starts_with("delayd_source_messages_total{"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>() as u64;
-            if taken >= produced {
+            if taken(&self.http).await? >= produced {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;

@@ -529,6 +529,15 @@ fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
 
 /// Each body read from the target with the ids it came under: a body under two ids would have been
 /// scheduled twice; one id read twice is a delivery repeated (in flight at a kill).
+/// Asserts that `total` different bodies were read, each under one id (delivered, none scheduled
+/// twice).
+fn assert_each_scheduled_once(got: &[Got], total: usize) {
+    let ids = ids_by_body(got);
+    assert_eq!(ids.len(), total, "every request delivered");
+    let twice: Vec<_> = ids.iter().filter(|(_, ids)| ids.len() > 1).collect();
+    assert!(twice.is_empty(), "scheduled twice: {twice:?}");
+}
+
 fn ids_by_body(got: &[Got]) -> BTreeMap<String, std::collections::BTreeSet<String>> {
     let mut ids: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
     for record in got {
@@ -599,10 +608,7 @@ fn a_kill_with_the_broker_frozen_loses_nothing_and_schedules_each_request_once()
     );
     let mut reader = tansu.reader("orders-out");
     let got = reader.read_distinct(total, Duration::from_secs(90));
-    let ids = ids_by_body(&got);
-    assert_eq!(ids.len(), total, "every request delivered");
-    let twice: Vec<_> = ids.iter().filter(|(_, ids)| ids.len() > 1).collect();
-    assert!(twice.is_empty(), "scheduled twice: {twice:?}");
+    assert_each_scheduled_once(&got, total);
     for record in &got {
         assert!(record.at_ms >= due_at, "{} early", record.body);
     }
@@ -651,10 +657,7 @@ fn a_rebalance_between_two_nodes_loses_nothing_and_schedules_nothing_twice() {
         }
     }
     let got = reader.read_distinct(total, Duration::from_secs(60));
-    let ids = ids_by_body(&got);
-    assert_eq!(ids.len(), total, "every request delivered");
-    let twice: Vec<_> = ids.iter().filter(|(_, ids)| ids.len() > 1).collect();
-    assert!(twice.is_empty(), "scheduled twice: {twice:?}");
+    assert_each_scheduled_once(&got, total);
     let b = b.unwrap();
     println!(
         "scheduled by a: {}, by b: {}; records read: {}",
