@@ -856,6 +856,48 @@ impl KafkaSidecar {
             http: Http::new(delayd)?,
         })
     }
+
+    /// Waits until delayd's consumer and this reader have joined their groups (tansu takes seconds to
+    /// answer a join): otherwise the first requests come due while nobody consumes and are counted
+    /// late. delayd's join is seen from a warm-up request, a cancel of a key nothing has, being taken.
+    async fn warm_up(&self) -> anyhow::Result<()> {
+        use rdkafka::consumer::Consumer;
+        use rdkafka::message::{Header, OwnedHeaders};
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "delayd-target",
+                value: Some(KAFKA_OUT),
+            })
+            .insert(Header {
+                key: "delayd-key",
+                value: Some("loadgen-warm-up"),
+            })
+            .insert(Header {
+                key: "delayd-cancel",
+                value: Some("true"),
+            });
+        let record = rdkafka::producer::FutureRecord::<(), _>::to(KAFKA_IN)
+            .payload("")
+            .headers(headers);
+        self.producer
+            .send(record, Duration::from_secs(60))
+            .await
+            .map_err(|(e, _)| e)?;
+        let before = self.produced.fetch_add(1, Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            // Polling the reader is what lets it join (nothing is on its fresh topic yet).
+            let _ = tokio::time::timeout(Duration::from_millis(100), self.reader.recv()).await;
+            let joined = self.reader.assignment()?.count() > 0;
+            if joined && taken(&self.http).await? > before {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "delayd's Kafka source or the reader did not join within 120 s"
+            );
+        }
+    }
 }
 
 impl Target for KafkaSidecar {
@@ -1272,6 +1314,9 @@ fn main() -> anyhow::Result<()> {
             }
             "delayd-kafka" => {
                 let target = KafkaSidecar::connect(&args.kafka_brokers, &args.url).await?;
+                if !args.publish_only {
+                    target.warm_up().await?;
+                }
                 run(Arc::new(target), args.clone()).await
             }
             "postgres" => {

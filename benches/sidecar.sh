@@ -23,23 +23,31 @@
 #                    metrics: AMQP does not tell a client a queue's unacknowledged count); read from
 #                    queue loadgen.out.
 #   amqp-5k          RabbitMQ at a nominal 5,000 requests/s (at 10,000 it is near its own ceiling here);
-#   kafka, kafka-10k NOT IN THE DEFAULT RUNS: on 2026-12-01, with N=50000, neither finished within 6
-#                    minutes; with N=5000 the kafka run took 537 requests/s, lateness p50 5 s (delayd
-#                    subscribes before loadgen creates the topics, and took ~6 s to join after). Not yet
-#                    understood. kafka-publish works.
-#                    The same through a Kafka-protocol broker, tansu (`cargo install tansu --version
-#                    0.6.0 --locked --features libsql`; port 9498, SQLite store): produced to topic
-#                    delayd-in (4 partitions; idempotent, acks=all, 1,000 delivery reports awaited per
-#                    batch), ingested once delayd counts them durable; read from topic loadgen-out;
-#   redis-publish, nats-publish, amqp-publish
+#   kafka-500        the same through a Kafka-protocol broker at a nominal 500 requests/s (batches of
+#                    50), for lateness: the rate this machine's broker sustains (below).
+#   kafka, kafka-10k NOT IN THE DEFAULT RUNS: the broker, tansu, cannot take them. Its SQLite fetch
+#                    reads every record from the fetch offset to the end of the partition (a window sum
+#                    over the whole backlog, then one header query per record returned:
+#                    tansu-storage 0.6.0 src/sql/record_fetch.sql), so a consumer slows as its backlog
+#                    grows: a plain consumer with no delayd (confluent-kafka) read a backlog of 2,000 at
+#                    3,158/s and one of 20,000 at 644/s; at 1,000 requests/s the backlog grows and never
+#                    drains, and at 2,000/s tansu answers produce requests with UNKNOWN_SERVER_ERROR.
+#                    Every Kafka run: tansu (`cargo install tansu --version 0.6.0 --locked --features
+#                    libsql`; port 9498, SQLite store); requests produced to topic delayd-in (4
+#                    partitions; idempotent, acks=all, a batch's delivery reports awaited), ingested
+#                    once delayd counts them durable; read from topic loadgen-out. Before sending,
+#                    loadgen waits until delayd's consumer and its own reader have joined their groups
+#                    (tansu takes seconds to answer a join);
+#   redis-publish, nats-publish, amqp-publish, kafka-publish
 #                    the MQ's own ceiling: the same requests published the same way to an MQ with no
-#                    delayd, counted once the MQ confirmed them (XADD answered, PubAck, confirm).
+#                    delayd, counted once the MQ confirmed them (XADD answered, PubAck, confirm,
+#                    delivery report).
 # Redis is durable (appendonly yes, appendfsync always). Bodies are BODY_BYTES (1 KiB) and due 1-10 s
 # after sending. Prints one JSON line per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-100000}
-RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k kafka-publish}
+RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k kafka-publish kafka-500}
 BODY_BYTES=${BODY_BYTES:-1024}
 RABBIT=/usr/lib/rabbitmq/bin/rabbitmq-server
 # RabbitMQ's AMQP, Erlang distribution and epmd ports (below the ephemeral range, so the tests' free
@@ -226,5 +234,6 @@ run amqp amqp delayd-amqp "${fast[@]}"
 run amqp-10k amqp delayd-amqp "${paced[@]}"
 run amqp-5k amqp delayd-amqp --mode batch --batch 100 --concurrency 8 --messages 50000 --rate 5000
 run kafka-publish kafka delayd-kafka "${fast[@]}" --publish-only
+run kafka-500 kafka delayd-kafka --mode batch --batch 50 --concurrency 8 --messages 5000 --rate 500
 run kafka kafka delayd-kafka "${fast[@]}"
 run kafka-10k kafka delayd-kafka "${paced[@]}"
