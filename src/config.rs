@@ -42,6 +42,22 @@ impl Millis {
 }
 
 /// Parses `"1500ms"`, `"30s"`, `"30m"`, `"2h"`, `"7d"` (a whole number and a unit).
+/// Whether `key` is one of the variables Kubernetes puts in every pod of a namespace for each Service
+/// (its "service links"): for a Service named `delayd` or `delayd-…`, `DELAYD_SERVICE_HOST`,
+/// `DELAYD_SERVICE_PORT[_NAME]`, `DELAYD_PORT` and `DELAYD_PORT_7070_TCP[_PROTO|_PORT|_ADDR]`. They are
+/// not settings, and refusing them would stop delayd from starting beside its own Service. No setting
+/// ends in `_SERVICE_HOST` or `_PORT`, or holds `_SERVICE_PORT` or `_PORT_<digits>_`.
+fn kubernetes_service_link(key: &str) -> bool {
+    if key.ends_with("_SERVICE_HOST") || key.contains("_SERVICE_PORT") || key.ends_with("_PORT") {
+        return true;
+    }
+    key.match_indices("_PORT_").any(|(at, _)| {
+        let rest = &key[at + "_PORT_".len()..];
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        digits > 0 && rest[digits..].starts_with('_')
+    })
+}
+
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
@@ -485,6 +501,7 @@ impl Config {
                     .map(String::from)
                     .collect()
             }
+            _ if kubernetes_service_link(key) => {}
             _ if key.starts_with("DELAYD_") => {
                 return Err(invalid(
                     key,
@@ -1002,6 +1019,81 @@ mod tests {
             (config.reserved_fds(), config.limits.max_connections),
             (64, 10)
         );
+    }
+
+    /// `deploy/delayd.toml`, the example operators copy, loads to exactly the built-in defaults and
+    /// names every key (the optional ones, and those of sinks and sources, commented out).
+    #[test]
+    fn the_example_config_is_every_key_at_its_default() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/delayd.toml");
+        let example = Config::load(
+            Some(std::path::Path::new(path)),
+            Vec::new(),
+            &Flags::default(),
+        )
+        .unwrap();
+        let builtin = Config::load(None, Vec::new(), &Flags::default()).unwrap();
+        assert_eq!(format!("{example:?}"), format!("{builtin:?}"));
+        let text = std::fs::read_to_string(path).unwrap();
+        let keys: std::collections::BTreeSet<&str> = text
+            .lines()
+            .map(|line| line.trim_start_matches(['#', ' ']))
+            .filter_map(|line| line.split_once(" = ").map(|(key, _)| key.trim()))
+            .collect();
+        // The field names a Debug rendering shows: `name: value`.
+        let fields = |debug: String| -> Vec<String> {
+            debug
+                .match_indices(": ")
+                .map(|(at, _)| {
+                    let before = &debug[..at];
+                    let start = before
+                        .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                        .map_or(0, |i| i + 1);
+                    before[start..].to_string()
+                })
+                .collect()
+        };
+        let mut all = fields(format!("{:?}", Config::default()));
+        all.extend(fields(format!("{:?}", SinkConfig::default())));
+        all.extend(fields(format!("{:?}", SourceConfig::default())));
+        let nested = ["limits", "auth", "broker", "sinks", "sources"];
+        for field in all.iter().filter(|f| !nested.contains(&f.as_str())) {
+            assert!(
+                keys.contains(field.as_str()),
+                "deploy/delayd.toml lacks {field}"
+            );
+        }
+        assert!(all.len() > 50, "{all:?}");
+    }
+
+    #[test]
+    fn kubernetes_service_links_are_not_taken_for_settings() {
+        // What a pod sees for Services named `delayd` and `delayd-headless` (port named http).
+        let links = env(&[
+            ("DELAYD_SERVICE_HOST", "10.0.0.7"),
+            ("DELAYD_SERVICE_PORT", "7070"),
+            ("DELAYD_SERVICE_PORT_HTTP", "7070"),
+            ("DELAYD_PORT", "tcp://10.0.0.7:7070"),
+            ("DELAYD_PORT_7070_TCP", "tcp://10.0.0.7:7070"),
+            ("DELAYD_PORT_7070_TCP_PROTO", "tcp"),
+            ("DELAYD_PORT_7070_TCP_PORT", "7070"),
+            ("DELAYD_PORT_7070_TCP_ADDR", "10.0.0.7"),
+            ("DELAYD_HEADLESS_SERVICE_HOST", "10.0.0.8"),
+            ("DELAYD_HEADLESS_PORT_7070_TCP", "tcp://10.0.0.8:7070"),
+            ("DELAYD_LISTEN", "0.0.0.0:7070"),
+        ]);
+        let config = Config::load(None, links, &Flags::default()).unwrap();
+        assert_eq!(config.listen, "0.0.0.0:7070");
+        // A misspelt setting is still refused.
+        for key in [
+            "DELAYD_LISTEN_ADDR",
+            "DELAYD_PORTS",
+            "DELAYD_PORT_HTTP",
+            "DELAYD_SERVICE",
+        ] {
+            let error = Config::load(None, env(&[(key, "1")]), &Flags::default()).unwrap_err();
+            assert!(error.to_string().contains(key), "{key}: {error}");
+        }
     }
 
     #[test]

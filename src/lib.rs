@@ -17,6 +17,7 @@ pub mod intake;
 pub mod link;
 pub mod metrics;
 pub mod mq;
+pub mod notify;
 pub mod scheduler;
 pub mod sink;
 pub mod source;

@@ -32,6 +32,22 @@ enum Command {
         /// The file to read
         path: PathBuf,
     },
+    /// Exit 0 when the service answers GET /readyz with 200 (recovered, WAL writable, disk not
+    /// full), 1 otherwise: a container health check that needs no curl
+    Probe(ProbeArgs),
+}
+
+#[derive(Debug, Args)]
+struct ProbeArgs {
+    /// The address the service listens on (a wildcard such as 0.0.0.0 is probed on loopback)
+    #[arg(long, env = "DELAYD_LISTEN", default_value = "127.0.0.1:7070")]
+    listen: String,
+    /// The URL to probe instead, e.g. https://delayd.internal:7070/readyz
+    #[arg(long)]
+    url: Option<String>,
+    /// How long to wait for the answer, e.g. 2s
+    #[arg(long, default_value = "5s")]
+    timeout: String,
 }
 
 #[derive(Debug, Args)]
@@ -140,6 +156,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => serve(args),
         Command::Send(args) => send(args),
         Command::Tail(args) => tail(args),
+        Command::Probe(args) => probe(args),
         Command::Inspect { path } => {
             let clean = schedulelog::inspect(&path, &mut std::io::stdout().lock())
                 .with_context(|| format!("reading {}", path.display()))?;
@@ -197,8 +214,14 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             config,
             listener,
             std::sync::Arc::new(schedulelog::SystemClock),
-            |ready| println!("delayd ready on http://{}", ready.address),
-            shutdown_signal(),
+            |ready| {
+                println!("delayd ready on http://{}", ready.address);
+                delayd::notify::notify("READY=1");
+            },
+            async {
+                shutdown_signal().await;
+                delayd::notify::notify("STOPPING=1");
+            },
         )
         .await
     })
@@ -232,6 +255,41 @@ async fn shutdown_signal() {
         _ = interrupt => {},
         _ = async { match terminate.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => {},
     }
+}
+
+/// GET /readyz once: Ok when it answers 200.
+fn probe(args: ProbeArgs) -> anyhow::Result<()> {
+    let url = match args.url {
+        Some(url) => url,
+        None => {
+            let mut address: std::net::SocketAddr = args.listen.parse().with_context(|| {
+                format!("--listen {:?} is not an IP address and port", args.listen)
+            })?;
+            if address.ip().is_unspecified() {
+                address.set_ip(match address {
+                    std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                    std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+                });
+            }
+            format!("http://{address}/readyz")
+        }
+    };
+    let timeout = delayd::config::parse_duration(&args.timeout)
+        .map_err(|e| anyhow::anyhow!("--timeout {:?}: {e}", args.timeout))?;
+    let response = reqwest::blocking::Client::builder()
+        .timeout(timeout)
+        .build()
+        .context("building the HTTP client")?
+        .get(&url)
+        .send()
+        .with_context(|| format!("GET {url}"))?;
+    let status = response.status();
+    let body = response.text().unwrap_or_default();
+    if status != reqwest::StatusCode::OK {
+        bail!("GET {url}: HTTP {status}: {}", body.trim());
+    }
+    println!("{}", body.trim());
+    Ok(())
 }
 
 /// The CLI's HTTP client: the webhooks' (reqwest), in its blocking form.

@@ -113,10 +113,16 @@ pub fn register_series<'a>(sink_names: impl IntoIterator<Item = &'a str>) {
     for name in GAUGES {
         metrics::gauge!(*name).increment(0.0);
     }
+    // The running version, for dashboards and for telling an upgrade apart from a restart.
+    metrics::gauge!("delayd_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(
+        "delayd_build_info",
+        "Always 1; its version label is the running delayd's version"
+    );
     describe_counter!(
         "delayd_messages_received_total",
         "Messages accepted (durable), by sink"

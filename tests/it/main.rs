@@ -7,6 +7,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod deploy;
 mod disk;
 mod edge;
 mod retention;

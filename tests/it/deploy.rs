@@ -1,0 +1,198 @@
+//! The operations kit (`deploy/`) against the real binary: every metric the Grafana dashboard and the
+//! Prometheus alert rules name is in a live `/metrics`; systemd hears `READY=1` and `STOPPING=1`; the
+//! container health check (`delayd probe`) tells a ready service from an absent one; `--version`.
+//! The files themselves are checked by their own tools in `deploy/check.sh`.
+
+use crate::common::{free_port, request, scrape, spawn_with_env, wait_for};
+use std::collections::BTreeSet;
+use std::os::unix::net::UnixDatagram;
+use std::process::Command;
+use std::time::Duration;
+
+const DEPLOY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy");
+
+/// Every `delayd_*` name in `text`.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for (at, _) in text.match_indices("delayd_") {
+        if text[..at]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            continue; // inside a longer word
+        }
+        let name: String = text[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        names.insert(name);
+    }
+    names
+}
+
+/// The `expr` of every query of a Grafana dashboard, wherever it sits (panels, rows, variables).
+fn dashboard_queries(value: &serde_json::Value, out: &mut Vec<String>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (key, value) in map {
+                match (key.as_str(), value) {
+                    ("expr" | "query", serde_json::Value::String(query)) => out.push(query.clone()),
+                    _ => dashboard_queries(value, out),
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| dashboard_queries(v, out)),
+        _ => {}
+    }
+}
+
+/// A dashboard or an alert that names a metric the service does not export shows nothing, or never
+/// fires. With a source and an MQ sink configured (their servers absent: the series exist anyway) and
+/// one message delivered (the WAL, the broker and the HTTP histograms have observations), every name
+/// the dashboard's queries and the alert rules use is a series of the live `/metrics`.
+#[test]
+fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{DEPLOY}/grafana/delayd.json")).unwrap(),
+    )
+    .unwrap();
+    let mut queries = Vec::new();
+    dashboard_queries(&dashboard, &mut queries);
+    assert!(queries.len() >= 20, "{queries:?}");
+    let mut named = metric_names(&queries.join("\n"));
+    let alerts = std::fs::read_to_string(format!("{DEPLOY}/prometheus/alerts.yml")).unwrap();
+    named.extend(metric_names(&alerts));
+    assert!(named.len() >= 25, "{named:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("delayd.toml");
+    let nothing = format!("redis://127.0.0.1:{}/", free_port());
+    std::fs::write(
+        &config,
+        format!(
+            "[sinks.out]\nkind = \"redis\"\nurl = \"{nothing}\"\n\n\
+             [sources.in]\nkind = \"redis\"\nurl = \"{nothing}\"\nstream_key = \"in\"\nsink = \"out\"\n"
+        ),
+    )
+    .unwrap();
+    let process = spawn_with_env(
+        &dir.path().join("data"),
+        &["--config", config.to_str().unwrap()],
+        &[("DELAYD_MIN_FREE_DISK_BYTES", "0")],
+    );
+    let sent = request(
+        &process.base,
+        "POST",
+        "/v1/messages",
+        Some(r#"{"topic": "deploy", "body": "x", "delay": 0}"#),
+        None,
+    );
+    assert_eq!(sent.status, 201, "{}", sent.json);
+    let delivered = r#"delayd_messages_delivered_total{sink="broker",outcome="ok"}"#;
+    wait_for("the message's delivery", Duration::from_secs(30), || {
+        scrape(&process.base).get(delivered) == Some(&1.0)
+    });
+    let series = scrape(&process.base);
+    let exported: BTreeSet<&str> = series
+        .keys()
+        .map(|series| series.split('{').next().unwrap())
+        .collect();
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|name| !exported.contains(name.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "named by deploy/ but not exported: {missing:?}\nexported: {exported:?}"
+    );
+    let version = format!(
+        r#"delayd_build_info{{version="{}"}}"#,
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(series.get(&version), Some(&1.0), "{series:#?}");
+}
+
+/// Under systemd (`Type=notify`), `READY=1` arrives once the service answers `/readyz` with 200, and
+/// `STOPPING=1` when a SIGTERM starts the graceful stop.
+#[test]
+fn systemd_hears_ready_after_recovery_and_stopping_at_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket_path = dir.path().join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut process = spawn_with_env(
+        &dir.path().join("data"),
+        &[],
+        &[
+            ("DELAYD_MIN_FREE_DISK_BYTES", "0"),
+            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
+        ],
+    );
+    let mut buffer = [0u8; 256];
+    let n = socket.recv(&mut buffer).expect("READY=1 within 60 s");
+    assert_eq!(std::str::from_utf8(&buffer[..n]).unwrap(), "READY=1");
+    assert_eq!(
+        request(&process.base, "GET", "/readyz", None, None).status,
+        200
+    );
+    let pid = process.pid().to_string();
+    let stop = std::thread::spawn(move || process.terminate());
+    let n = socket.recv(&mut buffer).expect("STOPPING=1 within 60 s");
+    assert_eq!(std::str::from_utf8(&buffer[..n]).unwrap(), "STOPPING=1");
+    assert!(stop.join().unwrap().success(), "pid {pid} stopped cleanly");
+}
+
+fn probe(args: &[&str], listen: Option<&str>) -> (bool, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_delayd"));
+    command.arg("probe").args(args).env_remove("DELAYD_LISTEN");
+    if let Some(listen) = listen {
+        command.env("DELAYD_LISTEN", listen);
+    }
+    let output = command.output().unwrap();
+    (
+        output.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    )
+}
+
+/// The container health check: `delayd probe` succeeds against a ready service, found from
+/// `DELAYD_LISTEN` as the container sets it (a wildcard address probed on loopback), from `--listen`
+/// or from `--url`, and fails, saying why, where nothing listens.
+#[test]
+fn the_probe_tells_a_ready_service_from_an_absent_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let process = spawn_with_env(dir.path(), &[], &[("DELAYD_MIN_FREE_DISK_BYTES", "0")]);
+    let port = process.base.rsplit(':').next().unwrap().to_string();
+    let (ok, said) = probe(&[], Some(&format!("0.0.0.0:{port}")));
+    assert!(ok, "{said}");
+    let (ok, said) = probe(&["--listen", &format!("127.0.0.1:{port}")], None);
+    assert!(ok, "{said}");
+    let (ok, said) = probe(&["--url", &format!("{}/readyz", process.base)], None);
+    assert!(ok, "{said}");
+    drop(process);
+    let (ok, said) = probe(&["--listen", &format!("127.0.0.1:{port}")], None);
+    assert!(!ok, "nothing listens on {port} any more: {said}");
+    assert!(said.contains("/readyz"), "{said}");
+    let (ok, said) = probe(&["--listen", "not-an-address"], None);
+    assert!(!ok && said.contains("not-an-address"), "{said}");
+}
+
+#[test]
+fn version_is_the_crates() {
+    let output = Command::new(env!("CARGO_BIN_EXE_delayd"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        format!("delayd {}", env!("CARGO_PKG_VERSION"))
+    );
+}
