@@ -41,23 +41,44 @@ impl Millis {
     }
 }
 
-/// Parses `"1500ms"`, `"30s"`, `"30m"`, `"2h"`, `"7d"` (a whole number and a unit).
-/// Whether `key` is one of the variables Kubernetes puts in every pod of a namespace for each Service
-/// (its "service links"): for a Service named `delayd` or `delayd-…`, `DELAYD_SERVICE_HOST`,
-/// `DELAYD_SERVICE_PORT[_NAME]`, `DELAYD_PORT` and `DELAYD_PORT_7070_TCP[_PROTO|_PORT|_ADDR]`. They are
-/// not settings, and refusing them would stop delayd from starting beside its own Service. No setting
-/// ends in `_SERVICE_HOST` or `_PORT`, or holds `_SERVICE_PORT` or `_PORT_<digits>_`.
-fn kubernetes_service_link(key: &str) -> bool {
-    if key.ends_with("_SERVICE_HOST") || key.contains("_SERVICE_PORT") || key.ends_with("_PORT") {
-        return true;
-    }
-    key.match_indices("_PORT_").any(|(at, _)| {
+/// Whether `key=value` is one of the variables Kubernetes puts in every pod of a namespace for each
+/// Service (its "service links"): for a Service named `delayd` or `delayd-…`, `DELAYD_SERVICE_HOST`
+/// (an IP address), `DELAYD_SERVICE_PORT[_NAME]` (a port), `DELAYD_PORT` and `DELAYD_PORT_7070_TCP`
+/// (`tcp://IP:PORT`), `DELAYD_PORT_7070_TCP_PROTO`, `_PORT` and `_ADDR`. They are not settings, and
+/// refusing them would stop delayd from starting beside its own Service. Both the name and the value
+/// must have the shape, so a misspelt setting such as `DELAYD_LISTEN_PORT=8080` is still refused.
+fn kubernetes_service_link(key: &str, value: &str) -> bool {
+    let ip = value.parse::<std::net::IpAddr>().is_ok();
+    let port = value.parse::<u16>().is_ok();
+    let url = ["tcp://", "udp://", "sctp://"]
+        .iter()
+        .any(|scheme| value.starts_with(scheme));
+    for (at, _) in key.match_indices("_PORT_") {
         let rest = &key[at + "_PORT_".len()..];
         let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-        digits > 0 && rest[digits..].starts_with('_')
-    })
+        let Some(rest) = rest[digits..].strip_prefix('_').filter(|_| digits > 0) else {
+            continue;
+        };
+        for protocol in ["TCP", "UDP", "SCTP"] {
+            match rest.strip_prefix(protocol) {
+                Some("") => return url,
+                Some("_PROTO") => return value.eq_ignore_ascii_case(protocol),
+                Some("_PORT") => return port,
+                Some("_ADDR") => return ip,
+                _ => {}
+            }
+        }
+    }
+    if key.ends_with("_SERVICE_HOST") {
+        return ip;
+    }
+    if key.ends_with("_SERVICE_PORT") || key.contains("_SERVICE_PORT_") {
+        return port;
+    }
+    key.ends_with("_PORT") && url
 }
 
+/// Parses `"1500ms"`, `"30s"`, `"30m"`, `"2h"`, `"7d"` (a whole number and a unit).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
@@ -501,7 +522,7 @@ impl Config {
                     .map(String::from)
                     .collect()
             }
-            _ if kubernetes_service_link(key) => {}
+            _ if kubernetes_service_link(key, value) => {}
             _ if key.starts_with("DELAYD_") => {
                 return Err(invalid(
                     key,

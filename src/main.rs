@@ -32,8 +32,8 @@ enum Command {
         /// The file to read
         path: PathBuf,
     },
-    /// Exit 0 when the service answers GET /readyz with 200 (recovered, WAL writable, disk not
-    /// full), 1 otherwise: a container health check that needs no curl
+    /// Exit 0 when the service answers GET /readyz with 200 (recovered, storage working; a full
+    /// disk still answers 200), 1 otherwise: a container health check that needs no curl
     Probe(ProbeArgs),
 }
 
@@ -276,8 +276,10 @@ fn probe(args: ProbeArgs) -> anyhow::Result<()> {
     };
     let timeout = delayd::config::parse_duration(&args.timeout)
         .map_err(|e| anyhow::anyhow!("--timeout {:?}: {e}", args.timeout))?;
+    // No proxy: the probe asks this host's own service, whatever HTTP_PROXY the container has.
     let response = reqwest::blocking::Client::builder()
         .timeout(timeout)
+        .no_proxy()
         .build()
         .context("building the HTTP client")?
         .get(&url)

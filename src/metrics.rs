@@ -83,6 +83,7 @@ const GAUGES: &[&str] = &[
     "delayd_open_fds",
     "delayd_max_fds",
     "delayd_unreadable_messages",
+    "delayd_storage_failed",
 ];
 
 /// Makes every series with a bounded label set exist from the start, at 0 unless something already
@@ -119,6 +120,10 @@ pub fn register_series<'a>(sink_names: impl IntoIterator<Item = &'a str>) {
 
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(
+        "delayd_storage_failed",
+        "1 while /readyz answers storage_failed (a failed WAL write or fsync, or a failed broker store write): the node refuses writes until restarted"
+    );
     describe_gauge!(
         "delayd_build_info",
         "Always 1; its version label is the running delayd's version"

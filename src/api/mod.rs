@@ -144,6 +144,10 @@ async fn ready(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
+    // Read at each scrape: 1 exactly when /readyz answers `storage_failed` (a poisoned WAL or a failed
+    // broker store), which only a restart clears.
+    let failed = state.log.poisoned().is_some() || state.broker.failed().is_some();
+    metrics::gauge!("delayd_storage_failed").set(if failed { 1.0 } else { 0.0 });
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),

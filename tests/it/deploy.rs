@@ -113,36 +113,71 @@ fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
     assert_eq!(series.get(&version), Some(&1.0), "{series:#?}");
 }
 
-/// Under systemd (`Type=notify`), `READY=1` arrives once the service answers `/readyz` with 200, and
-/// `STOPPING=1` when a SIGTERM starts the graceful stop.
+/// `delayd serve` started without waiting for it; killed on drop, pass or fail.
+struct Unwaited(std::process::Child);
+
+impl Drop for Unwaited {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Under systemd (`Type=notify`), `READY=1` comes only once recovery is done (here a WAL of a killed
+/// node to replay): `/readyz` answers 200 at the moment it arrives. `STOPPING=1` comes when a SIGTERM
+/// starts the graceful stop, before a clean exit.
 #[test]
 fn systemd_hears_ready_after_recovery_and_stopping_at_sigterm() {
     let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut first = spawn_with_env(&data, &[], &[("DELAYD_MIN_FREE_DISK_BYTES", "0")]);
+    for batch in 0..5 {
+        let messages: Vec<serde_json::Value> = (0..2_000)
+            .map(|i| serde_json::json!({"topic": "later", "body": format!("m{batch}-{i}"), "delay": "1h"}))
+            .collect();
+        let body = serde_json::json!({ "messages": messages }).to_string();
+        let sent = request(&first.base, "POST", "/v1/messages/batch", Some(&body), None);
+        assert_eq!(sent.status, 200, "{}", sent.json);
+    }
+    first.kill(); // no checkpoint: the restart replays the WAL
+
     let socket_path = dir.path().join("notify.sock");
     let socket = UnixDatagram::bind(&socket_path).unwrap();
     socket
         .set_read_timeout(Some(Duration::from_secs(60)))
         .unwrap();
-    let mut process = spawn_with_env(
-        &dir.path().join("data"),
-        &[],
-        &[
-            ("DELAYD_MIN_FREE_DISK_BYTES", "0"),
-            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
-        ],
+    let base = format!("http://127.0.0.1:{}", free_port());
+    let stdout = dir.path().join("stdout.log");
+    let mut process = Unwaited(
+        Command::new(env!("CARGO_BIN_EXE_delayd"))
+            .args(["serve", "--listen", &base["http://".len()..], "--data-dir"])
+            .arg(&data)
+            .env_clear()
+            .env("DELAYD_MIN_FREE_DISK_BYTES", "0")
+            .env("NOTIFY_SOCKET", &socket_path)
+            .stdout(std::fs::File::create(&stdout).unwrap())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
     );
     let mut buffer = [0u8; 256];
     let n = socket.recv(&mut buffer).expect("READY=1 within 60 s");
     assert_eq!(std::str::from_utf8(&buffer[..n]).unwrap(), "READY=1");
-    assert_eq!(
-        request(&process.base, "GET", "/readyz", None, None).status,
-        200
-    );
-    let pid = process.pid().to_string();
-    let stop = std::thread::spawn(move || process.terminate());
+    // Sent after the replay: the "ready" line, printed once recovery is done, is already out.
+    let printed = std::fs::read_to_string(&stdout).unwrap();
+    assert!(printed.contains("delayd ready on"), "{printed}");
+    let ready = request(&base, "GET", "/readyz", None, None);
+    assert_eq!(ready.status, 200, "ready when READY=1 came: {}", ready.json);
+    let pending = scrape(&base)["delayd_pending_messages"];
+    println!("READY=1 with /readyz 200 and {pending} messages pending after the replay");
+
+    let pid = process.0.id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
     let n = socket.recv(&mut buffer).expect("STOPPING=1 within 60 s");
     assert_eq!(std::str::from_utf8(&buffer[..n]).unwrap(), "STOPPING=1");
-    assert!(stop.join().unwrap().success(), "pid {pid} stopped cleanly");
+    let status = process.0.wait().unwrap();
+    assert!(status.success(), "pid {pid} stopped cleanly: {status}");
 }
 
 fn probe(args: &[&str], listen: Option<&str>) -> (bool, String) {
@@ -182,6 +217,33 @@ fn the_probe_tells_a_ready_service_from_an_absent_one() {
     assert!(said.contains("/readyz"), "{said}");
     let (ok, said) = probe(&["--listen", "not-an-address"], None);
     assert!(!ok && said.contains("not-an-address"), "{said}");
+
+    // A node that answers, but not ready (a failed WAL fsync: 503 storage_failed), is unhealthy.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/readyz", listener.local_addr().unwrap());
+    let server = std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        let (stream, _) = listener.accept().unwrap();
+        let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+        let mut line = String::new();
+        while reader.read_line(&mut line).unwrap() > 0 && line != "\r\n" {
+            line.clear();
+        }
+        let body = r#"{"code":"storage_failed"}"#;
+        write!(
+            &stream,
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+    });
+    let (ok, said) = probe(&["--url", &url], None);
+    server.join().unwrap();
+    assert!(!ok, "{said}");
+    assert!(
+        said.contains("503") && said.contains("storage_failed"),
+        "{said}"
+    );
 }
 
 #[test]

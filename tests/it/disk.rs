@@ -219,6 +219,8 @@ fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
     let detail = ready.json["disk_full"].as_str().unwrap().to_string();
     assert!(detail.contains("No space left on device"), "{detail}");
     assert_eq!(scrape(&base).get("delayd_disk_full"), Some(&1.0));
+    // A full disk is not a storage failure: nothing needs a restart.
+    assert_eq!(scrape(&base).get("delayd_storage_failed"), Some(&0.0));
     wait_for("the log to name the cause", Duration::from_secs(30), || {
         process.output_tail(200).contains("No space left on device")
     });
