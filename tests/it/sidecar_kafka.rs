@@ -632,33 +632,35 @@ fn a_rebalance_between_two_nodes_loses_nothing_and_schedules_nothing_twice() {
     let mut reader = tansu.reader("orders-out");
     let a = start_delayd(&dir.path().join("a"), &config(dir.path(), &tansu, "a"));
     wait_until_consuming(&tansu, &a.base);
-    let total = 900;
-    let due_at = now_ms() + 12_000;
-    let due = due_at.to_string();
-    let mut b = None;
-    for i in 0..total {
+    let due = (now_ms() + 12_000).to_string();
+    let mut produced = 0;
+    let mut produce = || {
         tansu.produce(
             "delayd-in",
             None,
             &[("delayd-deliver-at", &due), ("delayd-target", "orders-out")],
-            &format!("order {i}"),
+            &format!("order {produced}"),
         );
-        if i == total / 3 {
-            b = Some(start_delayd(
-                &dir.path().join("b"),
-                &config(dir.path(), &tansu, "b"),
-            ));
-        }
-        if i == 2 * total / 3 {
-            let b = b.as_ref().unwrap();
-            wait_for("b to take a share", Duration::from_secs(120), || {
-                count(&b.base, "scheduled") > 0.0
-            });
-        }
+        produced += 1;
+    };
+    for _ in 0..300 {
+        produce();
     }
+    let b = start_delayd(&dir.path().join("b"), &config(dir.path(), &tansu, "b"));
+    // b takes a share only of what comes after its join (until then a takes everything), and a join
+    // takes tansu seconds: requests keep coming, paced, until b has taken some.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while count(&b.base, "scheduled") == 0.0 {
+        assert!(Instant::now() < deadline, "b took no share within 120 s");
+        produce();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for _ in 0..300 {
+        produce();
+    }
+    let total = produced;
     let got = reader.read_distinct(total, Duration::from_secs(60));
     assert_each_scheduled_once(&got, total);
-    let b = b.unwrap();
     println!(
         "scheduled by a: {}, by b: {}; records read: {}",
         count(&a.base, "scheduled"),
