@@ -103,6 +103,7 @@ step "alert conventions"
 import sys, yaml
 rules = [r for g in yaml.safe_load(open("prometheus/alerts.yml"))["groups"] for r in g["rules"]]
 tests = yaml.safe_load(open("prometheus/alerts_test.yml"))["tests"]
+runbook = open("../docs/operations.md").read()
 tested = {t["alertname"] for test in tests for t in test.get("alert_rule_test", []) if t.get("exp_alerts")}
 problems = []
 for r in rules:
@@ -117,6 +118,8 @@ for r in rules:
             problems.append(f"{name}: no {key}")
     if a.get("runbook_url") != f"docs/operations.md#{name.lower()}":
         problems.append(f"{name}: runbook_url must be docs/operations.md#{name.lower()}")
+    if f"### {name}\n" not in runbook:
+        problems.append(f"{name}: docs/operations.md has no heading '### {name}' (the runbook_url anchor)")
     if name not in tested:
         problems.append(f"{name}: no unit test in alerts_test.yml expects it to fire")
 for p in problems:

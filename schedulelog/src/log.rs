@@ -205,6 +205,7 @@ impl ScheduleLog {
         let checkpoint = Checkpoint::load(&data_dir.join("checkpoint"), width)?;
         #[allow(unused_mut)] // set in test builds
         let mut dispatch = DispatchLogs::new(&data_dir.join("dispatch"), width);
+        check_wal_reaches(&data_dir, &checkpoint)?;
         let mut replay = Replay::open(&data_dir, width, &checkpoint)?;
         #[cfg(test)]
         let faults = Arc::new(crate::fault::Faults::default());
@@ -798,6 +799,32 @@ fn check_meta(data_dir: &Path, configured: SegmentMinutes) -> Result<SegmentMinu
 
 /// Scans the WAL from the checkpoint, replays what it finds, cuts a torn tail and returns the file to
 /// append to and the next seq.
+/// Opening the replayer deletes the segments the checkpoint does not list and cuts the others back to
+/// its marks, trusting the WAL to hold everything after it. Before anything is cut, the WAL must reach
+/// back to the checkpoint: a checkpoint lost, or older than the WAL (a data dir copied file by file
+/// while it ran, WAL files deleted by hand), would otherwise make recovery delete acknowledged
+/// messages and then fail anyway on the gap.
+fn check_wal_reaches(data_dir: &Path, checkpoint: &Checkpoint) -> Result<()> {
+    let schedule_dir = data_dir.join("schedule");
+    if crate::segment::list(&schedule_dir)?.is_empty() {
+        return Ok(()); // nothing to cut
+    }
+    let wal_dir = data_dir.join("wal");
+    let first = wal::list(&wal_dir)?.first().map(|(seq, _)| *seq);
+    match first {
+        Some(first) if first <= checkpoint.next_seq => Ok(()),
+        _ => Err(Error::corrupt(
+            data_dir.join("checkpoint"),
+            0,
+            format!(
+                "the checkpoint's position (seq {}) is before the WAL's first record ({}): the checkpoint is missing or older than the WAL, and replaying would cut the schedule segments; nothing was changed (restore the data dir from a consistent backup)",
+                checkpoint.next_seq,
+                first.map_or("no WAL file".to_string(), |seq| format!("seq {seq}"))
+            ),
+        )),
+    }
+}
+
 fn recover_wal(
     wal_dir: &Path,
     options: &Options,

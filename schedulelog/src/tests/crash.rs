@@ -220,6 +220,53 @@ fn a_torn_new_wal_file_is_removed() {
     assert_eq!(append_one(&log, T0, "x").location.seq, 4);
 }
 
+/// A checkpoint lost (or older than the WAL) after the WAL moved on: the open refuses, naming the
+/// checkpoint, and cuts nothing: the segments holding the acknowledged messages are untouched, and
+/// the data dir opens again once the checkpoint is back.
+#[test]
+fn a_lost_checkpoint_refuses_the_open_and_cuts_no_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let small = Options {
+        wal_segment_bytes: 16 * 1024,
+        ..options(&clock)
+    };
+    let log = ScheduleLog::open(dir.path(), small.clone()).unwrap();
+    for i in 0..200 {
+        append_one(&log, T0 + i * 3_600_000, &format!("{i:0>200}"));
+    }
+    log.checkpoint().unwrap();
+    drop(log);
+    let first_wal = wal::list(&dir.path().join("wal")).unwrap()[0].0;
+    assert!(first_wal > 1, "the WAL moved on past its first file");
+    let sizes = |dir: &Path| -> Vec<(PathBuf, u64)> {
+        let mut all: Vec<_> = fs::read_dir(dir.join("schedule"))
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (e.path(), e.metadata().unwrap().len())
+            })
+            .collect();
+        all.sort();
+        all
+    };
+    let before = sizes(dir.path());
+    assert!(before.len() >= 200, "{} segment files", before.len());
+    let checkpoint = dir.path().join("checkpoint");
+    let saved = fs::read(&checkpoint).unwrap();
+    fs::remove_file(&checkpoint).unwrap();
+    let error = ScheduleLog::open(dir.path(), small.clone()).err().unwrap();
+    let said = error.to_string();
+    assert!(
+        said.contains("checkpoint") && said.contains("nothing was changed"),
+        "{said}"
+    );
+    assert_eq!(sizes(dir.path()), before, "no segment deleted or cut");
+    fs::write(&checkpoint, saved).unwrap();
+    let log = ScheduleLog::open(dir.path(), small).unwrap();
+    assert_eq!(all_messages(&log).len(), 200);
+}
+
 #[test]
 fn segment_tails_past_the_checkpoint_are_cut_and_replayed() {
     let dir = tempfile::tempdir().unwrap();
