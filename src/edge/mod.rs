@@ -8,8 +8,9 @@
 //!   a long poll waits as long as it asked (at most `broker.max_wait`).
 //! - **A connection cap**: at most `max_connections` connections are served at once, fewer when the
 //!   open-file limit requires ([`fds`]). Past it a new connection is still accepted, answered 503
-//!   `overloaded` with `Retry-After: 1` and closed; its `/healthz` and `/readyz` are answered as usual,
-//!   so that an orchestrator does not restart or unlist a node for being busy. One log line marks each
+//!   `overloaded` with `Retry-After: 1` and closed; its `/healthz`, `/readyz` and `/metrics` are answered
+//!   as usual, so that an orchestrator does not restart or unlist a node for being busy, and monitoring
+//!   sees it busy rather than down. One log line marks each
 //!   episode of refusals (and one its end), not each connection. Refusing takes a descriptor too, for at
 //!   most [`REFUSAL_WITHIN`]: at most [`fds::REFUSAL_SLOTS`] at once, and while all are taken new
 //!   connections wait in the listen backlog.
@@ -409,7 +410,8 @@ async fn answer(router: Router, request: Request<TimedBody>) -> Response<axum::b
     }
 }
 
-/// Answers a connection past the cap: its health and readiness probes as usual, everything else 503
+/// Answers a connection past the cap: its health and readiness probes and metric scrapes as usual,
+/// everything else 503
 /// `overloaded`; then closes it, within [`REFUSAL_WITHIN`].
 async fn refuse(
     stream: TcpStream,
@@ -421,7 +423,7 @@ async fn refuse(
     let handle = move |request: Request<TimedBody>| {
         let router = router.clone();
         async move {
-            let probe = matches!(request.uri().path(), "/healthz" | "/readyz")
+            let probe = matches!(request.uri().path(), "/healthz" | "/readyz" | "/metrics")
                 && matches!(*request.method(), Method::GET | Method::HEAD);
             if probe {
                 return answer(router, request).await;

@@ -308,6 +308,9 @@ fn past_the_connection_cap_new_connections_get_503_and_one_log_line_per_episode(
         (200, &json!({"status": "ready"})),
         "a readiness probe past the cap is answered"
     );
+    // So is a scrape: monitoring sees the node busy, not down (and sees the refusals).
+    let scraped = refused_request("/metrics");
+    assert_eq!(scraped.status, 200, "{scraped:?}");
     let log = wait_for_log(&process, REACHED, 1);
     assert_eq!(
         lines_with(&log, REACHED),
@@ -319,7 +322,7 @@ fn past_the_connection_cap_new_connections_get_503_and_one_log_line_per_episode(
     held.truncate(CAP - 2);
     let served = loop {
         let answer = agent(seconds(10.0))
-            .get(&format!("{}/metrics", process.base))
+            .get(&format!("{}/v1/sinks", process.base))
             .call()
             .unwrap();
         if answer.status() == 200 {
