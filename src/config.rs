@@ -53,29 +53,31 @@ fn kubernetes_service_link(key: &str, value: &str) -> bool {
     let url = ["tcp://", "udp://", "sctp://"]
         .iter()
         .any(|scheme| value.starts_with(scheme));
-    for (at, _) in key.match_indices("_PORT_") {
-        let rest = &key[at + "_PORT_".len()..];
-        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-        let Some(rest) = rest[digits..].strip_prefix('_').filter(|_| digits > 0) else {
-            continue;
-        };
-        for protocol in ["TCP", "UDP", "SCTP"] {
-            match rest.strip_prefix(protocol) {
-                Some("") => return url,
-                Some("_PROTO") => return value.eq_ignore_ascii_case(protocol),
-                Some("_PORT") => return port,
-                Some("_ADDR") => return ip,
-                _ => {}
-            }
-        }
-    }
-    if key.ends_with("_SERVICE_HOST") {
-        return ip;
-    }
-    if key.ends_with("_SERVICE_PORT") || key.contains("_SERVICE_PORT_") {
-        return port;
-    }
-    key.ends_with("_PORT") && url
+    // `_PORT_<n>_<PROTO>…` may sit anywhere (a Service named `delayd-port` makes
+    // `DELAYD_PORT_PORT_7070_TCP`), and a Service's name may end in `-service` or `-port`: every reading
+    // of the name is tried, and any that fits the value makes it a link.
+    let numbered = (0..key.len())
+        .filter(|&at| key[at..].starts_with("_PORT_"))
+        .any(|at| {
+            let rest = &key[at + "_PORT_".len()..];
+            let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+            let Some(rest) = rest[digits..].strip_prefix('_').filter(|_| digits > 0) else {
+                return false;
+            };
+            ["TCP", "UDP", "SCTP"]
+                .iter()
+                .any(|protocol| match rest.strip_prefix(protocol) {
+                    Some("") => url,
+                    Some("_PROTO") => value.eq_ignore_ascii_case(protocol),
+                    Some("_PORT") => port,
+                    Some("_ADDR") => ip,
+                    _ => false,
+                })
+        });
+    numbered
+        || (key.ends_with("_SERVICE_HOST") && ip)
+        || ((key.ends_with("_SERVICE_PORT") || key.contains("_SERVICE_PORT_")) && port)
+        || (key.ends_with("_PORT") && url)
 }
 
 /// Parses `"1500ms"`, `"30s"`, `"30m"`, `"2h"`, `"7d"` (a whole number and a unit).
@@ -1099,8 +1101,11 @@ mod tests {
             ("DELAYD_PORT_7070_TCP_PROTO", "tcp"),
             ("DELAYD_PORT_7070_TCP_PORT", "7070"),
             ("DELAYD_PORT_7070_TCP_ADDR", "10.0.0.7"),
-            ("DELAYD_HEADLESS_SERVICE_HOST", "10.0.0.8"),
-            ("DELAYD_HEADLESS_PORT_7070_TCP", "tcp://10.0.0.8:7070"),
+            // Services named `delayd-service` and `delayd-port`.
+            ("DELAYD_SERVICE_SERVICE_HOST", "10.0.0.8"),
+            ("DELAYD_SERVICE_PORT", "tcp://10.0.0.8:7070"),
+            ("DELAYD_PORT_PORT", "tcp://[fd00::9]:7070"),
+            ("DELAYD_PORT_PORT_7070_TCP_ADDR", "fd00::9"),
             ("DELAYD_LISTEN", "0.0.0.0:7070"),
         ]);
         let config = Config::load(None, links, &Flags::default()).unwrap();

@@ -122,7 +122,7 @@ fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_gauge!(
         "delayd_storage_failed",
-        "1 while /readyz answers storage_failed (a failed WAL write or fsync, or a failed broker store write): the node refuses writes until restarted"
+        "1 while /readyz answers storage_failed (a failed WAL write or fsync, a replayer stopped on an error, or a broker store whose failed append could not be undone): the node refuses writes until restarted"
     );
     describe_gauge!(
         "delayd_build_info",

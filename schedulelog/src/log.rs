@@ -803,26 +803,32 @@ fn check_meta(data_dir: &Path, configured: SegmentMinutes) -> Result<SegmentMinu
 /// its marks, trusting the WAL to hold everything after it. Before anything is cut, the WAL must reach
 /// back to the checkpoint: a checkpoint lost, or older than the WAL (a data dir copied file by file
 /// while it ran, WAL files deleted by hand), would otherwise make recovery delete acknowledged
-/// messages and then fail anyway on the gap.
+/// messages and then fail anyway on the gap. Without any WAL file a stored checkpoint is enough (a
+/// crash can leave none: a torn new file is removed at the next start); with neither, the segments
+/// cannot be trusted to anything and nothing is cut.
 fn check_wal_reaches(data_dir: &Path, checkpoint: &Checkpoint) -> Result<()> {
     let schedule_dir = data_dir.join("schedule");
     if crate::segment::list(&schedule_dir)?.is_empty() {
         return Ok(()); // nothing to cut
     }
-    let wal_dir = data_dir.join("wal");
-    let first = wal::list(&wal_dir)?.first().map(|(seq, _)| *seq);
-    match first {
-        Some(first) if first <= checkpoint.next_seq => Ok(()),
-        _ => Err(Error::corrupt(
-            data_dir.join("checkpoint"),
-            0,
-            format!(
-                "the checkpoint's position (seq {}) is before the WAL's first record ({}): the checkpoint is missing or older than the WAL, and replaying would cut the schedule segments; nothing was changed (restore the data dir from a consistent backup)",
-                checkpoint.next_seq,
-                first.map_or("no WAL file".to_string(), |seq| format!("seq {seq}"))
-            ),
-        )),
-    }
+    let checkpoint_path = data_dir.join("checkpoint");
+    let first = wal::list(&data_dir.join("wal"))?
+        .first()
+        .map(|(seq, _)| *seq);
+    let reason = match first {
+        Some(first) if first <= checkpoint.next_seq => return Ok(()),
+        None if checkpoint_path.exists() => return Ok(()),
+        Some(first) => format!(
+            "the checkpoint's position (seq {}) is before the WAL's first record (seq {first}): the checkpoint is missing or older than the WAL",
+            checkpoint.next_seq
+        ),
+        None => "there is neither a checkpoint nor a WAL file, but there are schedule segments".into(),
+    };
+    Err(Error::corrupt(
+        checkpoint_path,
+        0,
+        format!("{reason}; replaying would cut the schedule segments, so nothing was changed (restore the data dir from a consistent backup)"),
+    ))
 }
 
 fn recover_wal(

@@ -139,7 +139,7 @@ fn systemd_hears_ready_after_recovery_and_stopping_at_sigterm() {
         let sent = request(&first.base, "POST", "/v1/messages/batch", Some(&body), None);
         assert_eq!(sent.status, 200, "{}", sent.json);
     }
-    first.kill(); // no checkpoint: the restart replays the WAL
+    first.kill(); // right after the acks: the restart replays what the last checkpoint (every 2 s) missed
 
     let socket_path = dir.path().join("notify.sock");
     let socket = UnixDatagram::bind(&socket_path).unwrap();

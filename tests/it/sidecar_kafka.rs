@@ -632,9 +632,9 @@ fn a_rebalance_between_two_nodes_loses_nothing_and_schedules_nothing_twice() {
     let mut reader = tansu.reader("orders-out");
     let a = start_delayd(&dir.path().join("a"), &config(dir.path(), &tansu, "a"));
     wait_until_consuming(&tansu, &a.base);
-    let due = (now_ms() + 12_000).to_string();
     let mut produced = 0;
     let mut produce = || {
+        let due = (now_ms() + 12_000).to_string();
         tansu.produce(
             "delayd-in",
             None,

@@ -263,8 +263,35 @@ fn a_lost_checkpoint_refuses_the_open_and_cuts_no_segment() {
     );
     assert_eq!(sizes(dir.path()), before, "no segment deleted or cut");
     fs::write(&checkpoint, saved).unwrap();
-    let log = ScheduleLog::open(dir.path(), small).unwrap();
+    let log = ScheduleLog::open(dir.path(), small.clone()).unwrap();
     assert_eq!(all_messages(&log).len(), 200);
+    log.checkpoint().unwrap();
+    drop(log);
+
+    // No WAL file at all (a crash can leave none) beside a checkpoint that covers everything: the
+    // open makes a new WAL file and loses nothing.
+    for (_, path) in wal::list(&dir.path().join("wal")).unwrap() {
+        fs::remove_file(path).unwrap();
+    }
+    let log = ScheduleLog::open(dir.path(), small.clone()).unwrap();
+    assert_eq!(all_messages(&log).len(), 200);
+    drop(log);
+
+    // Neither a WAL file nor a checkpoint: refused, nothing cut.
+    for (_, path) in wal::list(&dir.path().join("wal")).unwrap() {
+        fs::remove_file(path).unwrap();
+    }
+    fs::remove_file(&checkpoint).unwrap();
+    let before = sizes(dir.path());
+    let said = ScheduleLog::open(dir.path(), small)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        said.contains("neither a checkpoint nor a WAL file"),
+        "{said}"
+    );
+    assert_eq!(sizes(dir.path()), before, "no segment deleted or cut");
 }
 
 #[test]
