@@ -163,6 +163,35 @@ pub fn request(
 
 /// The series of a Prometheus text exposition (`GET /metrics`) and their values, e.g.
 /// `delayd_messages_received_total{sink="broker"}` → 0.
+/// Asserts that every arrival `(body, arrived at, unix ms)` came no earlier than its body's due time
+/// in `due`, and prints the lateness p50 and max, `what` saying how it was measured.
+pub fn assert_none_early<'a>(
+    arrivals: impl IntoIterator<Item = (&'a str, i64)>,
+    due: &std::collections::BTreeMap<String, i64>,
+    what: &str,
+) {
+    let mut lateness: Vec<i64> = arrivals
+        .into_iter()
+        .map(|(body, at_ms)| {
+            let due_ms = due[body];
+            assert!(
+                at_ms >= due_ms,
+                "{body} arrived {} ms early",
+                due_ms - at_ms
+            );
+            at_ms - due_ms
+        })
+        .collect();
+    assert!(!lateness.is_empty(), "nothing arrived");
+    lateness.sort();
+    println!(
+        "lateness over {} arrivals (ms, {what}): p50 {}, max {}",
+        lateness.len(),
+        lateness[lateness.len() / 2],
+        lateness[lateness.len() - 1]
+    );
+}
+
 pub fn scrape(base: &str) -> std::collections::BTreeMap<String, f64> {
     let mut response = agent(Duration::from_secs(60))
         .get(&format!("{base}/metrics"))
