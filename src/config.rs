@@ -1091,7 +1091,7 @@ mod tests {
 
     #[test]
     fn kubernetes_service_links_are_not_taken_for_settings() {
-        // What a pod sees for Services named `delayd` and `delayd-headless` (port named http).
+        // What a pod sees for a Service named `delayd` (its port named http).
         let links = env(&[
             ("DELAYD_SERVICE_HOST", "10.0.0.7"),
             ("DELAYD_SERVICE_PORT", "7070"),

@@ -797,8 +797,6 @@ fn check_meta(data_dir: &Path, configured: SegmentMinutes) -> Result<SegmentMinu
     }
 }
 
-/// Scans the WAL from the checkpoint, replays what it finds, cuts a torn tail and returns the file to
-/// append to and the next seq.
 /// Opening the replayer deletes the segments the checkpoint does not list and cuts the others back to
 /// its marks, trusting the WAL to hold everything after it. Before anything is cut, the WAL must reach
 /// back to the checkpoint: a checkpoint lost, or older than the WAL (a data dir copied file by file
@@ -831,6 +829,8 @@ fn check_wal_reaches(data_dir: &Path, checkpoint: &Checkpoint) -> Result<()> {
     ))
 }
 
+/// Scans the WAL from the checkpoint, replays what it finds, cuts a torn tail and returns the file to
+/// append to and the next seq.
 fn recover_wal(
     wal_dir: &Path,
     options: &Options,

@@ -130,8 +130,13 @@ async fn sinks(State(state): State<AppState>) -> Response {
     axum::Json(serde_json::json!({ "sinks": sinks })).into_response()
 }
 
+/// Why the node refuses writes until a restart (a poisoned log, or a failed broker store), if it does.
+fn storage_failure(state: &AppState) -> Option<String> {
+    state.log.poisoned().or_else(|| state.broker.failed())
+}
+
 async fn ready(State(state): State<AppState>) -> Response {
-    if let Some(cause) = state.log.poisoned().or_else(|| state.broker.failed()) {
+    if let Some(cause) = storage_failure(&state) {
         let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);
         error.retry_after_secs = Some(60);
         return error.into_response();
@@ -144,9 +149,8 @@ async fn ready(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    // Read at each scrape: 1 exactly when /readyz answers `storage_failed` (a poisoned WAL or a failed
-    // broker store), which only a restart clears.
-    let failed = state.log.poisoned().is_some() || state.broker.failed().is_some();
+    // Read at each scrape: 1 exactly when /readyz answers `storage_failed`.
+    let failed = storage_failure(&state).is_some();
     metrics::gauge!("delayd_storage_failed").set(if failed { 1.0 } else { 0.0 });
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

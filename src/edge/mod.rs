@@ -10,10 +10,9 @@
 //!   open-file limit requires ([`fds`]). Past it a new connection is still accepted, answered 503
 //!   `overloaded` with `Retry-After: 1` and closed; its `/healthz`, `/readyz` and `/metrics` are answered
 //!   as usual, so that an orchestrator does not restart or unlist a node for being busy, and monitoring
-//!   sees it busy rather than down. One log line marks each
-//!   episode of refusals (and one its end), not each connection. Refusing takes a descriptor too, for at
-//!   most [`REFUSAL_WITHIN`]: at most [`fds::REFUSAL_SLOTS`] at once, and while all are taken new
-//!   connections wait in the listen backlog.
+//!   sees it busy rather than down. One log line marks each episode of refusals (and one its end), not
+//!   each connection. Refusing takes a descriptor too, for at most [`REFUSAL_WITHIN`]: at most
+//!   [`fds::REFUSAL_SLOTS`] at once, and while all are taken new connections wait in the listen backlog.
 //! - **Descriptors for storage**: the cap is recomputed every second from the descriptors open, so that
 //!   HTTP connections never take the last `limits.reserved_fds` of them (see [`fds`]).
 //! - **Graceful stop**: when `shutdown` completes, no connection is accepted and no new request taken;
@@ -411,8 +410,7 @@ async fn answer(router: Router, request: Request<TimedBody>) -> Response<axum::b
 }
 
 /// Answers a connection past the cap: its health and readiness probes and metric scrapes as usual,
-/// everything else 503
-/// `overloaded`; then closes it, within [`REFUSAL_WITHIN`].
+/// everything else 503 `overloaded`; then closes it, within [`REFUSAL_WITHIN`].
 async fn refuse(
     stream: TcpStream,
     permit: OwnedSemaphorePermit,
