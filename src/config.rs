@@ -525,6 +525,9 @@ impl Config {
                     .collect()
             }
             _ if kubernetes_service_link(key, value) => {}
+            // Read by the storage engine of a benchmark build (schedulelog/src/slow_disk.rs).
+            "DELAYD_SLOW_DISK_SYNC_US" | "DELAYD_SLOW_DISK_WRITE_US_PER_MIB"
+                if cfg!(feature = "slow-disk") => {}
             _ if key.starts_with("DELAYD_") => {
                 return Err(invalid(
                     key,

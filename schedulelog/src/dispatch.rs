@@ -139,6 +139,7 @@ impl DispatchLogs {
         #[cfg(test)]
         self.faults
             .sync_fails_at(crate::fault::Point::DispatchSync, path)?;
+        crate::slow_disk::sync();
         let synced = target.file.sync_data().map_err(Error::sync(path));
         metrics::histogram!("delayd_sync_seconds", "file" => "dispatch")
             .record(started.elapsed().as_secs_f64());

@@ -95,6 +95,7 @@ pub fn create_dir_durably(dir: &Path) -> Result<()> {
 /// Makes the entries of `dir` (created, renamed or deleted files) durable.
 pub fn sync_dir(dir: &Path) -> Result<()> {
     let dir_file = File::open(dir).map_err(Error::io(dir))?;
+    crate::slow_disk::sync();
     dir_file.sync_all().map_err(Error::sync(dir))
 }
 
@@ -104,6 +105,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     let mut file = File::create(&tmp).map_err(Error::io(&tmp))?;
     file.write_all(bytes).map_err(Error::io(&tmp))?;
+    crate::slow_disk::sync();
     file.sync_all().map_err(Error::sync(&tmp))?;
     drop(file);
     fs::rename(&tmp, path).map_err(Error::io(path))?;

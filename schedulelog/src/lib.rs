@@ -27,6 +27,7 @@ mod log;
 pub mod record;
 mod replay;
 mod segment;
+pub mod slow_disk;
 mod sys;
 mod wal;
 

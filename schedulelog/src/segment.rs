@@ -297,9 +297,11 @@ impl SegmentWriter {
                 .map_err(Error::io(&self.index_path))?;
             return Err(Error::io(&self.index_path)(crate::fault::no_space()));
         }
+        crate::slow_disk::write(self.pending_log.len());
         self.log
             .write_all_at(&self.pending_log, self.written.log_len)
             .map_err(Error::io(&self.log_path))?;
+        crate::slow_disk::write(self.pending_index.len());
         self.index
             .write_all_at(&self.pending_index, index_at)
             .map_err(Error::io(&self.index_path))
@@ -326,7 +328,9 @@ impl SegmentWriter {
     pub(crate) fn sync(&mut self, drop_cache: bool) -> Result<SegmentMark> {
         let mark = self.flush()?;
         if self.dirty {
+            crate::slow_disk::sync();
             self.log.sync_data().map_err(Error::sync(&self.log_path))?;
+            crate::slow_disk::sync();
             self.index
                 .sync_data()
                 .map_err(Error::sync(&self.index_path))?;
@@ -481,6 +485,7 @@ pub(crate) fn sync_closed(
             .write(true)
             .open(&path)
             .map_err(Error::io(&path))?;
+        crate::slow_disk::sync();
         file.sync_data().map_err(Error::sync(&path))?;
         if drop_cache && path.extension().is_some_and(|e| e == "log") {
             let _ = crate::sys::drop_cached_pages(&file, 0, log_len);

@@ -181,6 +181,7 @@ pub(crate) fn zero_torn_tail(path: &Path, bytes: &[u8], at: u64) -> Result<()> {
             .map_err(Error::io(path))?;
         file.write_all_at(&vec![0u8; end - start], at)
             .map_err(Error::io(path))?;
+        crate::slow_disk::sync();
         file.sync_data().map_err(Error::sync(path))?;
     }
     metrics::counter!("delayd_log_torn_tails_total").increment(1);
@@ -274,6 +275,7 @@ impl ActiveWal {
     /// disk as they are; others are copied to an aligned buffer first.
     pub(crate) fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
         debug_assert_eq!(bytes.len() % BLOCK, 0);
+        crate::slow_disk::write(bytes.len());
         if bytes.as_ptr().align_offset(BLOCK) == 0 {
             self.file.write_all_at(bytes, self.pos)?;
         } else {
@@ -286,6 +288,7 @@ impl ActiveWal {
     }
 
     pub(crate) fn sync(&self) -> io::Result<()> {
+        crate::slow_disk::sync();
         self.file.sync_data()
     }
 
@@ -383,6 +386,7 @@ fn prepare(path: &Path, bytes: u64) -> Result<()> {
         let chunk = buffer.window(CHUNK);
         let mut left = bytes;
         while left >= CHUNK as u64 {
+            crate::slow_disk::write(CHUNK);
             file.write_all(chunk)?;
             left -= CHUNK as u64;
         }
@@ -391,6 +395,7 @@ fn prepare(path: &Path, bytes: u64) -> Result<()> {
         Ok(file)
     };
     let file = fill().map_err(Error::io(path))?;
+    crate::slow_disk::sync();
     file.sync_all().map_err(Error::sync(path))
 }
 

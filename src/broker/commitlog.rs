@@ -412,6 +412,8 @@ impl CommitLog {
         let last = self.last_mut();
         let file = last.handle()?;
         let started = std::time::Instant::now();
+        schedulelog::slow_disk::write(bytes.len());
+        schedulelog::slow_disk::sync();
         let written = file
             .write_all_at(bytes, last.len)
             .and_then(|()| file.sync_data());

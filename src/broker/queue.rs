@@ -319,6 +319,7 @@ impl Queue {
     /// Makes the units written so far durable.
     pub(crate) fn sync(&mut self) -> Result<(), BrokerError> {
         if self.dirty {
+            schedulelog::slow_disk::sync();
             self.active
                 .sync_data()
                 .map_err(io_err(&file_path(&self.dir, self.active_first())))?;
