@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Condvar, Mutex};
 
 /// An I/O failure a test asks the engine to pretend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,10 +42,45 @@ pub(crate) enum Point {
     DispatchSync,
 }
 
-/// Armed counts, one per [`Point`].
+/// Armed counts, one per [`Point`], and the gate checkpoint jobs pass.
 #[derive(Debug, Default)]
 pub(crate) struct Faults {
     armed: [AtomicU32; 5],
+    pub checkpoint_gate: Gate,
+}
+
+/// Where the next checkpoint job waits when a test asks (before it syncs or stores anything) until the
+/// test lets it go, so that a test can see what goes on while a checkpoint is slow.
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    /// (the next job is to be held, a job is held)
+    state: Mutex<(bool, bool)>,
+    changed: Condvar,
+    /// Jobs that reached the gate.
+    pub reached: AtomicU32,
+    /// Jobs that finished (stored, skipped or failed).
+    pub finished: AtomicU32,
+}
+
+impl Gate {
+    /// Holds the next job that comes (`true`), or lets a held one go (`false`).
+    pub(crate) fn hold_next(&self, hold: bool) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        *state = match hold {
+            true => (true, state.1),
+            false => (false, false),
+        };
+        self.changed.notify_all();
+    }
+
+    pub(crate) fn pass(&self) {
+        self.reached.fetch_add(1, Ordering::SeqCst);
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if std::mem::take(&mut state.0) {
+            state.1 = true;
+            drop(self.changed.wait_while(state, |state| state.1));
+        }
+    }
 }
 
 impl Faults {

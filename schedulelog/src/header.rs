@@ -4,7 +4,8 @@
 //! ```text
 //! offset  size  field
 //! 0       8     magic            b"DLYDWAL\0", b"DLYDSEG\0", b"DLYDIDX\0", b"DLYDDSP\0" or b"DLYDMETA"
-//! 8       2     version          u16 LE, FORMAT_VERSION
+//! 8       2     version          u16 LE: FORMAT_VERSION; WAL files WAL_FORMAT_VERSION (2: the file may
+//!                                be a reused one, holding an earlier use's frames past its own end)
 //! 10      2     segment_minutes  u16 LE (0 in WAL files)
 //! 12      4     reserved         zero
 //! 16      8     value            u64 LE: first seq (WAL), bucket start minute (segment, index, dispatch)
@@ -19,6 +20,18 @@ use std::path::Path;
 
 pub const HEADER_LEN: usize = 32;
 pub const FORMAT_VERSION: u16 = 1;
+/// WAL files are reused (wal.rs): version 1 promised zeros past the end of the log, which an older
+/// delayd relies on to tell a torn tail from damage, so a reused file must not look like version 1 to it.
+/// Version 1 WAL files are still read.
+pub const WAL_FORMAT_VERSION: u16 = 2;
+
+/// The version a file with this magic is written with (and the newest one read).
+fn version_of(magic: [u8; 8]) -> u16 {
+    match magic {
+        WAL_MAGIC => WAL_FORMAT_VERSION,
+        _ => FORMAT_VERSION,
+    }
+}
 
 pub const WAL_MAGIC: [u8; 8] = *b"DLYDWAL\0";
 pub const SEGMENT_MAGIC: [u8; 8] = *b"DLYDSEG\0";
@@ -37,7 +50,7 @@ impl FileHeader {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut out = [0u8; HEADER_LEN];
         out[0..8].copy_from_slice(&self.magic);
-        out[8..10].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out[8..10].copy_from_slice(&version_of(self.magic).to_le_bytes());
         out[10..12].copy_from_slice(&self.segment_minutes.to_le_bytes());
         out[16..24].copy_from_slice(&self.value.to_le_bytes());
         let crc = crc32c::crc32c(&out[..28]);
@@ -57,7 +70,8 @@ impl FileHeader {
         if bytes[0..8] != magic {
             return Err("wrong file magic");
         }
-        if u16::from_le_bytes([bytes[8], bytes[9]]) != FORMAT_VERSION {
+        if !(FORMAT_VERSION..=version_of(magic)).contains(&u16::from_le_bytes([bytes[8], bytes[9]]))
+        {
             return Err("unsupported format version");
         }
         let mut value = [0u8; 8];
@@ -135,5 +149,37 @@ mod tests {
             assert!(FileHeader::decode(&bad, SEGMENT_MAGIC).is_err(), "byte {i}");
         }
         assert!(FileHeader::decode(&bytes[..31], SEGMENT_MAGIC).is_err());
+    }
+
+    #[test]
+    fn wal_headers_are_version_2_and_version_1_is_still_read() {
+        let header = FileHeader {
+            magic: WAL_MAGIC,
+            segment_minutes: 0,
+            value: 7,
+        };
+        let with_version = |version: u16| {
+            let mut bytes = header.encode();
+            bytes[8..10].copy_from_slice(&version.to_le_bytes());
+            let crc = crc32c::crc32c(&bytes[..28]);
+            bytes[28..32].copy_from_slice(&crc.to_le_bytes());
+            bytes
+        };
+        assert_eq!(header.encode()[8..10], WAL_FORMAT_VERSION.to_le_bytes());
+        assert_eq!(FileHeader::decode(&with_version(1), WAL_MAGIC), Ok(header));
+        assert_eq!(FileHeader::decode(&with_version(2), WAL_MAGIC), Ok(header));
+        let unknown = Err("unsupported format version");
+        assert_eq!(FileHeader::decode(&with_version(3), WAL_MAGIC), unknown);
+        // Other files stay at version 1.
+        let segment = FileHeader {
+            magic: SEGMENT_MAGIC,
+            ..header
+        };
+        let mut bytes = segment.encode();
+        assert_eq!(bytes[8..10], 1u16.to_le_bytes());
+        bytes[8..10].copy_from_slice(&2u16.to_le_bytes());
+        let crc = crc32c::crc32c(&bytes[..28]);
+        bytes[28..32].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(FileHeader::decode(&bytes, SEGMENT_MAGIC), unknown);
     }
 }

@@ -54,8 +54,26 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
     let mut frames = Frames::new(body);
     let mut count = 0u64;
     let mut ok = true;
+    // A WAL file's seqs run on from its first seq; a reused file holds its earlier uses' frames past its
+    // own end (wal.rs).
+    let mut next_seq = (magic == WAL_MAGIC).then_some(header.value);
     for (at, kind, payload) in frames.by_ref() {
         let offset = start + at;
+        if let (Some(expected), Some(seq)) = (next_seq, wal::record_seq(&body[at..])) {
+            if seq != expected {
+                ok = seq < header.value;
+                let what = match ok {
+                    true => "what follows is from the file's earlier use",
+                    false => "sequence gap",
+                };
+                writeln!(
+                    out,
+                    "{count} records; the log ends at offset {offset}: {what}"
+                )?;
+                return Ok(ok);
+            }
+            next_seq = Some(seq + 1);
+        }
         let line = match kind {
             Kind::Message => match Message::decode(payload) {
                 Ok(m) => format!(

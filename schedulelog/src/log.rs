@@ -36,7 +36,7 @@ use crate::frame;
 use crate::header::{self, FileHeader, META_MAGIC};
 use crate::id::{Location, MessageId};
 use crate::record::{EncodedMessage, Message, Outcome, OutcomeKind};
-use crate::replay::{Replay, Replayed};
+use crate::replay::{CheckpointJob, Replay, Replayed};
 use crate::segment::{IndexEntry, SegmentReader};
 use crate::wal::{self, ActiveWal};
 use crossbeam_channel::{Receiver, Sender};
@@ -206,7 +206,10 @@ impl ScheduleLog {
         #[allow(unused_mut)] // set in test builds
         let mut dispatch = DispatchLogs::new(&data_dir.join("dispatch"), width);
         check_wal_reaches(&data_dir, &checkpoint)?;
-        let mut replay = Replay::open(&data_dir, width, &checkpoint)?;
+        // Retired WAL files kept for reuse: as many as the WAL grows by between two checkpoints.
+        let wal_spares =
+            (options.checkpoint_bytes / options.wal_segment_bytes).clamp(1, 8) as usize;
+        let mut replay = Replay::open(&data_dir, width, &checkpoint, wal_spares)?;
         #[cfg(test)]
         let faults = Arc::new(crate::fault::Faults::default());
         #[cfg(test)]
@@ -308,6 +311,12 @@ impl ScheduleLog {
             Fault::Sync | Fault::DiskFullAtRoll => self.submit(Request::InjectFault(fault)),
             _ => self.shared.faults.arm(fault),
         }
+    }
+
+    /// The gate checkpoint jobs pass (see fault.rs).
+    #[cfg(test)]
+    pub(crate) fn checkpoint_gate(&self) -> &crate::fault::Gate {
+        &self.shared.faults.checkpoint_gate
     }
 
     /// The bucket width of this data dir.
@@ -862,7 +871,7 @@ fn recover_wal(
             Some(scanned) => {
                 replay.apply(&scanned.bytes, &scanned.records, dispatch)?;
                 if let Some(at) = scanned.torn_at {
-                    wal::zero_torn_tail(path, &scanned.bytes, at)?;
+                    wal::zero_torn_tail(path, &scanned.bytes, at, !scanned.reused_end)?;
                 }
                 expected = Some(scanned.next_seq);
                 tail = Some((path.clone(), scanned.end, scanned.next_seq));
@@ -934,12 +943,47 @@ struct Retry {
 /// down: the group (or checkpoint) that met it is tried again with backoff, later groups wait behind it
 /// in a bounded backlog, and `ScheduleLog::disk_full` says why. Any other error ends it (and poisons the
 /// log). On shutdown while held up it gives up at once: what it has not applied is in the WAL.
+///
+/// Checkpoints are made by a checkpointer thread of its own (replay.rs): the replayer takes a job under
+/// its lock, hands it over, goes on applying groups, and records the job's result when it comes back.
+/// One job at a time.
 fn run_replayer(
     shared: &Shared,
     groups: &Receiver<CommittedGroup>,
     recycle: Sender<Vec<u8>>,
     options: &Options,
 ) -> Result<()> {
+    std::thread::scope(|scope| {
+        let (jobs, jobs_rx) = crossbeam_channel::bounded::<CheckpointJob>(1);
+        let (done_tx, done) = crossbeam_channel::bounded(1);
+        std::thread::Builder::new()
+            .name("delayd-checkpoint".into())
+            .spawn_scoped(scope, move || {
+                for job in jobs_rx {
+                    let stored = job.run();
+                    if done_tx.send((job, stored)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(Error::io("thread"))?;
+        let result = replay_loop(shared, groups, recycle, options, &jobs, &done);
+        // The checkpointer finishes the job it has (the scope waits for it) and stops.
+        drop(jobs);
+        result
+    })
+}
+
+/// The replayer's loop (see [`run_replayer`]); `jobs` goes to the checkpointer, `done` comes back.
+fn replay_loop(
+    shared: &Shared,
+    groups: &Receiver<CommittedGroup>,
+    recycle: Sender<Vec<u8>>,
+    options: &Options,
+    jobs: &Sender<CheckpointJob>,
+    done: &Receiver<(CheckpointJob, Result<bool>)>,
+) -> Result<()> {
+    let mut in_flight = false;
     let mut backlog = Backlog::default();
     let mut retry: Option<Retry> = None;
     // After a stall, a checkpoint at once rather than at the next interval: it deletes the WAL files
@@ -949,12 +993,16 @@ fn run_replayer(
     let mut bytes_since = 0u64;
     let mut open = true;
     loop {
+        let mut finished = None;
         match &retry {
             None if backlog.groups.is_empty() => {
-                match groups.recv_timeout(options.checkpoint_interval) {
-                    Ok(group) => backlog.push(group),
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => open = false,
+                crossbeam_channel::select! {
+                    recv(groups) -> group => match group {
+                        Ok(group) => backlog.push(group),
+                        Err(_) => open = false,
+                    },
+                    recv(done) -> job => finished = job.ok(),
+                    default(options.checkpoint_interval) => {}
                 }
             }
             None => {}
@@ -981,6 +1029,14 @@ fn run_replayer(
 
         let mut replay = shared.replay();
         let mut held_up = None;
+        if let Some((job, stored)) = finished.or_else(|| done.try_recv().ok()) {
+            in_flight = false;
+            match replay.finish_checkpoint(&job, stored) {
+                Ok(()) => checkpoint_soon = false,
+                Err(e) if e.is_disk_full() => held_up = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
         while let Some(group) = backlog.groups.front() {
             match replay.apply(&group.bytes, &group.records, &shared.dispatch) {
                 Ok(()) => {
@@ -1000,7 +1056,7 @@ fn run_replayer(
         let due = checkpoint_soon
             || last_checkpoint.elapsed() >= options.checkpoint_interval
             || bytes_since >= options.checkpoint_bytes;
-        if held_up.is_none() && due {
+        if held_up.is_none() && due && !in_flight {
             if replay.checkpointed_seq == replay.next_seq {
                 checkpoint_soon = false;
                 // Nothing new to checkpoint, but a WAL file may have become deletable since the last
@@ -1009,18 +1065,13 @@ fn run_replayer(
                 // what the rest of the node is waiting for. A failure is retried at the next interval.
                 let _ = replay.delete_replayed_wal();
             } else {
-                let started = Instant::now();
-                match replay.checkpoint() {
-                    Ok(()) => {
-                        metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")
-                            .record(started.elapsed().as_secs_f64());
-                        last_checkpoint = Instant::now();
-                        bytes_since = 0;
-                        checkpoint_soon = false;
-                    }
-                    Err(e) if e.is_disk_full() => held_up = Some(e),
-                    Err(e) => return Err(e),
-                }
+                let job = replay.start_checkpoint()?;
+                jobs.send(job).map_err(|_| {
+                    Error::io("checkpointer")(io::Error::other("the checkpointer thread stopped"))
+                })?;
+                in_flight = true;
+                last_checkpoint = Instant::now();
+                bytes_since = 0;
             }
         }
         drop(replay);
@@ -1056,6 +1107,12 @@ fn run_replayer(
         }
         if !open && backlog.groups.is_empty() {
             break;
+        }
+    }
+    if in_flight {
+        if let Ok((job, stored)) = done.recv() {
+            // Its error, if any, is met again by the final checkpoint below.
+            let _ = shared.replay().finish_checkpoint(&job, stored);
         }
     }
     #[cfg(test)]

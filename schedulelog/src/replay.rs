@@ -26,6 +26,16 @@
 //!   segment created since is in a synced directory. After a failed sync no checkpoint is ever written
 //!   again (the sync may have dropped data a later sync would then claim durable): `checkpoint` fails
 //!   with the first failure's cause until the log is reopened, and the WAL stays for recovery.
+//! - A checkpoint is made in two steps: [`Replay::start_checkpoint`] takes, under the replayer's lock, a
+//!   [`CheckpointJob`]: the marks every segment has now (all its records below `next_seq` are written)
+//!   and which segments need a sync. [`CheckpointJob::run`] syncs them and stores the checkpoint without
+//!   the lock, so the replayer goes on applying groups meanwhile (on a checkpointer thread, see log.rs):
+//!   syncing hundreds of segments takes long, and a replayer stopped for it stops the WAL writer behind
+//!   it. A sync covers the bytes written before it, so a segment written after the marks were taken is
+//!   still synced up to them. [`Replay::finish_checkpoint`] then records what became durable.
+//! - Jobs are numbered in the order they were taken, and a job older than the last one stored stores
+//!   nothing (nor syncs anything): a checkpoint never goes back, and a segment removed after a newer
+//!   checkpoint stopped listing it is never listed again.
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::checkpoint::Checkpoint;
@@ -37,15 +47,25 @@ use crate::record::{MessageHead, Outcome, OutcomeKind};
 use crate::segment::{self, IndexEntry, SegmentMark, SegmentWriter};
 use crate::wal::{self, WalRecord};
 use std::collections::{BTreeMap, HashSet};
-use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-/// Segment files kept open for append at most; the least recently used is synced and closed past this.
+/// Segments kept open for append at most (two descriptors each): an eighth of the open-file limit, the
+/// rest being for connections, readers, the broker and webhook calls (delayd raises the limit to its
+/// hard one first, commonly 524,288: then 1,024 segments, 42 days of hourly buckets, so that a batch
+/// spread over weeks finds every segment open). Past it, the least recently used quarter is closed.
 #[cfg(not(test))]
-const MAX_OPEN_SEGMENTS: usize = 256;
+fn max_open_segments() -> usize {
+    let limit = crate::sys::open_file_limit().unwrap_or(1024);
+    usize::try_from(limit / 8)
+        .unwrap_or(usize::MAX)
+        .clamp(16, 1024)
+}
 /// Tests keep two open, so that eviction and the checkpoint's sync of closed segments run constantly.
 #[cfg(test)]
-const MAX_OPEN_SEGMENTS: usize = 2;
+fn max_open_segments() -> usize {
+    2
+}
 
 /// The bucket a message is filed under.
 pub(crate) fn placement(head: &MessageHead, width: SegmentMinutes) -> Bucket {
@@ -71,11 +91,76 @@ pub enum Replayed {
     Cancelled { target: Location, seq: u64 },
 }
 
+/// A checkpoint to make: the marks to record, and the segments to sync before (see the module's
+/// invariants).
+#[derive(Debug)]
+pub(crate) struct CheckpointJob {
+    number: u64,
+    stored: Arc<Mutex<u64>>,
+    checkpoint: Checkpoint,
+    /// Segments written since their last sync: the mark to sync up to, and whether to drop the `.log`'s
+    /// pages from the cache after (not for a bucket being delivered from).
+    sync: Vec<(Bucket, SegmentMark, bool)>,
+    schedule_dir: PathBuf,
+    checkpoint_path: PathBuf,
+    width: SegmentMinutes,
+    #[cfg(test)]
+    faults: Arc<crate::fault::Faults>,
+}
+
+impl CheckpointJob {
+    /// Syncs the segments and the schedule directory, then stores the checkpoint: `Ok(true)`. Does
+    /// nothing when a newer job was stored first: `Ok(false)`. Needs no lock but its own, which it holds
+    /// throughout, so jobs never interleave.
+    pub(crate) fn run(&self) -> Result<bool> {
+        #[cfg(test)]
+        self.faults.checkpoint_gate.pass();
+        let result = self.sync_and_store();
+        #[cfg(test)]
+        self.faults
+            .checkpoint_gate
+            .finished
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        result
+    }
+
+    fn sync_and_store(&self) -> Result<bool> {
+        let mut stored = self.stored.lock().unwrap_or_else(|p| p.into_inner());
+        if *stored >= self.number {
+            return Ok(false);
+        }
+        let started = std::time::Instant::now();
+        for &(bucket, mark, drop_cache) in &self.sync {
+            #[cfg(test)]
+            self.faults.sync_fails_at(
+                crate::fault::Point::SegmentSync,
+                &segment::log_path(&self.schedule_dir, bucket),
+            )?;
+            segment::sync_files(&self.schedule_dir, bucket, mark.log_len, drop_cache)?;
+        }
+        // Every time, rather than after creations only: a job skipped above may have been the one to
+        // sync the creations a newer job lists.
+        sync_dir(&self.schedule_dir)?;
+        #[cfg(test)]
+        self.faults.disk_full_at(
+            crate::fault::Point::CheckpointWrite,
+            &self.checkpoint_path.with_extension("tmp"),
+        )?;
+        self.checkpoint.store(&self.checkpoint_path, self.width)?;
+        *stored = self.number;
+        metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")
+            .record(started.elapsed().as_secs_f64());
+        Ok(true)
+    }
+}
+
 /// The replayer's state, shared behind a mutex with readers that need published entry counts.
 #[derive(Debug)]
 pub(crate) struct Replay {
     schedule_dir: PathBuf,
     wal_dir: PathBuf,
+    /// How many retired WAL files are kept for reuse (wal.rs).
+    wal_spares: usize,
     checkpoint_path: PathBuf,
     width: SegmentMinutes,
     segments: BTreeMap<Bucket, SegmentState>,
@@ -83,16 +168,20 @@ pub(crate) struct Replay {
     pub next_seq: u64,
     /// next_seq of the last checkpoint written.
     pub checkpointed_seq: u64,
-    created_since_checkpoint: bool,
+    /// The number of the last checkpoint job taken.
+    jobs_taken: u64,
+    /// The number of the last checkpoint job stored, shared with the jobs (and held while one runs).
+    jobs_stored: Arc<Mutex<u64>>,
     use_counter: u64,
     open_writers: usize,
+    max_open_writers: usize,
     /// Buckets whose new records and cancels are reported to `tap`.
     pub watched: HashSet<Bucket>,
     pub tap: Option<crossbeam_channel::Sender<Replayed>>,
     /// Why a sync failed, once one has: from then on no checkpoint is written.
     sync_failed: Option<String>,
     #[cfg(test)]
-    pub faults: std::sync::Arc<crate::fault::Faults>,
+    pub faults: Arc<crate::fault::Faults>,
 }
 
 impl Replay {
@@ -102,6 +191,7 @@ impl Replay {
         data_dir: &Path,
         width: SegmentMinutes,
         checkpoint: &Checkpoint,
+        wal_spares: usize,
     ) -> Result<Replay> {
         let schedule_dir = data_dir.join("schedule");
         let mut deleted = false;
@@ -131,14 +221,17 @@ impl Replay {
         Ok(Replay {
             schedule_dir,
             wal_dir: data_dir.join("wal"),
+            wal_spares,
             checkpoint_path: data_dir.join("checkpoint"),
             width,
             segments,
             next_seq: checkpoint.next_seq,
             checkpointed_seq: checkpoint.next_seq,
-            created_since_checkpoint: false,
+            jobs_taken: 0,
+            jobs_stored: Arc::default(),
             use_counter: 0,
             open_writers: 0,
+            max_open_writers: max_open_segments(),
             watched: Default::default(),
             tap: None,
             sync_failed: None,
@@ -249,8 +342,8 @@ impl Replay {
             .segments
             .get(&bucket)
             .is_none_or(|s| s.writer.is_none());
-        if needs_open && self.open_writers >= MAX_OPEN_SEGMENTS {
-            self.evict_one()?;
+        if needs_open && self.open_writers >= self.max_open_writers {
+            self.evict()?;
         }
         let (dir, width, now) = (self.schedule_dir.clone(), self.width, self.use_counter);
         match self.segments.get_mut(&bucket) {
@@ -270,7 +363,6 @@ impl Replay {
                 let writer = SegmentWriter::create(&dir, bucket, width)?;
                 self.open_writers += 1;
                 let mark = writer.mark();
-                self.created_since_checkpoint = true;
                 self.segments.insert(
                     bucket,
                     SegmentState {
@@ -290,15 +382,20 @@ impl Replay {
         Ok(state)
     }
 
-    /// Writes out and closes the least recently used open segment.
-    fn evict_one(&mut self) -> Result<()> {
-        let victim = self
+    /// Writes out and closes the least recently used quarter of the open segments (at least one): one
+    /// pass over them per quarter, not per segment closed.
+    fn evict(&mut self) -> Result<()> {
+        let mut open: Vec<(u64, Bucket)> = self
             .segments
             .iter()
             .filter(|(_, s)| s.writer.is_some())
-            .min_by_key(|(_, s)| s.last_used)
-            .map(|(b, _)| *b);
-        if let Some(bucket) = victim {
+            .map(|(b, s)| (s.last_used, *b))
+            .collect();
+        let count = (open.len() / 4).max(1).min(open.len());
+        if count < open.len() {
+            open.select_nth_unstable(count);
+        }
+        for &(_, bucket) in &open[..count] {
             let state = self.segments.get_mut(&bucket).expect("present");
             if let Some(writer) = state.writer.as_mut() {
                 // No sync here: the next checkpoint syncs every segment written since the last one,
@@ -313,71 +410,81 @@ impl Replay {
         Ok(())
     }
 
-    /// Syncs every written segment, stores a checkpoint at `next_seq`, and deletes the WAL files that are
-    /// entirely below it.
+    /// Syncs every written segment, stores a checkpoint at `next_seq`, and retires the WAL files that
+    /// are entirely below it: all at once, under the replayer's lock.
     pub(crate) fn checkpoint(&mut self) -> Result<()> {
+        let job = self.start_checkpoint()?;
+        let stored = job.run();
+        self.finish_checkpoint(&job, stored)
+    }
+
+    /// Takes the next checkpoint job (see the module's invariants). Fails once a sync has failed.
+    pub(crate) fn start_checkpoint(&mut self) -> Result<CheckpointJob> {
         if let Some(cause) = &self.sync_failed {
             return Err(Error::Append(AppendError::Poisoned(cause.clone())));
         }
-        let result = self.sync_and_store();
-        if let Err(e) = &result {
-            if e.is_sync_failure() {
-                self.sync_failed = Some(e.to_string());
-            }
-        }
-        result
+        self.jobs_taken += 1;
+        let sync = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.synced != s.written)
+            // A watched bucket is being delivered from: its pages are read back soon.
+            .map(|(bucket, s)| (*bucket, s.written, !self.watched.contains(bucket)))
+            .collect();
+        Ok(CheckpointJob {
+            number: self.jobs_taken,
+            stored: self.jobs_stored.clone(),
+            checkpoint: Checkpoint {
+                next_seq: self.next_seq,
+                segments: self.segments.iter().map(|(b, s)| (*b, s.written)).collect(),
+            },
+            sync,
+            schedule_dir: self.schedule_dir.clone(),
+            checkpoint_path: self.checkpoint_path.clone(),
+            width: self.width,
+            #[cfg(test)]
+            faults: self.faults.clone(),
+        })
     }
 
-    fn sync_and_store(&mut self) -> Result<()> {
-        for (bucket, state) in &mut self.segments {
-            if state.synced != state.written {
-                #[cfg(test)]
-                self.faults.sync_fails_at(
-                    crate::fault::Point::SegmentSync,
-                    &segment::log_path(&self.schedule_dir, *bucket),
-                )?;
-                // A watched bucket is being delivered from: its pages are read back soon.
-                let drop_cache = !self.watched.contains(bucket);
-                state.synced = match state.writer.as_mut() {
-                    Some(writer) => writer.sync(drop_cache)?,
-                    None => {
-                        segment::sync_closed(
-                            &self.schedule_dir,
-                            *bucket,
-                            state.written.log_len,
-                            drop_cache,
-                        )?;
-                        state.written
-                    }
-                };
+    /// Records what a job made durable (`Ok(true)`: it stored its checkpoint; `Ok(false)`: a newer one
+    /// was stored first, and it did nothing) and retires the WAL files below the checkpoint. After a
+    /// failed sync no checkpoint is ever stored again.
+    pub(crate) fn finish_checkpoint(
+        &mut self,
+        job: &CheckpointJob,
+        stored: Result<bool>,
+    ) -> Result<()> {
+        match stored {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => {
+                if e.is_sync_failure() {
+                    self.sync_failed.get_or_insert_with(|| e.to_string());
+                }
+                return Err(e);
             }
         }
-        if self.created_since_checkpoint {
-            sync_dir(&self.schedule_dir)?;
-            self.created_since_checkpoint = false;
+        for (bucket, mark, _) in &job.sync {
+            if let Some(state) = self.segments.get_mut(bucket) {
+                if mark.log_len > state.synced.log_len {
+                    state.synced = *mark;
+                }
+            }
         }
-        let checkpoint = Checkpoint {
-            next_seq: self.next_seq,
-            segments: self.segments.iter().map(|(b, s)| (*b, s.synced)).collect(),
-        };
-        #[cfg(test)]
-        self.faults.disk_full_at(
-            crate::fault::Point::CheckpointWrite,
-            &self.checkpoint_path.with_extension("tmp"),
-        )?;
-        checkpoint.store(&self.checkpoint_path, self.width)?;
-        self.checkpointed_seq = self.next_seq;
+        self.checkpointed_seq = self.checkpointed_seq.max(job.checkpoint.next_seq);
         self.delete_replayed_wal()
     }
 
-    /// Deletes the WAL files entirely below the last checkpoint (each but the newest).
+    /// Retires the WAL files entirely below the last checkpoint (each but the newest): keeps them for
+    /// reuse, or deletes them (wal.rs).
     pub(crate) fn delete_replayed_wal(&self) -> Result<()> {
         let files = wal::list(&self.wal_dir)?;
         let mut deleted = false;
         for pair in files.windows(2) {
-            let ((_, path), (next_first, _)) = (&pair[0], &pair[1]);
+            let ((first_seq, path), (next_first, _)) = (&pair[0], &pair[1]);
             if *next_first <= self.checkpointed_seq {
-                fs::remove_file(path).map_err(Error::io(path))?;
+                wal::retire(&self.wal_dir, path, *first_seq, self.wal_spares)?;
                 deleted = true;
             }
         }

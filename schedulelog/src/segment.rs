@@ -111,8 +111,6 @@ pub(crate) struct SegmentWriter {
     queued_last_seq: u64,
     pending_log: Vec<u8>,
     pending_index: Vec<u8>,
-    /// Has data been written since the last sync?
-    dirty: bool,
     /// Where the `.log`'s next writeback chunk starts (see `flush`).
     writeback_from: u64,
     #[cfg(test)]
@@ -160,7 +158,6 @@ impl SegmentWriter {
             queued_last_seq: 0,
             pending_log: Vec::new(),
             pending_index: Vec::new(),
-            dirty: true,
             writeback_from: 0,
             #[cfg(test)]
             faults: Default::default(),
@@ -218,7 +215,6 @@ impl SegmentWriter {
             queued_last_seq: mark.last_seq,
             pending_log: Vec::new(),
             pending_index: Vec::new(),
-            dirty: false,
             writeback_from: mark.log_len / WRITEBACK_CHUNK * WRITEBACK_CHUNK,
             #[cfg(test)]
             faults: Default::default(),
@@ -265,7 +261,6 @@ impl SegmentWriter {
             self.written.last_seq = self.queued_last_seq;
             self.pending_log.clear();
             self.pending_index.clear();
-            self.dirty = true;
             // Whole written-out chunks start their way to the disk now: left to the checkpoint, a burst
             // makes one fdatasync of hundreds of megabytes that stalls every other sync behind it.
             let full = self.written.log_len / WRITEBACK_CHUNK * WRITEBACK_CHUNK;
@@ -317,30 +312,6 @@ impl SegmentWriter {
         let index_len = HEADER_LEN as u64 + self.written.entries * INDEX_ENTRY_LEN as u64;
         let _ = self.log.set_len(self.written.log_len);
         let _ = self.index.set_len(index_len);
-    }
-
-    /// Makes everything written durable; returns the mark the checkpoint may record.
-    ///
-    /// With `drop_cache` the synced pages of the `.log` are then dropped from the page cache: a segment
-    /// is read again only when its bucket comes due, usually much later, and written-once pages kept in
-    /// the cache only push useful ones out. The caller keeps them for a bucket being delivered from,
-    /// whose records are read back within seconds (dropping them turns every delivery into a disk read).
-    pub(crate) fn sync(&mut self, drop_cache: bool) -> Result<SegmentMark> {
-        let mark = self.flush()?;
-        if self.dirty {
-            crate::slow_disk::sync();
-            self.log.sync_data().map_err(Error::sync(&self.log_path))?;
-            crate::slow_disk::sync();
-            self.index
-                .sync_data()
-                .map_err(Error::sync(&self.index_path))?;
-            self.dirty = false;
-            if drop_cache {
-                // Advice only: a failure changes nothing that matters.
-                let _ = crate::sys::drop_cached_pages(&self.log, 0, mark.log_len);
-            }
-        }
-        Ok(mark)
     }
 
     pub(crate) fn mark(&self) -> SegmentMark {
@@ -472,14 +443,15 @@ pub(crate) fn list(dir: &Path) -> Result<Vec<Bucket>> {
     Ok(buckets)
 }
 
-/// Syncs the files of a segment that is not open for append (written, then closed before a checkpoint),
-/// and with `drop_cache` drops its `.log` pages from the cache as [`SegmentWriter::sync`] does.
-pub(crate) fn sync_closed(
-    dir: &Path,
-    bucket: Bucket,
-    log_len: u64,
-    drop_cache: bool,
-) -> Result<()> {
+/// Syncs the files of a segment (through handles of its own: the replayer may go on writing to the files
+/// through its writer meanwhile, and a sync covers every byte written before it, through any handle).
+///
+/// With `drop_cache` the synced pages of the `.log` (up to `log_len`) are then dropped from the page
+/// cache: a segment is read again only when its bucket comes due, usually much later, and written-once
+/// pages kept in the cache only push useful ones out. The caller keeps them for a bucket being delivered
+/// from, whose records are read back within seconds (dropping them turns every delivery into a disk
+/// read).
+pub(crate) fn sync_files(dir: &Path, bucket: Bucket, log_len: u64, drop_cache: bool) -> Result<()> {
     for path in [log_path(dir, bucket), index_path(dir, bucket)] {
         let file = OpenOptions::new()
             .write(true)

@@ -33,6 +33,20 @@ pub fn available_bytes(path: &Path) -> io::Result<u64> {
     Ok((blocks as u64).saturating_mul(stats.f_frsize as u64))
 }
 
+/// The open-file limit (`RLIMIT_NOFILE`, soft): how many descriptors this process may have open.
+pub(crate) fn open_file_limit() -> io::Result<u64> {
+    let mut limit = std::mem::MaybeUninit::<libc::rlimit>::uninit();
+    // SAFETY: `limit` points to memory large enough for an `rlimit`, which the call fills entirely when
+    // it returns 0 (and which is read only then).
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, limit.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: getrlimit returned 0, so it initialised `limit`.
+    #[allow(clippy::unnecessary_cast)] // the field type differs between targets
+    Ok(unsafe { limit.assume_init() }.rlim_cur as u64)
+}
+
 /// Starts writing back the dirty pages of `file` in `[offset, offset + len)` without waiting for them,
 /// so that a later `fdatasync` finds little left to write.
 pub(crate) fn start_writeback(file: &File, offset: u64, len: u64) -> io::Result<()> {
@@ -84,5 +98,11 @@ mod tests {
         assert_eq!(missing.kind(), io::ErrorKind::NotFound);
         let nul = available_bytes(Path::new("a\0b")).unwrap_err();
         assert_eq!(nul.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn the_open_file_limit_is_read() {
+        // This very process has stdin, stdout and stderr open, so its limit is above 3.
+        assert!(open_file_limit().unwrap() > 3);
     }
 }

@@ -8,6 +8,7 @@
 //!            first_seq, first_seq + 1, ... without gaps
 //! ..    ..   zeros to the end of the file
 //! wal/next.tmp              the next file, being zero-filled in the background
+//! wal/spare-{seq:020}.tmp   a retired file (seq: its old first seq) kept for reuse
 //! ```
 //!
 //! Invariants:
@@ -15,9 +16,23 @@
 //!   and a frame whose seq is not the next one ends the log exactly like a bad checksum does (it can only
 //!   be a stale or forged frame).
 //! - A file is synced before the next one is created, so only the last file can have a torn tail.
-//! - Files are zero-filled before use: overwriting written blocks costs `fdatasync` no metadata, which on
-//!   the reference disk is ~3x faster than appending to a growing file (and 10x faster than writing into
-//!   `fallocate`d space with 1 MiB writes).
+//! - Files are written over, never appended to: overwriting written blocks costs `fdatasync` no metadata,
+//!   which on the reference disk is ~3x faster than appending to a growing file (and 10x faster than
+//!   writing into `fallocate`d space with 1 MiB writes). A new file is zero-filled first.
+//! - Files are reused. A file whose records are all replayed and checkpointed is retired: kept as a spare
+//!   (up to a number the log sets), deleted otherwise. A rollover takes a spare when there is one (renamed
+//!   to its new first seq, header rewritten) and the zero-filled `next.tmp` only when there is none; so
+//!   at a steady load each record is written twice (here and in its segment), not three times.
+//! - So past the end of its own log a file may hold frames of its earlier uses. Every one of them has a
+//!   seq below the file's first seq (the files before it hold the lower seqs), so the seq check ends the
+//!   log at them, and the tail policy for WAL files (`check_tail`) asks not for zeros past the unsynced
+//!   window, as frame.rs's does, but for no frame of the file's own use there (a seq at or above its first
+//!   seq) at any block boundary: every write starts with a record frame on a block boundary. Headers say
+//!   version 2 (header.rs), so that an older delayd, which would take the old frames for damage, refuses
+//!   the file by its version instead.
+//! - A reused file is renamed before its new header is written; its first group's `fdatasync` makes the
+//!   header durable. A newest file whose header still names an earlier first seq was being reused when
+//!   the process died: nothing in it was acknowledged.
 //! - Every write starts and ends on a 4096-byte block boundary (the writer pads each write with a padding
 //!   frame), so the file is written with `O_DIRECT`: the disk takes the bytes straight from the writer's
 //!   buffer, no copy into the page cache (which nobody reads back), and no block is ever rewritten, so a
@@ -25,7 +40,7 @@
 //! - A file is deleted only once every record in it has been replayed and checkpointed.
 
 use crate::error::{Error, Result};
-use crate::frame::{self, Frames, Kind, Stop, BLOCK};
+use crate::frame::{self, Frames, Kind, Next, Stop, BLOCK, UNSYNCED_LIMIT};
 use crate::header::{self, FileHeader, HEADER_LEN, WAL_MAGIC};
 use crate::record::{Cancel, MessageHead};
 use std::fs::{self, File, OpenOptions};
@@ -42,6 +57,91 @@ pub(crate) const DATA_START: u64 = BLOCK as u64;
 
 pub(crate) fn wal_path(dir: &Path, first_seq: u64) -> PathBuf {
     dir.join(format!("{first_seq:020}.wal"))
+}
+
+fn spare_path(dir: &Path, old_first_seq: u64) -> PathBuf {
+    dir.join(format!("spare-{old_first_seq:020}.tmp"))
+}
+
+/// The spare files in `dir`, oldest first.
+fn spares(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir).map_err(Error::io(dir))? {
+        let path = entry.map_err(Error::io(dir))?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("spare-") && name.ends_with(".tmp") {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Retires the WAL file `path` (first seq `first_seq`), all of whose records are replayed and
+/// checkpointed: keeps it as a spare while fewer than `keep` are kept, deletes it otherwise. The caller
+/// syncs the directory.
+pub(crate) fn retire(dir: &Path, path: &Path, first_seq: u64, keep: usize) -> Result<()> {
+    if spares(dir)?.len() < keep {
+        let spare = spare_path(dir, first_seq);
+        fs::rename(path, &spare).map_err(Error::io(&spare))
+    } else {
+        fs::remove_file(path).map_err(Error::io(path))
+    }
+}
+
+/// A spare of `bytes` bytes to reuse, if there is one. Spares of another size (the WAL file size was
+/// changed) are deleted.
+fn take_spare(dir: &Path, bytes: u64) -> Result<Option<PathBuf>> {
+    for spare in spares(dir)? {
+        match fs::metadata(&spare) {
+            Ok(meta) if meta.len() == bytes => return Ok(Some(spare)),
+            _ => fs::remove_file(&spare).map_err(Error::io(&spare))?,
+        }
+    }
+    Ok(None)
+}
+
+/// The seq of the message or cancel frame at the start of `bytes`, if a valid one starts there.
+pub(crate) fn record_seq(bytes: &[u8]) -> Option<u64> {
+    match frame::decode(bytes) {
+        Next::Frame {
+            kind: Kind::Message,
+            payload,
+        } => MessageHead::decode(payload).ok().map(|h| h.seq),
+        Next::Frame {
+            kind: Kind::Cancel,
+            payload,
+        } => Cancel::decode(payload).ok().map(|c| c.seq),
+        _ => None,
+    }
+}
+
+/// The tail policy of WAL files (see the module's invariants): the log of the newest file ends at `at`
+/// of `body` (file offset `base + at`) for `reason`. `Ok(())` when that is its end: past the unsynced
+/// window no block starts with a record of this file's own use (seq at or above `first_seq`). Otherwise
+/// synced records were damaged: a corruption error naming the file and the offset.
+fn check_tail(
+    path: &Path,
+    body: &[u8],
+    base: u64,
+    at: usize,
+    first_seq: u64,
+    reason: &str,
+) -> Result<()> {
+    let window_end = at.saturating_add(UNSYNCED_LIMIT).next_multiple_of(BLOCK);
+    let later = (window_end..body.len())
+        .step_by(BLOCK)
+        .find_map(|b| record_seq(&body[b..]).filter(|&seq| seq >= first_seq));
+    match later {
+        None => Ok(()),
+        Some(seq) => Err(Error::corrupt(
+            path,
+            base + at as u64,
+            format!(
+                "{reason}, followed by record seq {seq} more than {UNSYNCED_LIMIT} bytes later"
+            ),
+        )),
+    }
 }
 
 /// The WAL files in `dir`, oldest first, as (first seq, path). Stray files are ignored.
@@ -94,15 +194,20 @@ pub(crate) struct ScannedFile {
     pub next_seq: u64,
     /// Offset of a torn tail that must be zeroed before appending, if any.
     pub torn_at: Option<u64>,
+    /// The log ends cleanly at a frame of the file's earlier use (`torn_at` is set all the same: a torn
+    /// write may have left frames of its own in the window past it).
+    pub reused_end: bool,
 }
 
 /// Reads and checks a whole WAL file. `last` says whether it is the newest file, the only one that may
 /// have a torn tail. `Ok(None)`: the newest file's header itself is torn (a crash right after the file was
-/// created); it holds no acknowledged record and may be deleted.
+/// created), or still names an earlier first seq (a crash while it was being reused); it holds no
+/// acknowledged record and may be deleted.
 pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Option<ScannedFile>> {
     let bytes = fs::read(path).map_err(Error::io(path))?;
     match FileHeader::decode(&bytes, WAL_MAGIC) {
         Ok(h) if h.value == first_seq => {}
+        Ok(h) if last && h.value < first_seq => return Ok(None),
         Ok(_) => {
             return Err(Error::corrupt(
                 path,
@@ -142,6 +247,10 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
                 next_seq += 1;
                 records.push(record);
             }
+            Ok(record) if record.seq() < first_seq => {
+                frames.reject_last(at, "a record of the file's earlier use");
+                break;
+            }
             Ok(_) => {
                 frames.reject_last(at, "sequence gap");
                 break;
@@ -149,14 +258,17 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
             Err(e) => return Err(Error::corrupt(path, base + at as u64, e.to_string())),
         }
     }
-    let (end, torn_at) = match frames.stop() {
-        Some(Stop::End { at }) => (at, None),
+    let (end, torn_at, reused_end) = match frames.stop() {
+        Some(Stop::End { at }) => (at, None, false),
         Some(Stop::Invalid { at, reason }) => {
-            if !last {
+            let reused_end = record_seq(&body[at..]).is_some_and(|seq| seq < first_seq);
+            if !last && !reused_end {
                 return Err(Error::corrupt(path, base + at as u64, reason));
             }
-            frame::check_torn_tail(path, body, base, at, reason)?;
-            (at, Some(base + at as u64))
+            if last {
+                check_tail(path, body, base, at, first_seq, reason)?;
+            }
+            (at, last.then_some(base + at as u64), reused_end)
         }
         None => unreachable!("the frame walk ended without a stop"),
     };
@@ -165,15 +277,23 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
         records,
         next_seq,
         torn_at,
+        reused_end,
         bytes,
     }))
 }
 
-/// Zeroes a torn tail from `at` up to the last non-zero byte, and syncs, so that the next scan sees a clean
-/// end and appends can reuse the space.
-pub(crate) fn zero_torn_tail(path: &Path, bytes: &[u8], at: u64) -> Result<()> {
+/// Zeroes the unsynced window of a torn tail (from `at`, up to `frame::UNSYNCED_LIMIT` bytes, as far as
+/// there are non-zero bytes) and syncs, so that no frame a torn write left there is read as a record
+/// once appends continue at `at`. Past the window there is nothing of the file's own use (`check_tail`
+/// made sure), only zeros or frames of its earlier uses, which the seq check rejects. `torn` counts it as
+/// a torn tail (not so for a clean end at a frame of an earlier use).
+pub(crate) fn zero_torn_tail(path: &Path, bytes: &[u8], at: u64, torn: bool) -> Result<()> {
     let start = usize::try_from(at).unwrap_or(bytes.len()).min(bytes.len());
-    let end = bytes.iter().rposition(|&b| b != 0).map_or(start, |i| i + 1);
+    let window = &bytes[..start.saturating_add(UNSYNCED_LIMIT).min(bytes.len())];
+    let end = window
+        .iter()
+        .rposition(|&b| b != 0)
+        .map_or(start, |i| (i + 1).max(start));
     if end > start {
         let file = OpenOptions::new()
             .write(true)
@@ -184,7 +304,9 @@ pub(crate) fn zero_torn_tail(path: &Path, bytes: &[u8], at: u64) -> Result<()> {
         crate::slow_disk::sync();
         file.sync_data().map_err(Error::sync(path))?;
     }
-    metrics::counter!("delayd_log_torn_tails_total").increment(1);
+    if torn {
+        metrics::counter!("delayd_log_torn_tails_total").increment(1);
+    }
     Ok(())
 }
 
@@ -226,9 +348,10 @@ impl ActiveWal {
 
     /// Starts a new WAL file whose first record will be `first_seq`.
     pub(crate) fn create(dir: &Path, segment_bytes: u64, first_seq: u64) -> Result<ActiveWal> {
-        prepare(&dir.join(NEXT_FILE), segment_bytes)?;
+        let next = dir.join(NEXT_FILE);
+        prepare(&next, segment_bytes)?;
         let mut staging = AlignedBuf::default();
-        let (file, path) = install(dir, first_seq, &mut staging)?;
+        let (file, path) = install(dir, &next, first_seq, &mut staging)?;
         let mut wal = ActiveWal {
             dir: dir.to_path_buf(),
             segment_bytes,
@@ -242,11 +365,15 @@ impl ActiveWal {
         Ok(wal)
     }
 
-    /// Fails with a full disk when the file system reports less free space than a new file takes.
-    /// For retries after a rollover found the disk full: a retry that zero-fills until `ENOSPC` writes
-    /// (and deletes) up to a whole file's worth of bytes each time, for nothing.
+    /// Fails with a full disk when the file system reports less free space than a new file takes and
+    /// there is no spare to reuse. For retries after a rollover found the disk full: a retry that
+    /// zero-fills until `ENOSPC` writes (and deletes) up to a whole file's worth of bytes each time, for
+    /// nothing.
     pub(crate) fn check_room_for_next(&self) -> Result<()> {
         let next = self.dir.join(NEXT_FILE);
+        if !spares(&self.dir)?.is_empty() {
+            return Ok(());
+        }
         let available = crate::sys::available_bytes(&self.dir).map_err(Error::io(&self.dir))?;
         if available >= self.segment_bytes {
             return Ok(());
@@ -297,11 +424,21 @@ impl ActiveWal {
         &self.path
     }
 
-    /// Switches to a fresh file whose first record is `first_seq`. The caller has synced the current
-    /// file. A failure to prepare the new file changed nothing (the current file stays active, and the
-    /// half-prepared one is deleted), so a roll that found the disk full may be tried again; a failure to
-    /// install it leaves the directory in a state only recovery sorts out.
+    /// Switches to a file whose first record is `first_seq`: a spare when there is one, else the
+    /// zero-filled `next.tmp`. The caller has synced the current file. A failure to prepare the new file
+    /// changed nothing (the current file stays active, and the half-prepared one is deleted), so a roll
+    /// that found the disk full may be tried again; a failure to install it leaves the directory in a
+    /// state only recovery sorts out.
     pub(crate) fn roll(&mut self, first_seq: u64) -> Result<(), RollError> {
+        if let Some(spare) =
+            take_spare(&self.dir, self.segment_bytes).map_err(RollError::Prepare)?
+        {
+            (self.file, self.path) = install(&self.dir, &spare, first_seq, &mut self.staging)
+                .map_err(RollError::Install)?;
+            self.pos = DATA_START;
+            // `next.tmp` (prepared, or being prepared) stays for a rollover that finds no spare.
+            return Ok(());
+        }
         let next = self.dir.join(NEXT_FILE);
         let prepared = match self.next.take() {
             Some(handle) => handle.join().unwrap_or_else(|_| {
@@ -317,7 +454,7 @@ impl ActiveWal {
             return Err(RollError::Prepare(e));
         }
         (self.file, self.path) =
-            install(&self.dir, first_seq, &mut self.staging).map_err(RollError::Install)?;
+            install(&self.dir, &next, first_seq, &mut self.staging).map_err(RollError::Install)?;
         self.pos = DATA_START;
         self.prepare_next();
         Ok(())
@@ -399,11 +536,17 @@ fn prepare(path: &Path, bytes: u64) -> Result<()> {
     file.sync_all().map_err(Error::sync(path))
 }
 
-/// Renames the prepared file to the name of its first seq and writes its header block. The header is
-/// made durable by the first group's fdatasync; the name by the directory fsync here.
-fn install(dir: &Path, first_seq: u64, staging: &mut AlignedBuf) -> Result<(File, PathBuf)> {
+/// Renames a prepared file (`next.tmp` or a spare) to the name of its first seq and writes its header
+/// block. The header is made durable by the first group's fdatasync; the name by the directory fsync
+/// here.
+fn install(
+    dir: &Path,
+    prepared: &Path,
+    first_seq: u64,
+    staging: &mut AlignedBuf,
+) -> Result<(File, PathBuf)> {
     let path = wal_path(dir, first_seq);
-    fs::rename(dir.join(NEXT_FILE), &path).map_err(Error::io(&path))?;
+    fs::rename(prepared, &path).map_err(Error::io(&path))?;
     let file = open_direct(&path).map_err(Error::io(&path))?;
     let header = FileHeader {
         magic: WAL_MAGIC,

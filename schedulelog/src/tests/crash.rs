@@ -412,3 +412,191 @@ fn a_cancel_recovered_with_its_message_still_cancels_it() {
         MessageState::Pending
     );
 }
+
+/// A crashed data dir whose newest WAL file is a reused one: appends filled a few 64 KiB files, a
+/// checkpoint retired them as spares, and more appends rolled into a spare. The first appends are small
+/// groups and the later ones large, so that the reused file's earlier frames reach past its new ones.
+/// Returns the dir, its clock, the acknowledged seqs and the newest WAL file.
+fn reused_image() -> (tempfile::TempDir, Arc<ManualClock>, Vec<u64>, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
+    let body = "r".repeat(300);
+    let mut acked = Vec::new();
+    let mut append = |log: &ScheduleLog, batches: i64, size: i64| {
+        for i in 0..batches {
+            let batch = (0..size).map(|j| message(T0 + (i * size + j) * 61_000, &body));
+            let appended = log.append(batch.collect()).wait().unwrap();
+            acked.extend(appended.iter().map(|a| a.location.seq));
+        }
+    };
+    append(&log, 96, 5);
+    log.checkpoint().unwrap();
+    let spares = || {
+        let names = fs::read_dir(dir.path().join("wal")).unwrap();
+        names
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("spare-")
+            })
+            .count()
+    };
+    assert!(
+        spares() >= 2,
+        "the checkpoint kept retired files: {}",
+        spares()
+    );
+    append(&log, 12, 20);
+    log.crash();
+    let (first_seq, newest) = wal::list(&dir.path().join("wal")).unwrap().pop().unwrap();
+    // It is a reused file: past its own records lie frames of an earlier use.
+    let bytes = fs::read(&newest).unwrap();
+    let stale = (wal::DATA_START as usize..bytes.len())
+        .step_by(frame::BLOCK)
+        .filter_map(|b| wal::record_seq(&bytes[b..]))
+        .filter(|&seq| seq < first_seq)
+        .count();
+    assert!(stale > 0, "the newest WAL file was not a reused one");
+    (dir, clock, acked, newest)
+}
+
+fn reuse_options(clock: &Arc<ManualClock>) -> Options {
+    Options {
+        wal_segment_bytes: 64 * 1024,
+        ..options(clock)
+    }
+}
+
+fn surviving_after_reuse(dir: &Path, clock: &Arc<ManualClock>) -> Vec<u64> {
+    let log = ScheduleLog::open(dir, reuse_options(clock)).unwrap();
+    let seqs = all_messages(&log).keys().copied().collect();
+    log.crash();
+    seqs
+}
+
+#[test]
+fn a_reused_wal_file_replays_its_own_records_and_never_its_earlier_ones() {
+    let (dir, clock, mut acked, _) = reused_image();
+    for round in 0..3 {
+        assert_eq!(
+            surviving_after_reuse(dir.path(), &clock),
+            acked,
+            "round {round}"
+        );
+        let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
+        acked.push(append_one(&log, T0, "after").location.seq);
+        log.crash();
+    }
+}
+
+#[test]
+fn a_torn_write_into_a_reused_wal_file_is_cut() {
+    let (dir, clock, acked, newest) = reused_image();
+    let end = frame_spans(&newest).last().unwrap().1;
+    // A write that reached the disk in part: a record's frame with a bad checksum, at the end of the log.
+    let mut torn = fs::read(&newest).unwrap()[wal::DATA_START as usize..][..600].to_vec();
+    torn[100] ^= 0xff;
+    let file = fs::OpenOptions::new().write(true).open(&newest).unwrap();
+    file.write_all_at(&torn, end.next_multiple_of(frame::BLOCK) as u64)
+        .unwrap();
+    assert_eq!(surviving_after_reuse(dir.path(), &clock), acked);
+    // What was cut stays cut, and appends continue in the same file.
+    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
+    let next = append_one(&log, T0, "next").location.seq;
+    assert_eq!(next, acked.last().unwrap() + 1);
+    log.crash();
+    let mut expected = acked;
+    expected.push(next);
+    assert_eq!(surviving_after_reuse(dir.path(), &clock), expected);
+}
+
+#[test]
+fn damage_in_the_synced_records_of_a_reused_wal_file_is_reported_not_cut() {
+    let (dir, clock, _, newest) = reused_image();
+    let spans = frame_spans(&newest);
+    let own: Vec<_> = spans
+        .iter()
+        .filter(|(start, _)| {
+            let bytes = fs::read(&newest).unwrap();
+            let first = wal::list(&dir.path().join("wal")).unwrap().pop().unwrap().0;
+            wal::record_seq(&bytes[*start..]).is_some_and(|seq| seq >= first)
+        })
+        .copied()
+        .collect();
+    let (start, _) = own[1];
+    assert!(
+        own.last().unwrap().1 - start > UNSYNCED_LIMIT,
+        "more than the unsynced window follows the damage"
+    );
+    let file = fs::OpenOptions::new().write(true).open(&newest).unwrap();
+    file.write_all_at(&[0xff; 4], start as u64 + 20).unwrap();
+    match ScheduleLog::open(dir.path(), reuse_options(&clock)) {
+        Err(Error::Corrupt { path, offset, .. }) => {
+            assert_eq!(path, newest);
+            assert_eq!(offset, start as u64);
+        }
+        other => panic!("expected corruption, got {other:?}"),
+    }
+}
+
+/// A crash between renaming a spare to the next file's name and the first sync of its new header: the
+/// file still carries its earlier use's header and records, none of them acknowledged in it.
+#[test]
+fn a_reused_wal_file_whose_new_header_never_reached_the_disk_holds_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
+    let body = "h".repeat(300);
+    let mut acked = Vec::new();
+    for i in 0..24 {
+        let batch = (0..20).map(|j| message(T0 + (i * 20 + j) * 61_000, &body));
+        acked.extend(
+            log.append(batch.collect())
+                .wait()
+                .unwrap()
+                .iter()
+                .map(|a| a.location.seq),
+        );
+    }
+    log.checkpoint().unwrap();
+    log.crash();
+    let wal_dir = dir.path().join("wal");
+    let spare = fs::read_dir(&wal_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("spare-")
+        })
+        .expect("a spare");
+    let next_seq = acked.last().unwrap() + 1;
+    let renamed = wal::wal_path(&wal_dir, next_seq);
+    fs::rename(&spare, &renamed).unwrap();
+    assert_eq!(surviving_after_reuse(dir.path(), &clock), acked);
+    // It was removed, and a new file of that name started (from the zero-filled `next.tmp`).
+    let header =
+        header::FileHeader::check(&fs::read(&renamed).unwrap(), header::WAL_MAGIC, &renamed);
+    assert_eq!(header.unwrap().value, next_seq);
+    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
+    assert_eq!(append_one(&log, T0, "x").location.seq, next_seq);
+}
+
+#[test]
+fn inspect_ends_a_reused_wal_file_at_its_own_records() {
+    let (dir, _clock, acked, newest) = reused_image();
+    let first = wal::list(&dir.path().join("wal")).unwrap().pop().unwrap().0;
+    let own = acked.iter().filter(|&&seq| seq >= first).count();
+    let mut out = Vec::new();
+    assert!(inspect(&newest, &mut out).unwrap());
+    let text = String::from_utf8(out).unwrap();
+    let end = format!("{own} records; the log ends at offset");
+    assert!(
+        text.contains(&end) && text.contains("earlier use"),
+        "{text}"
+    );
+}

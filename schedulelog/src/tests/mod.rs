@@ -75,6 +75,25 @@ pub(crate) fn all_messages(log: &ScheduleLog) -> std::collections::BTreeMap<u64,
     all
 }
 
+/// Polls `condition` until it holds; panics after 10 s with `what`.
+pub(crate) fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !condition() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The `next_seq` of the checkpoint stored in `dir`.
+pub(crate) fn checkpointed_seq(dir: &Path) -> u64 {
+    checkpoint::Checkpoint::load(&dir.join("checkpoint"), SegmentMinutes::DEFAULT)
+        .unwrap()
+        .next_seq
+}
+
 fn open(dir: &Path, clock: &Arc<ManualClock>) -> ScheduleLog {
     ScheduleLog::open(dir, options(clock)).unwrap()
 }
@@ -362,6 +381,52 @@ fn many_appends_roll_over_wal_files_and_checkpoints_delete_them() {
     log.crash();
     let log = open(dir.path(), &clock);
     assert_eq!(all_messages(&log).len(), 200);
+}
+
+/// A checkpoint whose syncs take long (held at the gate) holds up neither the replayer (groups are
+/// still filed, lookups answered) nor a newer checkpoint; and once it goes on it stores nothing, so the
+/// stored checkpoint never goes back.
+#[test]
+fn a_slow_checkpoint_holds_up_neither_the_replayer_nor_a_newer_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(
+        dir.path(),
+        Options {
+            checkpoint_interval: Duration::from_millis(20),
+            ..options(&clock)
+        },
+    )
+    .unwrap();
+    let gate = log.checkpoint_gate();
+    let count = |n: &std::sync::atomic::AtomicU32| n.load(std::sync::atomic::Ordering::SeqCst);
+    // (The open made a checkpoint already.)
+    let before = count(&gate.finished);
+    gate.hold_next(true);
+    let first = append_one(&log, T0 + HOUR_MS, "first");
+    wait_until("a checkpoint job waits at the gate", || {
+        count(&gate.reached) == before + 1
+    });
+    let later: Vec<_> = (2..6)
+        .map(|h| append_one(&log, T0 + h * HOUR_MS, "later"))
+        .collect();
+    let last = later.last().unwrap().location.seq;
+    wait_until("the replayer files groups meanwhile", || {
+        log.filed_below() > last
+    });
+    for appended in later.iter().chain([&first]) {
+        assert!(log.lookup(appended.id).unwrap().is_some());
+    }
+    log.checkpoint().unwrap();
+    assert_eq!(checkpointed_seq(dir.path()), last + 1);
+    gate.hold_next(false);
+    wait_until("the held job finishes", || {
+        count(&gate.finished) == before + 2
+    });
+    assert_eq!(checkpointed_seq(dir.path()), last + 1, "it went back");
+    log.close().unwrap();
+    let log = open(dir.path(), &clock);
+    assert_eq!(all_messages(&log).len(), 5);
 }
 
 #[test]
