@@ -3,55 +3,155 @@
 #   benches/compare.sh            (as root: it installs Redis and PostgreSQL from Debian if missing)
 # Starts Redis (appendonly yes, appendfsync always) and PostgreSQL (synchronous_commit on, fsync on) on
 # private ports in a scratch dir on disk, and delayd (release build, fsync always); runs the same
-# workloads against each with benches/loadgen.rs; prints a markdown table with delayd/peer ratios.
-# Workloads, each message due 1-10 s after its request is sent:
+# workloads against each with benches/loadgen.rs; prints the disk's own speed (dd with oflag=dsync: 4 KiB
+# writes/s and MB/s with 1 MiB writes), then a markdown table with delayd/peer ratios.
+#
+# Workloads (WORKLOADS, space-separated, picks and orders them; default all, in this order):
+#  the friendly mix, 100-byte bodies, each message due 1-10 s after its request is sent, consumed as it
+#  comes due:
 #   single, batch           one message per request at concurrency 64 / 1,000 per request at concurrency 8,
 #                           as fast as each system takes them (N_SINGLE, N_BATCH messages);
 #   single-5k, batch-50k    the same at a nominal offered load of 5,000 / 50,000 messages/s for 10 s, for
 #                           lateness when nothing is overloaded;
-#   rss                     N_RSS messages due within 30 days, for memory (delayd and Redis; 0 skips it).
+#   rss                     N_RSS 100-byte messages due within 1-30 days, for memory (delayd and Redis;
+#                           N_RSS=0 skips it);
+#  the realistic mix, 1 KiB bodies due 1 min - 30 days ahead, so nothing comes due during the run (no
+#  consumer): durable ingest, request latency and write amplification (bytes the target process caused
+#  to be written to disk, from /proc/PID/io, over messages × 1,024 body bytes; delayd's figure includes
+#  the WAL files it zero-fills ahead of use; none for PostgreSQL, which has no single process):
+#   real-batch              1,000 messages per request at concurrency 8 (N_REAL_BATCH messages);
+#   real-single             one message per request at concurrency 64 (N_REAL_SINGLE messages).
+#
+# Variables (defaults in brackets):
+#   N_SINGLE [20000], N_BATCH [200000], N_RSS [10000000], N_REAL_BATCH [300000], N_REAL_SINGLE [30000]
+#                           messages per workload, as above;
+#   WORKLOADS [single batch single-5k batch-50k rss real-batch real-single]
+#                           the workloads to run, in order;
+#   TARGETS [delayd redis postgres]
+#                           the systems to run them against (a peer left out is not even started), e.g.
+#                           WORKLOADS="real-batch real-single" TARGETS=delayd for a quick A/B;
+#   SLOW_DISK [unset]       1: build delayd with `--features slow-disk` and start it with
+#                           DELAYD_SLOW_DISK_SYNC_US=SLOW_SYNC_US [300] (µs added before every fsync) and
+#                           DELAYD_SLOW_DISK_WRITE_US_PER_MIB=SLOW_WRITE_US_PER_MIB [3400] (µs added per MiB
+#                           of every write of 64 KiB or more), to play a slower disk on a fast one. Only
+#                           delayd is slowed: Redis and PostgreSQL run on the real disk, unaffected, so
+#                           the ratios then compare a slowed delayd with unslowed peers;
+#   DELAYD_BIN [target/release/delayd]
+#                           the delayd binary to run (for an A/B against another build; it must have
+#                           been built with the slow-disk feature when SLOW_DISK=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N_SINGLE=${N_SINGLE:-20000}
 N_BATCH=${N_BATCH:-200000}
 N_RSS=${N_RSS:-10000000}
+N_REAL_BATCH=${N_REAL_BATCH:-300000}
+N_REAL_SINGLE=${N_REAL_SINGLE:-30000}
+WORKLOADS=${WORKLOADS:-single batch single-5k batch-50k rss real-batch real-single}
+TARGETS=${TARGETS:-delayd redis postgres}
+SLOW_DISK=${SLOW_DISK:-}
+DELAYD_BIN=${DELAYD_BIN:-target/release/delayd}
+SLOW_SYNC_US=${SLOW_SYNC_US:-300}
+SLOW_WRITE_US_PER_MIB=${SLOW_WRITE_US_PER_MIB:-3400}
 
-if ! command -v redis-server >/dev/null || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+for workload in $WORKLOADS; do
+  case $workload in
+    single | batch | single-5k | batch-50k | rss | real-batch | real-single) ;;
+    *) echo "unknown workload $workload (single batch single-5k batch-50k rss real-batch real-single)" >&2; exit 2 ;;
+  esac
+done
+for target in $TARGETS; do
+  case $target in
+    delayd | redis | postgres) ;;
+    *) echo "unknown target $target (delayd redis postgres)" >&2; exit 2 ;;
+  esac
+done
+wants() { [[ " $TARGETS " == *" $1 "* ]]; }
+
+if [ "$SLOW_DISK" = 1 ]; then
+  FEATURES=(--features slow-disk)
+  DELAYD_ENV=("DELAYD_SLOW_DISK_SYNC_US=$SLOW_SYNC_US" "DELAYD_SLOW_DISK_WRITE_US_PER_MIB=$SLOW_WRITE_US_PER_MIB")
+  SEAM="on (sync +$SLOW_SYNC_US µs, +$SLOW_WRITE_US_PER_MIB µs/MiB; delayd only, peers unaffected)"
+else
+  FEATURES=()
+  DELAYD_ENV=()
+  SEAM=off
+fi
+
+if { wants redis && ! command -v redis-server >/dev/null; } ||
+  { wants postgres && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; }; then
   apt-get update -qq && apt-get install -y -qq redis-server postgresql >/dev/null
 fi
-PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
 WORK=$(mktemp -d /var/tmp/delayd-compare.XXXXXX)
 chmod 755 "$WORK"
+STARTED_REDIS= STARTED_PG=
 cleanup() {
-  redis-cli -p 6399 shutdown nosave >/dev/null 2>&1 || true
-  su postgres -c "$PGBIN/pg_ctl -D $WORK/pg/data stop -m immediate" >/dev/null 2>&1 || true
+  [ -n "$STARTED_REDIS" ] && { redis-cli -p 6399 shutdown nosave >/dev/null 2>&1 || true; }
+  [ -n "$STARTED_PG" ] && { su postgres -c "$PGBIN/pg_ctl -D $WORK/pg/data stop -m immediate" >/dev/null 2>&1 || true; }
   [ -n "${DELAYD_PID:-}" ] && kill "$DELAYD_PID" 2>/dev/null || true
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 
+# The disk itself, in the scratch dir the systems will write to: writes/s of 4 KiB with O_DSYNC (what a
+# durable small request costs at best) and MB/s with 1 MiB O_DSYNC writes (what a large batch costs).
+# Computed from dd's byte count and elapsed seconds (its own rate is rounded and in changing units).
+dd_bytes_seconds() {
+  LC_ALL=C dd if=/dev/zero of="$WORK/dd" "$@" 2>&1 >/dev/null | tail -1 |
+    sed -nE 's/^([0-9]+) bytes.* copied, ([0-9.e+-]+) s,.*/\1 \2/p'
+  rm -f "$WORK/dd"
+}
+echo "== disk" >&2
+read -r _ DD_4K_S < <(dd_bytes_seconds bs=4k count=2000 oflag=dsync) || true
+read -r DD_1M_BYTES DD_1M_S < <(dd_bytes_seconds bs=1M count=256 oflag=dsync) || true
+DISK=$(awk -v s4="${DD_4K_S:-0}" -v b="${DD_1M_BYTES:-0}" -v s1="${DD_1M_S:-0}" 'BEGIN {
+  printf (s4 > 0 ? "%d" : "?"), (s4 > 0 ? 2000 / s4 : 0); printf " 4 KiB dsync writes/s, "
+  printf (s1 > 0 ? "%d" : "?"), (s1 > 0 ? b / s1 / 1e6 : 0); printf " MB/s with 1 MiB dsync writes" }')
+DISK_LINE="disk: $DISK; $(date -u '+%Y-%m-%d %H:%M UTC'); slow-disk seam: $SEAM"
+echo "$DISK_LINE" >&2
+
 cargo build --release --benches -q 2>/dev/null || cargo build --release --benches
+# Last, so that target/release/delayd is the build asked for (with the slow-disk seam or without).
+cargo build --release --bin delayd "${FEATURES[@]}" -q 2>/dev/null || cargo build --release --bin delayd "${FEATURES[@]}"
 LOADGEN=$(ls -t target/release/deps/loadgen-* | grep -v '\.d$' | head -1)
 
-mkdir -p "$WORK/redis" "$WORK/pg"
-redis-server --port 6399 --dir "$WORK/redis" --appendonly yes --appendfsync always --save '' \
-  --daemonize yes --pidfile "$WORK/redis.pid" --logfile "$WORK/redis.log"
-chown postgres "$WORK/pg"
-su postgres -c "$PGBIN/initdb -D $WORK/pg/data -A trust" >/dev/null
-su postgres -c "$PGBIN/pg_ctl -D $WORK/pg/data -l $WORK/pg/log -w start \
-  -o '-p 5499 -k $WORK/pg -c listen_addresses=127.0.0.1 -c synchronous_commit=on -c fsync=on -c max_connections=200'" >/dev/null
-for _ in $(seq 50); do redis-cli -p 6399 ping >/dev/null 2>&1 && break; sleep 0.1; done
+if wants redis; then
+  mkdir -p "$WORK/redis"
+  redis-server --port 6399 --dir "$WORK/redis" --appendonly yes --appendfsync always --save '' \
+    --daemonize yes --pidfile "$WORK/redis.pid" --logfile "$WORK/redis.log"
+  STARTED_REDIS=1
+  for _ in $(seq 50); do redis-cli -p 6399 ping >/dev/null 2>&1 && break; sleep 0.1; done
+  for _ in $(seq 50); do [ -s "$WORK/redis.pid" ] && break; sleep 0.1; done
+fi
+if wants postgres; then
+  PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+  mkdir -p "$WORK/pg"
+  chown postgres "$WORK/pg"
+  su postgres -c "$PGBIN/initdb -D $WORK/pg/data -A trust" >/dev/null
+  STARTED_PG=1
+  su postgres -c "$PGBIN/pg_ctl -D $WORK/pg/data -l $WORK/pg/log -w start \
+    -o '-p 5499 -k $WORK/pg -c listen_addresses=127.0.0.1 -c synchronous_commit=on -c fsync=on -c max_connections=200'" >/dev/null
+fi
 
 start_delayd() {
   [ -n "${DELAYD_PID:-}" ] && { kill "$DELAYD_PID"; wait "$DELAYD_PID" 2>/dev/null || true; }
   rm -rf "$WORK/delayd"
-  target/release/delayd serve --data-dir "$WORK/delayd" --listen 127.0.0.1:7399 >"$WORK/delayd.out" 2>"$WORK/delayd.log" &
+  # `env` execs delayd, so $! is delayd's own pid (for its RSS and /proc/PID/io).
+  env "${DELAYD_ENV[@]}" "$DELAYD_BIN" serve --data-dir "$WORK/delayd" --listen 127.0.0.1:7399 \
+    >"$WORK/delayd.out" 2>"$WORK/delayd.log" &
   DELAYD_PID=$!
-  for _ in $(seq 100); do grep -q listening "$WORK/delayd.out" && break; sleep 0.1; done
+  for _ in $(seq 100); do
+    grep -q listening "$WORK/delayd.out" && return
+    [ "$(sed 's/.*) //' "/proc/$DELAYD_PID/stat" 2>/dev/null | cut -c1)" = Z ] && break # exited
+    sleep 0.1
+  done
+  echo "delayd did not start:" >&2
+  cat "$WORK/delayd.out" "$WORK/delayd.log" >&2
+  exit 1
 }
-# The process whose peak RSS is reported, with its peak reset first. None for PostgreSQL: its memory is
-# spread over a process per connection sharing its buffers, and no one process's peak stands for it.
+# The process whose peak RSS and disk writes are reported, with its peak RSS reset first. None for
+# PostgreSQL: its memory and writes are spread over a process per connection plus the WAL writer,
+# checkpointer and background writer, and no one process stands for it.
 pid_args() {
   local pid
   case $1 in
@@ -64,38 +164,43 @@ pid_args() {
 }
 
 RESULTS="$WORK/results.jsonl"
-for workload in single batch single-5k batch-50k; do
+: >"$RESULTS"
+FRIENDLY=(--delay-min-ms 1000 --delay-max-ms 10000)
+REAL=(--body-bytes 1024 --delay-min-ms 60000 --delay-max-ms 2592000000 --no-consume)
+for workload in $WORKLOADS; do
+  targets=$TARGETS
   case $workload in
-    single) args=(--mode single --concurrency 64 --messages "$N_SINGLE") ;;
-    batch) args=(--mode batch --batch 1000 --concurrency 8 --messages "$N_BATCH") ;;
-    single-5k) args=(--mode single --concurrency 64 --messages 50000 --rate 5000) ;;
-    batch-50k) args=(--mode batch --batch 1000 --concurrency 8 --messages 500000 --rate 50000) ;;
+    single) args=(--mode single --concurrency 64 --messages "$N_SINGLE" "${FRIENDLY[@]}") ;;
+    batch) args=(--mode batch --batch 1000 --concurrency 8 --messages "$N_BATCH" "${FRIENDLY[@]}") ;;
+    single-5k) args=(--mode single --concurrency 64 --messages 50000 --rate 5000 "${FRIENDLY[@]}") ;;
+    batch-50k) args=(--mode batch --batch 1000 --concurrency 8 --messages 500000 --rate 50000 "${FRIENDLY[@]}") ;;
+    rss)
+      [ "$N_RSS" -gt 0 ] || continue
+      targets=$(for t in delayd redis; do wants $t && echo $t; done)
+      args=(--mode batch --batch 1000 --concurrency 8 --messages "$N_RSS" --delay-min-ms 86400000
+        --delay-max-ms 2592000000 --no-consume)
+      ;;
+    real-batch) args=(--mode batch --batch 1000 --concurrency 8 --messages "$N_REAL_BATCH" "${REAL[@]}") ;;
+    real-single) args=(--mode single --concurrency 64 --messages "$N_REAL_SINGLE" "${REAL[@]}") ;;
   esac
-  for target in delayd redis postgres; do
+  for target in $targets; do
     [ "$target" = delayd ] && start_delayd
     [ "$target" = redis ] && redis-cli -p 6399 flushall >/dev/null
     echo "== $workload / $target" >&2
-    "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 "${args[@]}" --delay-min-ms 1000 \
-      --delay-max-ms 10000 $(pid_args "$target") --label "$workload" >>"$RESULTS"
+    "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 "${args[@]}" $(pid_args "$target") \
+      --label "$workload" >>"$RESULTS"
   done
 done
 
-if [ "$N_RSS" -gt 0 ]; then
-  for target in delayd redis; do
-    [ "$target" = delayd ] && start_delayd
-    [ "$target" = redis ] && redis-cli -p 6399 flushall >/dev/null
-    echo "== memory / $target" >&2
-    "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 --mode batch --batch 1000 --concurrency 8 \
-      --messages "$N_RSS" --delay-min-ms 86400000 --delay-max-ms 2592000000 --no-consume \
-      $(pid_args "$target") --label rss >>"$RESULTS"
-  done
-fi
-
 mkdir -p target && cp "$RESULTS" target/compare-results.jsonl
-python3 - "$RESULTS" <<'EOF'
-import json, sys
+echo
+echo "$DISK_LINE"
+echo
+SLOW_DISK="$SLOW_DISK" python3 - "$RESULTS" <<'EOF'
+import json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 by = {(r["label"], r["target"]): r for r in rows}
+labels = {r["label"] for r in rows}
 def get(label, target, *path):
     v = by.get((label, target))
     for p in path:
@@ -105,34 +210,43 @@ def fmt(v):
     if v is None: return "–"
     if isinstance(v, float) and v != int(v): return f"{v:,.1f}"
     return f"{int(v):,}"
+def fmt2(v):
+    return "–" if v is None else f"{v:,.2f}"
 def ratio(a, b, higher_is_better=True):
     if not a or not b: return "–"
     return f"{a / b:.1f}×" if higher_is_better else f"{b / a:.1f}×"
-print("| workload | metric | delayd | Redis | PostgreSQL | delayd vs Redis | delayd vs PostgreSQL |")
+delayd = "delayd (slow-disk seam; peers unaffected)" if os.environ.get("SLOW_DISK") == "1" else "delayd"
+print(f"| workload | metric | {delayd} | Redis | PostgreSQL | delayd vs Redis | delayd vs PostgreSQL |")
 print("|---|---|---|---|---|---|---|")
 full = [("durable ingest, msg/s", ("ingest_per_sec",), True),
         ("request latency p50, ms", ("request_latency_ms", "p50"), False),
         ("request latency p99, ms", ("request_latency_ms", "p99"), False)]
 nominal = [("request latency p99, ms", ("request_latency_ms", "p99"), False)]
-for label, name, first in [("single", "1 message/request, concurrency 64", full),
-                           ("batch", "1,000 messages/request, concurrency 8", full),
-                           ("single-5k", "1 message/request, 5,000 msg/s offered", nominal),
-                           ("batch-50k", "1,000 messages/request, 50,000 msg/s offered", nominal)]:
-    for metric, path, better in first + [
-                                 ("lateness p50, ms", ("lateness_ms", "p50"), False),
-                                 ("lateness p99, ms", ("lateness_ms", "p99"), False),
-                                 ("lateness max, ms", ("lateness_ms", "max"), False),
-                                 ("early / duplicates / lost", None, None),
-                                 ("peak RSS, MB", ("peak_rss_mb",), False)]:
+delivery = [("lateness p50, ms", ("lateness_ms", "p50"), False),
+            ("lateness p99, ms", ("lateness_ms", "p99"), False),
+            ("lateness max, ms", ("lateness_ms", "max"), False),
+            ("early / duplicates / lost", None, None),
+            ("peak RSS, MB", ("peak_rss_mb",), False)]
+real = full + [("write amplification (disk bytes / body bytes)", ("write_amplification",), False)]
+for label, name, metrics in [("single", "1 message/request, concurrency 64", full + delivery),
+                             ("batch", "1,000 messages/request, concurrency 8", full + delivery),
+                             ("single-5k", "1 message/request, 5,000 msg/s offered", nominal + delivery),
+                             ("batch-50k", "1,000 messages/request, 50,000 msg/s offered", nominal + delivery),
+                             ("real-batch", "1 KiB due 1 min–30 days, 1,000 messages/request, concurrency 8", real),
+                             ("real-single", "1 KiB due 1 min–30 days, 1 message/request, concurrency 64", real)]:
+    if label not in labels:
+        continue
+    for metric, path, better in metrics:
         if path is None:
             cells = [f'{get(label, t, "early")}/{get(label, t, "duplicates")}/{get(label, t, "lost")}' for t in ("delayd", "redis", "postgres")]
             print(f"| {name} | {metric} | " + " | ".join(cells) + " | | |")
             continue
         d, r, p = (get(label, t, *path) for t in ("delayd", "redis", "postgres"))
-        print(f"| {name} | {metric} | {fmt(d)} | {fmt(r)} | {fmt(p)} | {ratio(d, r, better)} | {ratio(d, p, better)} |")
-if ("rss", "delayd") in by:
+        f = fmt2 if path == ("write_amplification",) else fmt
+        print(f"| {name} | {metric} | {f(d)} | {f(r)} | {f(p)} | {ratio(d, r, better)} | {ratio(d, p, better)} |")
+if ("rss", "delayd") in by or ("rss", "redis") in by:
     d, r = get("rss", "delayd", "peak_rss_mb"), get("rss", "redis", "peak_rss_mb")
-    n = by[("rss", "delayd")]["messages"]
+    n = (by.get(("rss", "delayd")) or by[("rss", "redis")])["messages"]
     share = f"{100 * d / r:.1f} % of Redis" if d and r else "–"
     print(f"| {n:,} messages due within 30 days | peak RSS, MB | {fmt(d)} | {fmt(r)} | – | {share} | |")
     print(f"| {n:,} messages due within 30 days | ingest, msg/s | {fmt(get('rss', 'delayd', 'ingest_per_sec'))} | {fmt(get('rss', 'redis', 'ingest_per_sec'))} | – | {ratio(get('rss', 'delayd', 'ingest_per_sec'), get('rss', 'redis', 'ingest_per_sec'))} | |")

@@ -10,9 +10,12 @@
 //! producers, each due uniformly between delay-min and delay-max after its request is sent; consumes
 //! the deliveries (a progress bar on stderr); and prints one JSON line: durable ingest rate, request
 //! latency p50/p99, delivery lateness p50/p99/max (time the consumer got it minus the due time), early
-//! deliveries, duplicates, losses, and the target process's peak RSS (`--pid`). `--no-consume` only
-//! ingests (for memory figures); `--rate` offers a fixed load instead of as much as the target takes
-//! (for lateness under a nominal load); `--dump FILE` writes every delivery.
+//! deliveries, duplicates, losses, and, given the target's process (`--pid`), its peak RSS and the bytes
+//! it caused to be written to disk during the run (`write_bytes` of `/proc/PID/io`, its threads and
+//! reaped children included) with the write amplification they make: disk bytes / (messages ×
+//! `--body-bytes`). `--no-consume` only ingests (for memory and write-amplification figures); `--rate`
+//! offers a fixed load instead of as much as the target takes (for lateness under a nominal load);
+//! `--dump FILE` writes every delivery.
 //!
 //! delayd as a sidecar of another MQ (`--target delayd-redis`, `delayd-nats`, `delayd-amqp`,
 //! `delayd-kafka`): the same messages published to delayd's source (Redis stream, JetStream subject,
@@ -95,7 +98,7 @@ struct Args {
     /// once the MQ confirmed them (the MQ's own ceiling for the sidecar's requests); no consumer
     #[arg(long)]
     publish_only: bool,
-    /// The target's process id, for its peak RSS
+    /// The target's process id, for its peak RSS and the bytes it writes to disk
     #[arg(long)]
     pid: Option<u32>,
     /// Also write every delivery as `id due_ms delivered_ms` lines to this file
@@ -1057,6 +1060,15 @@ fn peak_rss_mb(pid: Option<u32>) -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// The bytes the process has caused to be written to the storage layer so far (`write_bytes` of
+/// `/proc/PID/io`: its threads and its reaped children included; page-cache writes count when the page
+/// is dirtied, so a page rewritten after each fsync counts every time).
+fn disk_write_bytes(pid: Option<u32>) -> Option<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{}/io", pid?)).ok()?;
+    let line = io.lines().find(|l| l.starts_with("write_bytes:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     let per_request = if args.mode == "batch" { args.batch } else { 1 };
     let requests = args.messages.div_ceil(per_request as u64);
@@ -1082,6 +1094,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
             })
             .collect(),
     );
+    let written_before = disk_write_bytes(args.pid);
     let started = Instant::now();
     let producers: Vec<_> = (0..args.concurrency)
         .map(|_| {
@@ -1230,6 +1243,14 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     result["request_latency_ms"] =
         json!({"p50": percentile(&latencies, 0.5), "p99": percentile(&latencies, 0.99)});
     result["peak_rss_mb"] = json!(peak_rss_mb(args.pid));
+    let written = written_before
+        .zip(disk_write_bytes(args.pid))
+        .map(|(before, after)| after.saturating_sub(before));
+    result["disk_write_bytes"] = json!(written);
+    let payload = args.messages as f64 * args.body_bytes as f64;
+    result["write_amplification"] = json!(written
+        .filter(|_| payload > 0.0)
+        .map(|w| w as f64 / payload));
     result
 }
 

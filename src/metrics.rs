@@ -165,7 +165,7 @@ fn describe() {
     describe_histogram!(
         "delayd_sync_seconds",
         Unit::Seconds,
-        "Write and fdatasync of other files, by file: broker (commit log, per delivered batch), dispatch (outcomes, per batch), checkpoint (a whole replay checkpoint, under the replayer's lock)"
+        "Write and fdatasync of other files, by file: broker (commit log, per delivered batch), dispatch (outcomes, per batch), checkpoint (a whole replay checkpoint: segment syncs and the store, on a thread of its own)"
     );
     describe_histogram!("delayd_wal_batch_records", "Records per WAL group commit");
     describe_counter!(
