@@ -2,7 +2,7 @@
 //! `delayd inspect` prints.
 
 use crate::bucket::Bucket;
-use crate::frame::{Frames, Kind, Stop};
+use crate::frame::{Frames, Kind, Stop, BLOCK};
 use crate::header::{
     FileHeader, DISPATCH_MAGIC, HEADER_LEN, INDEX_MAGIC, SEGMENT_MAGIC, WAL_MAGIC,
 };
@@ -124,6 +124,17 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
                     start + at
                 )?;
             }
+        }
+        // A WAL file's log ends at a block boundary; past it a reused file holds its earlier uses'
+        // bytes, where no frame need start.
+        Some(Stop::Invalid { at, .. })
+            if magic == WAL_MAGIC && (start + at).is_multiple_of(BLOCK) =>
+        {
+            writeln!(
+                out,
+                "{count} records; the log ends at offset {}: what follows is not a record of this file",
+                start + at
+            )?;
         }
         Some(Stop::Invalid { at, reason }) => {
             ok = false;

@@ -974,6 +974,10 @@ fn run_replayer(
     })
 }
 
+fn checkpointer_stopped() -> Error {
+    Error::io("checkpointer")(io::Error::other("the checkpointer thread stopped"))
+}
+
 /// The replayer's loop (see [`run_replayer`]); `jobs` goes to the checkpointer, `done` comes back.
 fn replay_loop(
     shared: &Shared,
@@ -1001,11 +1005,32 @@ fn replay_loop(
                         Ok(group) => backlog.push(group),
                         Err(_) => open = false,
                     },
-                    recv(done) -> job => finished = job.ok(),
+                    recv(done) -> job => finished = Some(job.map_err(|_| checkpointer_stopped())?),
                     default(options.checkpoint_interval) => {}
                 }
             }
             None => {}
+            // The retried checkpoint is on its way: its answer decides whether the disk is still full.
+            Some(_) if in_flight => {
+                let mut push = |group| {
+                    backlog.push(group);
+                    shared
+                        .disk_full
+                        .set_backlog_full(backlog.bytes >= BACKLOG_LIMIT_BYTES);
+                };
+                finished = loop {
+                    if !open {
+                        break Some(done.recv().map_err(|_| checkpointer_stopped())?);
+                    }
+                    crossbeam_channel::select! {
+                        recv(groups) -> group => match group {
+                            Ok(group) => push(group),
+                            Err(_) => open = false,
+                        },
+                        recv(done) -> job => break Some(job.map_err(|_| checkpointer_stopped())?),
+                    }
+                };
+            }
             Some(retry) => {
                 // No bound here: past BACKLOG_LIMIT_BYTES the writer refuses new requests, so only the
                 // groups it committed before it saw that still come, and none of them may block it.
@@ -1066,9 +1091,7 @@ fn replay_loop(
                 let _ = replay.delete_replayed_wal();
             } else {
                 let job = replay.start_checkpoint()?;
-                jobs.send(job).map_err(|_| {
-                    Error::io("checkpointer")(io::Error::other("the checkpointer thread stopped"))
-                })?;
+                jobs.send(job).map_err(|_| checkpointer_stopped())?;
                 in_flight = true;
                 last_checkpoint = Instant::now();
                 bytes_since = 0;
@@ -1080,6 +1103,8 @@ fn replay_loop(
             .disk_full
             .set_backlog_full(held_up.is_some() && backlog.bytes >= BACKLOG_LIMIT_BYTES);
         match held_up {
+            // A retried checkpoint was handed over: the disk counts as full until it succeeded.
+            None if in_flight && retry.is_some() => {}
             None => {
                 if retry.take().is_some() {
                     shared.disk_full.clear(Blocked::Replayer);

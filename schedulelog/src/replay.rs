@@ -50,14 +50,14 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-/// Segments kept open for append at most (two descriptors each): an eighth of the open-file limit, the
-/// rest being for connections, readers, the broker and webhook calls (delayd raises the limit to its
+/// Segments kept open for append at most, two descriptors each: an eighth of the open-file limit in all,
+/// the rest being for connections, readers, the broker and webhook calls (delayd raises the limit to its
 /// hard one first, commonly 524,288: then 1,024 segments, 42 days of hourly buckets, so that a batch
 /// spread over weeks finds every segment open). Past it, the least recently used quarter is closed.
 #[cfg(not(test))]
 fn max_open_segments() -> usize {
     let limit = crate::sys::open_file_limit().unwrap_or(1024);
-    usize::try_from(limit / 8)
+    usize::try_from(limit / 16)
         .unwrap_or(usize::MAX)
         .clamp(16, 1024)
 }
@@ -96,7 +96,7 @@ pub enum Replayed {
 #[derive(Debug)]
 pub(crate) struct CheckpointJob {
     number: u64,
-    stored: Arc<Mutex<u64>>,
+    stored: Arc<Mutex<Stored>>,
     checkpoint: Checkpoint,
     /// Segments written since their last sync: the mark to sync up to, and whether to drop the `.log`'s
     /// pages from the cache after (not for a bucket being delivered from).
@@ -106,6 +106,16 @@ pub(crate) struct CheckpointJob {
     width: SegmentMinutes,
     #[cfg(test)]
     faults: Arc<crate::fault::Faults>,
+}
+
+/// What the checkpoint jobs of a log share (behind the lock a running job holds).
+#[derive(Debug, Default)]
+struct Stored {
+    /// The number of the last job stored.
+    number: u64,
+    /// Why a sync failed, once one has: from then on no job stores anything (the failed sync may have
+    /// dropped pages that a later sync, through another handle, would then claim durable).
+    sync_failed: Option<String>,
 }
 
 impl CheckpointJob {
@@ -126,9 +136,22 @@ impl CheckpointJob {
 
     fn sync_and_store(&self) -> Result<bool> {
         let mut stored = self.stored.lock().unwrap_or_else(|p| p.into_inner());
-        if *stored >= self.number {
+        if let Some(cause) = &stored.sync_failed {
+            return Err(Error::Append(AppendError::Poisoned(cause.clone())));
+        }
+        if stored.number >= self.number {
             return Ok(false);
         }
+        let result = self.sync_and_store_locked();
+        match &result {
+            Ok(()) => stored.number = self.number,
+            Err(e) if e.is_sync_failure() => stored.sync_failed = Some(e.to_string()),
+            Err(_) => {}
+        }
+        result.map(|()| true)
+    }
+
+    fn sync_and_store_locked(&self) -> Result<()> {
         let started = std::time::Instant::now();
         for &(bucket, mark, drop_cache) in &self.sync {
             #[cfg(test)]
@@ -147,10 +170,9 @@ impl CheckpointJob {
             &self.checkpoint_path.with_extension("tmp"),
         )?;
         self.checkpoint.store(&self.checkpoint_path, self.width)?;
-        *stored = self.number;
         metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")
             .record(started.elapsed().as_secs_f64());
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -170,8 +192,8 @@ pub(crate) struct Replay {
     pub checkpointed_seq: u64,
     /// The number of the last checkpoint job taken.
     jobs_taken: u64,
-    /// The number of the last checkpoint job stored, shared with the jobs (and held while one runs).
-    jobs_stored: Arc<Mutex<u64>>,
+    /// What the jobs share: the last one stored, a failed sync (held while one runs).
+    jobs_stored: Arc<Mutex<Stored>>,
     use_counter: u64,
     open_writers: usize,
     max_open_writers: usize,

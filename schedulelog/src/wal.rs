@@ -116,19 +116,20 @@ pub(crate) fn record_seq(bytes: &[u8]) -> Option<u64> {
     }
 }
 
-/// The tail policy of WAL files (see the module's invariants): the log of the newest file ends at `at`
-/// of `body` (file offset `base + at`) for `reason`. `Ok(())` when that is its end: past the unsynced
-/// window no block starts with a record of this file's own use (seq at or above `first_seq`). Otherwise
-/// synced records were damaged: a corruption error naming the file and the offset.
+/// The tail policy of WAL files (see the module's invariants): the log of a file ends at `at` of `body`
+/// (file offset `base + at`) for `reason`. `Ok(())` when that is its end: past `window` bytes after it
+/// (the unsynced window for the newest file; 0 for the others, synced before the next was made) no
+/// block starts with a record of this file's own use (seq at or above `first_seq`). Otherwise synced
+/// records were damaged: a corruption error naming the file and the offset.
 fn check_tail(
     path: &Path,
     body: &[u8],
-    base: u64,
-    at: usize,
+    (base, at): (u64, usize),
+    window: usize,
     first_seq: u64,
     reason: &str,
 ) -> Result<()> {
-    let window_end = at.saturating_add(UNSYNCED_LIMIT).next_multiple_of(BLOCK);
+    let window_end = at.saturating_add(window).next_multiple_of(BLOCK);
     let later = (window_end..body.len())
         .step_by(BLOCK)
         .find_map(|b| record_seq(&body[b..]).filter(|&seq| seq >= first_seq));
@@ -262,12 +263,14 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
         Some(Stop::End { at }) => (at, None, false),
         Some(Stop::Invalid { at, reason }) => {
             let reused_end = record_seq(&body[at..]).is_some_and(|seq| seq < first_seq);
-            if !last && !reused_end {
+            // An older file was synced whole before the next one was made: its own log ends at a block
+            // boundary (writes are padded), and past it lie only zeros or its earlier uses' bytes,
+            // which need not start with a frame there (an old group or record may span it).
+            if !last && !(base + at as u64).is_multiple_of(BLOCK as u64) {
                 return Err(Error::corrupt(path, base + at as u64, reason));
             }
-            if last {
-                check_tail(path, body, base, at, first_seq, reason)?;
-            }
+            let window = if last { UNSYNCED_LIMIT } else { 0 };
+            check_tail(path, body, (base, at), window, first_seq, reason)?;
             (at, last.then_some(base + at as u64), reused_end)
         }
         None => unreachable!("the frame walk ended without a stop"),

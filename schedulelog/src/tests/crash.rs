@@ -492,6 +492,34 @@ fn a_reused_wal_file_replays_its_own_records_and_never_its_earlier_ones() {
     }
 }
 
+/// Reused files that are not the newest: their own logs end at a block boundary inside an earlier use's
+/// group (large groups then, small ones now), where no frame starts.
+#[test]
+fn reused_wal_files_behind_the_newest_end_inside_an_earlier_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
+    let body = "g".repeat(300);
+    let mut acked = Vec::new();
+    let mut append = |log: &ScheduleLog, batches: i64, size: i64| {
+        for i in 0..batches {
+            let batch = (0..size).map(|j| message(T0 + (i * size + j) * 61_000, &body));
+            let appended = log.append(batch.collect()).wait().unwrap();
+            acked.extend(appended.iter().map(|a| a.location.seq));
+        }
+    };
+    append(&log, 24, 20);
+    log.checkpoint().unwrap();
+    append(&log, 48, 5);
+    log.crash();
+    let files = wal::list(&dir.path().join("wal")).unwrap();
+    assert!(files.len() >= 3, "{files:?}");
+    let mut out = Vec::new();
+    let clean = inspect(&files[files.len() - 2].1, &mut out).unwrap();
+    assert!(clean, "{}", String::from_utf8_lossy(&out));
+    assert_eq!(surviving_after_reuse(dir.path(), &clock), acked);
+}
+
 #[test]
 fn a_torn_write_into_a_reused_wal_file_is_cut() {
     let (dir, clock, acked, newest) = reused_image();
