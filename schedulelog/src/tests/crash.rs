@@ -421,16 +421,8 @@ fn reused_image() -> (tempfile::TempDir, Arc<ManualClock>, Vec<u64>, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
     let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
-    let body = "r".repeat(300);
     let mut acked = Vec::new();
-    let mut append = |log: &ScheduleLog, batches: i64, size: i64| {
-        for i in 0..batches {
-            let batch = (0..size).map(|j| message(T0 + (i * size + j) * 61_000, &body));
-            let appended = log.append(batch.collect()).wait().unwrap();
-            acked.extend(appended.iter().map(|a| a.location.seq));
-        }
-    };
-    append(&log, 96, 5);
+    append_batches(&log, 96, 5, &mut acked);
     log.checkpoint().unwrap();
     let spares = || {
         let names = fs::read_dir(dir.path().join("wal")).unwrap();
@@ -449,7 +441,7 @@ fn reused_image() -> (tempfile::TempDir, Arc<ManualClock>, Vec<u64>, PathBuf) {
         "the checkpoint kept retired files: {}",
         spares()
     );
-    append(&log, 12, 20);
+    append_batches(&log, 12, 20, &mut acked);
     log.crash();
     let (first_seq, newest) = wal::list(&dir.path().join("wal")).unwrap().pop().unwrap();
     // It is a reused file: past its own records lie frames of an earlier use.
@@ -461,6 +453,16 @@ fn reused_image() -> (tempfile::TempDir, Arc<ManualClock>, Vec<u64>, PathBuf) {
         .count();
     assert!(stale > 0, "the newest WAL file was not a reused one");
     (dir, clock, acked, newest)
+}
+
+/// Appends `batches` requests of `size` 300-byte messages each, adding their seqs to `acked`.
+fn append_batches(log: &ScheduleLog, batches: i64, size: i64, acked: &mut Vec<u64>) {
+    let body = "r".repeat(300);
+    for i in 0..batches {
+        let batch = (0..size).map(|j| message(T0 + (i * size + j) * 61_000, &body));
+        let appended = log.append(batch.collect()).wait().unwrap();
+        acked.extend(appended.iter().map(|a| a.location.seq));
+    }
 }
 
 fn reuse_options(clock: &Arc<ManualClock>) -> Options {
@@ -499,18 +501,10 @@ fn reused_wal_files_behind_the_newest_end_inside_an_earlier_group() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
     let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
-    let body = "g".repeat(300);
     let mut acked = Vec::new();
-    let mut append = |log: &ScheduleLog, batches: i64, size: i64| {
-        for i in 0..batches {
-            let batch = (0..size).map(|j| message(T0 + (i * size + j) * 61_000, &body));
-            let appended = log.append(batch.collect()).wait().unwrap();
-            acked.extend(appended.iter().map(|a| a.location.seq));
-        }
-    };
-    append(&log, 24, 20);
+    append_batches(&log, 24, 20, &mut acked);
     log.checkpoint().unwrap();
-    append(&log, 48, 5);
+    append_batches(&log, 48, 5, &mut acked);
     log.crash();
     let files = wal::list(&dir.path().join("wal")).unwrap();
     assert!(files.len() >= 3, "{files:?}");
@@ -577,18 +571,8 @@ fn a_reused_wal_file_whose_new_header_never_reached_the_disk_holds_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
     let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
-    let body = "h".repeat(300);
     let mut acked = Vec::new();
-    for i in 0..24 {
-        let batch = (0..20).map(|j| message(T0 + (i * 20 + j) * 61_000, &body));
-        acked.extend(
-            log.append(batch.collect())
-                .wait()
-                .unwrap()
-                .iter()
-                .map(|a| a.location.seq),
-        );
-    }
+    append_batches(&log, 24, 20, &mut acked);
     log.checkpoint().unwrap();
     log.crash();
     let wal_dir = dir.path().join("wal");
