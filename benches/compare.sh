@@ -20,11 +20,16 @@
 #  to be written to disk, from /proc/PID/io, over messages × 1,024 body bytes; delayd's figure includes
 #  the WAL files it zero-fills ahead of use; none for PostgreSQL, which has no single process):
 #   real-batch              1,000 messages per request at concurrency 8 (N_REAL_BATCH messages);
-#   real-single             one message per request at concurrency 64 (N_REAL_SINGLE messages).
+#   real-single             one message per request at concurrency 64 (N_REAL_SINGLE messages);
+#                           each after a warm-up of N_REAL_WARMUP messages (batched, not measured) into
+#                           the same fresh target, so that it is measured as a node that has been running
+#                           is: delayd has WAL files to reuse and the month's segments exist, Redis its
+#                           keys and AOF, PostgreSQL its WAL (loadgen recreates its table at each start)
+#                           (N_REAL_WARMUP=0 measures from empty).
 #
 # Variables (defaults in brackets):
-#   N_SINGLE [20000], N_BATCH [200000], N_RSS [10000000], N_REAL_BATCH [300000], N_REAL_SINGLE [30000]
-#                           messages per workload, as above;
+#   N_SINGLE [20000], N_BATCH [200000], N_RSS [10000000], N_REAL_BATCH [300000], N_REAL_SINGLE [30000],
+#   N_REAL_WARMUP [300000]  messages per workload, as above;
 #   WORKLOADS [single batch single-5k batch-50k rss real-batch real-single]
 #                           the workloads to run, in order;
 #   TARGETS [delayd redis postgres]
@@ -36,7 +41,7 @@
 #                           of every write of 64 KiB or more), to play a slower disk on a fast one. Only
 #                           delayd is slowed: Redis and PostgreSQL run on the real disk, unaffected, so
 #                           the ratios then compare a slowed delayd with unslowed peers;
-#   DELAYD_BIN [target/release/delayd]
+#   SERVER_BIN [target/release/delayd]
 #                           the delayd binary to run (for an A/B against another build; it must have
 #                           been built with the slow-disk feature when SLOW_DISK=1).
 set -euo pipefail
@@ -46,10 +51,11 @@ N_BATCH=${N_BATCH:-200000}
 N_RSS=${N_RSS:-10000000}
 N_REAL_BATCH=${N_REAL_BATCH:-300000}
 N_REAL_SINGLE=${N_REAL_SINGLE:-30000}
+N_REAL_WARMUP=${N_REAL_WARMUP:-300000}
 WORKLOADS=${WORKLOADS:-single batch single-5k batch-50k rss real-batch real-single}
 TARGETS=${TARGETS:-delayd redis postgres}
 SLOW_DISK=${SLOW_DISK:-}
-DELAYD_BIN=${DELAYD_BIN:-target/release/delayd}
+SERVER_BIN=${SERVER_BIN:-target/release/delayd}
 SLOW_SYNC_US=${SLOW_SYNC_US:-300}
 SLOW_WRITE_US_PER_MIB=${SLOW_WRITE_US_PER_MIB:-3400}
 
@@ -137,7 +143,7 @@ start_delayd() {
   [ -n "${DELAYD_PID:-}" ] && { kill "$DELAYD_PID"; wait "$DELAYD_PID" 2>/dev/null || true; }
   rm -rf "$WORK/delayd"
   # `env` execs delayd, so $! is delayd's own pid (for its RSS and /proc/PID/io).
-  env "${DELAYD_ENV[@]}" "$DELAYD_BIN" serve --data-dir "$WORK/delayd" --listen 127.0.0.1:7399 \
+  env "${DELAYD_ENV[@]}" "$SERVER_BIN" serve --data-dir "$WORK/delayd" --listen 127.0.0.1:7399 \
     >"$WORK/delayd.out" 2>"$WORK/delayd.log" &
   DELAYD_PID=$!
   for _ in $(seq 100); do
@@ -186,6 +192,11 @@ for workload in $WORKLOADS; do
   for target in $targets; do
     [ "$target" = delayd ] && start_delayd
     [ "$target" = redis ] && redis-cli -p 6399 flushall >/dev/null
+    if [[ $workload == real-* && $N_REAL_WARMUP -gt 0 ]]; then
+      echo "== $workload / $target: warm-up, $N_REAL_WARMUP messages" >&2
+      "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 --mode batch --batch 1000 --concurrency 8 \
+        --messages "$N_REAL_WARMUP" "${REAL[@]}" --label warmup >/dev/null
+    fi
     echo "== $workload / $target" >&2
     "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 "${args[@]}" $(pid_args "$target") \
       --label "$workload" >>"$RESULTS"

@@ -206,9 +206,10 @@ impl ScheduleLog {
         #[allow(unused_mut)] // set in test builds
         let mut dispatch = DispatchLogs::new(&data_dir.join("dispatch"), width);
         check_wal_reaches(&data_dir, &checkpoint)?;
-        // Retired WAL files kept for reuse: as many as the WAL grows by between two checkpoints.
-        let wal_spares =
-            (options.checkpoint_bytes / options.wal_segment_bytes).clamp(1, 8) as usize;
+        // Retired WAL files kept for reuse: as many as the WAL grows by while a checkpoint is taken and
+        // made (its trigger, `checkpoint_bytes`, and as much again while its syncs run), at most 8.
+        let wal_spares = (options.checkpoint_bytes.saturating_mul(2) / options.wal_segment_bytes)
+            .clamp(1, 8) as usize;
         let mut replay = Replay::open(&data_dir, width, &checkpoint, wal_spares)?;
         #[cfg(test)]
         let faults = Arc::new(crate::fault::Faults::default());

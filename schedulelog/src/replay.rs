@@ -181,8 +181,10 @@ impl CheckpointJob {
 pub(crate) struct Replay {
     schedule_dir: PathBuf,
     wal_dir: PathBuf,
-    /// How many retired WAL files are kept for reuse (wal.rs).
+    /// How many retired WAL files are kept for reuse at most (wal.rs).
     wal_spares: usize,
+    /// How many spares there were after the last [`Replay::delete_replayed_wal`].
+    spares_left: usize,
     checkpoint_path: PathBuf,
     width: SegmentMinutes,
     segments: BTreeMap<Bucket, SegmentState>,
@@ -244,6 +246,7 @@ impl Replay {
             schedule_dir,
             wal_dir: data_dir.join("wal"),
             wal_spares,
+            spares_left: 0,
             checkpoint_path: data_dir.join("checkpoint"),
             width,
             segments,
@@ -500,8 +503,15 @@ impl Replay {
 
     /// Retires the WAL files entirely below the last checkpoint (each but the newest): keeps them for
     /// reuse, or deletes them (wal.rs).
-    pub(crate) fn delete_replayed_wal(&self) -> Result<()> {
+    ///
+    /// Called after every checkpoint and, on a node with nothing new to checkpoint, every checkpoint
+    /// interval. When the writer took no spare since the last call and nothing was retired now, the node
+    /// is idle: one spare is deleted, so that the space they take (up to `wal_spares` files) goes back a
+    /// file at a time while no load needs it.
+    pub(crate) fn delete_replayed_wal(&mut self) -> Result<()> {
         let files = wal::list(&self.wal_dir)?;
+        let spares = wal::spare_count(&self.wal_dir)?;
+        let taken = spares < self.spares_left;
         let mut deleted = false;
         for pair in files.windows(2) {
             let ((first_seq, path), (next_first, _)) = (&pair[0], &pair[1]);
@@ -510,9 +520,13 @@ impl Replay {
                 deleted = true;
             }
         }
+        if !deleted && !taken {
+            deleted = wal::shed_spare(&self.wal_dir)?;
+        }
         if deleted {
             sync_dir(&self.wal_dir)?;
         }
+        self.spares_left = wal::spare_count(&self.wal_dir)?;
         Ok(())
     }
 

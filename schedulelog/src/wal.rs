@@ -20,7 +20,8 @@
 //!   which on the reference disk is ~3x faster than appending to a growing file (and 10x faster than
 //!   writing into `fallocate`d space with 1 MiB writes). A new file is zero-filled first.
 //! - Files are reused. A file whose records are all replayed and checkpointed is retired: kept as a spare
-//!   (up to a number the log sets), deleted otherwise. A rollover takes a spare when there is one (renamed
+//!   (up to a number the log sets), deleted otherwise. Spares nobody took are shed one at a time (see
+//!   `Replay::delete_replayed_wal`), so an idle node gives the space back. A rollover takes a spare when there is one (renamed
 //!   to its new first seq, header rewritten) and the zero-filled `next.tmp` only when there is none; so
 //!   at a steady load each record is written twice (here and in its segment), not three times.
 //! - So past the end of its own log a file may hold frames of its earlier uses. Every one of them has a
@@ -86,6 +87,21 @@ pub(crate) fn retire(dir: &Path, path: &Path, first_seq: u64, keep: usize) -> Re
         fs::rename(path, &spare).map_err(Error::io(&spare))
     } else {
         fs::remove_file(path).map_err(Error::io(path))
+    }
+}
+
+/// How many spares `dir` holds.
+pub(crate) fn spare_count(dir: &Path) -> Result<usize> {
+    spares(dir).map(|s| s.len())
+}
+
+/// Deletes the oldest spare, if there is one (the caller syncs the directory).
+pub(crate) fn shed_spare(dir: &Path) -> Result<bool> {
+    match spares(dir)?.first() {
+        Some(spare) => fs::remove_file(spare)
+            .map(|()| true)
+            .map_err(Error::io(spare)),
+        None => Ok(false),
     }
 }
 

@@ -612,3 +612,30 @@ fn inspect_ends_a_reused_wal_file_at_its_own_records() {
         "{text}"
     );
 }
+
+/// Spares nobody takes go back to the file system, one per checkpoint interval, once the node is idle.
+#[test]
+fn an_idle_node_sheds_its_wal_spares() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(
+        dir.path(),
+        Options {
+            checkpoint_interval: Duration::from_millis(20),
+            ..reuse_options(&clock)
+        },
+    )
+    .unwrap();
+    let spares = || wal::spare_count(&dir.path().join("wal")).unwrap();
+    let mut acked = Vec::new();
+    append_batches(&log, 96, 5, &mut acked);
+    log.checkpoint().unwrap();
+    assert!(
+        spares() >= 2,
+        "the checkpoint kept retired files: {}",
+        spares()
+    );
+    super::wait_until("the idle node shed its spares", || spares() == 0);
+    log.close().unwrap();
+    assert_eq!(surviving_after_reuse(dir.path(), &clock), acked);
+}
