@@ -635,7 +635,7 @@ fn an_idle_node_sheds_its_wal_spares() {
         "the checkpoint kept retired files: {}",
         spares()
     );
-    super::wait_until("the idle node shed its spares", || spares() == 0);
+    wait_until("the idle node shed its spares", || spares() == 0);
     log.close().unwrap();
     assert_eq!(surviving_after_reuse(dir.path(), &clock), acked);
 }
