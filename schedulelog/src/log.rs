@@ -870,7 +870,7 @@ fn recover_wal(
         }
         match wal::scan_file(path, *first_seq, i + 1 == files.len())? {
             Some(scanned) => {
-                replay.apply(&scanned.bytes, &scanned.records, dispatch)?;
+                replay.apply(&[(&scanned.bytes, &scanned.records)], dispatch)?;
                 if let Some(at) = scanned.torn_at {
                     wal::zero_torn_tail(path, &scanned.bytes, at, !scanned.reused_end)?;
                 }
@@ -909,6 +909,12 @@ const BACKLOG_LIMIT_BYTES: usize = 64 << 20;
 /// and stays under otherwise (a dozen).
 #[cfg(test)]
 const BACKLOG_LIMIT_BYTES: usize = 128 << 10;
+
+/// Queued groups are applied together up to this many bytes (see `Replay::apply`).
+#[cfg(not(test))]
+const APPLY_PASS_BYTES: usize = 32 << 20;
+#[cfg(test)]
+const APPLY_PASS_BYTES: usize = 16 << 10;
 
 /// The wait before the first try after a full disk; it doubles with each failed try, up to `RETRY_MAX`.
 const RETRY_FIRST: Duration = Duration::from_millis(50);
@@ -1063,14 +1069,35 @@ fn replay_loop(
                 Err(e) => return Err(e),
             }
         }
-        while let Some(group) = backlog.groups.front() {
-            match replay.apply(&group.bytes, &group.records, &shared.dispatch) {
+        if retry.is_none() {
+            // Groups that queued up meanwhile are applied together (`Replay::apply` says why).
+            while backlog.bytes < APPLY_PASS_BYTES {
+                match groups.try_recv() {
+                    Ok(group) => backlog.push(group),
+                    Err(_) => break,
+                }
+            }
+        }
+        while !backlog.groups.is_empty() {
+            let mut pass = Vec::new();
+            let mut pass_bytes = 0;
+            for group in &backlog.groups {
+                if !pass.is_empty() && pass_bytes + group.bytes.len() > APPLY_PASS_BYTES {
+                    break;
+                }
+                pass_bytes += group.bytes.len();
+                pass.push((&group.bytes[..], &group.records[..]));
+            }
+            let taken = pass.len();
+            match replay.apply(&pass, &shared.dispatch) {
                 Ok(()) => {
                     shared.filed.store(replay.next_seq, Ordering::Release);
                     shared.replayed.notify_all();
-                    let group = backlog.pop().expect("front exists");
-                    bytes_since += group.bytes.len() as u64;
-                    let _ = recycle.try_send(group.bytes);
+                    for _ in 0..taken {
+                        let group = backlog.pop().expect("applied, so present");
+                        bytes_since += group.bytes.len() as u64;
+                        let _ = recycle.try_send(group.bytes);
+                    }
                 }
                 Err(e) if e.is_disk_full() => {
                     held_up = Some(e);

@@ -265,18 +265,23 @@ impl Replay {
         })
     }
 
-    /// Applies committed records in seq order. `bytes` holds the frames the records point into.
+    /// Applies committed records in seq order: one or more groups, each the bytes holding the frames and
+    /// the records pointing into them, in seq order. Several groups at once cost one write per segment
+    /// (and its index) for all of them, where a group each would cost one per group: a batch spread over
+    /// a month touches hundreds of segments with a few records each.
     pub(crate) fn apply(
         &mut self,
-        bytes: &[u8],
-        records: &[WalRecord],
+        groups: &[(&[u8], &[WalRecord])],
         dispatch: &DispatchLogs,
     ) -> Result<()> {
         // Cancel outcomes (with their targets, for the tap) and pointers to later attempts.
         let mut cancels = Vec::new();
         let mut pointers = Vec::new();
         let mut messages = Vec::new();
-        for record in records {
+        let records = groups
+            .iter()
+            .flat_map(|(bytes, records)| records.iter().map(move |r| (*bytes, r)));
+        for (bytes, record) in records {
             if record.seq() < self.next_seq {
                 continue; // already applied (recovery overlaps the checkpoint)
             }
@@ -299,7 +304,7 @@ impl Replay {
                         };
                         pointers.push((id.first.bucket, pointer));
                     }
-                    messages.push((bucket, head, frame));
+                    messages.push((bucket, head, &bytes[frame.clone()]));
                 }
                 WalRecord::Cancel(cancel) => {
                     let outcome = Outcome {
@@ -328,7 +333,7 @@ impl Replay {
                 if head.seq <= writer.last_seq() {
                     continue; // in the segment already (recovery, or an earlier try of this group)
                 }
-                entries.push(writer.append(&bytes[(*frame).clone()], head));
+                entries.push(writer.append(frame, head));
             }
             state.written = writer.flush()?;
             if let Some(tap) = &tap {
@@ -354,7 +359,7 @@ impl Replay {
                 }
             }
         }
-        if let Some(last) = records.last() {
+        if let Some(last) = groups.iter().rev().find_map(|(_, records)| records.last()) {
             self.next_seq = self.next_seq.max(last.seq() + 1);
         }
         Ok(())
