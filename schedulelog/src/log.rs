@@ -1018,25 +1018,34 @@ fn replay_loop(
             }
             None => {}
             // The retried checkpoint is on its way: its answer decides whether the disk is still full.
-            Some(_) if in_flight => {
-                let mut push = |group| {
-                    backlog.push(group);
-                    shared
-                        .disk_full
-                        .set_backlog_full(backlog.bytes >= BACKLOG_LIMIT_BYTES);
-                };
-                finished = loop {
-                    if !open {
-                        break Some(done.recv().map_err(|_| checkpointer_stopped())?);
-                    }
+            // Meanwhile groups are taken and (once the backoff has passed) applied, one event a pass.
+            Some(retry) if in_flight => {
+                let wait = retry.at.saturating_duration_since(Instant::now());
+                let mut got = None;
+                if !open {
+                    finished = Some(done.recv().map_err(|_| checkpointer_stopped())?);
+                } else if wait.is_zero() {
                     crossbeam_channel::select! {
-                        recv(groups) -> group => match group {
-                            Ok(group) => push(group),
-                            Err(_) => open = false,
-                        },
-                        recv(done) -> job => break Some(job.map_err(|_| checkpointer_stopped())?),
+                        recv(groups) -> group => got = Some(group),
+                        recv(done) -> job => finished = Some(job.map_err(|_| checkpointer_stopped())?),
                     }
-                };
+                } else {
+                    crossbeam_channel::select! {
+                        recv(groups) -> group => got = Some(group),
+                        recv(done) -> job => finished = Some(job.map_err(|_| checkpointer_stopped())?),
+                        default(wait) => {}
+                    }
+                }
+                match got {
+                    Some(Ok(group)) => {
+                        backlog.push(group);
+                        shared
+                            .disk_full
+                            .set_backlog_full(backlog.bytes >= BACKLOG_LIMIT_BYTES);
+                    }
+                    Some(Err(_)) => open = false,
+                    None => {}
+                }
             }
             Some(retry) => {
                 // No bound here: past BACKLOG_LIMIT_BYTES the writer refuses new requests, so only the
@@ -1117,6 +1126,8 @@ fn replay_loop(
                 // up), and on a quiet node no record would come to trigger another. That space may be
                 // what the rest of the node is waiting for. A failure is retried at the next interval.
                 let _ = replay.delete_replayed_wal();
+                // Idle: a WAL spare goes back to the file system.
+                let _ = replay.shed_spare();
             } else {
                 let job = replay.start_checkpoint()?;
                 jobs.send(job).map_err(|_| checkpointer_stopped())?;

@@ -183,8 +183,6 @@ pub(crate) struct Replay {
     wal_dir: PathBuf,
     /// How many retired WAL files are kept for reuse at most (wal.rs).
     wal_spares: usize,
-    /// How many spares there were after the last [`Replay::delete_replayed_wal`].
-    spares_left: usize,
     checkpoint_path: PathBuf,
     width: SegmentMinutes,
     segments: BTreeMap<Bucket, SegmentState>,
@@ -246,7 +244,6 @@ impl Replay {
             schedule_dir,
             wal_dir: data_dir.join("wal"),
             wal_spares,
-            spares_left: 0,
             checkpoint_path: data_dir.join("checkpoint"),
             width,
             segments,
@@ -508,15 +505,8 @@ impl Replay {
 
     /// Retires the WAL files entirely below the last checkpoint (each but the newest): keeps them for
     /// reuse, or deletes them (wal.rs).
-    ///
-    /// Called after every checkpoint and, on a node with nothing new to checkpoint, every checkpoint
-    /// interval. When the writer took no spare since the last call and nothing was retired now, the node
-    /// is idle: one spare is deleted, so that the space they take (up to `wal_spares` files) goes back a
-    /// file at a time while no load needs it.
-    pub(crate) fn delete_replayed_wal(&mut self) -> Result<()> {
+    pub(crate) fn delete_replayed_wal(&self) -> Result<()> {
         let files = wal::list(&self.wal_dir)?;
-        let spares = wal::spare_count(&self.wal_dir)?;
-        let taken = spares < self.spares_left;
         let mut deleted = false;
         for pair in files.windows(2) {
             let ((first_seq, path), (next_first, _)) = (&pair[0], &pair[1]);
@@ -525,13 +515,19 @@ impl Replay {
                 deleted = true;
             }
         }
-        if !deleted && !taken {
-            deleted = wal::shed_spare(&self.wal_dir)?;
-        }
         if deleted {
             sync_dir(&self.wal_dir)?;
         }
-        self.spares_left = wal::spare_count(&self.wal_dir)?;
+        Ok(())
+    }
+
+    /// Deletes one WAL spare, if there is one: for an idle node (nothing new to checkpoint for a
+    /// checkpoint interval), so that the space spares take (up to `wal_spares` files) goes back a file
+    /// at a time while no load needs it.
+    pub(crate) fn shed_spare(&self) -> Result<()> {
+        if wal::shed_spare(&self.wal_dir)? {
+            sync_dir(&self.wal_dir)?;
+        }
         Ok(())
     }
 

@@ -20,8 +20,8 @@
 //!   which on the reference disk is ~3x faster than appending to a growing file (and 10x faster than
 //!   writing into `fallocate`d space with 1 MiB writes). A new file is zero-filled first.
 //! - Files are reused. A file whose records are all replayed and checkpointed is retired: kept as a spare
-//!   (up to a number the log sets), deleted otherwise. Spares nobody took are shed one at a time (see
-//!   `Replay::delete_replayed_wal`), so an idle node gives the space back. A rollover takes a spare when there is one (renamed
+//!   (up to a number the log sets), deleted otherwise. An idle node sheds them one per checkpoint
+//!   interval (`Replay::shed_spare`), so that it gives the space back. A rollover takes a spare when there is one (renamed
 //!   to its new first seq, header rewritten) and the zero-filled `next.tmp` only when there is none; so
 //!   at a steady load each record is written twice (here and in its segment), not three times.
 //! - So past the end of its own log a file may hold frames of its earlier uses. Every one of them has a
@@ -91,16 +91,21 @@ pub(crate) fn retire(dir: &Path, path: &Path, first_seq: u64, keep: usize) -> Re
 }
 
 /// How many spares `dir` holds.
+#[cfg(test)]
 pub(crate) fn spare_count(dir: &Path) -> Result<usize> {
     spares(dir).map(|s| s.len())
 }
 
-/// Deletes the oldest spare, if there is one (the caller syncs the directory).
+/// Deletes the newest spare, if there is one (the caller syncs the directory). The writer takes the
+/// oldest, so the two meet only over a last spare (and `ActiveWal::roll` copes with that).
 pub(crate) fn shed_spare(dir: &Path) -> Result<bool> {
-    match spares(dir)?.first() {
-        Some(spare) => fs::remove_file(spare)
-            .map(|()| true)
-            .map_err(Error::io(spare)),
+    match spares(dir)?.last() {
+        Some(spare) => match fs::remove_file(spare) {
+            Ok(()) => Ok(true),
+            // Taken by the writer since the listing.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(Error::io(spare)(e)),
+        },
         None => Ok(false),
     }
 }
@@ -111,7 +116,14 @@ fn take_spare(dir: &Path, bytes: u64) -> Result<Option<PathBuf>> {
     for spare in spares(dir)? {
         match fs::metadata(&spare) {
             Ok(meta) if meta.len() == bytes => return Ok(Some(spare)),
-            _ => fs::remove_file(&spare).map_err(Error::io(&spare))?,
+            // Shed by the replayer since the listing.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            _ => match fs::remove_file(&spare) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    return Err(Error::io(&spare)(e));
+                }
+                _ => {}
+            },
         }
     }
     Ok(None)
@@ -452,11 +464,20 @@ impl ActiveWal {
         if let Some(spare) =
             take_spare(&self.dir, self.segment_bytes).map_err(RollError::Prepare)?
         {
-            (self.file, self.path) = install(&self.dir, &spare, first_seq, &mut self.staging)
-                .map_err(RollError::Install)?;
-            self.pos = DATA_START;
-            // `next.tmp` (prepared, or being prepared) stays for a rollover that finds no spare.
-            return Ok(());
+            let path = wal_path(&self.dir, first_seq);
+            match fs::rename(&spare, &path) {
+                Ok(()) => {
+                    (self.file, self.path) = start(&self.dir, path, first_seq, &mut self.staging)
+                        .map_err(RollError::Install)?;
+                    self.pos = DATA_START;
+                    // `next.tmp` (prepared, or being prepared) stays for a rollover finding no spare.
+                    return Ok(());
+                }
+                // Shed by the replayer since the listing (an idle node gives its spares back):
+                // nothing changed, and `next.tmp` serves.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(RollError::Prepare(Error::io(&path)(e))),
+            }
         }
         let next = self.dir.join(NEXT_FILE);
         let prepared = match self.next.take() {
@@ -566,6 +587,16 @@ fn install(
 ) -> Result<(File, PathBuf)> {
     let path = wal_path(dir, first_seq);
     fs::rename(prepared, &path).map_err(Error::io(&path))?;
+    start(dir, path, first_seq, staging)
+}
+
+/// Writes the header block of the WAL file just renamed to `path` and syncs the directory.
+fn start(
+    dir: &Path,
+    path: PathBuf,
+    first_seq: u64,
+    staging: &mut AlignedBuf,
+) -> Result<(File, PathBuf)> {
     let file = open_direct(&path).map_err(Error::io(&path))?;
     let header = FileHeader {
         magic: WAL_MAGIC,

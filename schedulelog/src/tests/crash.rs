@@ -626,16 +626,15 @@ fn an_idle_node_sheds_its_wal_spares() {
         },
     )
     .unwrap();
-    let spares = || wal::spare_count(&dir.path().join("wal")).unwrap();
+    let wal_dir = dir.path().join("wal");
     let mut acked = Vec::new();
     append_batches(&log, 96, 5, &mut acked);
+    // (That the checkpoint keeps retired files as spares is `reused_image`'s first check; here the
+    // idle passes that follow may shed them as soon as they exist.)
     log.checkpoint().unwrap();
-    assert!(
-        spares() >= 2,
-        "the checkpoint kept retired files: {}",
-        spares()
-    );
-    wait_until("the idle node shed its spares", || spares() == 0);
+    wait_until("the idle node shed its spares", || {
+        wal::spare_count(&wal_dir).unwrap() == 0 && wal::list(&wal_dir).unwrap().len() == 1
+    });
     log.close().unwrap();
     assert_eq!(surviving_after_reuse(dir.path(), &clock), acked);
 }
