@@ -1018,7 +1018,9 @@ fn replay_loop(
             }
             None => {}
             // The retried checkpoint is on its way: its answer decides whether the disk is still full.
-            // Meanwhile groups are taken and (once the backoff has passed) applied, one event a pass.
+            // Meanwhile groups are taken and applied as they come, one event a pass (a held-up apply is
+            // so tried again at most once per group the writer sends, and each failure doubles the
+            // wait before a pass with no group).
             Some(retry) if in_flight => {
                 let wait = retry.at.saturating_duration_since(Instant::now());
                 let mut got = None;
