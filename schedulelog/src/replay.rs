@@ -14,7 +14,8 @@
 //!   the rest is written, nothing twice. Cancels are outcomes, facts that may be recorded twice.
 //! - A record is reported to the tap (a report is a delivery to the wheel) only after the write that put
 //!   it in its segment succeeded, and a record is written once: so it is reported once, however many
-//!   tries its group took.
+//!   tries its group took. Reports come in seq order within a bucket, a bucket at a time (so not in seq
+//!   order across the buckets of one `apply`); the wheel needs no order.
 //! - Every later attempt of a message (a retry, attempt > 0) is also filed as a pointer under the message's
 //!   first attempt: a `retried` outcome in the first attempt's dispatch log, for the first attempt's seq,
 //!   whose `attempt` is the new attempt's number (greater than 0, which is how it differs from the
