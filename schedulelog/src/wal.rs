@@ -20,10 +20,10 @@
 //!   which on the reference disk is ~3x faster than appending to a growing file (and 10x faster than
 //!   writing into `fallocate`d space with 1 MiB writes). A new file is zero-filled first.
 //! - Files are reused. A file whose records are all replayed and checkpointed is retired: kept as a spare
-//!   (up to a number the log sets), deleted otherwise. An idle node sheds them one per checkpoint
-//!   interval (`Replay::shed_spare`), so that it gives the space back. A rollover takes a spare when there is one (renamed
-//!   to its new first seq, header rewritten) and the zero-filled `next.tmp` only when there is none; so
-//!   at a steady load each record is written twice (here and in its segment), not three times.
+//!   (up to a number the log sets), deleted otherwise; an idle node sheds them one per checkpoint
+//!   interval (`Replay::shed_spare`), giving the space back. A rollover takes a spare when there is one
+//!   (renamed to its new first seq, header rewritten) and the zero-filled `next.tmp` only when there is
+//!   none; so at a steady load each record is written twice (here and in its segment), not three times.
 //! - So past the end of its own log a file may hold frames of its earlier uses. Every one of them has a
 //!   seq below the file's first seq (the files before it hold the lower seqs), so the seq check ends the
 //!   log at them, and the tail policy for WAL files (`check_tail`) asks not for zeros past the unsynced
@@ -166,9 +166,7 @@ fn check_tail(
         Some(seq) => Err(Error::corrupt(
             path,
             base + at as u64,
-            format!(
-                "{reason}, followed by record seq {seq} more than {UNSYNCED_LIMIT} bytes later"
-            ),
+            format!("{reason}, followed by record seq {seq} more than {window} bytes later"),
         )),
     }
 }

@@ -65,11 +65,32 @@ fn crashed_image(
     (dir, clock)
 }
 
-fn surviving_seqs(dir: &Path, clock: &Arc<ManualClock>) -> Vec<u64> {
-    let log = ScheduleLog::open(dir, options(clock)).unwrap();
+/// The seqs a crashed data dir holds once opened with `options` (crashing again after).
+fn surviving(dir: &Path, options: Options) -> Vec<u64> {
+    let log = ScheduleLog::open(dir, options).unwrap();
     let seqs = all_messages(&log).keys().copied().collect();
     log.crash();
     seqs
+}
+
+fn surviving_seqs(dir: &Path, clock: &Arc<ManualClock>) -> Vec<u64> {
+    surviving(dir, options(clock))
+}
+
+/// `rounds` times: the data dir holds exactly `expected`; then one more message is appended before a
+/// crash (and expected next round). So a tail cut once stays cut, and appends after it survive.
+fn reopen_and_append(
+    dir: &Path,
+    options: impl Fn() -> Options,
+    expected: &mut Vec<u64>,
+    rounds: u64,
+) {
+    for round in 0..rounds {
+        assert_eq!(surviving(dir, options()), *expected, "round {round}");
+        let log = ScheduleLog::open(dir, options()).unwrap();
+        expected.push(append_one(&log, T0, "more").location.seq);
+        log.crash();
+    }
 }
 
 #[test]
@@ -196,17 +217,7 @@ fn garbage_after_the_wal_tail_is_cut_and_reopen_is_idempotent() {
         .unwrap()
         .write_all_at(&garbage, end as u64)
         .unwrap();
-    let mut expected = vec![1, 2, 3, 4];
-    for round in 0..10u64 {
-        assert_eq!(
-            surviving_seqs(dir.path(), &clock),
-            expected,
-            "round {round}"
-        );
-        let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
-        expected.push(append_one(&log, T0, "more").location.seq);
-        log.crash();
-    }
+    reopen_and_append(dir.path(), || options(&clock), &mut vec![1, 2, 3, 4], 10);
 }
 
 #[test]
@@ -473,25 +484,13 @@ fn reuse_options(clock: &Arc<ManualClock>) -> Options {
 }
 
 fn surviving_after_reuse(dir: &Path, clock: &Arc<ManualClock>) -> Vec<u64> {
-    let log = ScheduleLog::open(dir, reuse_options(clock)).unwrap();
-    let seqs = all_messages(&log).keys().copied().collect();
-    log.crash();
-    seqs
+    surviving(dir, reuse_options(clock))
 }
 
 #[test]
 fn a_reused_wal_file_replays_its_own_records_and_never_its_earlier_ones() {
     let (dir, clock, mut acked, _) = reused_image();
-    for round in 0..3 {
-        assert_eq!(
-            surviving_after_reuse(dir.path(), &clock),
-            acked,
-            "round {round}"
-        );
-        let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
-        acked.push(append_one(&log, T0, "after").location.seq);
-        log.crash();
-    }
+    reopen_and_append(dir.path(), || reuse_options(&clock), &mut acked, 3);
 }
 
 /// Reused files that are not the newest: their own logs end at a block boundary inside an earlier use's
@@ -618,14 +617,7 @@ fn inspect_ends_a_reused_wal_file_at_its_own_records() {
 fn an_idle_node_sheds_its_wal_spares() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(
-        dir.path(),
-        Options {
-            checkpoint_interval: Duration::from_millis(20),
-            ..reuse_options(&clock)
-        },
-    )
-    .unwrap();
+    let log = ScheduleLog::open(dir.path(), quick_checkpoints(reuse_options(&clock))).unwrap();
     let wal_dir = dir.path().join("wal");
     let mut acked = Vec::new();
     append_batches(&log, 96, 5, &mut acked);

@@ -75,6 +75,14 @@ pub(crate) fn all_messages(log: &ScheduleLog) -> std::collections::BTreeMap<u64,
     all
 }
 
+/// `options` with a checkpoint every 20 ms (where the test options otherwise checkpoint only on request).
+pub(crate) fn quick_checkpoints(options: Options) -> Options {
+    Options {
+        checkpoint_interval: Duration::from_millis(20),
+        ..options
+    }
+}
+
 /// Polls `condition` until it holds; panics after 10 s with `what`.
 pub(crate) fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -390,14 +398,7 @@ fn many_appends_roll_over_wal_files_and_checkpoints_delete_them() {
 fn a_slow_checkpoint_holds_up_neither_the_replayer_nor_a_newer_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(
-        dir.path(),
-        Options {
-            checkpoint_interval: Duration::from_millis(20),
-            ..options(&clock)
-        },
-    )
-    .unwrap();
+    let log = ScheduleLog::open(dir.path(), quick_checkpoints(options(&clock))).unwrap();
     let gate = log.checkpoint_gate();
     let count = |n: &std::sync::atomic::AtomicU32| n.load(std::sync::atomic::Ordering::SeqCst);
     // (The open made a checkpoint already.)
