@@ -10,7 +10,8 @@
 //!   the retry is in the WAL, the cancel is in the WAL), so losing the tail of a dispatch log can only
 //!   cause a repeat delivery, never a loss.
 //! - Appends are grouped: one call writes every outcome it is given and `fdatasync`s each touched file
-//!   once before returning.
+//!   once before returning; calls that arrive while another one writes and syncs are done together by
+//!   the next of them (group commit, group.rs), so lanes settling batches at once share those syncs.
 //! - Outcomes are facts about seqs and are applied as a set: a repeated outcome is harmless, so replaying
 //!   a cancel twice needs no deduplication.
 //! - A torn tail is cut on first open for append (tail policy in frame.rs).
@@ -25,6 +26,7 @@
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::error::{Error, Result};
 use crate::frame::{self, Frames, Kind, Stop};
+use crate::group::Group;
 use crate::header::{FileHeader, DISPATCH_MAGIC, HEADER_LEN};
 use crate::record::Outcome;
 use std::collections::HashMap;
@@ -60,6 +62,8 @@ pub(crate) struct DispatchLogs {
     dir: PathBuf,
     width: SegmentMinutes,
     open: Mutex<OpenLogs>,
+    /// Appends waiting for the thread that holds `open`.
+    group: Group<HashMap<Bucket, Vec<u8>>, Result<()>>,
     #[cfg(test)]
     pub faults: std::sync::Arc<crate::fault::Faults>,
 }
@@ -70,22 +74,46 @@ impl DispatchLogs {
             dir: dir.to_path_buf(),
             width,
             open: Mutex::default(),
+            group: Group::default(),
             #[cfg(test)]
             faults: Default::default(),
         }
     }
 
-    /// Appends outcomes, each to its bucket's log, and makes them durable.
+    /// Appends outcomes, each to its bucket's log, and makes them durable. Outcomes that other threads
+    /// append meanwhile share the write and the sync of each log (group commit, group.rs).
     pub(crate) fn append(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
         let mut by_bucket: HashMap<Bucket, Vec<u8>> = HashMap::new();
         for (bucket, outcome) in outcomes {
             outcome.encode_frame(by_bucket.entry(*bucket).or_default());
         }
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        self.group.run(&self.open, by_bucket, |open, works| {
+            let mut by_bucket = HashMap::new();
+            let count = works.len();
+            for work in works {
+                for (bucket, bytes) in work {
+                    by_bucket
+                        .entry(bucket)
+                        .or_insert_with(Vec::new)
+                        .extend_from_slice(&bytes);
+                }
+            }
+            let result = self.append_all(open, &by_bucket);
+            let mut results = Vec::with_capacity(count);
+            results.resize_with(count.saturating_sub(1), || match &result {
+                Ok(()) => Ok(()),
+                Err(e) => Err(e.duplicate()),
+            });
+            results.push(result);
+            results
+        })
+    }
+
+    fn append_all(&self, open: &mut OpenLogs, by_bucket: &HashMap<Bucket, Vec<u8>>) -> Result<()> {
         if open.files.len() + by_bucket.len() > MAX_OPEN {
             open.files.clear(); // every open handle is synced: closing them loses nothing
         }
-        let written = self.append_locked(&mut open, &by_bucket);
+        let written = self.append_locked(open, by_bucket);
         // Also after a failure: a log created before it must not vanish in a crash once its outcomes
         // are synced (a later append would not know to sync the directory).
         if open.dir_unsynced {
@@ -286,4 +314,65 @@ fn scan(path: &Path, bytes: &[u8], bucket: Bucket, width: SegmentMinutes) -> Res
         end: (HEADER_LEN + end) as u64,
         torn,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fault::Fault;
+    use crate::record::OutcomeKind;
+    use crate::tests::{wait_until, HOUR_MS, T0};
+    use std::sync::Arc;
+
+    fn outcome(seq: u64) -> Outcome {
+        Outcome {
+            seq,
+            at_ms: T0,
+            attempt: 0,
+            kind: OutcomeKind::Delivered,
+        }
+    }
+
+    /// Three appends arrive while a fourth holds the logs; they are done together and each is durable
+    /// in its own log; if that shared write fails, each caller hears it and a retry lands all of them.
+    #[test]
+    fn appends_that_arrive_together_are_done_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let width = SegmentMinutes::new(60).unwrap();
+        let logs = Arc::new(DispatchLogs::new(dir.path(), width));
+        let first = Bucket::of(T0, width);
+        let second = Bucket::of(T0 + HOUR_MS, width);
+        for fail in [true, false] {
+            if fail {
+                logs.faults.arm(Fault::DispatchAppendsFull(1));
+            }
+            let held = logs.open.lock().unwrap();
+            let callers: Vec<_> = (0..3u64)
+                .map(|n| {
+                    let logs = logs.clone();
+                    std::thread::spawn(move || {
+                        logs.append(&[(first, outcome(n)), (second, outcome(10 + n))])
+                    })
+                })
+                .collect();
+            wait_until("three appends queue", || logs.group.queued() == 3);
+            drop(held);
+            for caller in callers {
+                let answer = caller.join().unwrap();
+                match (fail, answer) {
+                    (true, Err(e)) => assert!(e.is_disk_full(), "{e}"),
+                    (false, Ok(())) => {}
+                    (_, answer) => panic!("fail = {fail}: {answer:?}"),
+                }
+            }
+        }
+        for (bucket, seqs) in [(first, [0, 1, 2]), (second, [10, 11, 12])] {
+            let found: std::collections::BTreeSet<u64> =
+                logs.read(bucket).unwrap().iter().map(|o| o.seq).collect();
+            assert!(
+                seqs.iter().all(|s| found.contains(s)),
+                "{bucket}: {found:?}"
+            );
+        }
+    }
 }

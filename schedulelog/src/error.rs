@@ -95,6 +95,44 @@ impl Error {
         }
     }
 
+    /// The same error again, for each caller of a group commit that failed (group.rs). An OS error keeps
+    /// its code, so [`Error::is_disk_full`] answers alike for the copy.
+    pub(crate) fn duplicate(&self) -> Error {
+        let copy = |e: &io::Error| match e.raw_os_error() {
+            Some(code) => io::Error::from_raw_os_error(code),
+            None => io::Error::new(e.kind(), e.to_string()),
+        };
+        match self {
+            Error::Io { path, source } => Error::Io {
+                path: path.clone(),
+                source: copy(source),
+            },
+            Error::Sync { path, source } => Error::Sync {
+                path: path.clone(),
+                source: copy(source),
+            },
+            Error::Corrupt {
+                path,
+                offset,
+                reason,
+            } => Error::Corrupt {
+                path: path.clone(),
+                offset: *offset,
+                reason: reason.clone(),
+            },
+            Error::Locked(path) => Error::Locked(path.clone()),
+            Error::SegmentMinutesMismatch { stored, configured } => Error::SegmentMinutesMismatch {
+                stored: *stored,
+                configured: *configured,
+            },
+            Error::InvalidOption(what) => Error::InvalidOption(what.clone()),
+            Error::Append(e) => Error::Append(e.clone()),
+            Error::NotFiledYet { cause } => Error::NotFiledYet {
+                cause: cause.clone(),
+            },
+        }
+    }
+
     pub(crate) fn corrupt(
         path: impl Into<PathBuf>,
         offset: u64,
@@ -208,6 +246,12 @@ mod tests {
             assert!(!sync.is_disk_full() && sync.is_sync_failure(), "{sync}");
             assert_eq!(sync.disk_full_cause(), None);
             assert!(sync.to_string().contains(path), "{sync}");
+            // What each caller of a failed group commit gets answers alike.
+            let (write_copy, sync_copy) = (write.duplicate(), sync.duplicate());
+            assert!(write_copy.is_disk_full() && !write_copy.is_sync_failure());
+            assert!(sync_copy.is_sync_failure() && !sync_copy.is_disk_full());
+            assert_eq!(write_copy.to_string(), write.to_string());
+            assert_eq!(sync_copy.to_string(), sync.to_string());
         }
         let eio = Error::io(path)(os(libc::EIO));
         assert!(!eio.is_disk_full() && !eio.is_sync_failure());

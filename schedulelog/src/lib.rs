@@ -6,7 +6,8 @@
 //! bucket also has a dispatch log of outcomes. Message ids locate their record without any global index.
 //!
 //! Layering, bottom up: [`frame`] (checksummed frames) → [`record`] (payloads) → `wal`, `segment`,
-//! `dispatch`, `checkpoint` (one file format each) → `commit` (group commit) and `replay` → [`ScheduleLog`].
+//! `dispatch`, `checkpoint` (one file format each) → `commit` (the WAL's group commit), [`Group`] (group
+//! commit for files written from many threads) and `replay` → [`ScheduleLog`].
 //! Every byte layout is documented atop its module and in the crate's README.
 
 #![deny(unsafe_code)]
@@ -20,6 +21,7 @@ mod error;
 #[cfg(test)]
 mod fault;
 pub mod frame;
+mod group;
 mod header;
 mod id;
 mod inspect;
@@ -35,6 +37,7 @@ pub use bucket::{Bucket, SegmentMinutes};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use commit::{Ack, AckFuture, Appended, FsyncPolicy};
 pub use error::{AppendError, Error, Result};
+pub use group::Group;
 pub use id::{InvalidId, Location, MessageId};
 pub use inspect::inspect;
 pub use log::{BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog};
