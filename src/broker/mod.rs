@@ -74,6 +74,30 @@ impl BrokerError {
         matches!(self, BrokerError::Io { source, .. }
             if matches!(source.kind(), io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded))
     }
+
+    /// The same error again, for each caller of a group commit that failed. An OS error keeps its code,
+    /// so [`BrokerError::is_disk_full`] answers alike for the copy.
+    fn duplicate(&self) -> BrokerError {
+        match self {
+            BrokerError::Io { path, source } => BrokerError::Io {
+                path: path.clone(),
+                source: match source.raw_os_error() {
+                    Some(code) => io::Error::from_raw_os_error(code),
+                    None => io::Error::new(source.kind(), source.to_string()),
+                },
+            },
+            BrokerError::Corrupt {
+                path,
+                offset,
+                reason,
+            } => BrokerError::Corrupt {
+                path: path.clone(),
+                offset: *offset,
+                reason: reason.clone(),
+            },
+            BrokerError::Failed(cause) => BrokerError::Failed(cause.clone()),
+        }
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> BrokerError + '_ {
@@ -172,6 +196,10 @@ pub struct Broker {
     options: BrokerOptions,
     main: Mutex<Store>,
     dead: Mutex<Store>,
+    /// Appends waiting for the thread that holds `main` or `dead` (group commit: lanes delivering at once
+    /// share one commit-log write and sync).
+    main_appends: Appends,
+    dead_appends: Appends,
     offsets: Mutex<offsets::Offsets>,
     /// Woken on every append; long polls re-check their queue.
     arrivals: tokio::sync::Notify,
@@ -190,6 +218,9 @@ pub fn valid_topic(name: &str) -> bool {
 
 /// The stores' names in metric labels: the main store, then dead letters.
 pub const STORE_NAMES: [&str; 2] = ["main", "dead"];
+
+/// A store's queue of appends: each caller's messages, and where each one was placed.
+type Appends = schedulelog::Group<Vec<Incoming>, Result<Vec<(u32, u64)>, BrokerError>>;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
@@ -215,6 +246,8 @@ impl Broker {
             options,
             main: Mutex::new(main),
             dead: Mutex::new(dead),
+            main_appends: Appends::default(),
+            dead_appends: Appends::default(),
             arrivals: tokio::sync::Notify::new(),
             disk_full: Mutex::new(None),
         };
@@ -265,8 +298,9 @@ impl Broker {
     }
 
     /// Stores messages durably (commit log synced, then units written), wakes long polls, and returns
-    /// each message's queue and queue offset, in order.
-    pub fn append(&self, messages: &[Incoming]) -> Result<Vec<(u32, u64)>, BrokerError> {
+    /// each message's queue and queue offset, in order. Messages that other threads append to the same
+    /// store meanwhile are stored with them, in one write and one sync (a failure fails them all).
+    pub fn append(&self, messages: Vec<Incoming>) -> Result<Vec<(u32, u64)>, BrokerError> {
         let result = self.append_to_stores(messages);
         self.note(&result);
         if result.is_ok() {
@@ -275,32 +309,23 @@ impl Broker {
         result
     }
 
-    fn append_to_stores(&self, messages: &[Incoming]) -> Result<Vec<(u32, u64)>, BrokerError> {
-        let stored_at_ms = messages
-            .iter()
-            .map(|m| m.delivered_at_ms)
-            .max()
-            .unwrap_or(0);
-        let is_dead = |m: &&Incoming| self.in_dead_store(&m.topic);
-        let main: Vec<(usize, &Incoming)> = messages
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| !is_dead(m))
-            .collect();
-        let dead: Vec<(usize, &Incoming)> = messages
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| is_dead(m))
-            .collect();
+    fn append_to_stores(&self, messages: Vec<Incoming>) -> Result<Vec<(u32, u64)>, BrokerError> {
         let mut placed = vec![(0, 0); messages.len()];
-        for (store, part) in [(&self.main, main), (&self.dead, dead)] {
+        let (dead, main): (Vec<_>, Vec<_>) = messages
+            .into_iter()
+            .enumerate()
+            .partition(|(_, m)| self.in_dead_store(&m.topic));
+        for (store, appends, part) in [
+            (&self.main, &self.main_appends, main),
+            (&self.dead, &self.dead_appends, dead),
+        ] {
             if part.is_empty() {
                 continue;
             }
-            let batch: Vec<&Incoming> = part.iter().map(|(_, m)| *m).collect();
-            let stored = lock(store).append(&batch, stored_at_ms)?;
-            for ((i, _), at) in part.iter().zip(stored) {
-                placed[*i] = at;
+            let (indices, part): (Vec<usize>, Vec<Incoming>) = part.into_iter().unzip();
+            let stored = appends.run(store, part, append_together)?;
+            for (i, at) in indices.into_iter().zip(stored) {
+                placed[i] = at;
             }
         }
         Ok(placed)
@@ -597,6 +622,35 @@ fn sync_dir(dir: &Path) -> Result<(), BrokerError> {
         .map_err(io_err(dir))
 }
 
+/// One store append for the messages of every caller in a group: stored in the order they queued, each
+/// caller gets where its own went (or the error, for all of them).
+fn append_together(
+    store: &mut Store,
+    works: Vec<Vec<Incoming>>,
+) -> Vec<Result<Vec<(u32, u64)>, BrokerError>> {
+    let stored_at_ms = works
+        .iter()
+        .flatten()
+        .map(|m| m.delivered_at_ms)
+        .max()
+        .unwrap_or(0);
+    let all: Vec<&Incoming> = works.iter().flatten().collect();
+    match store.append(&all, stored_at_ms) {
+        Ok(placed) => {
+            let mut placed = placed.into_iter();
+            works
+                .iter()
+                .map(|w| Ok(placed.by_ref().take(w.len()).collect()))
+                .collect()
+        }
+        Err(e) => {
+            let mut results: Vec<_> = (1..works.len()).map(|_| Err(e.duplicate())).collect();
+            results.push(Err(e));
+            results
+        }
+    }
+}
+
 /// The `broker` sink: stores each delivery in the broker, durably, before answering.
 #[derive(Debug)]
 pub struct BrokerSink {
@@ -642,7 +696,7 @@ impl Sink for BrokerSink {
                 })
                 .collect();
             let broker = self.broker.clone();
-            let stored = tokio::task::spawn_blocking(move || broker.append(&incoming)).await;
+            let stored = tokio::task::spawn_blocking(move || broker.append(incoming)).await;
             let (reason, disk_full) = match stored {
                 Ok(Ok(_)) => return vec![SinkOutcome::Delivered; batch.len()],
                 Ok(Err(e)) => (e.to_string(), e.is_disk_full()),
@@ -726,7 +780,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let broker = Broker::open(dir.path(), options(2)).unwrap();
         let placed = broker
-            .append(&[
+            .append(vec![
                 incoming("t", Some("k"), "a"),
                 incoming("t", Some("k"), "b"),
                 incoming("u", None, "c"),
@@ -760,7 +814,7 @@ mod tests {
             broker.topics(),
             vec![("t".to_string(), 2), ("u".to_string(), 2)]
         );
-        broker.append(&[incoming("t", Some("k"), "d")]).unwrap();
+        broker.append(vec![incoming("t", Some("k"), "d")]).unwrap();
         assert_eq!(bodies(&broker.read("t", q, 2, 10).unwrap().unwrap()), ["d"]);
     }
 
@@ -770,7 +824,7 @@ mod tests {
         let broker = Broker::open(dir.path(), options(2)).unwrap();
         let names = ["a", "b", "c", "d", "e"];
         let placed = broker
-            .append(&names.map(|b| incoming("t", Some("k"), b)))
+            .append(names.map(|b| incoming("t", Some("k"), b)).to_vec())
             .unwrap();
         let q = placed[0].0;
         drop(broker);
@@ -800,7 +854,7 @@ mod tests {
         let read = broker.read("t", q, 0, 10).unwrap().unwrap();
         assert_eq!(bodies(&read), names);
         assert_eq!(
-            broker.append(&[incoming("t", Some("k"), "f")]).unwrap()[0],
+            broker.append(vec![incoming("t", Some("k"), "f")]).unwrap()[0],
             (q, 5),
             "the units past the last record were cut"
         );
@@ -815,7 +869,7 @@ mod tests {
         torn.extend([0u8; 12]);
         fs::write(&log, &torn).unwrap();
         let broker = Broker::open(dir.path(), options(1)).unwrap();
-        broker.append(&[incoming("t", None, "after")]).unwrap();
+        broker.append(vec![incoming("t", None, "after")]).unwrap();
         assert_eq!(
             bodies(&broker.read("t", 0, 0, 1).unwrap().unwrap()),
             ["after"]
@@ -847,7 +901,7 @@ mod tests {
                     )
                 })
                 .collect();
-            broker.append(&messages).unwrap();
+            broker.append(messages).unwrap();
         }
     }
 
@@ -901,7 +955,9 @@ mod tests {
         // Everything expired: all but the segment taking appends go, and appends go on.
         broker.enforce_retention(t0 + 100 * 3_600_000).unwrap();
         assert_eq!(files(&log_dir).len(), 1);
-        broker.append(&[stored_at("t", None, "later", t0)]).unwrap();
+        broker
+            .append(vec![stored_at("t", None, "later", t0)])
+            .unwrap();
         let (min, max) = broker.queue_offsets("t").unwrap()[0];
         assert_eq!(max, 601);
         assert_eq!(
@@ -1031,7 +1087,7 @@ mod tests {
                     )
                 })
                 .collect();
-            let placed = broker.append(&messages).unwrap();
+            let placed = broker.append(messages).unwrap();
             // Each store numbers its own queues.
             assert_eq!(placed[1].1, batch as u64 * 25);
         }
@@ -1067,7 +1123,7 @@ mod tests {
         broker.commit_offset("ops", dead, 0, 1, 10).unwrap();
         assert_eq!(broker.queue_offsets(dead).unwrap(), vec![(0, 2)]);
         // New dead letters continue the queue the groups know.
-        let placed = broker.append(&[incoming(dead, None, "new")]).unwrap();
+        let placed = broker.append(vec![incoming(dead, None, "new")]).unwrap();
         assert_eq!(placed, vec![(0, 2)]);
         assert_eq!(
             bodies(&broker.read(dead, 0, 1, 10).unwrap().unwrap()),
@@ -1084,7 +1140,7 @@ mod tests {
         let first: Vec<Incoming> = (0..64)
             .map(|i| incoming("t", None, &format!("a{i}")))
             .collect();
-        broker.append(&first).unwrap();
+        broker.append(first).unwrap();
         let log = dir.path().join(LOG_0);
         let log_len = fs::metadata(&log).unwrap().len();
         // The queue's next file cannot be started: a directory is in its way.
@@ -1095,7 +1151,7 @@ mod tests {
         let second: Vec<Incoming> = (0..3)
             .map(|i| incoming("t", None, &format!("b{i}")))
             .collect();
-        assert!(broker.append(&second).is_err());
+        assert!(broker.append(second.clone()).is_err());
         assert_eq!(
             fs::metadata(&log).unwrap().len(),
             log_len,
@@ -1104,7 +1160,7 @@ mod tests {
         assert_eq!(broker.queue_offsets("t").unwrap()[0], (0, 64));
         assert_eq!(broker.failed(), None, "the undo worked");
         fs::remove_dir(&blocker).unwrap();
-        assert_eq!(broker.append(&second).unwrap()[0], (0, 64));
+        assert_eq!(broker.append(second).unwrap()[0], (0, 64));
         assert_eq!(
             bodies(&broker.read("t", 0, 63, 10).unwrap().unwrap()),
             ["a63", "b0", "b1", "b2"]
@@ -1130,9 +1186,9 @@ mod tests {
         let messages: Vec<Incoming> = (0..10)
             .map(|i| incoming("t", None, &format!("{i}{kib}")))
             .collect();
-        broker.append(&messages).unwrap();
+        broker.append(messages).unwrap();
         broker
-            .append(&[incoming("t", None, &"big".repeat(3000))])
+            .append(vec![incoming("t", None, &"big".repeat(3000))])
             .unwrap();
         let read = broker.read("t", 0, 0, 100).unwrap().unwrap();
         assert!(
@@ -1207,7 +1263,7 @@ mod tests {
         let batch: Vec<Incoming> = (0..40)
             .map(|i| incoming("t", None, &format!("{i:02}{mib}")))
             .collect();
-        broker.append(&batch).unwrap();
+        broker.append(batch).unwrap();
         let writes = lock(&broker.main).log.writes.clone();
         assert!(writes.len() >= 2, "{writes:?}");
         let limit = frame::UNSYNCED_LIMIT;
@@ -1264,7 +1320,7 @@ mod tests {
         let filler = "u".repeat(50 << 10);
         for i in 0..20 {
             broker
-                .append(&[
+                .append(vec![
                     incoming("t", None, &format!("t{i}")),
                     incoming("u", None, &filler),
                 ])
@@ -1290,7 +1346,7 @@ mod tests {
         let body = "z".repeat(1000);
         broker
             .append(
-                &(0..60)
+                (0..60)
                     .map(|i| incoming("t", None, &format!("{i}{body}")))
                     .collect::<Vec<_>>(),
             )
@@ -1306,7 +1362,7 @@ mod tests {
         let batch: Vec<Incoming> = (0..70)
             .map(|i| incoming("t", None, &format!("b{i}{body}")))
             .collect();
-        assert!(broker.append(&batch).is_err());
+        assert!(broker.append(batch.clone()).is_err());
         assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 60, "no units");
         assert_eq!(
             fs::metadata(&last).unwrap().len() + before.last().unwrap().parse::<u64>().unwrap(),
@@ -1314,7 +1370,7 @@ mod tests {
             "the log was cut back"
         );
         fs::remove_dir(&blocker).unwrap();
-        let placed = broker.append(&batch).unwrap();
+        let placed = broker.append(batch).unwrap();
         assert_eq!(placed[0].1, 60, "queue offsets go on without a gap");
         let pulled = broker.read("t", 0, 58, 4).unwrap().unwrap();
         assert_eq!(pulled.messages.len(), 4);
@@ -1322,5 +1378,52 @@ mod tests {
         drop(broker);
         let broker = Broker::open(dir.path(), small(1)).unwrap();
         assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 130);
+    }
+
+    /// Lanes delivering at once share the commit log's write and sync: three appends that arrive while
+    /// the store is busy go in one write, each caller gets its own placements, and all are readable.
+    #[test]
+    fn appends_that_arrive_together_share_one_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
+        broker.append(vec![incoming("t", None, "first")]).unwrap();
+        let writes_before = lock(&broker.main).log.writes.len();
+        let held = lock(&broker.main);
+        let callers: Vec<_> = (0..3)
+            .map(|n| {
+                let broker = broker.clone();
+                std::thread::spawn(move || {
+                    let mine = [format!("{n}a"), format!("{n}b")];
+                    let placed = broker
+                        .append(mine.iter().map(|b| incoming("t", None, b)).collect())
+                        .unwrap();
+                    (mine, placed)
+                })
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while broker.main_appends.queued() < 3 {
+            assert!(std::time::Instant::now() < deadline, "three appends queue");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(held);
+        let pulled = |offset| broker.read("t", 0, offset, 1).unwrap().unwrap();
+        for caller in callers {
+            let (mine, placed) = caller.join().unwrap();
+            assert_eq!(
+                placed[1].1,
+                placed[0].1 + 1,
+                "a caller's messages stay together"
+            );
+            for (body, (_, offset)) in mine.iter().zip(&placed) {
+                assert_eq!(&bodies(&pulled(*offset))[0], body, "where it says it went");
+            }
+        }
+        assert_eq!(
+            lock(&broker.main).log.writes.len(),
+            writes_before + 1,
+            "one commit-log write for the three"
+        );
+        assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 7);
     }
 }

@@ -625,7 +625,7 @@ impl Writer {
                 .map(|(i, why)| self.dead_letter(&requests[*i], why, now))
                 .collect();
             let broker = self.broker.clone();
-            tokio::task::spawn_blocking(move || broker.append(&letters))
+            tokio::task::spawn_blocking(move || broker.append(letters))
                 .await
                 .map_err(|e| NotStored(e.to_string()))?
                 .map_err(|e| NotStored(format!("storing dead letters: {e}")))?;
