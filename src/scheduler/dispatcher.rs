@@ -101,7 +101,16 @@ impl Lane {
         let lane = Arc::new(self);
         let permits = Arc::new(Semaphore::new(lane.policy.max_in_flight));
         let mut running = JoinSet::new();
-        while let Some(first) = due.recv().await {
+        loop {
+            // A slot first, then the batch: entries that fall due while every slot is busy join the
+            // next batch instead of waiting behind it, so under load batches grow and the syncs each
+            // one costs (broker, dispatch log) are shared by more messages.
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                break;
+            };
+            let Some(first) = due.recv().await else {
+                break;
+            };
             if lane.shared.stopping.load(Ordering::SeqCst) {
                 break;
             }
@@ -114,9 +123,6 @@ impl Lane {
             }
             // The wheel may hold a backlog waiting for room in this queue.
             let _ = room.try_send(());
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                break;
-            };
             let lane = lane.clone();
             running.spawn(async move {
                 lane.deliver(batch).await;
