@@ -34,7 +34,6 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 pub(crate) fn path(dir: &Path, bucket: Bucket) -> PathBuf {
     dir.join(format!("{bucket}.log"))
@@ -56,14 +55,16 @@ struct OpenLogs {
     dir_unsynced: bool,
 }
 
+/// Outcomes for each bucket, encoded: one caller's part of a group commit.
+type Appends = HashMap<Bucket, Vec<u8>>;
+
 /// The dispatch logs of a data dir.
 #[derive(Debug)]
 pub(crate) struct DispatchLogs {
     dir: PathBuf,
     width: SegmentMinutes,
-    open: Mutex<OpenLogs>,
-    /// Appends waiting for the thread that holds `open`.
-    group: Group<HashMap<Bucket, Vec<u8>>, Result<()>>,
+    /// The open logs, and appends waiting for the thread that holds them.
+    open: Group<OpenLogs, Appends, Result<()>>,
     #[cfg(test)]
     pub faults: std::sync::Arc<crate::fault::Faults>,
 }
@@ -73,77 +74,81 @@ impl DispatchLogs {
         DispatchLogs {
             dir: dir.to_path_buf(),
             width,
-            open: Mutex::default(),
-            group: Group::default(),
+            open: Group::new(OpenLogs::default()),
             #[cfg(test)]
             faults: Default::default(),
         }
     }
 
     /// Appends outcomes, each to its bucket's log, and makes them durable. Outcomes that other threads
-    /// append meanwhile share the write and the sync of each log (group commit, group.rs).
+    /// append meanwhile share the write and the sync of each log (group commit, group.rs); a log that
+    /// fails fails only the callers with outcomes for it (and a failed directory sync, every caller).
     pub(crate) fn append(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
-        let mut by_bucket: HashMap<Bucket, Vec<u8>> = HashMap::new();
+        let mut mine = Appends::new();
         for (bucket, outcome) in outcomes {
-            outcome.encode_frame(by_bucket.entry(*bucket).or_default());
+            outcome.encode_frame(mine.entry(*bucket).or_default());
         }
-        self.group.run(&self.open, by_bucket, |open, works| {
-            let mut by_bucket = HashMap::new();
-            let count = works.len();
-            for work in works {
+        self.open.run(mine, |open, works| {
+            let mut all = Appends::new();
+            for work in &works {
                 for (bucket, bytes) in work {
-                    by_bucket
-                        .entry(bucket)
-                        .or_insert_with(Vec::new)
-                        .extend_from_slice(&bytes);
+                    all.entry(*bucket).or_default().extend_from_slice(bytes);
                 }
             }
-            let result = self.append_all(open, &by_bucket);
-            let mut results = Vec::with_capacity(count);
-            results.resize_with(count.saturating_sub(1), || match &result {
-                Ok(()) => Ok(()),
-                Err(e) => Err(e.duplicate()),
-            });
-            results.push(result);
-            results
+            let failed = self.append_all(open, &all);
+            works
+                .iter()
+                .map(|work| match &failed {
+                    Err(dir) => Err(dir.duplicate()),
+                    Ok(failed) => match work.keys().find_map(|b| failed.get(b)) {
+                        Some(e) => Err(e.duplicate()),
+                        None => Ok(()),
+                    },
+                })
+                .collect()
         })
     }
 
-    fn append_all(&self, open: &mut OpenLogs, by_bucket: &HashMap<Bucket, Vec<u8>>) -> Result<()> {
-        if open.files.len() + by_bucket.len() > MAX_OPEN {
+    /// Writes and syncs each bucket's bytes, and answers the buckets that failed and why; `Err` if the
+    /// directory could not be synced after a log was created (that fails every bucket).
+    fn append_all(&self, open: &mut OpenLogs, all: &Appends) -> Result<HashMap<Bucket, Error>> {
+        if open.files.len() + all.len() > MAX_OPEN {
             open.files.clear(); // every open handle is synced: closing them loses nothing
         }
-        let written = self.append_locked(open, by_bucket);
+        let mut failed = HashMap::new();
+        for (bucket, bytes) in all {
+            if let Err(e) = self.append_one(open, *bucket, bytes) {
+                failed.insert(*bucket, e);
+            }
+        }
         // Also after a failure: a log created before it must not vanish in a crash once its outcomes
         // are synced (a later append would not know to sync the directory).
         if open.dir_unsynced {
             crate::header::sync_dir(&self.dir)?;
             open.dir_unsynced = false;
         }
-        written
+        // A group may span more logs than one call would; what is over stays closed until needed.
+        if open.files.len() > MAX_OPEN {
+            open.files.clear();
+        }
+        Ok(failed)
     }
 
-    fn append_locked(
-        &self,
-        open: &mut OpenLogs,
-        by_bucket: &HashMap<Bucket, Vec<u8>>,
-    ) -> Result<()> {
-        for (bucket, bytes) in by_bucket {
-            if !open.files.contains_key(bucket) {
-                let (file, new) = self.open_for_append(*bucket)?;
-                open.dir_unsynced |= new;
-                open.files.insert(*bucket, file);
-            }
-            let target = open.files.get_mut(bucket).expect("inserted above");
-            let path = path(&self.dir, *bucket);
-            let written = self.write(target, bytes, &path);
-            if written.is_err() {
-                // The handle's end is now unknown; reopen (and re-check the tail) next time.
-                open.files.remove(bucket);
-                return written;
-            }
-            target.len += bytes.len() as u64;
+    fn append_one(&self, open: &mut OpenLogs, bucket: Bucket, bytes: &[u8]) -> Result<()> {
+        if !open.files.contains_key(&bucket) {
+            let (file, new) = self.open_for_append(bucket)?;
+            open.dir_unsynced |= new;
+            open.files.insert(bucket, file);
         }
+        let target = open.files.get_mut(&bucket).expect("inserted above");
+        let path = path(&self.dir, bucket);
+        let written = self.write(target, bytes, &path);
+        if written.is_err() {
+            // The handle's end is now unknown; reopen (and re-check the tail) next time.
+            open.files.remove(&bucket);
+            return written;
+        }
+        target.len += bytes.len() as u64;
         Ok(())
     }
 
@@ -246,11 +251,7 @@ impl DispatchLogs {
 
     /// Forgets the handle of a bucket and deletes its log.
     pub(crate) fn remove(&self, bucket: Bucket) -> Result<()> {
-        self.open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .files
-            .remove(&bucket);
+        self.open.lock().files.remove(&bucket);
         let path = path(&self.dir, bucket);
         match fs::remove_file(&path) {
             Ok(()) => Ok(()),
@@ -333,8 +334,28 @@ mod tests {
         }
     }
 
-    /// Three appends arrive while a fourth holds the logs; they are done together and each is durable
-    /// in its own log; if that shared write fails, each caller hears it and a retry lands all of them.
+    /// Starts one thread per call while the logs are held, waits until every call is queued, lets go,
+    /// and answers each call's result in order.
+    fn queued_together(
+        logs: &Arc<DispatchLogs>,
+        calls: Vec<Vec<(Bucket, Outcome)>>,
+    ) -> Vec<Result<()>> {
+        let count = calls.len();
+        let held = logs.open.lock();
+        let callers: Vec<_> = calls
+            .into_iter()
+            .map(|outcomes| {
+                let logs = logs.clone();
+                std::thread::spawn(move || logs.append(&outcomes))
+            })
+            .collect();
+        wait_until("every append queues", || logs.open.queued() == count);
+        drop(held);
+        callers.into_iter().map(|c| c.join().unwrap()).collect()
+    }
+
+    /// Three appends that arrive while the logs are held are done together, and each is durable in its
+    /// own log; if that shared write fails, each caller hears it, and a retry lands all of them.
     #[test]
     fn appends_that_arrive_together_are_done_together() {
         let dir = tempfile::tempdir().unwrap();
@@ -342,29 +363,20 @@ mod tests {
         let logs = Arc::new(DispatchLogs::new(dir.path(), width));
         let first = Bucket::of(T0, width);
         let second = Bucket::of(T0 + HOUR_MS, width);
-        for fail in [true, false] {
-            if fail {
-                logs.faults.arm(Fault::DispatchAppendsFull(1));
-            }
-            let held = logs.open.lock().unwrap();
-            let callers: Vec<_> = (0..3u64)
-                .map(|n| {
-                    let logs = logs.clone();
-                    std::thread::spawn(move || {
-                        logs.append(&[(first, outcome(n)), (second, outcome(10 + n))])
-                    })
-                })
-                .collect();
-            wait_until("three appends queue", || logs.group.queued() == 3);
-            drop(held);
-            for caller in callers {
-                let answer = caller.join().unwrap();
-                match (fail, answer) {
-                    (true, Err(e)) => assert!(e.is_disk_full(), "{e}"),
-                    (false, Ok(())) => {}
-                    (_, answer) => panic!("fail = {fail}: {answer:?}"),
-                }
-            }
+        let calls = || {
+            (0..3u64)
+                .map(|n| vec![(first, outcome(n)), (second, outcome(10 + n))])
+                .collect()
+        };
+        logs.faults.arm(Fault::DispatchAppendsFull(1));
+        for answer in queued_together(&logs, calls()) {
+            assert!(
+                answer.as_ref().is_err_and(Error::is_disk_full),
+                "{answer:?}"
+            );
+        }
+        for answer in queued_together(&logs, calls()) {
+            answer.unwrap();
         }
         for (bucket, seqs) in [(first, [0, 1, 2]), (second, [10, 11, 12])] {
             let found: std::collections::BTreeSet<u64> =
@@ -374,5 +386,44 @@ mod tests {
                 "{bucket}: {found:?}"
             );
         }
+    }
+
+    /// A group writes each log once for all its callers, and a log that fails fails only the callers
+    /// with outcomes for it: the others' outcomes are durable, and they hear so.
+    #[test]
+    fn a_log_that_fails_in_a_group_fails_only_its_own_callers() {
+        let dir = tempfile::tempdir().unwrap();
+        let width = SegmentMinutes::new(60).unwrap();
+        let logs = Arc::new(DispatchLogs::new(dir.path(), width));
+        let first = Bucket::of(T0, width);
+        let second = Bucket::of(T0 + HOUR_MS, width);
+        let calls = vec![
+            vec![(first, outcome(1))],
+            vec![(first, outcome(2))],
+            vec![(second, outcome(3))],
+        ];
+        // Only the group's first write strikes: one log, with every outcome queued for it.
+        logs.faults.arm(Fault::DispatchAppendsFull(1));
+        let failed: Vec<bool> = queued_together(&logs, calls)
+            .iter()
+            .map(Result::is_err)
+            .collect();
+        assert!(
+            failed == [true, true, false] || failed == [false, false, true],
+            "the callers of exactly one log failed: {failed:?}"
+        );
+        let (ok_bucket, ok_seqs) = if failed[0] {
+            (second, vec![3])
+        } else {
+            (first, vec![1, 2])
+        };
+        let found: Vec<u64> = logs
+            .read(ok_bucket)
+            .unwrap()
+            .iter()
+            .map(|o| o.seq)
+            .collect();
+        assert_eq!(found.len(), ok_seqs.len(), "{found:?}");
+        assert!(ok_seqs.iter().all(|s| found.contains(s)), "{found:?}");
     }
 }

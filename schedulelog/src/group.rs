@@ -7,6 +7,7 @@
 //! delivering to it).
 //!
 //! Invariants:
+//! - A [`Group`] owns the state its work is done on, so work can only be done on that state.
 //! - Every piece of work is done exactly once, by the caller that holds the lock when it is taken from
 //!   the queue (its "leader"), and its result goes back to the caller that queued it.
 //! - A caller's work is queued before it waits for the lock, and a leader takes the whole queue only
@@ -15,56 +16,61 @@
 //! - A result is handed over before the leader lets go of the lock, so a caller that gets the lock after
 //!   it finds its result.
 //! - Nothing is done speculatively: a lone caller leads at once and waits for nobody.
+//! - A leader that panics takes the work it holds with it: those callers panic too (the work may be
+//!   half done). Work queued after it took the queue is not touched, and the next caller leads it.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Where a leader leaves one caller's result.
 type Slot<R> = Arc<Mutex<Option<R>>>;
 
-/// A queue of work `W` with results `R`, done by whoever holds the lock of the state it is done on.
+/// State `T` behind a lock, and a queue of work `W` on it with results `R`, done by whoever holds the
+/// lock.
 #[derive(Debug)]
-pub struct Group<W, R> {
+pub struct Group<T, W, R> {
+    state: Mutex<T>,
     queue: Mutex<Vec<(W, Slot<R>)>>,
-}
-
-impl<W, R> Default for Group<W, R> {
-    fn default() -> Self {
-        Group {
-            queue: Mutex::new(Vec::new()),
-        }
-    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl<W, R> Group<W, R> {
-    /// Does `work` on the state behind `state`, together with whatever else is queued when the lock is
-    /// obtained, and returns its result. `run` gets every queued piece of work in the order it was
-    /// queued and must return one result for each, in the same order.
+impl<T, W, R> Group<T, W, R> {
+    pub fn new(state: T) -> Self {
+        Group {
+            state: Mutex::new(state),
+            queue: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The state, for what is not queued work (reads, maintenance). Queued work waits meanwhile.
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        lock(&self.state)
+    }
+
+    /// Does `work` on the state, together with whatever else is queued when the lock is obtained, and
+    /// returns its result. `run` gets every queued piece of work in the order it was queued and must
+    /// return one result for each, in the same order.
     ///
     /// # Panics
     /// If `run` returns the wrong number of results, or if a leader panicked in `run` while this
     /// caller's work was in its hands (the panic is passed on: the work may be half done).
-    pub fn run<T>(
-        &self,
-        state: &Mutex<T>,
-        work: W,
-        run: impl FnOnce(&mut T, Vec<W>) -> Vec<R>,
-    ) -> R {
+    pub fn run(&self, work: W, run: impl FnOnce(&mut T, Vec<W>) -> Vec<R>) -> R {
         let slot: Slot<R> = Arc::default();
         lock(&self.queue).push((work, slot.clone()));
-        let mut state = lock(state);
+        let mut state = lock(&self.state);
         if let Some(result) = lock(&slot).take() {
             return result;
         }
-        let (works, slots): (Vec<W>, Vec<Slot<R>>) =
-            std::mem::take(&mut *lock(&self.queue)).into_iter().unzip();
-        assert!(
-            slots.iter().any(|s| Arc::ptr_eq(s, &slot)),
-            "a group commit's leader panicked with this caller's work in its hands"
-        );
+        let (works, slots): (Vec<W>, Vec<Slot<R>>) = {
+            let mut queue = lock(&self.queue);
+            assert!(
+                queue.iter().any(|(_, s)| Arc::ptr_eq(s, &slot)),
+                "a group commit's leader panicked with this caller's work in its hands"
+            );
+            std::mem::take(&mut *queue).into_iter().unzip()
+        };
         let results = run(&mut state, works);
         assert_eq!(results.len(), slots.len(), "one result per piece of work");
         let mut own = None;
@@ -89,30 +95,29 @@ impl<W, R> Group<W, R> {
 mod tests {
     use super::*;
     use crate::tests::wait_until;
+    use std::sync::mpsc;
 
     #[test]
     fn a_lone_caller_leads_at_once() {
-        let group = Group::default();
-        let state = Mutex::new(Vec::new());
-        let doubled = group.run(&state, 21, |seen: &mut Vec<Vec<i32>>, works: Vec<i32>| {
+        let group = Group::new(Vec::new());
+        let doubled = group.run(21, |seen: &mut Vec<Vec<i32>>, works: Vec<i32>| {
             seen.push(works.clone());
             works.iter().map(|w| w * 2).collect()
         });
         assert_eq!(doubled, 42);
-        assert_eq!(*state.lock().unwrap(), vec![vec![21]]);
+        assert_eq!(*group.lock(), vec![vec![21]]);
     }
 
     #[test]
     fn callers_queued_behind_the_lock_are_done_in_one_run_and_each_gets_its_own_result() {
-        let group = Arc::new(Group::default());
-        let state = Arc::new(Mutex::new(Vec::<Vec<u32>>::new()));
+        let group = Arc::new(Group::new(Vec::<Vec<u32>>::new()));
         // Held as a leader writing and syncing would hold it, while three callers arrive.
-        let held = state.lock().unwrap();
+        let held = group.lock();
         let callers: Vec<_> = (1..=3u32)
             .map(|n| {
-                let (group, state) = (group.clone(), state.clone());
+                let group = group.clone();
                 std::thread::spawn(move || {
-                    group.run(&state, n, |runs: &mut Vec<Vec<u32>>, works: Vec<u32>| {
+                    group.run(n, |runs: &mut Vec<Vec<u32>>, works: Vec<u32>| {
                         runs.push(works.clone());
                         works.iter().map(|w| w * 10).collect()
                     })
@@ -127,11 +132,76 @@ mod tests {
             vec![10, 20, 30],
             "each caller gets the result of its own work"
         );
-        let runs = state.lock().unwrap();
+        let runs = group.lock();
         assert_eq!(runs.len(), 1, "one run did all three: {runs:?}");
         let mut done = runs[0].clone();
         done.sort();
         assert_eq!(done, vec![1, 2, 3]);
         assert_eq!(group.queued(), 0);
+    }
+
+    /// A leader that panics takes its own work down, not work queued after it took the queue: the
+    /// caller of that leads it next.
+    #[test]
+    fn work_queued_while_a_leader_panics_is_done_by_the_next_caller() {
+        let group = Arc::new(Group::new(()));
+        let (entered_tx, entered) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel::<()>();
+        let leader = {
+            let group = group.clone();
+            std::thread::spawn(move || {
+                group.run(1u32, |_: &mut (), _: Vec<u32>| -> Vec<u32> {
+                    entered_tx.send(()).unwrap();
+                    release_rx.recv().unwrap();
+                    panic!("the leader's write blew up")
+                })
+            })
+        };
+        entered.recv().unwrap();
+        let newcomer = {
+            let group = group.clone();
+            std::thread::spawn(move || {
+                group.run(2u32, |_: &mut (), works: Vec<u32>| {
+                    works.iter().map(|w| w * 10).collect()
+                })
+            })
+        };
+        wait_until("the newcomer queues", || group.queued() == 1);
+        release.send(()).unwrap();
+        assert!(leader.join().is_err(), "the leader panicked");
+        assert_eq!(newcomer.join().unwrap(), 20, "the newcomer's work was done");
+        assert_eq!(group.run(3, |_, works| works), 3, "and the group goes on");
+    }
+
+    /// Callers whose work a panicking leader held do not wait forever: they panic too, saying why.
+    #[test]
+    fn callers_whose_work_a_panicking_leader_held_panic_too() {
+        let group = Arc::new(Group::new(()));
+        let held = group.lock();
+        let callers: Vec<_> = (0..2u32)
+            .map(|n| {
+                let group = group.clone();
+                std::thread::spawn(move || {
+                    group.run(n, |_: &mut (), _: Vec<u32>| -> Vec<u32> { panic!("boom") })
+                })
+            })
+            .collect();
+        wait_until("both callers queue", || group.queued() == 2);
+        drop(held);
+        let mut messages: Vec<String> = callers
+            .into_iter()
+            .map(|c| {
+                let panic = c.join().unwrap_err();
+                (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap()
+            })
+            .collect();
+        messages.sort();
+        assert_eq!(
+            messages[0],
+            "a group commit's leader panicked with this caller's work in its hands"
+        );
+        assert_eq!(messages[1], "boom");
     }
 }
