@@ -194,12 +194,10 @@ pub struct Retired {
 #[derive(Debug)]
 pub struct Broker {
     options: BrokerOptions,
-    main: Mutex<Store>,
-    dead: Mutex<Store>,
-    /// Appends waiting for the thread that holds `main` or `dead` (group commit: lanes delivering at once
-    /// share one commit-log write and sync).
-    main_appends: Appends,
-    dead_appends: Appends,
+    /// The two stores, each with the appends waiting for the thread that holds it (group commit: lanes
+    /// delivering at once share one commit-log write and sync).
+    main: StoreGroup,
+    dead: StoreGroup,
     offsets: Mutex<offsets::Offsets>,
     /// Woken on every append; long polls re-check their queue.
     arrivals: tokio::sync::Notify,
@@ -219,8 +217,8 @@ pub fn valid_topic(name: &str) -> bool {
 /// The stores' names in metric labels: the main store, then dead letters.
 pub const STORE_NAMES: [&str; 2] = ["main", "dead"];
 
-/// A store's queue of appends: each caller's messages, and where each one was placed.
-type Appends = schedulelog::Group<Vec<Incoming>, Result<Vec<(u32, u64)>, BrokerError>>;
+/// A store and its queue of appends: each caller's messages, and where each one was placed.
+type StoreGroup = schedulelog::Group<Store, Vec<Incoming>, Result<Vec<(u32, u64)>, BrokerError>>;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
@@ -244,10 +242,8 @@ impl Broker {
             dead_in_main,
             offsets: Mutex::new(offsets::Offsets::open(&dir)?),
             options,
-            main: Mutex::new(main),
-            dead: Mutex::new(dead),
-            main_appends: Appends::default(),
-            dead_appends: Appends::default(),
+            main: StoreGroup::new(main),
+            dead: StoreGroup::new(dead),
             arrivals: tokio::sync::Notify::new(),
             disk_full: Mutex::new(None),
         };
@@ -266,9 +262,9 @@ impl Broker {
 
     fn store(&self, topic: &str) -> MutexGuard<'_, Store> {
         if self.in_dead_store(topic) {
-            lock(&self.dead)
+            self.dead.lock()
         } else {
-            lock(&self.main)
+            self.main.lock()
         }
     }
 
@@ -294,7 +290,7 @@ impl Broker {
     pub fn failed(&self) -> Option<String> {
         [&self.main, &self.dead]
             .iter()
-            .find_map(|store| lock(store).failed.clone())
+            .find_map(|store| store.lock().failed.clone())
     }
 
     /// Stores messages durably (commit log synced, then units written), wakes long polls, and returns
@@ -315,15 +311,12 @@ impl Broker {
             .into_iter()
             .enumerate()
             .partition(|(_, m)| self.in_dead_store(&m.topic));
-        for (store, appends, part) in [
-            (&self.main, &self.main_appends, main),
-            (&self.dead, &self.dead_appends, dead),
-        ] {
+        for (store, part) in [(&self.main, main), (&self.dead, dead)] {
             if part.is_empty() {
                 continue;
             }
             let (indices, part): (Vec<usize>, Vec<Incoming>) = part.into_iter().unzip();
-            let stored = appends.run(store, part, append_together)?;
+            let stored = store.run(part, append_together)?;
             for (i, at) in indices.into_iter().zip(stored) {
                 placed[i] = at;
             }
@@ -336,7 +329,8 @@ impl Broker {
         let mut topics: Vec<(String, u32)> = [&self.main, &self.dead]
             .iter()
             .flat_map(|store| {
-                lock(store)
+                store
+                    .lock()
                     .topics()
                     .map(|(n, q)| (n.clone(), q))
                     .collect::<Vec<_>>()
@@ -460,8 +454,8 @@ impl Broker {
             millis(self.options.retention),
             millis(self.options.dead_retention),
         ];
-        let mut main = lock(&self.main);
-        let mut dead = lock(&self.dead);
+        let mut main = self.main.lock();
+        let mut dead = self.dead.lock();
         let stores: [&mut Store; 2] = [&mut main, &mut dead];
         let mut taken: [Vec<commitlog::Segment>; 2] = [Vec::new(), Vec::new()];
         loop {
@@ -541,7 +535,7 @@ impl Broker {
 
     fn report_sizes(&self) {
         for (store, name) in [&self.main, &self.dead].into_iter().zip(STORE_NAMES) {
-            let bytes = lock(store).log.bytes();
+            let bytes = store.lock().log.bytes();
             metrics::gauge!("delayd_broker_bytes", "store" => name).set(bytes as f64);
         }
     }
@@ -623,24 +617,27 @@ fn sync_dir(dir: &Path) -> Result<(), BrokerError> {
 }
 
 /// One store append for the messages of every caller in a group: stored in the order they queued, each
-/// caller gets where its own went (or the error, for all of them).
+/// caller gets where its own went.
 fn append_together(
     store: &mut Store,
     works: Vec<Vec<Incoming>>,
 ) -> Vec<Result<Vec<(u32, u64)>, BrokerError>> {
-    let stored_at_ms = works
-        .iter()
-        .flatten()
-        .map(|m| m.delivered_at_ms)
-        .max()
-        .unwrap_or(0);
     let all: Vec<&Incoming> = works.iter().flatten().collect();
-    match store.append(&all, stored_at_ms) {
+    match append_to(store, &all) {
         Ok(placed) => {
             let mut placed = placed.into_iter();
             works
                 .iter()
                 .map(|w| Ok(placed.by_ref().take(w.len()).collect()))
+                .collect()
+        }
+        // One caller's messages may be what failed (a topic whose files cannot be made). The append
+        // was undone as a whole, so each caller tries again alone and fails only on its own trouble.
+        // A full disk, or a store that refuses writes, fails all of them alike.
+        Err(e) if works.len() > 1 && !e.is_disk_full() && !matches!(e, BrokerError::Failed(_)) => {
+            works
+                .iter()
+                .map(|w| append_to(store, &w.iter().collect::<Vec<_>>()))
                 .collect()
         }
         Err(e) => {
@@ -649,6 +646,16 @@ fn append_together(
             results
         }
     }
+}
+
+/// Appends messages to a store, stamped with the latest time any of them was delivered.
+fn append_to(store: &mut Store, messages: &[&Incoming]) -> Result<Vec<(u32, u64)>, BrokerError> {
+    let stored_at_ms = messages
+        .iter()
+        .map(|m| m.delivered_at_ms)
+        .max()
+        .unwrap_or(0);
+    store.append(messages, stored_at_ms)
 }
 
 /// The `broker` sink: stores each delivery in the broker, durably, before answering.
@@ -1264,7 +1271,7 @@ mod tests {
             .map(|i| incoming("t", None, &format!("{i:02}{mib}")))
             .collect();
         broker.append(batch).unwrap();
-        let writes = lock(&broker.main).log.writes.clone();
+        let writes = broker.main.lock().log.writes.clone();
         assert!(writes.len() >= 2, "{writes:?}");
         let limit = frame::UNSYNCED_LIMIT;
         assert!(writes.iter().all(|(_, len)| *len <= limit), "{writes:?}");
@@ -1387,8 +1394,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
         broker.append(vec![incoming("t", None, "first")]).unwrap();
-        let writes_before = lock(&broker.main).log.writes.len();
-        let held = lock(&broker.main);
+        let writes_before = broker.main.lock().log.writes.len();
+        let held = broker.main.lock();
         let callers: Vec<_> = (0..3)
             .map(|n| {
                 let broker = broker.clone();
@@ -1402,7 +1409,7 @@ mod tests {
             })
             .collect();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while broker.main_appends.queued() < 3 {
+        while broker.main.queued() < 3 {
             assert!(std::time::Instant::now() < deadline, "three appends queue");
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -1420,10 +1427,58 @@ mod tests {
             }
         }
         assert_eq!(
-            lock(&broker.main).log.writes.len(),
+            broker.main.lock().log.writes.len(),
             writes_before + 1,
             "one commit-log write for the three"
         );
         assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 7);
+    }
+
+    /// A caller whose own messages cannot be stored (a topic whose files cannot be made) fails alone:
+    /// the others in its group are stored, where they say, with offsets that go on without a gap.
+    #[test]
+    fn a_caller_that_fails_in_a_group_fails_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
+        broker.append(vec![incoming("t", None, "first")]).unwrap();
+        // A file where the topic's consume queues would go.
+        fs::write(dir.path().join("broker/consumequeue/blocked"), b"").unwrap();
+        let held = broker.main.lock();
+        let callers: Vec<_> = ["t", "blocked", "t"]
+            .into_iter()
+            .enumerate()
+            .map(|(n, topic)| {
+                let broker = broker.clone();
+                std::thread::spawn(move || {
+                    broker.append(vec![incoming(topic, None, &n.to_string())])
+                })
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while broker.main.queued() < 3 {
+            assert!(std::time::Instant::now() < deadline, "three appends queue");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(held);
+        let answers: Vec<_> = callers.into_iter().map(|c| c.join().unwrap()).collect();
+        let err = answers[1].as_ref().unwrap_err();
+        assert!(err.to_string().contains("blocked"), "{err}");
+        assert!(!err.is_disk_full(), "{err}");
+        let mut offsets: Vec<u64> = [&answers[0], &answers[2]]
+            .iter()
+            .map(|a| a.as_ref().unwrap()[0].1)
+            .collect();
+        offsets.sort();
+        assert_eq!(
+            offsets,
+            vec![1, 2],
+            "after the first message, without a gap"
+        );
+        for (n, answer) in [(0, &answers[0]), (2, &answers[2])] {
+            let offset = answer.as_ref().unwrap()[0].1;
+            let pulled = broker.read("t", 0, offset, 1).unwrap().unwrap();
+            assert_eq!(bodies(&pulled), vec![n.to_string()]);
+        }
+        assert_eq!(broker.failed(), None);
     }
 }
