@@ -58,6 +58,8 @@ const LABELLED_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("delayd_http_timeouts_total", &[("phase", "header")]),
     ("delayd_http_timeouts_total", &[("phase", "body")]),
     ("delayd_http_timeouts_total", &[("phase", "idle")]),
+    ("delayd_wal_files_total", &[("from", "spare")]),
+    ("delayd_wal_files_total", &[("from", "new")]),
 ];
 
 /// Counters without labels, made to exist at 0 by [`register_series`].
@@ -165,13 +167,17 @@ fn describe() {
     describe_histogram!(
         "delayd_sync_seconds",
         Unit::Seconds,
-        "Write and fdatasync of other files, by file: broker (commit log, per delivered batch), dispatch (outcomes, per batch), checkpoint (a whole replay checkpoint: segment syncs and the store, on a thread of its own)"
+        "Write and fdatasync of other files, by file: broker (one commit-log write and sync, shared by the batches stored meanwhile), dispatch (one dispatch-log write and sync, shared by the outcomes recorded meanwhile), checkpoint (a whole replay checkpoint: segment syncs and the store, on a thread of its own)"
     );
     describe_histogram!("delayd_wal_batch_records", "Records per WAL group commit");
     describe_counter!(
         "delayd_wal_bytes_written_total",
         Unit::Bytes,
         "Bytes written to the WAL"
+    );
+    describe_counter!(
+        "delayd_wal_files_total",
+        "WAL files a rollover started, by where they came from: spare (a retired file reused) or new (a zero-filled file, a whole file's worth of extra writes)"
     );
     describe_counter!(
         "delayd_wal_poisoned_total",

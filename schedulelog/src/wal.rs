@@ -468,6 +468,7 @@ impl ActiveWal {
                     (self.file, self.path) = start(&self.dir, path, first_seq, &mut self.staging)
                         .map_err(RollError::Install)?;
                     self.pos = DATA_START;
+                    metrics::counter!("delayd_wal_files_total", "from" => "spare").increment(1);
                     // `next.tmp` (prepared, or being prepared) stays for a rollover finding no spare.
                     return Ok(());
                 }
@@ -494,6 +495,9 @@ impl ActiveWal {
         (self.file, self.path) =
             install(&self.dir, &next, first_seq, &mut self.staging).map_err(RollError::Install)?;
         self.pos = DATA_START;
+        // Each one costs a zero-filled file's worth of writes (`prepare`): the write amplification a
+        // node short of spares pays.
+        metrics::counter!("delayd_wal_files_total", "from" => "new").increment(1);
         self.prepare_next();
         Ok(())
     }
