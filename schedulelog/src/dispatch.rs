@@ -334,6 +334,15 @@ mod tests {
         }
     }
 
+    /// Dispatch logs in a fresh directory (kept while the handle lives), and two consecutive buckets.
+    fn two_buckets() -> (tempfile::TempDir, Arc<DispatchLogs>, [Bucket; 2]) {
+        let dir = tempfile::tempdir().unwrap();
+        let width = SegmentMinutes::new(60).unwrap();
+        let logs = Arc::new(DispatchLogs::new(dir.path(), width));
+        let buckets = [Bucket::of(T0, width), Bucket::of(T0 + HOUR_MS, width)];
+        (dir, logs, buckets)
+    }
+
     /// Starts one thread per call while the logs are held, waits until every call is queued, lets go,
     /// and answers each call's result in order.
     fn queued_together(
@@ -358,11 +367,7 @@ mod tests {
     /// own log; if that shared write fails, each caller hears it, and a retry lands all of them.
     #[test]
     fn appends_that_arrive_together_are_done_together() {
-        let dir = tempfile::tempdir().unwrap();
-        let width = SegmentMinutes::new(60).unwrap();
-        let logs = Arc::new(DispatchLogs::new(dir.path(), width));
-        let first = Bucket::of(T0, width);
-        let second = Bucket::of(T0 + HOUR_MS, width);
+        let (_dir, logs, [first, second]) = two_buckets();
         let calls = || {
             (0..3u64)
                 .map(|n| vec![(first, outcome(n)), (second, outcome(10 + n))])
@@ -392,11 +397,7 @@ mod tests {
     /// with outcomes for it: the others' outcomes are durable, and they hear so.
     #[test]
     fn a_log_that_fails_in_a_group_fails_only_its_own_callers() {
-        let dir = tempfile::tempdir().unwrap();
-        let width = SegmentMinutes::new(60).unwrap();
-        let logs = Arc::new(DispatchLogs::new(dir.path(), width));
-        let first = Bucket::of(T0, width);
-        let second = Bucket::of(T0 + HOUR_MS, width);
+        let (_dir, logs, [first, second]) = two_buckets();
         let calls = vec![
             vec![(first, outcome(1))],
             vec![(first, outcome(2))],

@@ -1387,6 +1387,30 @@ mod tests {
         assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 130);
     }
 
+    /// Starts one thread per call while the main store is held, waits until every call is queued, lets
+    /// go, and answers each call's result in order.
+    fn appended_together(
+        broker: &Arc<Broker>,
+        calls: Vec<Vec<Incoming>>,
+    ) -> Vec<Result<Vec<(u32, u64)>, BrokerError>> {
+        let count = calls.len();
+        let held = broker.main.lock();
+        let callers: Vec<_> = calls
+            .into_iter()
+            .map(|messages| {
+                let broker = broker.clone();
+                std::thread::spawn(move || broker.append(messages))
+            })
+            .collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while broker.main.queued() < count {
+            assert!(std::time::Instant::now() < deadline, "every append queues");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(held);
+        callers.into_iter().map(|c| c.join().unwrap()).collect()
+    }
+
     /// Lanes delivering at once share the commit log's write and sync: three appends that arrive while
     /// the store is busy go in one write, each caller gets its own placements, and all are readable.
     #[test]
@@ -1395,35 +1419,25 @@ mod tests {
         let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
         broker.append(vec![incoming("t", None, "first")]).unwrap();
         let writes_before = broker.main.lock().log.writes.len();
-        let held = broker.main.lock();
-        let callers: Vec<_> = (0..3)
+        let bodies_of = |n: usize| [format!("{n}a"), format!("{n}b")];
+        let calls = (0..3)
             .map(|n| {
-                let broker = broker.clone();
-                std::thread::spawn(move || {
-                    let mine = [format!("{n}a"), format!("{n}b")];
-                    let placed = broker
-                        .append(mine.iter().map(|b| incoming("t", None, b)).collect())
-                        .unwrap();
-                    (mine, placed)
-                })
+                bodies_of(n)
+                    .iter()
+                    .map(|b| incoming("t", None, b))
+                    .collect()
             })
             .collect();
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while broker.main.queued() < 3 {
-            assert!(std::time::Instant::now() < deadline, "three appends queue");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        drop(held);
-        let pulled = |offset| broker.read("t", 0, offset, 1).unwrap().unwrap();
-        for caller in callers {
-            let (mine, placed) = caller.join().unwrap();
+        for (n, placed) in appended_together(&broker, calls).into_iter().enumerate() {
+            let placed = placed.unwrap();
             assert_eq!(
                 placed[1].1,
                 placed[0].1 + 1,
                 "a caller's messages stay together"
             );
-            for (body, (_, offset)) in mine.iter().zip(&placed) {
-                assert_eq!(&bodies(&pulled(*offset))[0], body, "where it says it went");
+            for (body, (_, offset)) in bodies_of(n).iter().zip(&placed) {
+                let pulled = broker.read("t", 0, *offset, 1).unwrap().unwrap();
+                assert_eq!(&bodies(&pulled)[0], body, "where it says it went");
             }
         }
         assert_eq!(
@@ -1443,24 +1457,12 @@ mod tests {
         broker.append(vec![incoming("t", None, "first")]).unwrap();
         // A file where the topic's consume queues would go.
         fs::write(dir.path().join("broker/consumequeue/blocked"), b"").unwrap();
-        let held = broker.main.lock();
-        let callers: Vec<_> = ["t", "blocked", "t"]
-            .into_iter()
+        let calls = ["t", "blocked", "t"]
+            .iter()
             .enumerate()
-            .map(|(n, topic)| {
-                let broker = broker.clone();
-                std::thread::spawn(move || {
-                    broker.append(vec![incoming(topic, None, &n.to_string())])
-                })
-            })
+            .map(|(n, topic)| vec![incoming(topic, None, &n.to_string())])
             .collect();
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while broker.main.queued() < 3 {
-            assert!(std::time::Instant::now() < deadline, "three appends queue");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        drop(held);
-        let answers: Vec<_> = callers.into_iter().map(|c| c.join().unwrap()).collect();
+        let answers = appended_together(&broker, calls);
         let err = answers[1].as_ref().unwrap_err();
         assert!(err.to_string().contains("blocked"), "{err}");
         assert!(!err.is_disk_full(), "{err}");
@@ -1474,8 +1476,8 @@ mod tests {
             vec![1, 2],
             "after the first message, without a gap"
         );
-        for (n, answer) in [(0, &answers[0]), (2, &answers[2])] {
-            let offset = answer.as_ref().unwrap()[0].1;
+        for n in [0, 2] {
+            let offset = answers[n].as_ref().unwrap()[0].1;
             let pulled = broker.read("t", 0, offset, 1).unwrap().unwrap();
             assert_eq!(bodies(&pulled), vec![n.to_string()]);
         }
