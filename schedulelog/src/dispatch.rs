@@ -16,10 +16,12 @@
 //!   a cancel twice needs no deduplication.
 //! - A torn tail is cut on first open for append (tail policy in frame.rs).
 //! - A failed append (a full disk part-way through a write, say) leaves every log appendable: the handle
-//!   of the log it failed on is dropped, so the next append reopens it and cuts whatever part of a frame
+//!   of each log it failed on is dropped, so the next append reopens it and cuts whatever part of a frame
 //!   reached it; whole outcomes that did reach it are kept, and a retry of the same outcomes repeats them
 //!   harmlessly. A write error is `Error::Io` (a full disk is [`Error::is_disk_full`]); a failed sync is
-//!   `Error::Sync`, which the callers treat as fatal.
+//!   `Error::Sync`, which the callers treat as fatal. In a group, a caller hears the error of a log it
+//!   had outcomes for (the other logs' callers are answered for theirs); a failed directory sync fails
+//!   every caller.
 //! - A log created by an append is in a synced directory before any later append returns, even if the
 //!   append that created it failed.
 
@@ -121,15 +123,15 @@ impl DispatchLogs {
                 failed.insert(*bucket, e);
             }
         }
+        // A group may span more logs than one call would; what is over stays closed until needed.
+        if open.files.len() > MAX_OPEN {
+            open.files.clear();
+        }
         // Also after a failure: a log created before it must not vanish in a crash once its outcomes
         // are synced (a later append would not know to sync the directory).
         if open.dir_unsynced {
             crate::header::sync_dir(&self.dir)?;
             open.dir_unsynced = false;
-        }
-        // A group may span more logs than one call would; what is over stays closed until needed.
-        if open.files.len() > MAX_OPEN {
-            open.files.clear();
         }
         Ok(failed)
     }

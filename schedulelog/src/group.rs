@@ -17,7 +17,9 @@
 //!   it finds its result.
 //! - Nothing is done speculatively: a lone caller leads at once and waits for nobody.
 //! - A leader that panics takes the work it holds with it: those callers panic too (the work may be
-//!   half done). Work queued after it took the queue is not touched, and the next caller leads it.
+//!   half done). Work queued after it took the queue is not touched, and the next caller leads it, on
+//!   the state as the panic left it (the lock's poisoning is ignored, as everywhere in the engine: each
+//!   user keeps its state valid at every step that can fail, and a panic is a bug, not a failure mode).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -140,37 +142,50 @@ mod tests {
         assert_eq!(group.queued(), 0);
     }
 
-    /// A leader that panics takes its own work down, not work queued after it took the queue: the
-    /// caller of that leads it next.
+    /// A leader that panics takes down the work it took from the queue (its callers panic too), not
+    /// work queued after that: the caller of that leads it next.
     #[test]
     fn work_queued_while_a_leader_panics_is_done_by_the_next_caller() {
         let group = Arc::new(Group::new(()));
         let (entered_tx, entered) = mpsc::channel();
         let (release, release_rx) = mpsc::channel::<()>();
-        let leader = {
-            let group = group.clone();
-            std::thread::spawn(move || {
-                group.run(1u32, |_: &mut (), _: Vec<u32>| -> Vec<u32> {
-                    entered_tx.send(()).unwrap();
-                    release_rx.recv().unwrap();
-                    panic!("the leader's write blew up")
+        let release_rx = Arc::new(Mutex::new(release_rx));
+        // Two callers queue behind a held lock; whichever leads blocks in `run`, then panics.
+        let held = group.lock();
+        let first_two: Vec<_> = (1..=2u32)
+            .map(|n| {
+                let (group, entered_tx, release_rx) =
+                    (group.clone(), entered_tx.clone(), release_rx.clone());
+                std::thread::spawn(move || {
+                    group.run(n, move |_: &mut (), _: Vec<u32>| -> Vec<u32> {
+                        entered_tx.send(()).unwrap();
+                        release_rx.lock().unwrap().recv().unwrap();
+                        panic!("the leader's write blew up")
+                    })
                 })
             })
-        };
+            .collect();
+        wait_until("two callers queue", || group.queued() == 2);
+        drop(held);
         entered.recv().unwrap();
         let newcomer = {
             let group = group.clone();
             std::thread::spawn(move || {
-                group.run(2u32, |_: &mut (), works: Vec<u32>| {
+                group.run(3u32, |_: &mut (), works: Vec<u32>| {
                     works.iter().map(|w| w * 10).collect()
                 })
             })
         };
         wait_until("the newcomer queues", || group.queued() == 1);
         release.send(()).unwrap();
-        assert!(leader.join().is_err(), "the leader panicked");
-        assert_eq!(newcomer.join().unwrap(), 20, "the newcomer's work was done");
-        assert_eq!(group.run(3, |_, works| works), 3, "and the group goes on");
+        for caller in first_two {
+            assert!(
+                caller.join().is_err(),
+                "the leader and the caller it held panic"
+            );
+        }
+        assert_eq!(newcomer.join().unwrap(), 30, "the newcomer's work was done");
+        assert_eq!(group.run(4, |_, works| works), 4, "and the group goes on");
     }
 
     /// Callers whose work a panicking leader held do not wait forever: they panic too, saying why.
