@@ -217,8 +217,11 @@ pub fn valid_topic(name: &str) -> bool {
 /// The stores' names in metric labels: the main store, then dead letters.
 pub const STORE_NAMES: [&str; 2] = ["main", "dead"];
 
-/// A store and its queue of appends: each caller's messages, and where each one was placed.
-type StoreGroup = schedulelog::Group<Store, Vec<Incoming>, Result<Vec<(u32, u64)>, BrokerError>>;
+/// Where each of a caller's messages went (queue, queue offset), or why none did.
+type Placed = Result<Vec<(u32, u64)>, BrokerError>;
+
+/// A store and its queue of appends: each caller's messages, and where they went.
+type StoreGroup = schedulelog::Group<Store, Vec<Incoming>, Placed>;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
@@ -295,7 +298,8 @@ impl Broker {
 
     /// Stores messages durably (commit log synced, then units written), wakes long polls, and returns
     /// each message's queue and queue offset, in order. Messages that other threads append to the same
-    /// store meanwhile are stored with them, in one write and one sync (a failure fails them all).
+    /// store meanwhile are stored with them, in one write and one sync; a failure of that write fails
+    /// them all, but a topic that cannot be created fails only the callers with messages for it.
     pub fn append(&self, messages: Vec<Incoming>) -> Result<Vec<(u32, u64)>, BrokerError> {
         let result = self.append_to_stores(messages);
         self.note(&result);
@@ -617,39 +621,42 @@ fn sync_dir(dir: &Path) -> Result<(), BrokerError> {
 }
 
 /// One store append for the messages of every caller in a group: stored in the order they queued, each
-/// caller gets where its own went.
-fn append_together(
-    store: &mut Store,
-    works: Vec<Vec<Incoming>>,
-) -> Vec<Result<Vec<(u32, u64)>, BrokerError>> {
-    let all: Vec<&Incoming> = works.iter().flatten().collect();
-    match append_to(store, &all) {
-        Ok(placed) => {
-            let mut placed = placed.into_iter();
-            works
-                .iter()
-                .map(|w| Ok(placed.by_ref().take(w.len()).collect()))
-                .collect()
-        }
-        // One caller's messages may be what failed (a topic whose files cannot be made). The append
-        // was undone as a whole, so each caller tries again alone and fails only on its own trouble.
-        // A full disk, or a store that refuses writes, fails all of them alike.
-        Err(e) if works.len() > 1 && !e.is_disk_full() && !matches!(e, BrokerError::Failed(_)) => {
-            works
-                .iter()
-                .map(|w| append_to(store, &w.iter().collect::<Vec<_>>()))
-                .collect()
-        }
-        Err(e) => {
-            let mut results: Vec<_> = (1..works.len()).map(|_| Err(e.duplicate())).collect();
-            results.push(Err(e));
-            results
+/// caller gets where its own went. A caller whose topic cannot be created (its files cannot be made)
+/// fails alone, before anything is written; any later failure (the commit log, a consume queue, a full
+/// disk) undoes the append as a whole and fails every caller in it alike.
+fn append_together(store: &mut Store, works: Vec<Vec<Incoming>>) -> Vec<Placed> {
+    let mut results: Vec<Option<Placed>> = works
+        .iter()
+        .map(|w| {
+            let created = w.iter().try_for_each(|m| store.ensure_topic(&m.topic));
+            created.err().map(Err)
+        })
+        .collect();
+    let ready: Vec<usize> = (0..works.len()).filter(|&i| results[i].is_none()).collect();
+    let all: Vec<&Incoming> = ready.iter().flat_map(|&i| &works[i]).collect();
+    if !all.is_empty() {
+        match append_to(store, &all) {
+            Ok(placed) => {
+                let mut placed = placed.into_iter();
+                for &i in &ready {
+                    results[i] = Some(Ok(placed.by_ref().take(works[i].len()).collect()));
+                }
+            }
+            Err(e) => {
+                for &i in &ready {
+                    results[i] = Some(Err(e.duplicate()));
+                }
+            }
         }
     }
+    results
+        .into_iter()
+        .map(|r| r.expect("every caller answered"))
+        .collect()
 }
 
 /// Appends messages to a store, stamped with the latest time any of them was delivered.
-fn append_to(store: &mut Store, messages: &[&Incoming]) -> Result<Vec<(u32, u64)>, BrokerError> {
+fn append_to(store: &mut Store, messages: &[&Incoming]) -> Placed {
     let stored_at_ms = messages
         .iter()
         .map(|m| m.delivered_at_ms)
@@ -1389,10 +1396,7 @@ mod tests {
 
     /// Starts one thread per call while the main store is held, waits until every call is queued, lets
     /// go, and answers each call's result in order.
-    fn appended_together(
-        broker: &Arc<Broker>,
-        calls: Vec<Vec<Incoming>>,
-    ) -> Vec<Result<Vec<(u32, u64)>, BrokerError>> {
+    fn appended_together(broker: &Arc<Broker>, calls: Vec<Vec<Incoming>>) -> Vec<Placed> {
         let count = calls.len();
         let held = broker.main.lock();
         let callers: Vec<_> = calls
@@ -1481,6 +1485,39 @@ mod tests {
             let pulled = broker.read("t", 0, offset, 1).unwrap().unwrap();
             assert_eq!(bodies(&pulled), vec![n.to_string()]);
         }
+        assert_eq!(broker.failed(), None);
+    }
+
+    /// A failure after the group's messages went to the commit log (its next segment cannot be made)
+    /// undoes the append as a whole: every caller hears it, none of it is stored, and the queue goes on
+    /// without a gap once the trouble is gone.
+    #[test]
+    fn a_write_that_fails_for_a_group_fails_every_caller_in_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
+        broker
+            .append(vec![incoming("t", None, &"a".repeat(60 << 10))])
+            .unwrap();
+        let log_dir = dir.path().join("broker/commitlog");
+        let last = files(&log_dir).pop().unwrap();
+        let end = last.parse::<u64>().unwrap() + fs::metadata(log_dir.join(&last)).unwrap().len();
+        let blocker = log_dir.join(format!("{end:020}"));
+        fs::create_dir(&blocker).unwrap();
+        let calls = (0..3)
+            .map(|n| vec![incoming("t", None, &format!("{n}{}", "b".repeat(4 << 10)))])
+            .collect();
+        for answer in appended_together(&broker, calls) {
+            let err = answer.unwrap_err();
+            assert!(!err.is_disk_full(), "{err}");
+        }
+        assert_eq!(
+            broker.queue_offsets("t").unwrap()[0].1,
+            1,
+            "nothing of the group stored"
+        );
+        fs::remove_dir(&blocker).unwrap();
+        let placed = broker.append(vec![incoming("t", None, "after")]).unwrap();
+        assert_eq!(placed[0].1, 1, "no gap");
         assert_eq!(broker.failed(), None);
     }
 }

@@ -277,11 +277,18 @@ impl Queue {
     }
 
     /// Cuts the queue to end at queue offset `units` (repair: the units past it are not backed by the
-    /// commit log). Files that start past it are deleted.
+    /// commit log). Files that start past it are deleted. Nothing to do for a queue that ends there.
     pub(crate) fn truncate(&mut self, units: u64) -> Result<(), BrokerError> {
         if units >= self.units {
             return Ok(());
         }
+        self.cut(units)
+    }
+
+    /// Cuts the queue to end at queue offset `units` (at most where it ends), files included: also the
+    /// bytes a failed append left past its end, which would otherwise count as units on the next open.
+    pub(crate) fn cut(&mut self, units: u64) -> Result<(), BrokerError> {
+        let units = units.min(self.units);
         let doomed: Vec<u64> = self.files.range(units + 1..).copied().collect();
         let first = self.files.range(..=units).next_back().copied();
         for first in &doomed {
@@ -474,5 +481,25 @@ mod tests {
         assert_eq!(queue.read(4, 10).unwrap().len(), 3);
         queue.write_at(1, &Unit::new(7, 7, Some("k"))).unwrap();
         assert_eq!(queue.read(1, 1).unwrap()[0], Unit::new(7, 7, Some("k")));
+    }
+
+    /// An append that fails part-way leaves units past the queue's end; the store's undo cuts them, so
+    /// that the next open does not count them (truncate, for repair, leaves a queue that ends there).
+    #[test]
+    fn cut_drops_units_a_failed_append_left_past_the_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut queue = Queue::open(dir.path(), 0, 100).unwrap();
+        queue.append(&units(0..3)).unwrap();
+        let file = dir.path().join("0/00000000000000000000");
+        let mut bytes = fs::read(&file).unwrap();
+        bytes.extend(units(3..5));
+        fs::write(&file, bytes).unwrap();
+        queue.truncate(3).unwrap();
+        assert_eq!(Queue::open(dir.path(), 0, 100).unwrap().units, 5);
+        queue.cut(3).unwrap();
+        assert_eq!(queue.units, 3);
+        assert_eq!(Queue::open(dir.path(), 0, 100).unwrap().units, 3);
+        queue.append(&units(3..4)).unwrap();
+        assert_eq!(queue.read(0, 10).unwrap().len(), 4);
     }
 }

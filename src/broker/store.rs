@@ -243,6 +243,20 @@ impl Store {
         )
     }
 
+    /// Creates a topic's queues if it has none yet (not in a store that refuses writes). Nothing else
+    /// changes, whether it succeeds or not.
+    pub(crate) fn ensure_topic(&mut self, topic: &str) -> Result<(), BrokerError> {
+        if let Some(cause) = &self.failed {
+            return Err(BrokerError::Failed(cause.clone()));
+        }
+        if !self.topics.contains_key(topic) {
+            let created =
+                create_topic(&self.dir, topic, self.queues_per_topic, self.units_per_file)?;
+            self.topics.insert(topic.to_string(), created);
+        }
+        Ok(())
+    }
+
     /// Stores messages durably (commit log synced, then units written) and returns each one's queue and
     /// queue offset. `stored_at_ms` is their store time (retention goes by it).
     pub(crate) fn append(
@@ -259,15 +273,7 @@ impl Store {
         // Units each touched queue gets from this batch so far.
         let mut batch_units: BTreeMap<(&str, u32), u64> = BTreeMap::new();
         for message in messages {
-            if !self.topics.contains_key(&message.topic) {
-                let created = create_topic(
-                    &self.dir,
-                    &message.topic,
-                    self.queues_per_topic,
-                    self.units_per_file,
-                )?;
-                self.topics.insert(message.topic.clone(), created);
-            }
+            self.ensure_topic(&message.topic)?;
             let topic = self.topics.get_mut(&message.topic).expect("created above");
             let count = topic.queues.len() as u32;
             let queue = match &message.key {
@@ -330,7 +336,7 @@ impl Store {
                 for ((topic, index), before) in written {
                     let queue =
                         &mut self.topics.get_mut(topic).expect("exists").queues[index as usize];
-                    undone = undone.and(queue.truncate(before));
+                    undone = undone.and(queue.cut(before));
                 }
                 undone = undone.and(self.log.undo(mark));
                 if let Err(undo) = undone {
