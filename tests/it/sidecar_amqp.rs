@@ -788,17 +788,15 @@ fn an_unroutable_amqp_target_is_retried_until_a_queue_exists() {
     });
     assert!(reason.contains("NO_ROUTE"), "{reason}");
     println!("unroutable: {reason}");
-    let pair_status = request(
-        &delayd.base,
-        "GET",
-        &format!("/v1/messages/{unroutable_id}"),
-        None,
-        None,
-    );
-    assert_eq!(
-        pair_status.json["status"], "retrying",
-        "{}",
-        pair_status.json
+    // The routable one can be read as soon as it is published; its unroutable partner is "retrying"
+    // only once the batch's outcomes are durable, a moment later.
+    wait_for(
+        "the unroutable one of the pair retries",
+        Duration::from_secs(20),
+        || {
+            let path = format!("/v1/messages/{unroutable_id}");
+            request(&delayd.base, "GET", &path, None, None).json["status"] == "retrying"
+        },
     );
     assert!(
         client
