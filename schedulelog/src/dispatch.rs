@@ -241,6 +241,97 @@ impl DispatchLogs {
         Ok((outcomes, bytes.len() as u64))
     }
 
+    /// The outcomes of a bucket's log from byte `from` on (0: from the start), each with the offset of
+    /// its frame, and the offset just past the last whole frame: what an outcome index (view.rs) reads
+    /// to catch up. It stops at the end, and at a frame still being written or torn (the next open for
+    /// append deals with that); damage in synced data is an error naming the file and offset.
+    pub(crate) fn read_from(
+        &self,
+        bucket: Bucket,
+        from: u64,
+    ) -> Result<(Vec<(u64, Outcome)>, u64)> {
+        let path = path(&self.dir, bucket);
+        let file = match File::open(&path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), from)),
+            Err(e) => return Err(Error::io(&path)(e)),
+        };
+        let len = file.metadata().map_err(Error::io(&path))?.len();
+        let start = from.max(HEADER_LEN as u64);
+        if len <= start {
+            return Ok((Vec::new(), from));
+        }
+        if from < HEADER_LEN as u64 {
+            let mut header = [0u8; HEADER_LEN];
+            file.read_exact_at(&mut header, 0)
+                .map_err(Error::io(&path))?;
+            if header.iter().all(|&b| b == 0) {
+                return Ok((Vec::new(), from)); // its header is not written yet
+            }
+            let header = FileHeader::check(&header, DISPATCH_MAGIC, &path)?;
+            if header.value != u64::from(bucket.start_minute()) {
+                return Err(Error::corrupt(
+                    &path,
+                    0,
+                    "header does not match the file name",
+                ));
+            }
+        }
+        let mut bytes = vec![0u8; usize::try_from(len - start).unwrap_or(usize::MAX)];
+        file.read_exact_at(&mut bytes, start)
+            .map_err(Error::io(&path))?;
+        let mut found = Vec::new();
+        let mut frames = Frames::new(&bytes);
+        for (at, kind, payload) in frames.by_ref() {
+            let offset = start + at as u64;
+            let decoded = match kind {
+                Kind::Outcome => Outcome::decode(payload).map_err(|e| e.to_string()),
+                _ => Err("a non-outcome frame in a dispatch log".to_string()),
+            };
+            found.push((
+                offset,
+                decoded.map_err(|reason| Error::corrupt(&path, offset, reason))?,
+            ));
+        }
+        let end = match frames.stop() {
+            Some(Stop::End { at }) => at,
+            Some(Stop::Invalid { at, reason }) => {
+                frame::check_torn_tail(&path, &bytes, start, at, reason)?;
+                at
+            }
+            None => unreachable!("the frame walk ended without a stop"),
+        };
+        Ok((found, start + end as u64))
+    }
+
+    /// The outcomes whose frames start at `offsets` in a bucket's log (offsets [`Self::read_from`] gave).
+    pub(crate) fn read_at(&self, bucket: Bucket, offsets: &[u64]) -> Result<Vec<Outcome>> {
+        if offsets.is_empty() {
+            return Ok(Vec::new());
+        }
+        let path = path(&self.dir, bucket);
+        let file = File::open(&path).map_err(Error::io(&path))?;
+        let mut outcomes = Vec::with_capacity(offsets.len());
+        for &offset in offsets {
+            let mut header = [0u8; frame::HEADER_LEN];
+            file.read_exact_at(&mut header, offset)
+                .map_err(Error::io(&path))?;
+            let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+            let mut bytes = vec![0u8; frame::HEADER_LEN + len.min(frame::MAX_PAYLOAD)];
+            file.read_exact_at(&mut bytes, offset)
+                .map_err(Error::io(&path))?;
+            let outcome = match frame::decode(&bytes) {
+                frame::Next::Frame {
+                    kind: Kind::Outcome,
+                    payload,
+                } => Outcome::decode(payload).map_err(|e| e.to_string()),
+                _ => Err("no outcome frame where its index says".to_string()),
+            };
+            outcomes.push(outcome.map_err(|reason| Error::corrupt(&path, offset, reason))?);
+        }
+        Ok(outcomes)
+    }
+
     /// The size of a bucket's log now (0 without one).
     pub(crate) fn size(&self, bucket: Bucket) -> Result<u64> {
         let path = path(&self.dir, bucket);

@@ -25,12 +25,14 @@ mod group;
 mod header;
 mod id;
 mod inspect;
+mod listing;
 mod log;
 pub mod record;
 mod replay;
 mod segment;
 pub mod slow_disk;
 mod sys;
+mod view;
 mod wal;
 
 pub use bucket::{Bucket, SegmentMinutes};
@@ -40,7 +42,10 @@ pub use error::{AppendError, Error, Result};
 pub use group::Group;
 pub use id::{InvalidId, Location, MessageId};
 pub use inspect::inspect;
-pub use log::{BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog};
+pub use listing::{
+    BucketCount, InvalidCursor, ListCursor, ListPage, ListQuery, Listed, StatusFilter,
+};
+pub use log::{Attempt, BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog};
 pub use record::{EncodedMessage, Message, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge};
 pub use replay::Replayed;
 pub use segment::{IndexEntry, SegmentReader};

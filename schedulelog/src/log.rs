@@ -38,6 +38,7 @@ use crate::id::{Location, MessageId};
 use crate::record::{EncodedMessage, Message, Outcome, OutcomeKind};
 use crate::replay::{CheckpointJob, Replay, Replayed};
 use crate::segment::{IndexEntry, SegmentReader};
+use crate::view::{self, View, Views};
 use crate::wal::{self, ActiveWal};
 use crossbeam_channel::{Receiver, Sender};
 use std::collections::{HashSet, VecDeque};
@@ -94,6 +95,22 @@ pub enum MessageState {
     Cancelled {
         at_ms: i64,
     },
+    /// Dead, and put away by an operator (out of the dead-letter list); `reason` is why it died.
+    Discarded {
+        at_ms: i64,
+        reason: String,
+    },
+}
+
+/// One attempt of a message and what became of it, as a lookup found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    pub attempt: u16,
+    pub location: Location,
+    pub deliver_at_ms: i64,
+    /// The outcome that decided it (a `retried` one for an attempt a later one replaced); `None` while
+    /// it is pending, or when it was retried without its `retried` outcome recorded.
+    pub outcome: Option<Outcome>,
 }
 
 /// A message's current attempt and what became of it.
@@ -112,6 +129,8 @@ pub struct MessageStatus {
     /// recorded for them they count as pending and a restart loads them again, so a cancel must cancel
     /// them too. Empty in the normal case.
     pub orphaned: Vec<Location>,
+    /// Every attempt from the first to the current one.
+    pub history: Vec<Attempt>,
 }
 
 /// A bucket's records as the loader sees them.
@@ -129,6 +148,8 @@ struct Shared {
     width: SegmentMinutes,
     retention: Duration,
     dispatch: DispatchLogs,
+    /// Buckets' records in due order and outcomes by seq, for listings and lookups (view.rs).
+    views: Views,
     replay: Mutex<Replay>,
     /// Signalled each time the replayer publishes a new `next_seq`.
     replayed: Condvar,
@@ -230,6 +251,7 @@ impl ScheduleLog {
             width,
             retention: options.retention,
             dispatch,
+            views: Views::default(),
             replay: Mutex::new(replay),
             replayed: Condvar::new(),
             committed: committed.clone(),
@@ -378,6 +400,43 @@ impl ScheduleLog {
         self.shared.dispatch.read(bucket)
     }
 
+    /// The outcomes recorded for one record, oldest first: read through the bucket's outcome index
+    /// (view.rs), so a lookup reads its own outcomes, not the whole dispatch log.
+    pub fn outcomes_of(&self, location: Location) -> Result<Vec<Outcome>> {
+        self.with_view(location.bucket, false, |view, _| {
+            view.outcomes_of(&self.shared.dispatch, location.bucket, location.seq)
+        })
+    }
+
+    /// Runs `f` on a bucket's view, its outcomes caught up, and its records in due order too when
+    /// `due_order` (then with a reader over its segment; `f` gets `None` for a bucket without one).
+    pub(crate) fn with_view<T>(
+        &self,
+        bucket: Bucket,
+        due_order: bool,
+        f: impl FnOnce(&View, Option<&SegmentReader>) -> Result<T>,
+    ) -> Result<T> {
+        let slot = self.shared.views.get(bucket);
+        let mut view = view::lock(&slot);
+        view.catch_up_outcomes(&self.shared.dispatch, bucket)?;
+        let reader = if due_order {
+            let reader = self.reader(bucket)?;
+            if let Some(reader) = &reader {
+                view.catch_up_entries(reader, bucket)?;
+            }
+            reader
+        } else {
+            None
+        };
+        self.shared.views.sized(bucket, &view);
+        f(&view, reader.as_ref())
+    }
+
+    /// Reads outcomes at offsets of a bucket's dispatch log (listing.rs).
+    pub(crate) fn dispatch(&self) -> &DispatchLogs {
+        &self.shared.dispatch
+    }
+
     /// A reader over the part of `bucket`'s segment that has been replayed so far; `None` without one.
     pub fn reader(&self, bucket: Bucket) -> Result<Option<SegmentReader>> {
         let replay = self.shared.replay();
@@ -450,6 +509,7 @@ impl ScheduleLog {
         let mut location = id.first;
         let mut last_retry_reason = None;
         let mut orphaned = Vec::new();
+        let mut history = Vec::new();
         // (attempt, where it lives) for every later attempt, from the pointers under the first one.
         let mut later: Vec<(u16, Location)> = Vec::new();
         // Each hop moves to a later attempt; attempts are u16, so this bounds a corrupt cycle.
@@ -460,11 +520,8 @@ impl ScheduleLog {
             if message.id != id {
                 return Ok(None);
             }
-            let (pointers, outcomes): (Vec<Outcome>, Vec<Outcome>) = self
-                .outcomes(location.bucket)?
-                .into_iter()
-                .filter(|o| o.seq == location.seq)
-                .partition(|o| {
+            let (pointers, outcomes): (Vec<Outcome>, Vec<Outcome>) =
+                self.outcomes_of(location)?.into_iter().partition(|o| {
                     o.attempt > message.attempt && matches!(o.kind, OutcomeKind::Retried { .. })
                 });
             if hop == 0 {
@@ -476,24 +533,19 @@ impl ScheduleLog {
                     })
                     .collect();
             }
-            // A retried attempt leads on to the next one, whatever else was recorded for it (a cancel
-            // that raced the retry); otherwise the first outcome recorded is the one that counts.
-            let outcome = outcomes
-                .iter()
-                .find(|o| matches!(o.kind, OutcomeKind::Retried { .. }))
-                .or(outcomes.first())
-                .cloned();
-            let state = match outcome.map(|o| (o.at_ms, o.kind)) {
-                None => MessageState::Pending,
-                Some((at_ms, OutcomeKind::Delivered)) => MessageState::Delivered { at_ms },
-                Some((at_ms, OutcomeKind::Dead { reason })) => MessageState::Dead { at_ms, reason },
-                Some((at_ms, OutcomeKind::Cancelled)) => MessageState::Cancelled { at_ms },
-                Some((_, OutcomeKind::Retried { next, reason })) => {
-                    location = next;
-                    last_retry_reason = Some(reason);
-                    continue;
-                }
-            };
+            let outcome = deciding(&outcomes).cloned();
+            history.push(Attempt {
+                attempt: message.attempt,
+                location,
+                deliver_at_ms: message.deliver_at_ms,
+                outcome: outcome.clone(),
+            });
+            if let Some(OutcomeKind::Retried { next, reason }) = outcome.map(|o| o.kind) {
+                location = next;
+                last_retry_reason = Some(reason);
+                continue;
+            }
+            let state = state_of(&outcomes);
             // A later attempt exists, so this one was retried although its `retried` outcome is
             // missing: the later attempt is the current one, whatever was recorded here.
             let newest = later
@@ -516,6 +568,7 @@ impl ScheduleLog {
                 state,
                 last_retry_reason,
                 orphaned,
+                history,
             }));
         }
         Ok(None)
@@ -704,6 +757,7 @@ impl ScheduleLog {
             self.shared.poison_on_sync_failure(&removed);
             removed?;
             self.shared.dispatch.remove(bucket)?;
+            self.shared.views.forget(bucket);
             let synced = header::sync_dir(&self.shared.data_dir.join("dispatch"));
             self.shared.poison_on_sync_failure(&synced);
             synced?;
@@ -979,6 +1033,46 @@ fn run_replayer(
         drop(jobs);
         result
     })
+}
+
+/// The outcome that decides an attempt's state, of those recorded for it (oldest first, the pointers to
+/// later attempts left out): a `retried` one leads on to the next attempt whatever else was recorded (a
+/// cancel that raced the retry); then a discard (it follows a `dead`); otherwise the first recorded.
+/// view.rs `effect` reads outcome kinds the same way.
+fn deciding(outcomes: &[Outcome]) -> Option<&Outcome> {
+    let find = |kind: fn(&OutcomeKind) -> bool| outcomes.iter().find(|o| kind(&o.kind));
+    find(|k| matches!(k, OutcomeKind::Retried { .. }))
+        .or_else(|| find(|k| matches!(k, OutcomeKind::Discarded)))
+        .or(outcomes.first())
+}
+
+/// The state an attempt's outcomes (oldest first, the pointers to later attempts left out) give it, when
+/// none of them is `retried` (that one leads to the next attempt instead).
+pub(crate) fn state_of(outcomes: &[Outcome]) -> MessageState {
+    let Some(outcome) = deciding(outcomes) else {
+        return MessageState::Pending;
+    };
+    let at_ms = outcome.at_ms;
+    match &outcome.kind {
+        OutcomeKind::Delivered => MessageState::Delivered { at_ms },
+        OutcomeKind::Dead { reason } => MessageState::Dead {
+            at_ms,
+            reason: reason.clone(),
+        },
+        OutcomeKind::Cancelled => MessageState::Cancelled { at_ms },
+        OutcomeKind::Discarded => MessageState::Discarded {
+            at_ms,
+            reason: outcomes
+                .iter()
+                .find_map(|o| match &o.kind {
+                    OutcomeKind::Dead { reason } => Some(reason.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default(),
+        },
+        // Not reached for an attempt a lookup or a listing reports: both move past retried ones.
+        OutcomeKind::Retried { .. } => MessageState::Pending,
+    }
 }
 
 fn checkpointer_stopped() -> Error {

@@ -24,7 +24,7 @@
 //!
 //! outcome (frame kind 3, dispatch logs only)
 //! 0   8  seq            u64  the record (in this bucket) the outcome is for
-//! 8   1  kind           u8   1 delivered, 2 dead, 3 cancelled, 4 retried
+//! 8   1  kind           u8   1 delivered, 2 dead, 3 cancelled, 4 retried, 5 discarded (a dead one put away)
 //! 9   8  at_ms          i64  when it happened
 //! 17  2  attempt        u16  the attempt the outcome is for
 //! 19  4  next bucket    u32  } retried: where the next attempt lives; 0 otherwise
@@ -476,8 +476,11 @@ pub enum OutcomeKind {
     Dead { reason: String },
     /// A cancel was acknowledged before it was delivered.
     Cancelled,
-    /// The sink asked for a retry; the next attempt is durable at `next`.
+    /// The sink asked for a retry, or a dead attempt was requeued; the next attempt is durable at
+    /// `next`.
     Retried { next: Location, reason: String },
+    /// A dead attempt an operator put away: it stays dead, and out of the dead-letter list.
+    Discarded,
 }
 
 /// One line of a dispatch log.
@@ -497,6 +500,7 @@ impl Outcome {
             OutcomeKind::Dead { reason } => (2, None, reason.as_str()),
             OutcomeKind::Cancelled => (3, None, ""),
             OutcomeKind::Retried { next, reason } => (4, Some(*next), reason.as_str()),
+            OutcomeKind::Discarded => (5, None, ""),
         };
         buf.extend_from_slice(&self.seq.to_le_bytes());
         buf.push(code);
@@ -534,6 +538,7 @@ impl Outcome {
             2 => OutcomeKind::Dead { reason },
             3 => OutcomeKind::Cancelled,
             4 => OutcomeKind::Retried { next, reason },
+            5 => OutcomeKind::Discarded,
             _ => return Err(Malformed("unknown outcome kind")),
         };
         Ok(Outcome {

@@ -379,6 +379,11 @@ impl SegmentReader {
 
     /// Finds the index entry of `seq` by binary search.
     pub fn find(&self, seq: u64) -> Result<Option<IndexEntry>> {
+        Ok(self.position(seq)?.map(|(_, entry)| entry))
+    }
+
+    /// Finds the index entry of `seq` and its position in the index, by binary search.
+    pub fn position(&self, seq: u64) -> Result<Option<(u64, IndexEntry)>> {
         let (mut lo, mut hi) = (0u64, self.entries);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
@@ -386,7 +391,7 @@ impl SegmentReader {
                 return Ok(None);
             };
             match entry.seq.cmp(&seq) {
-                std::cmp::Ordering::Equal => return Ok(Some(entry)),
+                std::cmp::Ordering::Equal => return Ok(Some((mid, entry))),
                 std::cmp::Ordering::Less => lo = mid + 1,
                 std::cmp::Ordering::Greater => hi = mid,
             }

@@ -4,6 +4,7 @@
 mod crash;
 mod disk_full;
 mod kill;
+mod listing;
 mod model;
 
 use crate::fault::Fault;

@@ -68,7 +68,9 @@ fn check(log: &ScheduleLog, model: &[Model], attempts: usize) {
             MessageState::Pending => State::Pending,
             MessageState::Delivered { .. } => State::Delivered,
             MessageState::Cancelled { .. } => State::Cancelled,
-            MessageState::Dead { .. } => panic!("nothing dies in this model"),
+            MessageState::Dead { .. } | MessageState::Discarded { .. } => {
+                panic!("nothing dies in this model")
+            }
         };
         assert_eq!(state, m.state, "{:?}", m.id);
     }

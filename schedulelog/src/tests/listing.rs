@@ -1,0 +1,278 @@
+//! Listings, the timeline and lookups through the buckets' views (listing.rs, view.rs).
+
+use super::*;
+use crate::fault::Fault;
+
+fn open_log(dir: &Path, clock: &Arc<ManualClock>) -> ScheduleLog {
+    ScheduleLog::open(dir, options(clock)).unwrap()
+}
+
+fn topic_message(deliver_at_ms: i64, topic: &str, body: &str) -> EncodedMessage {
+    NewMessage {
+        deliver_at_ms,
+        topic: topic.into(),
+        key: None,
+        headers: Vec::new(),
+        sink: "broker".into(),
+        body: body.as_bytes().to_vec(),
+        retry_of: None,
+        dedup: false,
+    }
+    .encode()
+    .unwrap()
+}
+
+fn record(log: &ScheduleLog, appended: &Appended, kind: OutcomeKind) {
+    let outcome = Outcome {
+        seq: appended.location.seq,
+        at_ms: T0,
+        attempt: 0,
+        kind,
+    };
+    log.record_outcomes(&[(appended.location.bucket, outcome)])
+        .unwrap();
+}
+
+fn query(status: StatusFilter, limit: usize) -> ListQuery {
+    ListQuery {
+        from_ms: i64::MIN,
+        to_ms: i64::MAX,
+        status,
+        topic: None,
+        limit,
+        scan_limit: usize::MAX,
+        after: None,
+    }
+}
+
+/// Every page of a listing, following the cursors; the bodies in the order listed.
+fn all_pages(log: &ScheduleLog, mut query: ListQuery) -> (Vec<String>, usize) {
+    let (mut bodies, mut pages) = (Vec::new(), 0);
+    loop {
+        let page = log.list(&query).unwrap();
+        pages += 1;
+        assert!(page.messages.len() <= query.limit);
+        bodies.extend(
+            page.messages
+                .iter()
+                .map(|l| String::from_utf8(l.message.body.clone()).unwrap()),
+        );
+        match page.next {
+            Some(next) => query.after = Some(next.to_string().parse().unwrap()),
+            None => return (bodies, pages),
+        }
+    }
+}
+
+#[test]
+fn a_listing_goes_bucket_by_bucket_in_due_order_a_page_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open_log(dir.path(), &clock);
+    // Appended out of due order, over three hourly buckets, two topics; two due at the same time.
+    let due = [
+        (3 * HOUR_MS + 5, "a"),
+        (HOUR_MS + 900_000, "a"),
+        (HOUR_MS + 10, "b"),
+        (2 * HOUR_MS + 1, "a"),
+        (HOUR_MS + 10, "a"),
+        (3 * HOUR_MS, "b"),
+        (HOUR_MS + 3_000_000, "a"),
+    ];
+    let messages = due
+        .iter()
+        .enumerate()
+        .map(|(i, (at, topic))| topic_message(T0 + at, &format!("t.{topic}"), &format!("m{i}")))
+        .collect();
+    log.append(messages).wait().unwrap();
+
+    // Oldest due first; the two due at once in the order they were appended.
+    let expected = ["m2", "m4", "m1", "m6", "m3", "m5", "m0"];
+    for limit in [1, 2, 3, 100] {
+        let (bodies, pages) = all_pages(&log, query(StatusFilter::Pending, limit));
+        assert_eq!(bodies, expected, "limit {limit}");
+        // (A full page has a cursor even when nothing follows: the next page is then empty.)
+        assert_eq!(pages, expected.len() / limit + 1, "limit {limit}");
+    }
+    // A topic, and a range of due times: [from, to).
+    let mut q = query(StatusFilter::Pending, 2);
+    q.topic = Some("t.a".into());
+    assert_eq!(all_pages(&log, q.clone()).0, ["m4", "m1", "m6", "m3", "m0"]);
+    q.from_ms = T0 + HOUR_MS + 11;
+    q.to_ms = T0 + 3 * HOUR_MS + 5;
+    assert_eq!(all_pages(&log, q.clone()).0, ["m1", "m6", "m3"]);
+    // A scan limit ends a page early, with a cursor that goes on where it stopped.
+    q.scan_limit = 1;
+    let (bodies, pages) = all_pages(&log, q);
+    assert_eq!(bodies, ["m1", "m6", "m3"]);
+    assert!(pages >= 3, "{pages} pages");
+
+    // Records appended after a listing are merged into the bucket's due order.
+    let later = topic_message(T0 + HOUR_MS + 5, "t.a", "m7");
+    log.append(vec![later]).wait().unwrap();
+    assert_eq!(
+        all_pages(&log, query(StatusFilter::Pending, 3)).0,
+        ["m7", "m2", "m4", "m1", "m6", "m3", "m5", "m0"]
+    );
+    assert!("not a cursor".parse::<ListCursor>().is_err());
+}
+
+#[test]
+fn a_listing_by_status_follows_the_outcomes_and_skips_replaced_attempts() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open_log(dir.path(), &clock);
+    let at = |i: i64| T0 + HOUR_MS + i * 1000;
+    let appended: Vec<Appended> = log
+        .append(
+            (0..6)
+                .map(|i| topic_message(at(10 - i), "t", &format!("m{i}")))
+                .collect(),
+        )
+        .wait()
+        .unwrap();
+    record(&log, &appended[0], OutcomeKind::Delivered);
+    record(
+        &log,
+        &appended[1],
+        OutcomeKind::Dead {
+            reason: "HTTP 400".into(),
+        },
+    );
+    record(&log, &appended[2], OutcomeKind::Cancelled);
+    record(
+        &log,
+        &appended[3],
+        OutcomeKind::Dead {
+            reason: "gone".into(),
+        },
+    );
+    record(&log, &appended[3], OutcomeKind::Discarded);
+    // m4 is retried: its next attempt, in the next bucket, is the one listed.
+    let retry = NewMessage {
+        retry_of: Some((appended[4].id, 1)),
+        ..NewMessage {
+            deliver_at_ms: at(10) + HOUR_MS,
+            topic: "t".into(),
+            key: None,
+            headers: Vec::new(),
+            sink: "broker".into(),
+            body: b"m4 again".to_vec(),
+            retry_of: None,
+            dedup: false,
+        }
+    };
+    let next = log.append(vec![retry.encode().unwrap()]).wait().unwrap()[0].location;
+    let retried = OutcomeKind::Retried {
+        next,
+        reason: "503".into(),
+    };
+    record(&log, &appended[4], retried);
+
+    let bodies = |status| all_pages(&log, query(status, 2)).0;
+    assert_eq!(bodies(StatusFilter::Pending), ["m5", "m4 again"]);
+    assert_eq!(bodies(StatusFilter::Delivered), ["m0"]);
+    assert_eq!(bodies(StatusFilter::Dead), ["m1"]);
+    assert_eq!(bodies(StatusFilter::Cancelled), ["m2"]);
+    assert_eq!(bodies(StatusFilter::Discarded), ["m3"]);
+    assert_eq!(
+        bodies(StatusFilter::Any),
+        ["m5", "m3", "m2", "m1", "m0", "m4 again"]
+    );
+    let dead = log.list(&query(StatusFilter::Dead, 10)).unwrap();
+    assert_eq!(
+        dead.messages[0].state,
+        MessageState::Dead {
+            at_ms: T0,
+            reason: "HTTP 400".into()
+        }
+    );
+    let discarded = log.lookup(appended[3].id).unwrap().unwrap();
+    assert_eq!(
+        discarded.state,
+        MessageState::Discarded {
+            at_ms: T0,
+            reason: "gone".into()
+        }
+    );
+
+    // The timeline: m0..m5 in one bucket, of which m5 is pending; the retry in the next.
+    let counts = log.timeline(i64::MIN, i64::MAX).unwrap();
+    let pending: Vec<(u64, u64)> = counts.iter().map(|c| (c.total, c.pending)).collect();
+    assert_eq!(pending, [(6, 1), (1, 1)]);
+    assert_eq!(counts[1].bucket, next.bucket);
+    // A range that ends before the second bucket leaves it out.
+    assert_eq!(
+        log.timeline(i64::MIN, next.bucket.start_ms())
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // The history of the retried message: the first attempt retried, the second pending.
+    let status = log.lookup(appended[4].id).unwrap().unwrap();
+    let history: Vec<(u16, Option<OutcomeKind>)> = status
+        .history
+        .iter()
+        .map(|a| (a.attempt, a.outcome.as_ref().map(|o| o.kind.clone())))
+        .collect();
+    assert_eq!(
+        history,
+        [
+            (
+                0,
+                Some(OutcomeKind::Retried {
+                    next,
+                    reason: "503".into()
+                })
+            ),
+            (1, None)
+        ]
+    );
+}
+
+#[test]
+fn a_lookup_reads_outcomes_recorded_after_its_view_was_built_and_never_half_a_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open_log(dir.path(), &clock);
+    let a = append_one(&log, T0 + HOUR_MS, "a");
+    let b = append_one(&log, T0 + HOUR_MS, "b");
+    record(&log, &a, OutcomeKind::Cancelled);
+    // The view of the bucket is built here, with one outcome.
+    assert_eq!(
+        log.lookup(b.id).unwrap().unwrap().state,
+        MessageState::Pending
+    );
+    // Half of b's outcome reaches the file, then the disk is full.
+    log.inject_fault(Fault::DispatchAppendsFull(1));
+    let delivered = Outcome {
+        seq: b.location.seq,
+        at_ms: T0 + 7,
+        attempt: 0,
+        kind: OutcomeKind::Delivered,
+    };
+    assert!(log
+        .record_outcomes(&[(b.location.bucket, delivered.clone())])
+        .is_err());
+    assert_eq!(
+        log.lookup(b.id).unwrap().unwrap().state,
+        MessageState::Pending
+    );
+    assert_eq!(all_pages(&log, query(StatusFilter::Pending, 5)).0, ["b"]);
+    // The retry cuts the half frame and appends the whole one: the view reads it from there.
+    log.record_outcomes(&[(b.location.bucket, delivered)])
+        .unwrap();
+    assert_eq!(
+        log.lookup(b.id).unwrap().unwrap().state,
+        MessageState::Delivered { at_ms: T0 + 7 }
+    );
+    assert_eq!(log.outcomes_of(b.location).unwrap().len(), 1);
+    assert!(all_pages(&log, query(StatusFilter::Pending, 5))
+        .0
+        .is_empty());
+    assert_eq!(
+        log.lookup(a.id).unwrap().unwrap().state,
+        MessageState::Cancelled { at_ms: T0 }
+    );
+}

@@ -1,0 +1,290 @@
+//! Views of buckets: their records in due order and their outcomes by seq, for listings and lookups.
+//!
+//! A segment's index is in seq order and its dispatch log in the order things happened, so neither answers
+//! "the next 100 due" or "what became of seq N" without reading all of it. A [`View`] of a bucket holds,
+//! in memory:
+//! - `due_order`: every index entry's `(deliver_at - bucket start) << 32 | position`, sorted: due order,
+//!   ties in seq order (8 bytes a record);
+//! - `outcomes`: every outcome frame's seq, kind and offset in the dispatch log, sorted by seq (16 bytes
+//!   an outcome), and how many distinct seqs have one (the bucket's finished records).
+//!
+//! Invariants:
+//! - Built on first use and brought up to date at each use by reading only what was added since: index
+//!   entries past `entries` (the index only grows while the log is open) and dispatch-log bytes past
+//!   `outcomes_read` (the log only grows; a torn or unfinished frame at its end is not read, and read
+//!   again next time).
+//! - Each part is built only when asked for: a lookup by id builds the outcomes alone.
+//! - Kept for the buckets used last, up to [`MAX_VIEWS`] views and [`ITEM_BUDGET`] items in all (the one
+//!   in use is kept whatever its size); a retired bucket's view is dropped.
+
+use crate::bucket::Bucket;
+use crate::dispatch::DispatchLogs;
+use crate::error::{Error, Result};
+use crate::record::{Outcome, OutcomeKind};
+use crate::segment::SegmentReader;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// At most this many buckets have a view.
+const MAX_VIEWS: usize = 64;
+/// Views are dropped, least recently used first, while they hold more items than this (about 128 MiB
+/// of records in due order, or half as many outcomes).
+const ITEM_BUDGET: usize = 16 << 20;
+/// Index entries read at a time while building `due_order`.
+const CHUNK: u64 = 1 << 16;
+
+/// One outcome frame, as the index of a dispatch log keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct OutcomeRef {
+    seq: u64,
+    offset: u64,
+    kind: Effect,
+}
+
+/// What an outcome says of its record's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Effect {
+    Delivered,
+    Dead,
+    Cancelled,
+    /// Put away after it died.
+    Discarded,
+    /// A later attempt exists: this record is not the message's current attempt.
+    Retried,
+}
+
+impl Effect {
+    fn of(kind: &OutcomeKind) -> Effect {
+        match kind {
+            OutcomeKind::Delivered => Effect::Delivered,
+            OutcomeKind::Dead { .. } => Effect::Dead,
+            OutcomeKind::Cancelled => Effect::Cancelled,
+            OutcomeKind::Discarded => Effect::Discarded,
+            OutcomeKind::Retried { .. } => Effect::Retried,
+        }
+    }
+}
+
+/// A bucket's records in due order and its outcomes by seq (see the module doc).
+#[derive(Debug, Default)]
+pub(crate) struct View {
+    /// Index entries in `due_order`.
+    entries: u64,
+    due_order: Vec<u64>,
+    /// Dispatch-log bytes read into `outcomes` (0: none yet).
+    outcomes_read: u64,
+    outcomes: Vec<OutcomeRef>,
+    /// Distinct seqs in `outcomes`.
+    finished: u64,
+}
+
+impl View {
+    fn items(&self) -> usize {
+        self.due_order.len() + 2 * self.outcomes.len()
+    }
+
+    /// Reads the outcomes recorded since the last call.
+    pub(crate) fn catch_up_outcomes(
+        &mut self,
+        dispatch: &DispatchLogs,
+        bucket: Bucket,
+    ) -> Result<()> {
+        let (new, end) = dispatch.read_from(bucket, self.outcomes_read)?;
+        self.outcomes_read = end;
+        if new.is_empty() {
+            return Ok(());
+        }
+        self.outcomes
+            .extend(new.iter().map(|(offset, outcome)| OutcomeRef {
+                seq: outcome.seq,
+                offset: *offset,
+                kind: Effect::of(&outcome.kind),
+            }));
+        // Two sorted runs (the old ones and the new ones in the order they happened, mostly sorted):
+        // the stable sort merges them in about linear time.
+        self.outcomes.sort();
+        self.finished = 1 + self
+            .outcomes
+            .windows(2)
+            .filter(|pair| pair[0].seq != pair[1].seq)
+            .count() as u64;
+        Ok(())
+    }
+
+    /// Reads the index entries published since the last call into `due_order`.
+    pub(crate) fn catch_up_entries(
+        &mut self,
+        reader: &SegmentReader,
+        bucket: Bucket,
+    ) -> Result<()> {
+        let len = reader.len();
+        if len > u64::from(u32::MAX) {
+            return Err(Error::InvalidOption(format!(
+                "bucket {bucket} holds {len} records; listing supports at most {} in a bucket",
+                u32::MAX
+            )));
+        }
+        if len <= self.entries {
+            return Ok(());
+        }
+        // Read whole before anything changes, so that a failed read leaves the view as it was.
+        let start = bucket.start_ms();
+        let mut fresh = Vec::with_capacity(usize::try_from(len - self.entries).unwrap_or(0));
+        let mut at = self.entries;
+        while at < len {
+            let entries = reader.entries(at, CHUNK.min(len - at))?;
+            if entries.is_empty() {
+                break;
+            }
+            for entry in &entries {
+                // The replayer files a record in the bucket its time falls in, so this is below the
+                // bucket's width (at most 65,535 minutes: it fits 32 bits).
+                let due = u64::try_from(entry.deliver_at_ms.saturating_sub(start)).unwrap_or(0);
+                fresh.push(due.min(u64::from(u32::MAX)) << 32 | at);
+                at += 1;
+            }
+        }
+        fresh.sort_unstable();
+        self.due_order.append(&mut fresh);
+        self.due_order.sort(); // merges the two sorted runs
+        self.entries = at;
+        Ok(())
+    }
+
+    /// How many distinct records have an outcome.
+    pub(crate) fn finished(&self) -> u64 {
+        self.finished
+    }
+
+    /// The records in due order, as `(due relative to the bucket start, position in the index)`, from
+    /// the first due at `due_ms` (relative) or later that comes after `after` (a position in this
+    /// order, as this gives it) if given.
+    pub(crate) fn due_from(
+        &self,
+        due_ms: u32,
+        after: Option<(u32, u64)>,
+    ) -> impl Iterator<Item = (u32, u64)> + '_ {
+        let from = u64::from(due_ms) << 32;
+        let mut first = self.due_order.partition_point(|&k| k < from);
+        if let Some((due, position)) = after {
+            let after = u64::from(due) << 32 | position;
+            first = first.max(self.due_order.partition_point(|&k| k <= after));
+        }
+        self.due_order[first..]
+            .iter()
+            .map(|&k| ((k >> 32) as u32, k & u64::from(u32::MAX)))
+    }
+
+    /// What the outcomes recorded for a seq make of it (`None`: it has none, it is pending).
+    pub(crate) fn effect(&self, seq: u64) -> Option<Effect> {
+        effect(self.refs(seq))
+    }
+
+    /// Every seq whose outcomes make it `effect`, in seq order.
+    pub(crate) fn seqs_with(&self, wanted: Effect) -> Vec<u64> {
+        self.outcomes
+            .chunk_by(|a, b| a.seq == b.seq)
+            .filter(|refs| effect(refs) == Some(wanted))
+            .map(|refs| refs[0].seq)
+            .collect()
+    }
+
+    /// Every outcome recorded for a seq, in the order they happened.
+    pub(crate) fn outcomes_of(
+        &self,
+        dispatch: &DispatchLogs,
+        bucket: Bucket,
+        seq: u64,
+    ) -> Result<Vec<Outcome>> {
+        let offsets: Vec<u64> = self.refs(seq).iter().map(|r| r.offset).collect();
+        dispatch.read_at(bucket, &offsets)
+    }
+
+    fn refs(&self, seq: u64) -> &[OutcomeRef] {
+        let first = self.outcomes.partition_point(|r| r.seq < seq);
+        let end = first + self.outcomes[first..].partition_point(|r| r.seq == seq);
+        &self.outcomes[first..end]
+    }
+}
+
+/// What a record's outcomes (sorted by offset: in the order they happened) make of it, as a lookup
+/// reads them (log.rs `deciding`): a `retried` outcome wins (a later attempt is the current one), then a
+/// discard (it follows a `dead`), then the first outcome recorded.
+fn effect(refs: &[OutcomeRef]) -> Option<Effect> {
+    let has = |e: Effect| refs.iter().any(|r| r.kind == e);
+    if has(Effect::Retried) {
+        Some(Effect::Retried)
+    } else if has(Effect::Discarded) {
+        Some(Effect::Discarded)
+    } else {
+        refs.first().map(|r| r.kind)
+    }
+}
+
+#[derive(Debug)]
+struct Slot {
+    used: u64,
+    items: usize,
+    view: Arc<Mutex<View>>,
+}
+
+/// The views kept, by bucket.
+#[derive(Debug, Default)]
+pub(crate) struct Views {
+    slots: Mutex<(u64, HashMap<Bucket, Slot>)>,
+}
+
+impl Views {
+    /// A bucket's view (empty when new), marked as used now. Lock it to read or catch it up, then
+    /// report its size with [`Views::sized`].
+    pub(crate) fn get(&self, bucket: Bucket) -> Arc<Mutex<View>> {
+        let mut slots = self.slots();
+        slots.0 += 1;
+        let now = slots.0;
+        let slot = slots.1.entry(bucket).or_insert_with(|| Slot {
+            used: now,
+            items: 0,
+            view: Arc::default(),
+        });
+        slot.used = now;
+        slot.view.clone()
+    }
+
+    /// Records a view's size after a catch-up, and drops the least recently used views over the limits.
+    pub(crate) fn sized(&self, bucket: Bucket, view: &View) {
+        let mut slots = self.slots();
+        if let Some(slot) = slots.1.get_mut(&bucket) {
+            slot.items = view.items();
+        }
+        loop {
+            let total: usize = slots.1.values().map(|s| s.items).sum();
+            if slots.1.len() <= MAX_VIEWS && total <= ITEM_BUDGET {
+                break;
+            }
+            let oldest = slots
+                .1
+                .iter()
+                .filter(|(b, _)| **b != bucket)
+                .min_by_key(|(_, s)| s.used)
+                .map(|(b, _)| *b);
+            match oldest {
+                Some(oldest) => slots.1.remove(&oldest),
+                None => break,
+            };
+        }
+    }
+
+    /// Drops a bucket's view (its files are gone).
+    pub(crate) fn forget(&self, bucket: Bucket) {
+        self.slots().1.remove(&bucket);
+    }
+
+    fn slots(&self) -> MutexGuard<'_, (u64, HashMap<Bucket, Slot>)> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Locks a view; a panic while it was held left it as it was, and the next catch-up goes on from there.
+pub(crate) fn lock(view: &Mutex<View>) -> MutexGuard<'_, View> {
+    view.lock().unwrap_or_else(|p| p.into_inner())
+}
