@@ -65,6 +65,8 @@ const LABELLED_COUNTERS: &[(&str, &[(&str, &str)])] = &[
 /// Counters without labels, made to exist at 0 by [`register_series`].
 const COUNTERS: &[&str] = &[
     "delayd_messages_cancelled_total",
+    "delayd_messages_requeued_total",
+    "delayd_messages_discarded_total",
     "delayd_wal_poisoned_total",
     "delayd_read_errors_total",
     "delayd_log_corruptions_total",
@@ -144,7 +146,15 @@ fn describe() {
     );
     describe_counter!(
         "delayd_messages_cancelled_total",
-        "Messages cancelled through the API"
+        "Messages cancelled through the API (one by one or by a purge)"
+    );
+    describe_counter!(
+        "delayd_messages_requeued_total",
+        "Dead messages made a new attempt through the API"
+    );
+    describe_counter!(
+        "delayd_messages_discarded_total",
+        "Dead messages put away through the API"
     );
     describe_gauge!(
         "delayd_pending_messages",

@@ -168,6 +168,21 @@ impl From<crate::scheduler::CancelError> for ApiError {
     }
 }
 
+impl From<crate::scheduler::DeadLetterError> for ApiError {
+    fn from(error: crate::scheduler::DeadLetterError) -> ApiError {
+        use crate::scheduler::DeadLetterError;
+        match error {
+            DeadLetterError::NotFound => ApiError::not_found(error.to_string()),
+            DeadLetterError::NotDead(_) | DeadLetterError::TooManyAttempts => {
+                ApiError::new(StatusCode::CONFLICT, "not_dead", error.to_string())
+            }
+            DeadLetterError::Lookup(e) => ApiError::from(e),
+            DeadLetterError::Append(e) => ApiError::from(e),
+            DeadLetterError::Interrupted(e) => ApiError::internal(e),
+        }
+    }
+}
+
 impl From<crate::broker::BrokerError> for ApiError {
     fn from(error: crate::broker::BrokerError) -> ApiError {
         if error.is_disk_full() {

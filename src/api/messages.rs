@@ -20,7 +20,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
-use schedulelog::{Appended, MessageId, MessageState, MessageStatus};
+use schedulelog::{Appended, MessageId, MessageState, MessageStatus, OutcomeKind};
 use serde::de::{Deserializer, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -100,6 +100,38 @@ pub struct BatchRequest<'a> {
     messages: Vec<&'a RawValue>,
 }
 
+/// `deliver_at`: unix milliseconds or an RFC 3339 time.
+fn deliver_at(at: &NumberOrText<'_>) -> Result<i64, ApiError> {
+    match at {
+        NumberOrText::Number(ms) if *ms >= 0 => Ok(*ms),
+        NumberOrText::Number(_) => Err(ApiError::bad_request(
+            "invalid_deliver_at",
+            "deliver_at must not be negative",
+        )),
+        NumberOrText::Text(text) => parse_rfc3339(text).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_deliver_at",
+                format!("deliver_at {text:?} is not an RFC 3339 time such as 2026-12-01T09:30:00Z"),
+            )
+        }),
+    }
+}
+
+/// `delay` (milliseconds, or `"30s"`-style) from `now_ms`.
+fn after_delay(delay: &NumberOrText<'_>, now_ms: i64) -> Result<i64, ApiError> {
+    let delay = match delay {
+        NumberOrText::Number(ms) => {
+            let ms = u64::try_from(*ms).map_err(|_| {
+                ApiError::bad_request("invalid_delay", "delay must not be negative")
+            })?;
+            std::time::Duration::from_millis(ms)
+        }
+        NumberOrText::Text(text) => crate::config::parse_duration(text)
+            .map_err(|e| ApiError::bad_request("invalid_delay", e))?,
+    };
+    Ok(now_ms.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)))
+}
+
 /// Checks a request and turns it into a message for the log.
 fn validate<'a>(
     state: &AppState,
@@ -108,36 +140,8 @@ fn validate<'a>(
 ) -> Result<Draft<'a>, ApiError> {
     let config = &state.config;
     let deliver_at_ms = match (&request.deliver_at, &request.delay, request.delay_level) {
-        (Some(at), None, None) => match at {
-            NumberOrText::Number(ms) if *ms >= 0 => *ms,
-            NumberOrText::Number(_) => {
-                return Err(ApiError::bad_request(
-                    "invalid_deliver_at",
-                    "deliver_at must not be negative",
-                ))
-            }
-            NumberOrText::Text(text) => parse_rfc3339(text).ok_or_else(|| {
-                ApiError::bad_request(
-                    "invalid_deliver_at",
-                    format!(
-                        "deliver_at {text:?} is not an RFC 3339 time such as 2026-12-01T09:30:00Z"
-                    ),
-                )
-            })?,
-        },
-        (None, Some(delay), None) => {
-            let delay = match delay {
-                NumberOrText::Number(ms) => {
-                    let ms = u64::try_from(*ms).map_err(|_| {
-                        ApiError::bad_request("invalid_delay", "delay must not be negative")
-                    })?;
-                    std::time::Duration::from_millis(ms)
-                }
-                NumberOrText::Text(text) => crate::config::parse_duration(text)
-                    .map_err(|e| ApiError::bad_request("invalid_delay", e))?,
-            };
-            now_ms.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX))
-        }
+        (Some(at), None, None) => deliver_at(at)?,
+        (None, Some(delay), None) => after_delay(delay, now_ms)?,
         (None, None, Some(level)) => {
             let levels = &config.delay_levels;
             let index = usize::try_from(level)
@@ -422,9 +426,7 @@ async fn lookup(state: &AppState, id: MessageId) -> Result<Option<MessageStatus>
 /// Parses an id and finds its message (following retries), off the async threads: a 404 for text that
 /// is not an id, for an unknown id and for one retired after its retention.
 async fn find(state: &AppState, text: &str) -> Result<(MessageId, MessageStatus), ApiError> {
-    let id: MessageId = text
-        .parse()
-        .map_err(|_| ApiError::not_found(format!("{text:?} is not a message id")))?;
+    let id = parse_id(text)?;
     let status = lookup(state, id).await?.ok_or_else(|| {
         ApiError::not_found("no message has this id (or it was retired after its retention)")
     })?;
@@ -443,29 +445,138 @@ pub async fn status(
         "topic": message.topic,
         "deliver_at": format_ms(message.deliver_at_ms),
     });
-    let (name, attempts) = match &status.state {
-        MessageState::Pending if message.attempt == 0 => ("scheduled", 0),
-        MessageState::Pending => ("retrying", message.attempt),
+    describe_state(&mut body, &status.state, message.attempt);
+    if let (Some(reason), MessageState::Pending) = (&status.last_retry_reason, &status.state) {
+        body["reason"] = json!(reason);
+    }
+    let history: Vec<Value> = status
+        .history
+        .iter()
+        .map(|a| {
+            let outcome = a.outcome.as_ref();
+            json!({
+                "attempt": a.attempt,
+                "deliver_at": format_ms(a.deliver_at_ms),
+                "outcome": outcome.map(|o| outcome_name(&o.kind)),
+                "at": outcome.map(|o| format_ms(o.at_ms)),
+                "reason": outcome.and_then(|o| match &o.kind {
+                    OutcomeKind::Dead { reason } | OutcomeKind::Retried { reason, .. } => Some(reason),
+                    _ => None,
+                }),
+            })
+        })
+        .collect();
+    body["history"] = json!(history);
+    Ok(Json(body).into_response())
+}
+
+/// Adds a message's `status`, `attempts` (started so far) and when and why it ended to `body`, for an
+/// attempt numbered `attempt` in `state`.
+pub(super) fn describe_state(body: &mut Value, state: &MessageState, attempt: u16) {
+    let (name, attempts) = match state {
+        MessageState::Pending if attempt == 0 => ("scheduled", 0),
+        MessageState::Pending => ("retrying", attempt),
         MessageState::Delivered { at_ms } => {
             body["delivered_at"] = json!(format_ms(*at_ms));
-            ("delivered", message.attempt + 1)
+            ("delivered", attempt + 1)
         }
         MessageState::Dead { at_ms, reason } => {
             body["dead_at"] = json!(format_ms(*at_ms));
             body["reason"] = json!(reason);
-            ("dead", message.attempt + 1)
+            ("dead", attempt + 1)
         }
         MessageState::Cancelled { at_ms } => {
             body["cancelled_at"] = json!(format_ms(*at_ms));
-            ("cancelled", message.attempt)
+            ("cancelled", attempt)
+        }
+        MessageState::Discarded { at_ms, reason } => {
+            body["discarded_at"] = json!(format_ms(*at_ms));
+            body["reason"] = json!(reason);
+            ("discarded", attempt + 1)
         }
     };
     body["status"] = json!(name);
     body["attempts"] = json!(attempts);
-    if let (Some(reason), MessageState::Pending) = (&status.last_retry_reason, &status.state) {
-        body["reason"] = json!(reason);
+}
+
+fn outcome_name(kind: &OutcomeKind) -> &'static str {
+    match kind {
+        OutcomeKind::Delivered => "delivered",
+        OutcomeKind::Dead { .. } => "dead",
+        OutcomeKind::Cancelled => "cancelled",
+        OutcomeKind::Retried { .. } => "retried",
+        OutcomeKind::Discarded => "discarded",
     }
-    Ok(Json(body).into_response())
+}
+
+/// The body of a requeue: when the new attempt is due (now when neither is given).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequeueRequest<'a> {
+    #[serde(borrow)]
+    deliver_at: Option<NumberOrText<'a>>,
+    #[serde(borrow)]
+    delay: Option<NumberOrText<'a>>,
+}
+
+/// `POST /v1/messages/{id}/requeue`: a dead message becomes a new attempt, due now or at the
+/// `deliver_at` / after the `delay` given, through the WAL. 200 with its status; 409 `not_dead` for a
+/// message that is not dead; 404 for an unknown id.
+pub async fn requeue(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    RawBody(bytes): RawBody,
+) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    let request: RequeueRequest = if bytes.iter().all(u8::is_ascii_whitespace) {
+        RequeueRequest::default()
+    } else {
+        parse_json(&bytes)?
+    };
+    let now = state.clock.now_ms();
+    let deliver_at_ms = match (&request.deliver_at, &request.delay) {
+        (Some(at), None) => deliver_at(at)?,
+        (None, Some(delay)) => after_delay(delay, now)?,
+        (None, None) => now,
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_request(
+                "conflicting_time_fields",
+                "give deliver_at or delay, not both",
+            ))
+        }
+    };
+    let max_delay = state.config.max_delay.as_ms();
+    if deliver_at_ms.saturating_sub(now) > max_delay {
+        return Err(ApiError::bad_request(
+            "delay_too_long",
+            format!("the delivery time is more than max_delay ({max_delay} ms) away"),
+        ));
+    }
+    let requeued = state.scheduler.requeue_dead(id, deliver_at_ms).await?;
+    Ok(Json(json!({
+        "id": id.to_string(),
+        "status": "retrying",
+        "deliver_at": format_ms(requeued.deliver_at_ms),
+        "attempts": requeued.attempt,
+    }))
+    .into_response())
+}
+
+/// `POST /v1/messages/{id}/discard`: a dead message is put away (it stays dead, and leaves the
+/// dead-letter list). 200; 409 `not_dead`; 404 for an unknown id.
+pub async fn discard(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let id = parse_id(&id)?;
+    state.scheduler.discard_dead(id).await?;
+    Ok(Json(json!({"id": id.to_string(), "status": "discarded"})).into_response())
+}
+
+/// A message id from a path: 404 for text that is not one.
+fn parse_id(text: &str) -> Result<MessageId, ApiError> {
+    text.parse()
+        .map_err(|_| ApiError::not_found(format!("{text:?} is not a message id")))
 }
 
 /// `DELETE /v1/messages/{id}`: 200 `cancelled` (also for a message cancelled before), 409
@@ -477,9 +588,7 @@ pub async fn cancel(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     state.intake.start_pruning();
-    let id: MessageId = id
-        .parse()
-        .map_err(|_| ApiError::not_found(format!("{id:?} is not a message id")))?;
+    let id = parse_id(&id)?;
     if state.scheduler.cancel(id).await? == Cancelled::Now {
         metrics::counter!("delayd_messages_cancelled_total").increment(1);
     }

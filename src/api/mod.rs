@@ -4,6 +4,7 @@
 
 mod consume;
 pub mod error;
+mod listing;
 mod messages;
 
 use crate::broker::Broker;
@@ -48,12 +49,20 @@ pub struct Services {
 
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
-        .route("/v1/messages", post(messages::schedule))
+        .route(
+            "/v1/messages",
+            post(messages::schedule)
+                .get(listing::list)
+                .delete(listing::purge),
+        )
         .route("/v1/messages/batch", post(messages::schedule_batch))
         .route(
             "/v1/messages/{id}",
             get(messages::status).delete(messages::cancel),
         )
+        .route("/v1/messages/{id}/requeue", post(messages::requeue))
+        .route("/v1/messages/{id}/discard", post(messages::discard))
+        .route("/v1/stats/timeline", get(listing::timeline))
         .route("/v1/topics", get(consume::topics))
         .route("/v1/topics/{topic}", get(consume::topic))
         .route(
@@ -73,6 +82,7 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(v1)
+        .route("/ui", get(console))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
@@ -128,6 +138,24 @@ async fn sinks(State(state): State<AppState>) -> Response {
         })
         .collect();
     axum::Json(serde_json::json!({ "sinks": sinks })).into_response()
+}
+
+/// `GET /ui`: the console, one page built into the binary. It is served without a token; the page asks
+/// for one when the API answers 401. Its policy lets it load nothing from elsewhere.
+async fn console() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 connect-src 'self'; img-src data:; form-action 'none'; frame-ancestors 'none'",
+            ),
+        ],
+        include_str!("../ui/console.html"),
+    )
+        .into_response()
 }
 
 /// Why the node refuses writes until a restart (a poisoned log, or a failed broker store), if it does.

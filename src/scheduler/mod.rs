@@ -29,6 +29,7 @@
 //!
 //! All time comes from the [`Clock`] the scheduler is given.
 
+mod dead;
 mod dispatcher;
 mod loader;
 pub mod rate;
@@ -47,6 +48,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use wheel::{Entry, Wheel};
 
+pub use dead::{DeadLetterError, Requeued};
 pub use dispatcher::DEAD_TOPIC;
 pub use registry::{CancelError, Cancelled};
 pub use schedulelog::{ManualClock, SystemClock};
@@ -110,6 +112,8 @@ pub(crate) struct Shared {
     registry: Mutex<Registry>,
     /// Woken each time a cancel finishes (another cancel of the same message may be waiting).
     pub cancel_done: tokio::sync::Notify,
+    /// Held by a requeue or discard of a dead letter: they run one at a time (dead.rs).
+    dead_letter_ops: tokio::sync::Mutex<()>,
     /// Due entries whose record could not be read, by (bucket minute, offset), with their failures so far.
     pub unreadable: Mutex<HashMap<(u32, u64), u32>>,
     /// Where finished messages with an idempotency key are reported.
@@ -197,6 +201,7 @@ impl Scheduler {
             clock: clock.clone(),
             registry: Mutex::default(),
             cancel_done: tokio::sync::Notify::new(),
+            dead_letter_ops: tokio::sync::Mutex::new(()),
             unreadable: Mutex::default(),
             finished_keys,
             settled: config.settled.clone(),
@@ -268,6 +273,24 @@ impl Scheduler {
         tokio::spawn(registry::cancel(self.shared.clone(), id))
             .await
             .map_err(|e| CancelError::Interrupted(e.to_string()))?
+    }
+
+    /// Makes a dead message a new attempt due at `deliver_at_ms`, through the WAL (dead.rs).
+    pub async fn requeue_dead(
+        &self,
+        id: MessageId,
+        deliver_at_ms: i64,
+    ) -> Result<Requeued, DeadLetterError> {
+        tokio::spawn(dead::requeue(self.shared.clone(), id, deliver_at_ms))
+            .await
+            .map_err(|e| DeadLetterError::Interrupted(e.to_string()))?
+    }
+
+    /// Puts a dead message away: it stays dead and leaves the dead-letter list (dead.rs).
+    pub async fn discard_dead(&self, id: MessageId) -> Result<(), DeadLetterError> {
+        tokio::spawn(dead::discard(self.shared.clone(), id))
+            .await
+            .map_err(|e| DeadLetterError::Interrupted(e.to_string()))?
     }
 
     /// The receiving end of the finished-key reports (see the module doc); `None` after the first call.

@@ -286,7 +286,9 @@ pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancell
             // attempt runs); otherwise the attempt may still end either way.
             return Err(match lookup(&shared, id).await?.state {
                 MessageState::Delivered { .. } => CancelError::AlreadyDelivered,
-                MessageState::Dead { .. } => CancelError::AlreadyDead,
+                MessageState::Dead { .. } | MessageState::Discarded { .. } => {
+                    CancelError::AlreadyDead
+                }
                 MessageState::Pending | MessageState::Cancelled { .. } => CancelError::InFlight,
             });
         }
@@ -308,7 +310,9 @@ pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancell
     let status = lookup(&shared, id).await?;
     match status.state {
         MessageState::Delivered { .. } => return Err(CancelError::AlreadyDelivered),
-        MessageState::Dead { .. } => return Err(CancelError::AlreadyDead),
+        MessageState::Dead { .. } | MessageState::Discarded { .. } => {
+            return Err(CancelError::AlreadyDead)
+        }
         MessageState::Cancelled { .. } => intent.cancelled_before = Some(status.location),
         MessageState::Pending => {}
     }

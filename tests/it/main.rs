@@ -813,6 +813,8 @@ fn every_bounded_series_exists_at_zero_from_the_start() {
     }
     let unlabelled = [
         "delayd_messages_cancelled_total",
+        "delayd_messages_requeued_total",
+        "delayd_messages_discarded_total",
         "delayd_wal_poisoned_total",
         "delayd_read_errors_total",
         "delayd_log_corruptions_total",

@@ -1,0 +1,276 @@
+//! Listing, purging and counting messages by due time (DESIGN.md §13): `GET /v1/messages`,
+//! `DELETE /v1/messages` and `GET /v1/stats/timeline`.
+//!
+//! Each reads only the buckets in its range (schedulelog's listing.rs says how). A purge cancels what a
+//! listing of the topic's pending messages finds, page by page, each cancel as durable as a `DELETE` of
+//! one id; it needs a topic, so that one request cannot empty the whole node.
+
+use super::error::ApiError;
+use super::messages::describe_state;
+use super::AppState;
+use crate::format::{format_ms, parse_rfc3339};
+use crate::scheduler::{CancelError, Cancelled};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use schedulelog::{ListCursor, ListPage, ListQuery, StatusFilter};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// Messages a page holds by default, and at most.
+const DEFAULT_LIMIT: usize = 100;
+const MAX_LIMIT: usize = 1000;
+/// Records a page looks at, at most (a topic filter reads each): a sparse topic gets short pages with a
+/// cursor rather than one slow answer.
+const SCAN_LIMIT: usize = 10_000;
+/// Cancels a purge runs at once.
+const PURGE_CONCURRENCY: usize = 32;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListParams {
+    topic: Option<String>,
+    status: Option<String>,
+    from: Option<String>,
+    to: Option<String>,
+    limit: Option<usize>,
+    cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RangeParams {
+    topic: Option<String>,
+    from: Option<String>,
+    to: Option<String>,
+}
+
+fn query<T>(query: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
+    query
+        .map(|Query(q)| q)
+        .map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))
+}
+
+/// A `from` / `to` parameter: unix milliseconds or an RFC 3339 time; `default` when absent.
+fn time_param(name: &str, value: Option<&str>, default: i64) -> Result<i64, ApiError> {
+    let Some(text) = value else {
+        return Ok(default);
+    };
+    let parsed = if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        text.parse().ok()
+    } else {
+        parse_rfc3339(text)
+    };
+    parsed.ok_or_else(|| {
+        ApiError::bad_request(
+            "invalid_query",
+            format!("{name} {text:?} is neither unix milliseconds nor an RFC 3339 time"),
+        )
+    })
+}
+
+fn status_param(value: Option<&str>) -> Result<StatusFilter, ApiError> {
+    Ok(match value.unwrap_or("pending") {
+        "pending" => StatusFilter::Pending,
+        "delivered" => StatusFilter::Delivered,
+        "dead" => StatusFilter::Dead,
+        "cancelled" => StatusFilter::Cancelled,
+        "discarded" => StatusFilter::Discarded,
+        "all" => StatusFilter::Any,
+        other => {
+            return Err(ApiError::bad_request(
+                "invalid_query",
+                format!(
+                    "status {other:?} is not one of pending, delivered, dead, cancelled, discarded, all"
+                ),
+            ))
+        }
+    })
+}
+
+/// Runs a listing off the async threads.
+async fn list_page(state: &AppState, query: ListQuery) -> Result<ListPage, ApiError> {
+    let log = state.log.clone();
+    tokio::task::spawn_blocking(move || log.list(&query))
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(ApiError::from)
+}
+
+/// `GET /v1/messages?topic=&status=&from=&to=&limit=&cursor=`: messages due in `[from, to)`, oldest due
+/// first, `limit` (default 100, at most 1000) at a time; `next_cursor` is where the next page starts
+/// (`null`: no more). A page may hold fewer than `limit` and still have a next one.
+pub async fn list(
+    State(state): State<AppState>,
+    params: Result<Query<ListParams>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let params = query(params)?;
+    let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
+    if !(1..=MAX_LIMIT).contains(&limit) {
+        return Err(ApiError::bad_request(
+            "invalid_query",
+            format!("limit must be between 1 and {MAX_LIMIT}"),
+        ));
+    }
+    let after = match params.cursor.as_deref() {
+        Some(text) => Some(
+            text.parse::<ListCursor>()
+                .map_err(|e| ApiError::bad_request("invalid_cursor", e.to_string()))?,
+        ),
+        None => None,
+    };
+    let query = ListQuery {
+        from_ms: time_param("from", params.from.as_deref(), i64::MIN)?,
+        to_ms: time_param("to", params.to.as_deref(), i64::MAX)?,
+        status: status_param(params.status.as_deref())?,
+        topic: params.topic,
+        limit,
+        scan_limit: SCAN_LIMIT,
+        after,
+    };
+    let page = list_page(&state, query).await?;
+    let messages: Vec<Value> = page
+        .messages
+        .iter()
+        .map(|listed| {
+            let m = &listed.message;
+            let mut body = json!({
+                "id": m.id.to_string(),
+                "topic": m.topic,
+                "key": m.key,
+                "sink": m.sink,
+                "deliver_at": format_ms(m.deliver_at_ms),
+            });
+            describe_state(&mut body, &listed.state, m.attempt);
+            body
+        })
+        .collect();
+    Ok(Json(json!({
+        "messages": messages,
+        "next_cursor": page.next.map(|c| c.to_string()),
+    }))
+    .into_response())
+}
+
+/// `DELETE /v1/messages?topic=&from=&to=`: cancels every pending message of the topic due in
+/// `[from, to)`, each durably, and answers how many (`cancelled`), and how many were being delivered
+/// right then and were left alone (`in_flight`). 400 `topic_required` without a topic.
+pub async fn purge(
+    State(state): State<AppState>,
+    params: Result<Query<RangeParams>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let params = query(params)?;
+    let Some(topic) = params.topic.filter(|t| !t.is_empty()) else {
+        return Err(ApiError::bad_request(
+            "topic_required",
+            "a purge needs a topic (DELETE /v1/messages?topic=...&from=...&to=...)",
+        ));
+    };
+    let mut query = ListQuery {
+        from_ms: time_param("from", params.from.as_deref(), i64::MIN)?,
+        to_ms: time_param("to", params.to.as_deref(), i64::MAX)?,
+        status: StatusFilter::Pending,
+        topic: Some(topic),
+        limit: MAX_LIMIT,
+        scan_limit: 10 * SCAN_LIMIT,
+        after: None,
+    };
+    let (mut cancelled, mut in_flight) = (0u64, 0u64);
+    loop {
+        let page = list_page(&state, query.clone()).await?;
+        let mut running = tokio::task::JoinSet::new();
+        let mut failure = None;
+        let before = cancelled;
+        for listed in page.messages {
+            if running.len() >= PURGE_CONCURRENCY {
+                tally(
+                    running.join_next().await,
+                    &mut cancelled,
+                    &mut in_flight,
+                    &mut failure,
+                );
+            }
+            let scheduler = state.scheduler.clone();
+            running.spawn(async move { scheduler.cancel(listed.message.id).await });
+        }
+        while let Some(done) = running.join_next().await {
+            tally(Some(done), &mut cancelled, &mut in_flight, &mut failure);
+        }
+        metrics::counter!("delayd_messages_cancelled_total").increment(cancelled - before);
+        if let Some(mut error) = failure {
+            error.detail = format!(
+                "{} ({cancelled} messages were cancelled before this)",
+                error.detail
+            );
+            return Err(error);
+        }
+        match page.next {
+            Some(next) => query.after = Some(next),
+            None => break,
+        }
+    }
+    Ok(Json(json!({"cancelled": cancelled, "in_flight": in_flight})).into_response())
+}
+
+/// Counts one cancel of a purge; the first failure that is not the message's own state is kept.
+fn tally(
+    done: Option<Result<Result<Cancelled, CancelError>, tokio::task::JoinError>>,
+    cancelled: &mut u64,
+    in_flight: &mut u64,
+    failure: &mut Option<ApiError>,
+) {
+    match done {
+        None => {}
+        Some(Ok(Ok(Cancelled::Now))) => *cancelled += 1,
+        // Finished meanwhile, or cancelled by someone else: nothing left to purge.
+        Some(Ok(Ok(Cancelled::Already)))
+        | Some(Ok(Err(
+            CancelError::AlreadyDelivered | CancelError::AlreadyDead | CancelError::NotFound,
+        ))) => {}
+        Some(Ok(Err(CancelError::InFlight))) => *in_flight += 1,
+        Some(Ok(Err(error))) => {
+            failure.get_or_insert(ApiError::from(error));
+        }
+        Some(Err(error)) => {
+            failure.get_or_insert(ApiError::internal(error));
+        }
+    }
+}
+
+/// `GET /v1/stats/timeline?from=&to=`: every bucket with messages due in `[from, to)`, with how many it
+/// holds and how many are pending (from the indexes and dispatch logs; no record is read).
+pub async fn timeline(
+    State(state): State<AppState>,
+    params: Result<Query<RangeParams>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let params = query(params)?;
+    if params.topic.is_some() {
+        return Err(ApiError::bad_request(
+            "invalid_query",
+            "the timeline counts every topic; it takes from and to",
+        ));
+    }
+    let from = time_param("from", params.from.as_deref(), i64::MIN)?;
+    let to = time_param("to", params.to.as_deref(), i64::MAX)?;
+    let log = state.log.clone();
+    let counts = tokio::task::spawn_blocking(move || log.timeline(from, to))
+        .await
+        .map_err(ApiError::internal)??;
+    let buckets: Vec<Value> = counts
+        .iter()
+        .map(|c| {
+            json!({
+                "start": format_ms(c.bucket.start_ms()),
+                "start_ms": c.bucket.start_ms(),
+                "total": c.total,
+                "pending": c.pending,
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "segment_minutes": state.log.segment_minutes().get(),
+        "buckets": buckets,
+    }))
+    .into_response())
+}
