@@ -10,6 +10,7 @@ mod common;
 mod deploy;
 mod disk;
 mod edge;
+mod listing;
 mod retention;
 mod sidecar_amqp;
 mod sidecar_kafka;

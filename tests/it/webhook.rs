@@ -649,3 +649,101 @@ fn https_endpoints_work_and_their_certificates_are_checked() {
         "nothing reached the receiver without a trusted certificate"
     );
 }
+
+#[test]
+fn a_dead_letter_is_listed_then_requeued_and_delivered_or_discarded() {
+    let hook = endpoint(&[("again", vec!["400", "ok"]), ("away", vec!["400"])]);
+    let server = Server::start(|c| {
+        c.sinks
+            .insert("hooks".into(), webhook_sink(&hook.url, |_| {}));
+    });
+    let again = schedule(&server, "hooks", json!({"body": "again"}));
+    let away = schedule(&server, "hooks", json!({"body": "away"}));
+    let pending = schedule(&server, "hooks", json!({"body": "later", "delay": "1h"}));
+    for id in [&again, &away] {
+        assert_eq!(settled_status(&server, id, "dead")["status"], "dead");
+    }
+    let dead = server.call("GET", "/v1/messages?status=dead", None);
+    let mut listed: Vec<&str> = dead.json["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            assert_eq!(m["reason"], "HTTP 400: bad payload", "{m}");
+            assert_eq!(m["attempts"], 1, "{m}");
+            m["id"].as_str().unwrap()
+        })
+        .collect();
+    listed.sort();
+    let mut expected = vec![again.as_str(), away.as_str()];
+    expected.sort();
+    assert_eq!(listed, expected);
+
+    // Bad requeues change nothing.
+    let call = |path: String, body: Value| server.call("POST", &path, Some(body));
+    let answer = call(
+        format!("/v1/messages/{again}/requeue"),
+        json!({"delay": "soon"}),
+    );
+    assert_eq!(
+        (answer.status, answer.json["code"].as_str()),
+        (400, Some("invalid_delay"))
+    );
+    let answer = call(format!("/v1/messages/{pending}/requeue"), json!({}));
+    assert_eq!(
+        (answer.status, answer.json["code"].as_str()),
+        (409, Some("not_dead"))
+    );
+    let answer = call(
+        format!("/v1/messages/{}/requeue", "a".repeat(23)),
+        json!({}),
+    );
+    assert_eq!(answer.status, 404, "{}", answer.json);
+
+    // A requeue is a new attempt, due now: it is delivered, and the status keeps the history.
+    let answer = call(format!("/v1/messages/{again}/requeue"), json!({}));
+    assert_eq!(answer.status, 200, "{}", answer.json);
+    assert_eq!(answer.json["status"], "retrying");
+    assert_eq!(answer.json["attempts"], 1);
+    let hits = hook.wait_for("again", 2);
+    assert_eq!(hits.iter().map(|h| h.attempt).collect::<Vec<_>>(), [0, 1]);
+    assert_eq!(hits[0].id, hits[1].id, "the same message");
+    let status = settled_status(&server, &again, "delivered");
+    assert_eq!(status["status"], "delivered", "{status}");
+    assert_eq!(status["attempts"], 2);
+    let history = status["history"].as_array().unwrap();
+    assert_eq!(history.len(), 2, "{status}");
+    assert_eq!(history[0]["outcome"], "retried");
+    assert_eq!(
+        history[0]["reason"],
+        "requeued; it had died: HTTP 400: bad payload"
+    );
+    assert_eq!(history[1]["outcome"], "delivered");
+    // Twice is refused: it is not dead any more.
+    let answer = call(format!("/v1/messages/{again}/requeue"), json!({}));
+    assert_eq!(
+        (answer.status, answer.json["code"].as_str()),
+        (409, Some("not_dead"))
+    );
+
+    // A discard keeps it dead and takes it off the dead-letter list.
+    let answer = call(format!("/v1/messages/{away}/discard"), json!({}));
+    assert_eq!(answer.status, 200, "{}", answer.json);
+    let status = server
+        .call("GET", &format!("/v1/messages/{away}"), None)
+        .json;
+    assert_eq!(status["status"], "discarded", "{status}");
+    assert_eq!(status["reason"], "HTTP 400: bad payload");
+    let dead = server.call("GET", "/v1/messages?status=dead", None).json;
+    assert_eq!(dead["messages"], json!([]), "{dead}");
+    let discarded = server
+        .call("GET", "/v1/messages?status=discarded", None)
+        .json;
+    assert_eq!(discarded["messages"][0]["id"], away.as_str());
+    let answer = call(format!("/v1/messages/{away}/requeue"), json!({}));
+    assert_eq!(answer.status, 409, "{}", answer.json);
+    assert_eq!(hook.hits_for("away").len(), 1, "never delivered again");
+    let series = scrape(&server.base);
+    assert_eq!(series["delayd_messages_requeued_total"], 1.0);
+    assert_eq!(series["delayd_messages_discarded_total"], 1.0);
+}

@@ -1,0 +1,214 @@
+//! Listing, purging and the timeline over HTTP (DESIGN.md §13), against the service on a loopback port.
+
+use super::*;
+
+const HOUR_MS: i64 = 3_600_000;
+
+/// Every message of a listing, following `next_cursor` from page to page.
+fn list_all(server: &Server, query: &str) -> Vec<Value> {
+    let mut all = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/v1/messages?{query}&cursor={c}"),
+            None => format!("/v1/messages?{query}"),
+        };
+        let answer = server.call("GET", &path, None);
+        assert_eq!(answer.status, 200, "{path}: {}", answer.json);
+        all.extend(answer.json["messages"].as_array().unwrap().iter().cloned());
+        match answer.json["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_string()),
+            None => return all,
+        }
+    }
+}
+
+fn ids(messages: &[Value]) -> Vec<String> {
+    messages
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn pending_messages_are_listed_by_due_time_counted_per_hour_and_purged_by_topic() {
+    let server = Server::start(|_| {});
+    // Hours ahead, so that nothing is delivered while the test runs.
+    let base = (now_ms() / HOUR_MS + 2) * HOUR_MS;
+    // (topic, due): orders every 13 minutes over ~6.5 hours, sent latest first; audit every 50 minutes.
+    let mut sent: Vec<(String, i64)> = (0..30)
+        .rev()
+        .map(|i| ("orders".to_string(), base + i * 13 * 60_000 + 7))
+        .collect();
+    sent.extend((0..8).map(|i| ("audit".to_string(), base + i * 50 * 60_000)));
+    let messages: Vec<Value> = sent
+        .iter()
+        .map(|(topic, at)| json!({"topic": topic, "body": "x", "deliver_at": at}))
+        .collect();
+    let answer = server.call(
+        "POST",
+        "/v1/messages/batch",
+        Some(json!({"messages": messages})),
+    );
+    assert_eq!(answer.status, 200, "{}", answer.json);
+    let id_of: std::collections::HashMap<String, (String, i64)> = answer.json["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&sent)
+        .map(|(r, s)| (r["id"].as_str().unwrap().to_string(), s.clone()))
+        .collect();
+
+    // A topic's pending messages, oldest due first, 7 to a page.
+    let orders = list_all(&server, "topic=orders&limit=7");
+    assert_eq!(orders.len(), 30);
+    let due: Vec<i64> = orders.iter().map(|m| parse(&m["deliver_at"])).collect();
+    let mut expected: Vec<i64> = sent
+        .iter()
+        .filter(|s| s.0 == "orders")
+        .map(|s| s.1)
+        .collect();
+    expected.sort();
+    assert_eq!(due, expected);
+    assert!(orders
+        .iter()
+        .all(|m| m["status"] == "scheduled" && m["topic"] == "orders"));
+    // Every topic, in a range of due times [from, to).
+    let (from, to) = (base + HOUR_MS, base + 3 * HOUR_MS);
+    let ranged = list_all(
+        &server,
+        &format!("from={from}&to={}&limit=5", delayd::format::format_ms(to)),
+    );
+    let mut expected: Vec<i64> = sent
+        .iter()
+        .map(|s| s.1)
+        .filter(|at| (from..to).contains(at))
+        .collect();
+    expected.sort();
+    assert_eq!(
+        ranged
+            .iter()
+            .map(|m| parse(&m["deliver_at"]))
+            .collect::<Vec<_>>(),
+        expected
+    );
+
+    // Pending per hour, from the indexes.
+    let answer = server.call("GET", "/v1/stats/timeline", None);
+    assert_eq!(answer.status, 200, "{}", answer.json);
+    assert_eq!(answer.json["segment_minutes"], 60);
+    let mut per_hour = std::collections::BTreeMap::new();
+    for (_, at) in &sent {
+        *per_hour.entry(at / HOUR_MS * HOUR_MS).or_insert(0u64) += 1;
+    }
+    let timeline: std::collections::BTreeMap<i64, u64> = answer.json["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["start_ms"].as_i64().unwrap(),
+                b["pending"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(timeline, per_hour);
+
+    // Bad requests are named.
+    for (method, path, code) in [
+        ("GET", "/v1/messages?status=bogus", "invalid_query"),
+        ("GET", "/v1/messages?limit=0", "invalid_query"),
+        ("GET", "/v1/messages?limit=1001", "invalid_query"),
+        ("GET", "/v1/messages?from=yesterday", "invalid_query"),
+        ("GET", "/v1/messages?colour=red", "invalid_query"),
+        ("GET", "/v1/messages?cursor=zz", "invalid_cursor"),
+        ("DELETE", "/v1/messages", "topic_required"),
+        ("DELETE", "/v1/messages?topic=", "topic_required"),
+        ("GET", "/v1/stats/timeline?to=soon", "invalid_query"),
+    ] {
+        let answer = server.call(method, path, None);
+        assert_eq!(answer.status, 400, "{method} {path}: {}", answer.json);
+        assert_eq!(answer.json["code"], code, "{method} {path}");
+    }
+
+    // Purge the orders due in the first three hours: those, and only those, are cancelled.
+    let before = scrape(&server.base)["delayd_messages_cancelled_total"];
+    let until = base + 3 * HOUR_MS;
+    let answer = server.call(
+        "DELETE",
+        &format!("/v1/messages?topic=orders&to={until}"),
+        None,
+    );
+    assert_eq!(answer.status, 200, "{}", answer.json);
+    let purged: Vec<&String> = id_of
+        .iter()
+        .filter(|(_, (topic, at))| topic == "orders" && *at < until)
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(answer.json["cancelled"], purged.len());
+    assert_eq!(answer.json["in_flight"], 0);
+    let after = scrape(&server.base)["delayd_messages_cancelled_total"];
+    assert_eq!(after - before, purged.len() as f64);
+    for id in &purged {
+        assert_eq!(
+            server.call("GET", &format!("/v1/messages/{id}"), None).json["status"],
+            "cancelled"
+        );
+    }
+    let mut cancelled = ids(&list_all(&server, "topic=orders&status=cancelled"));
+    cancelled.sort();
+    let mut purged: Vec<String> = purged.into_iter().cloned().collect();
+    purged.sort();
+    assert_eq!(cancelled, purged);
+    let left = list_all(&server, "topic=orders");
+    assert_eq!(left.len(), 30 - purged.len());
+    assert!(left.iter().all(|m| parse(&m["deliver_at"]) >= until));
+    assert_eq!(
+        list_all(&server, "topic=audit").len(),
+        8,
+        "another topic is left alone"
+    );
+    // Purging again finds nothing.
+    let answer = server.call(
+        "DELETE",
+        &format!("/v1/messages?topic=orders&to={until}"),
+        None,
+    );
+    assert_eq!(answer.json["cancelled"], 0);
+    let answer = server.call("GET", &format!("/v1/stats/timeline?to={until}"), None);
+    let pending: u64 = answer.json["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["pending"].as_u64().unwrap())
+        .sum();
+    let audit_before = sent
+        .iter()
+        .filter(|s| s.0 == "audit" && s.1 < until)
+        .count() as u64;
+    assert_eq!(pending, audit_before);
+}
+
+#[test]
+fn the_console_page_is_served_without_a_token_and_the_api_behind_it_needs_one() {
+    let server = Server::start(|c| c.auth.tokens = vec!["s3cret".into()]);
+    let answer = request(&server.base, "GET", "/ui", None, None);
+    assert_eq!(answer.status, 200);
+    assert!(
+        answer.content_type.starts_with("text/html"),
+        "{}",
+        answer.content_type
+    );
+    for path in ["/v1/messages?status=dead", "/v1/stats/timeline"] {
+        assert_eq!(
+            request(&server.base, "GET", path, None, None).status,
+            401,
+            "{path}"
+        );
+        assert_eq!(
+            request(&server.base, "GET", path, None, Some("s3cret")).status,
+            200,
+            "{path}"
+        );
+    }
+}
