@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 
 #[derive(Debug, Clone)]
-struct Hit {
+pub(super) struct Hit {
     body: Vec<u8>,
     id: String,
     attempt: u16,
@@ -37,8 +37,8 @@ struct Receiver {
 }
 
 /// A receiver listening on a port of its own, until the test ends.
-struct Endpoint {
-    url: String,
+pub(super) struct Endpoint {
+    pub(super) url: String,
     receiver: Receiver,
     _runtime: tokio::runtime::Runtime,
 }
@@ -126,7 +126,7 @@ async fn receive(
     }
 }
 
-fn endpoint(script: &[(&str, Vec<&'static str>)]) -> Endpoint {
+pub(super) fn endpoint(script: &[(&str, Vec<&'static str>)]) -> Endpoint {
     let receiver = Receiver::default();
     receiver.script.lock().unwrap().extend(
         script
@@ -146,7 +146,7 @@ fn endpoint(script: &[(&str, Vec<&'static str>)]) -> Endpoint {
     }
 }
 
-fn webhook_sink(
+pub(super) fn webhook_sink(
     url: &str,
     edit: impl FnOnce(&mut delayd::config::SinkConfig),
 ) -> delayd::config::SinkConfig {
@@ -188,7 +188,7 @@ impl Endpoint {
     }
 
     /// Waits until `count` requests for `body` arrived.
-    fn wait_for(&self, body: &str, count: usize) -> Vec<Hit> {
+    pub(super) fn wait_for(&self, body: &str, count: usize) -> Vec<Hit> {
         self.wait_until(count, |h| h.body == body.as_bytes())
     }
 }
