@@ -23,7 +23,10 @@ struct Browser {
 
 impl Browser {
     fn start() -> Option<Browser> {
-        if !common::server_installed("chromedriver", "apt-get install -y chromium chromium-driver") {
+        if !common::server_installed(
+            "chromedriver",
+            "apt-get install -y chromium chromium-driver",
+        ) {
             return None;
         }
         let port = common::free_port();
@@ -121,12 +124,20 @@ impl Browser {
 
     fn click(&self, css: &str) {
         let element = self.element(css);
-        self.session("POST", &format!("/element/{element}/click"), Some(json!({})));
+        self.session(
+            "POST",
+            &format!("/element/{element}/click"),
+            Some(json!({})),
+        );
     }
 
     fn type_into(&self, css: &str, text: &str) {
         let element = self.element(css);
-        self.session("POST", &format!("/element/{element}/clear"), Some(json!({})));
+        self.session(
+            "POST",
+            &format!("/element/{element}/clear"),
+            Some(json!({})),
+        );
         self.session(
             "POST",
             &format!("/element/{element}/value"),
@@ -166,7 +177,9 @@ impl Drop for Browser {
         let _ = self.driver.wait();
         // A browser process that left the group (Chromium's zygote may) is found by its profile dir.
         let profile = self._profile.path().to_string_lossy().to_string();
-        let _ = Command::new("pkill").args(["-KILL", "-f", &profile]).status();
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-f", &profile])
+            .status();
     }
 }
 
@@ -226,7 +239,11 @@ fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
     wait_for_status(&server, &delivered, "delivered");
 
     // Without a token, the page asks for one; a wrong one is refused.
-    browser.session("POST", "/url", Some(json!({"url": format!("{}/ui", server.base)})));
+    browser.session(
+        "POST",
+        "/url",
+        Some(json!({"url": format!("{}/ui", server.base)})),
+    );
     browser.wait(
         "the login prompt shows",
         "return !document.getElementById('login').hidden",
@@ -247,7 +264,9 @@ fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
     // One bar per pending hour of the next 48, as high as its count; the rest per day beyond.
     let mut hours: BTreeMap<String, u64> = BTreeMap::new();
     for at in due.iter().filter(|at| **at < hour + 48 * HOUR_MS) {
-        *hours.entry(delayd::format::format_ms(at / HOUR_MS * HOUR_MS)).or_default() += 1;
+        *hours
+            .entry(delayd::format::format_ms(at / HOUR_MS * HOUR_MS))
+            .or_default() += 1;
     }
     let bars = browser.wait(
         "the hourly bars are drawn",
@@ -280,7 +299,10 @@ fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
         heights.iter().cloned().fold(0.0, f64::max),
         heights.iter().cloned().fold(f64::MAX, f64::min),
     );
-    assert!((tallest / shortest - 3.0).abs() < 0.05, "heights {heights:?}: 3 against 1");
+    assert!(
+        (tallest / shortest - 3.0).abs() < 0.05,
+        "heights {heights:?}: 3 against 1"
+    );
     let days = browser.wait(
         "the daily bars are drawn",
         "const bars = [...document.querySelectorAll('#beyond rect.bar-day')];
@@ -348,14 +370,18 @@ fn schedule_with_token(server: &Server, body: Value) -> String {
 
 /// Polls the status API until the message reaches `status` (30 s at most).
 fn wait_for_status(server: &Server, id: &str, status: &str) {
-    common::wait_for(&format!("{id} is {status}"), Duration::from_secs(30), || {
-        let answer = request(
-            &server.base,
-            "GET",
-            &format!("/v1/messages/{id}"),
-            None,
-            Some(TOKEN),
-        );
-        answer.json["status"] == status
-    });
+    common::wait_for(
+        &format!("{id} is {status}"),
+        Duration::from_secs(30),
+        || {
+            let answer = request(
+                &server.base,
+                "GET",
+                &format!("/v1/messages/{id}"),
+                None,
+                Some(TOKEN),
+            );
+            answer.json["status"] == status
+        },
+    );
 }
