@@ -8,6 +8,8 @@
 //!   until its status matches.
 //! - Finished ones (delivered, dead, cancelled, discarded) are found from the outcome index, then put in
 //!   due order by their index entries: a listing of dead letters does not look at the pending records.
+//!   Where a bucket has more of them than a page may look at, they are found by the walk in due order
+//!   instead, like pending ones. Both give the same order, so a cursor works across either.
 //!
 //! A page ends after `limit` messages, or after `scan_limit` records were looked at (a topic filter
 //! reads each record to see its topic); either way [`ListPage::next`] says where the next page starts.
@@ -239,7 +241,16 @@ impl ScheduleLog {
                 .filter(|c| c.bucket == bucket)
                 .map(|c| (c.due_ms, c.position));
             let from = u32::try_from(query.from_ms.saturating_sub(bucket.start_ms())).unwrap_or(0);
-            let finished = query.status.finished();
+            // Finished records are found from the outcome index when there are few of them, and by the
+            // walk in due order otherwise (their index entries would all be searched for first).
+            let finished = match query.status.finished() {
+                Some(effect) => {
+                    let count =
+                        self.with_view(bucket, false, |view, _| Ok(view.seqs_with(effect).len()))?;
+                    Some(effect).filter(|_| count <= query.scan_limit)
+                }
+                None => None,
+            };
             more = self.with_view(bucket, finished.is_none(), |view, reader| {
                 let opened;
                 let reader = match reader {

@@ -5,7 +5,7 @@
 //! in memory:
 //! - `due_order`: every index entry's `(deliver_at - bucket start) << 32 | position`, sorted: due order,
 //!   ties in seq order (8 bytes a record);
-//! - `outcomes`: every outcome frame's seq, kind and offset in the dispatch log, sorted by seq (16 bytes
+//! - `outcomes`: every outcome frame's seq, kind and offset in the dispatch log, sorted by seq (24 bytes
 //!   an outcome), and how many distinct seqs have one (the bucket's finished records).
 //!
 //! Invariants:
@@ -15,7 +15,8 @@
 //!   again next time).
 //! - Each part is built only when asked for: a lookup by id builds the outcomes alone.
 //! - Kept for the buckets used last, up to [`MAX_VIEWS`] views and [`ITEM_BUDGET`] items in all (the one
-//!   in use is kept whatever its size); a retired bucket's view is dropped.
+//!   in use is kept whatever its size); a retired bucket's view is dropped. A timeline reads views of
+//!   the buckets that have a dispatch log only, so most future buckets cost nothing.
 
 use crate::bucket::Bucket;
 use crate::dispatch::DispatchLogs;
@@ -26,9 +27,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// At most this many buckets have a view.
-const MAX_VIEWS: usize = 64;
-/// Views are dropped, least recently used first, while they hold more items than this (about 128 MiB
-/// of records in due order, or half as many outcomes).
+const MAX_VIEWS: usize = 1024;
+/// Views are dropped, least recently used first, while they hold more items than this: an item is 8
+/// bytes (a record in due order is one, an outcome three), so about 128 MiB in all.
 const ITEM_BUDGET: usize = 16 << 20;
 /// Index entries read at a time while building `due_order`.
 const CHUNK: u64 = 1 << 16;
@@ -80,7 +81,7 @@ pub(crate) struct View {
 
 impl View {
     fn items(&self) -> usize {
-        self.due_order.len() + 2 * self.outcomes.len()
+        self.due_order.len() + 3 * self.outcomes.len()
     }
 
     /// Reads the outcomes recorded since the last call.

@@ -115,6 +115,26 @@ fn a_listing_goes_bucket_by_bucket_in_due_order_a_page_at_a_time() {
         ["m7", "m2", "m4", "m1", "m6", "m3", "m5", "m0"]
     );
     assert!("not a cursor".parse::<ListCursor>().is_err());
+
+    // Delivered ones, more in a bucket than a page may look at: found by the walk in due order, with
+    // the same order and cursors as from the outcome index.
+    let appended: Vec<Appended> = log
+        .append(
+            [40, 10, 30, 20]
+                .iter()
+                .map(|s| topic_message(T0 + 5 * HOUR_MS + s * 1000, "t.d", &format!("d{s}")))
+                .collect(),
+        )
+        .wait()
+        .unwrap();
+    for a in &appended[..3] {
+        record(&log, a, OutcomeKind::Delivered);
+    }
+    for scan_limit in [1, 2, 3, 100] {
+        let mut q = query(StatusFilter::Delivered, 2);
+        q.scan_limit = scan_limit;
+        assert_eq!(all_pages(&log, q).0, ["d10", "d30", "d40"], "scan limit {scan_limit}");
+    }
 }
 
 #[test]
