@@ -136,11 +136,15 @@ fn main() {
     let (median, max) = time(50, |_| {
         assert_eq!(log.list(&query("orders")).unwrap().messages.len(), 100);
     });
-    println!("next 100 pending of a topic (9 in 10 messages): median {median:.2} ms, max {max:.2} ms");
+    println!(
+        "next 100 pending of a topic (9 in 10 messages): median {median:.2} ms, max {max:.2} ms"
+    );
     let (median, max) = time(50, |_| {
         assert_eq!(log.list(&query("audit")).unwrap().messages.len(), 100);
     });
-    println!("next 100 pending of a topic (1 in 10 messages): median {median:.2} ms, max {max:.2} ms");
+    println!(
+        "next 100 pending of a topic (1 in 10 messages): median {median:.2} ms, max {max:.2} ms"
+    );
     let mut deep = query("orders");
     for _ in 0..1000 {
         deep.after = log.list(&deep).unwrap().next;
