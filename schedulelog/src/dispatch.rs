@@ -277,9 +277,19 @@ impl DispatchLogs {
                 ));
             }
         }
+        // Read up to the end as it is now: an append for the next open may have cut a torn tail since
+        // the length was taken.
         let mut bytes = vec![0u8; usize::try_from(len - start).unwrap_or(usize::MAX)];
-        file.read_exact_at(&mut bytes, start)
-            .map_err(Error::io(&path))?;
+        let mut read = 0;
+        while read < bytes.len() {
+            match file.read_at(&mut bytes[read..], start + read as u64) {
+                Ok(0) => break,
+                Ok(n) => read += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io(&path)(e)),
+            }
+        }
+        bytes.truncate(read);
         let mut found = Vec::new();
         let mut frames = Frames::new(&bytes);
         for (at, kind, payload) in frames.by_ref() {
@@ -310,7 +320,12 @@ impl DispatchLogs {
             return Ok(Vec::new());
         }
         let path = path(&self.dir, bucket);
-        let file = File::open(&path).map_err(Error::io(&path))?;
+        let file = match File::open(&path) {
+            Ok(file) => file,
+            // Retired meanwhile: its records are gone too.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::io(&path)(e)),
+        };
         let mut outcomes = Vec::with_capacity(offsets.len());
         for &offset in offsets {
             let mut header = [0u8; frame::HEADER_LEN];

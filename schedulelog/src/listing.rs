@@ -25,7 +25,7 @@ use crate::id::Location;
 use crate::log::{state_of, MessageState, ScheduleLog};
 use crate::record::Message;
 use crate::segment::SegmentReader;
-use crate::view::{Effect, View};
+use crate::view::{due_key, Effect, View};
 use std::fmt;
 use std::str::FromStr;
 
@@ -98,7 +98,8 @@ impl FromStr for ListCursor {
                 u32::try_from(hex(0..8)?).map_err(|_| InvalidCursor)?,
             ),
             due_ms: u32::try_from(hex(8..16)?).map_err(|_| InvalidCursor)?,
-            position: hex(16..32)?,
+            // Positions are below 2^32 (view.rs): a larger one is not a cursor a listing gave.
+            position: u64::from(u32::try_from(hex(16..32)?).map_err(|_| InvalidCursor)?),
         })
     }
 }
@@ -181,6 +182,11 @@ impl Walk<'_> {
         let Some(entry) = reader.entries(position, 1)?.pop() else {
             return Ok(true);
         };
+        // A record stored after its time is due at its bucket's start in the order, but listed by
+        // its own time.
+        if entry.deliver_at_ms < self.query.from_ms {
+            return Ok(true);
+        }
         let wanted = match (self.query.status, view.effect(entry.seq)) {
             (_, Some(Effect::Retried)) => false,
             (StatusFilter::Pending, effect) => effect.is_none(),
@@ -217,7 +223,7 @@ impl ScheduleLog {
     /// Lists messages due in `[from_ms, to_ms)` by status and topic, oldest due first, a page at a
     /// time (see the module doc). Sees every append and cancel acknowledged before the call.
     pub fn list(&self, query: &ListQuery) -> Result<ListPage> {
-        self.wait_replayed(0);
+        self.caught_up()?;
         let width = self.segment_minutes();
         let mut walk = Walk {
             log: self,
@@ -227,7 +233,7 @@ impl ScheduleLog {
             done: false,
         };
         let mut more = query.limit > 0;
-        for bucket in self.buckets() {
+        for (bucket, total) in self.entry_counts() {
             if !more || bucket.start_ms() >= query.to_ms {
                 break;
             }
@@ -241,6 +247,18 @@ impl ScheduleLog {
                 .filter(|c| c.bucket == bucket)
                 .map(|c| (c.due_ms, c.position));
             let from = u32::try_from(query.from_ms.saturating_sub(bucket.start_ms())).unwrap_or(0);
+            // A bucket without a dispatch log has no finished records; one whose records are all
+            // finished has no pending ones: neither is read (nor kept in a view) for those.
+            let has_outcomes = self.dispatch().size(bucket)? > 0;
+            if query.status.finished().is_some() && !has_outcomes {
+                continue;
+            }
+            if query.status == StatusFilter::Pending
+                && has_outcomes
+                && self.with_view(bucket, false, |view, _| Ok(view.finished()))? >= total
+            {
+                continue;
+            }
             // Finished records are found from the outcome index when there are few of them, and by the
             // walk in due order otherwise (their index entries would all be searched for first).
             let finished = match query.status.finished() {
@@ -275,8 +293,7 @@ impl ScheduleLog {
                         let mut found = Vec::new();
                         for seq in view.seqs_with(effect) {
                             if let Some((position, entry)) = reader.position(seq)? {
-                                let due = entry.deliver_at_ms.saturating_sub(bucket.start_ms());
-                                found.push((u32::try_from(due).unwrap_or(u32::MAX), position));
+                                found.push((due_key(entry.deliver_at_ms, bucket), position));
                             }
                         }
                         found.sort_unstable();
@@ -301,7 +318,7 @@ impl ScheduleLog {
     /// Every bucket that has records in `[from_ms, to_ms)`, oldest first, with how many it holds and
     /// how many are pending: from the indexes' entry counts and the dispatch logs, no record is read.
     pub fn timeline(&self, from_ms: i64, to_ms: i64) -> Result<Vec<BucketCount>> {
-        self.wait_replayed(0);
+        self.caught_up()?;
         let width = self.segment_minutes();
         let mut counts = Vec::new();
         for (bucket, total) in self.entry_counts() {

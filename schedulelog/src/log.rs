@@ -498,6 +498,19 @@ impl ScheduleLog {
         true
     }
 
+    /// Waits (at most 10 s, as a lookup) until everything committed so far is filed; `NotFiledYet`
+    /// when it is not (the replayer is held up by a full disk, or behind): what a listing must see
+    /// (a purge must not miss an acknowledged message).
+    pub(crate) fn caught_up(&self) -> Result<()> {
+        let committed = self.shared.committed.load(Ordering::Acquire);
+        if committed == 0 || self.wait_replayed(committed - 1) {
+            return Ok(());
+        }
+        Err(Error::NotFiledYet {
+            cause: self.disk_full(),
+        })
+    }
+
     /// Finds a message by id and follows its retries to the current attempt.
     ///
     /// Each attempt's `retried` outcome leads to the next one. The replayer also files a pointer to every
@@ -727,7 +740,7 @@ impl ScheduleLog {
     }
 
     /// Deletes the files of every bucket that ended more than `retention` ago and whose records are all
-    /// finished. Returns the buckets retired.
+    /// finished, none of them retried into an attempt still pending. Returns the buckets retired.
     pub fn retire(&self) -> Result<Vec<Bucket>> {
         let now = self.shared.clock.now_ms();
         let retention_ms = i64::try_from(self.shared.retention.as_millis()).unwrap_or(i64::MAX);
@@ -743,9 +756,29 @@ impl ScheduleLog {
             let Some(reader) = self.reader(bucket)? else {
                 continue;
             };
-            let finished: HashSet<u64> = self.outcomes(bucket)?.iter().map(|o| o.seq).collect();
+            let outcomes = self.outcomes(bucket)?;
+            let finished: HashSet<u64> = outcomes.iter().map(|o| o.seq).collect();
             let entries = reader.entries(0, reader.len())?;
             if entries.iter().any(|e| !finished.contains(&e.seq)) {
+                continue;
+            }
+            // A retry or requeue still pending is found by its id through this bucket (its first
+            // attempt's pointers, or the attempt it replaced): kept until that one is finished too.
+            let mut leads_to_pending = false;
+            for outcome in &outcomes {
+                if let OutcomeKind::Retried { next, .. } = outcome.kind {
+                    let kept = self.shared.replay().entries(next.bucket).is_some();
+                    if kept
+                        && self.with_view(next.bucket, false, |view, _| {
+                            Ok(view.effect(next.seq).is_none())
+                        })?
+                    {
+                        leads_to_pending = true;
+                        break;
+                    }
+                }
+            }
+            if leads_to_pending {
                 continue;
             }
             let mut replay = self.shared.replay();

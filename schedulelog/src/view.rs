@@ -6,7 +6,8 @@
 //! - `due_order`: every index entry's `(deliver_at - bucket start) << 32 | position`, sorted: due order,
 //!   ties in seq order (8 bytes a record);
 //! - `outcomes`: every outcome frame's seq, kind and offset in the dispatch log, sorted by seq (24 bytes
-//!   an outcome), and how many distinct seqs have one (the bucket's finished records).
+//!   an outcome; the last few thousand read are kept aside in the order they happened until merged),
+//!   and how many distinct seqs have one (the bucket's finished records).
 //!
 //! Invariants:
 //! - Built on first use and brought up to date at each use by reading only what was added since: index
@@ -72,16 +73,37 @@ pub(crate) struct View {
     /// Index entries in `due_order`.
     entries: u64,
     due_order: Vec<u64>,
-    /// Dispatch-log bytes read into `outcomes` (0: none yet).
+    /// Dispatch-log bytes read into `outcomes` and `recent` (0: none yet).
     outcomes_read: u64,
+    /// Sorted by seq (and offset).
     outcomes: Vec<OutcomeRef>,
     /// Distinct seqs in `outcomes`.
-    finished: u64,
+    merged_seqs: u64,
+    /// Outcomes read since the last merge into `outcomes`, in the order they happened (so after every
+    /// outcome of `outcomes`): merged once there are [`MERGE_AT`], so that a catch-up after each of
+    /// many outcomes (a purge, a busy bucket's lookups) does not sort everything each time, and a
+    /// look at `recent` stays short.
+    recent: Vec<OutcomeRef>,
+}
+
+/// See `View::recent`. (Test builds merge sooner, so that tests cross it.)
+#[cfg(not(test))]
+const MERGE_AT: usize = 4096;
+#[cfg(test)]
+const MERGE_AT: usize = 256;
+
+/// A bucket's index entry as `due_order` keeps it: its due time from the bucket start, and its position.
+/// A record is due before its bucket starts when it was stored after its time (it is filed in the bucket
+/// of when it was stored); it counts as due at the start.
+pub(crate) fn due_key(deliver_at_ms: i64, bucket: Bucket) -> u32 {
+    let due = deliver_at_ms.saturating_sub(bucket.start_ms()).max(0);
+    // Below the bucket's width (at most 65,535 minutes), which fits 32 bits.
+    u32::try_from(due).unwrap_or(u32::MAX)
 }
 
 impl View {
     fn items(&self) -> usize {
-        self.due_order.len() + 3 * self.outcomes.len()
+        self.due_order.len() + 3 * (self.outcomes.len() + self.recent.len())
     }
 
     /// Reads the outcomes recorded since the last call.
@@ -92,23 +114,19 @@ impl View {
     ) -> Result<()> {
         let (new, end) = dispatch.read_from(bucket, self.outcomes_read)?;
         self.outcomes_read = end;
-        if new.is_empty() {
-            return Ok(());
-        }
-        self.outcomes
+        self.recent
             .extend(new.iter().map(|(offset, outcome)| OutcomeRef {
                 seq: outcome.seq,
                 offset: *offset,
                 kind: Effect::of(&outcome.kind),
             }));
-        // Two sorted runs (the old ones and the new ones in the order they happened, mostly sorted):
-        // the stable sort merges them in about linear time.
-        self.outcomes.sort();
-        self.finished = 1 + self
-            .outcomes
-            .windows(2)
-            .filter(|pair| pair[0].seq != pair[1].seq)
-            .count() as u64;
+        if self.recent.len() >= MERGE_AT {
+            self.recent.sort();
+            self.outcomes.append(&mut self.recent);
+            // Two sorted runs: the stable sort merges them in linear time.
+            self.outcomes.sort();
+            self.merged_seqs = self.outcomes.chunk_by(|a, b| a.seq == b.seq).count() as u64;
+        }
         Ok(())
     }
 
@@ -129,7 +147,6 @@ impl View {
             return Ok(());
         }
         // Read whole before anything changes, so that a failed read leaves the view as it was.
-        let start = bucket.start_ms();
         let mut fresh = Vec::with_capacity(usize::try_from(len - self.entries).unwrap_or(0));
         let mut at = self.entries;
         while at < len {
@@ -138,10 +155,7 @@ impl View {
                 break;
             }
             for entry in &entries {
-                // The replayer files a record in the bucket its time falls in, so this is below the
-                // bucket's width (at most 65,535 minutes: it fits 32 bits).
-                let due = u64::try_from(entry.deliver_at_ms.saturating_sub(start)).unwrap_or(0);
-                fresh.push(due.min(u64::from(u32::MAX)) << 32 | at);
+                fresh.push(u64::from(due_key(entry.deliver_at_ms, bucket)) << 32 | at);
                 at += 1;
             }
         }
@@ -154,7 +168,15 @@ impl View {
 
     /// How many distinct records have an outcome.
     pub(crate) fn finished(&self) -> u64 {
-        self.finished
+        let mut fresh: Vec<u64> = self
+            .recent
+            .iter()
+            .map(|r| r.seq)
+            .filter(|&seq| self.merged(seq).is_empty())
+            .collect();
+        fresh.sort_unstable();
+        fresh.dedup();
+        self.merged_seqs + fresh.len() as u64
     }
 
     /// The records in due order, as `(due relative to the bucket start, position in the index)`, from
@@ -178,16 +200,32 @@ impl View {
 
     /// What the outcomes recorded for a seq make of it (`None`: it has none, it is pending).
     pub(crate) fn effect(&self, seq: u64) -> Option<Effect> {
-        effect(self.refs(seq))
+        effect(&self.refs(seq))
     }
 
     /// Every seq whose outcomes make it `effect`, in seq order.
     pub(crate) fn seqs_with(&self, wanted: Effect) -> Vec<u64> {
-        self.outcomes
-            .chunk_by(|a, b| a.seq == b.seq)
-            .filter(|refs| effect(refs) == Some(wanted))
-            .map(|refs| refs[0].seq)
-            .collect()
+        let mut recent = self.recent.clone();
+        recent.sort();
+        // Both sorted by seq: walk them together a seq at a time, the merged outcomes first (they
+        // happened first).
+        let (mut a, mut b) = (&self.outcomes[..], &recent[..]);
+        let mut found = Vec::new();
+        loop {
+            let seq = match (a.first(), b.first()) {
+                (Some(x), Some(y)) => x.seq.min(y.seq),
+                (Some(x), None) => x.seq,
+                (None, Some(y)) => y.seq,
+                (None, None) => return found,
+            };
+            let (mine_a, rest_a) = a.split_at(a.partition_point(|r| r.seq == seq));
+            let (mine_b, rest_b) = b.split_at(b.partition_point(|r| r.seq == seq));
+            let refs: Vec<OutcomeRef> = mine_a.iter().chain(mine_b).copied().collect();
+            if effect(&refs) == Some(wanted) {
+                found.push(seq);
+            }
+            (a, b) = (rest_a, rest_b);
+        }
     }
 
     /// Every outcome recorded for a seq, in the order they happened.
@@ -201,7 +239,14 @@ impl View {
         dispatch.read_at(bucket, &offsets)
     }
 
-    fn refs(&self, seq: u64) -> &[OutcomeRef] {
+    /// A seq's outcomes, in the order they happened.
+    fn refs(&self, seq: u64) -> Vec<OutcomeRef> {
+        let mut refs = self.merged(seq).to_vec();
+        refs.extend(self.recent.iter().filter(|r| r.seq == seq));
+        refs
+    }
+
+    fn merged(&self, seq: u64) -> &[OutcomeRef] {
         let first = self.outcomes.partition_point(|r| r.seq < seq);
         let end = first + self.outcomes[first..].partition_point(|r| r.seq == seq);
         &self.outcomes[first..end]

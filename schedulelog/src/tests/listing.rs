@@ -133,7 +133,11 @@ fn a_listing_goes_bucket_by_bucket_in_due_order_a_page_at_a_time() {
     for scan_limit in [1, 2, 3, 100] {
         let mut q = query(StatusFilter::Delivered, 2);
         q.scan_limit = scan_limit;
-        assert_eq!(all_pages(&log, q).0, ["d10", "d30", "d40"], "scan limit {scan_limit}");
+        assert_eq!(
+            all_pages(&log, q).0,
+            ["d10", "d30", "d40"],
+            "scan limit {scan_limit}"
+        );
     }
 }
 
@@ -294,5 +298,145 @@ fn a_lookup_reads_outcomes_recorded_after_its_view_was_built_and_never_half_a_fr
     assert_eq!(
         log.lookup(a.id).unwrap().unwrap().state,
         MessageState::Cancelled { at_ms: T0 }
+    );
+}
+
+#[test]
+fn a_record_stored_after_its_time_is_listed_first_in_its_bucket_by_either_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open_log(dir.path(), &clock);
+    // Due five minutes ago: filed in the bucket of now (T0 is 09:30, so the 09:00 bucket), due before
+    // nothing else in it.
+    let late = log
+        .append(vec![
+            topic_message(T0 - 5 * 60_000, "t", "late"),
+            topic_message(T0 + 60_000, "t", "soon"),
+            topic_message(T0 + 120_000, "t", "then"),
+        ])
+        .wait()
+        .unwrap();
+    assert_eq!(late[0].location.bucket, late[1].location.bucket);
+    let mut q = query(StatusFilter::Pending, 10);
+    assert_eq!(all_pages(&log, q.clone()).0, ["late", "soon", "then"]);
+    // Listed by its own time: a range that starts after it leaves it out.
+    q.from_ms = T0 - 60_000;
+    assert_eq!(all_pages(&log, q).0, ["soon", "then"]);
+
+    // Dead, all three: the outcome index's path and the walk's path give one order, so a cursor from
+    // either goes on in the other.
+    for a in &late {
+        record(&log, a, OutcomeKind::Dead { reason: "r".into() });
+    }
+    let mut q = query(StatusFilter::Dead, 1);
+    q.scan_limit = 100; // from the outcome index
+    let first = log.list(&q).unwrap();
+    q.scan_limit = 2; // three dead > 2: by the walk
+    q.after = first.next;
+    let rest = all_pages(&log, q).0;
+    let body = |l: &Listed| String::from_utf8(l.message.body.clone()).unwrap();
+    assert_eq!(body(&first.messages[0]), "late");
+    assert_eq!(rest, ["soon", "then"]);
+}
+
+#[test]
+fn a_bucket_is_not_retired_while_an_attempt_it_leads_to_is_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open_log(dir.path(), &clock);
+    let first = append_one(&log, T0 + 60_000, "first");
+    record(&log, &first, OutcomeKind::Dead { reason: "r".into() });
+    // Requeued (as the API does) to two days later.
+    let again = NewMessage {
+        deliver_at_ms: T0 + 48 * HOUR_MS,
+        topic: "t".into(),
+        key: None,
+        headers: Vec::new(),
+        sink: "broker".into(),
+        body: b"again".to_vec(),
+        retry_of: Some((first.id, 1)),
+        dedup: false,
+    };
+    let next = log.append(vec![again.encode().unwrap()]).wait().unwrap()[0].clone();
+    let retried = OutcomeKind::Retried {
+        next: next.location,
+        reason: "requeued".into(),
+    };
+    record(&log, &first, retried);
+    let bucket = first.location.bucket;
+    clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
+    assert_eq!(
+        log.retire().unwrap(),
+        vec![],
+        "the requeued attempt is pending"
+    );
+    assert_eq!(
+        log.lookup(first.id).unwrap().unwrap().location,
+        next.location
+    );
+    let delivered = Outcome {
+        seq: next.location.seq,
+        at_ms: T0,
+        attempt: 1,
+        kind: OutcomeKind::Delivered,
+    };
+    log.record_outcomes(&[(next.location.bucket, delivered)])
+        .unwrap();
+    assert_eq!(log.retire().unwrap(), vec![bucket]);
+}
+
+#[test]
+fn outcomes_read_in_steps_count_the_same_before_and_after_they_are_merged() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open_log(dir.path(), &clock);
+    let appended: Vec<Appended> = log
+        .append((0..600).map(|i| message(T0 + HOUR_MS + i, "m")).collect())
+        .wait()
+        .unwrap();
+    let outcome = |a: &Appended, kind| {
+        let outcome = Outcome {
+            seq: a.location.seq,
+            at_ms: T0,
+            attempt: 0,
+            kind,
+        };
+        (a.location.bucket, outcome)
+    };
+    let pending = |log: &ScheduleLog| log.timeline(i64::MIN, i64::MAX).unwrap()[0].pending;
+    assert_eq!(pending(&log), 600);
+    // In steps, each read by a lookup: the view keeps them aside, then merges them (past 256 in tests).
+    let mut finished = 0;
+    for (step, kind) in [
+        (100, OutcomeKind::Delivered),
+        (250, OutcomeKind::Cancelled),
+        (150, OutcomeKind::Delivered),
+    ] {
+        let batch: Vec<_> = appended[finished..finished + step]
+            .iter()
+            .map(|a| outcome(a, kind.clone()))
+            .collect();
+        log.record_outcomes(&batch).unwrap();
+        // The same outcomes again, as a retried append may leave them: counted once.
+        log.record_outcomes(&batch[..10]).unwrap();
+        finished += step;
+        assert_eq!(pending(&log), 600 - finished as u64);
+        let state = log
+            .lookup(appended[finished - 1].id)
+            .unwrap()
+            .unwrap()
+            .state;
+        assert!(!matches!(state, MessageState::Pending), "{state:?}");
+        assert_eq!(
+            log.lookup(appended[finished].id).unwrap().unwrap().state,
+            MessageState::Pending
+        );
+    }
+    let mut q = query(StatusFilter::Cancelled, 100);
+    q.scan_limit = 1000;
+    assert_eq!(all_pages(&log, q).0.len(), 250);
+    assert_eq!(
+        all_pages(&log, query(StatusFilter::Pending, 100)).0.len(),
+        100
     );
 }
