@@ -3,8 +3,11 @@
 //! - A requeue writes the next attempt through the WAL, as a retry does (the same id, the attempt number
 //!   one up, the replayer's pointer under the first attempt), and then records a `retried` outcome for
 //!   the dead attempt: a lookup follows it to the new attempt, and the status keeps the count of
-//!   attempts and the reason it died. Should that outcome fail to be recorded, the pointer still leads
-//!   lookups (and a second requeue, which then finds it pending) to the new attempt.
+//!   attempts and the reason it died. Once the new attempt is written the requeue has happened: the
+//!   outcome is tried again for a few seconds if it cannot be recorded (a full disk), and should it
+//!   still fail the requeue is answered as done and the failure logged. The pointer then leads lookups
+//!   (and a second requeue, which finds the message pending) to the new attempt; only a listing of dead
+//!   letters still shows the old attempt of a message that had been retried before it died.
 //! - A discard records a `discarded` outcome: the message stays dead (never delivered) and leaves the
 //!   dead-letter list.
 //! - Both run one at a time, so that two requeues of one message cannot make two attempts: the second
@@ -115,7 +118,21 @@ pub(crate) async fn requeue(
         next: appended.location,
         reason: format!("requeued; it had died: {reason}"),
     };
-    record(&shared, &status, kind).await?;
+    let mut pause = std::time::Duration::from_millis(100);
+    for attempt in 1.. {
+        match record(&shared, &status, kind.clone()).await {
+            Ok(()) => break,
+            Err(error) if attempt < 6 && shared.log.poisoned().is_none() => {
+                tracing::warn!(%id, %error, "recording a requeue's outcome failed; trying again");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            Err(error) => {
+                tracing::error!(%id, %error, "recording a requeue's outcome failed; the new attempt is written and will be delivered, but the dead-letter list may still show the old one");
+                break;
+            }
+        }
+    }
     metrics::counter!("delayd_messages_requeued_total").increment(1);
     Ok(Requeued {
         attempt,
