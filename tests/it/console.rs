@@ -122,13 +122,20 @@ impl Browser {
             .to_string()
     }
 
+    /// Clicks the element `css` selects; found again if the page redrew it in between (the console
+    /// redraws a table when its data changes).
     fn click(&self, css: &str) {
-        let element = self.element(css);
-        self.session(
-            "POST",
-            &format!("/element/{element}/click"),
-            Some(json!({})),
-        );
+        for _ in 0..5 {
+            let element = self.element(css);
+            let path = format!("/session/{}/element/{element}/click", self.session);
+            let answer = request(&self.base, "POST", &path, Some("{}"), None);
+            if answer.status == 200 {
+                return;
+            }
+            let stale = answer.json["value"]["error"] == "stale element reference";
+            assert!(stale, "click {css}: {}", answer.json);
+        }
+        panic!("{css} was redrawn under every click");
     }
 
     fn type_into(&self, css: &str, text: &str) {

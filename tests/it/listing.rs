@@ -211,4 +211,16 @@ fn the_console_page_is_served_without_a_token_and_the_api_behind_it_needs_one() 
             "{path}"
         );
     }
+    // The routes that change things answer 401 before they look at anything.
+    let id = "a".repeat(23);
+    for (method, path) in [
+        ("DELETE", "/v1/messages?topic=orders".to_string()),
+        ("POST", format!("/v1/messages/{id}/requeue")),
+        ("POST", format!("/v1/messages/{id}/discard")),
+    ] {
+        let answer = request(&server.base, method, &path, Some("{}"), None);
+        assert_eq!(answer.status, 401, "{method} {path}");
+        let answer = request(&server.base, method, &path, Some("{}"), Some("s3cret"));
+        assert_ne!(answer.status, 401, "{method} {path}");
+    }
 }
