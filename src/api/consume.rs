@@ -1,6 +1,7 @@
 //! Consumption from the built-in broker: topics, offset pulls with long polling, consumer group offsets.
 
-use super::error::ApiError;
+use super::error::{ApiError, Problem};
+use super::openapi::{GroupPath, QueuePath, TopicPath};
 use super::{AppState, JsonBody};
 use crate::broker::Stored;
 use crate::format::{format_ms, valid_name};
@@ -12,21 +13,41 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use std::time::Duration;
 
-fn check_name(kind: &'static str, name: &str) -> Result<(), ApiError> {
-    if valid_name(name) || (kind == "topic" && name == crate::scheduler::DEAD_TOPIC) {
+/// A topic from a path: a valid name, or the dead letters' own topic.
+fn check_topic(topic: &str) -> Result<(), ApiError> {
+    if valid_name(topic) || topic == crate::scheduler::DEAD_TOPIC {
         Ok(())
     } else {
         Err(ApiError::bad_request(
-            if kind == "topic" {
-                "invalid_topic"
-            } else {
-                "invalid_group"
-            },
-            format!("{kind} must match [A-Za-z0-9._-]{{1,200}} and not be only dots"),
+            "invalid_topic",
+            "topic must match [A-Za-z0-9._-]{1,200} and not be only dots",
         ))
     }
 }
 
+fn check_group(group: &str) -> Result<(), ApiError> {
+    if valid_name(group) {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(
+            "invalid_group",
+            "group must match [A-Za-z0-9._-]{1,200} and not be only dots",
+        ))
+    }
+}
+
+/// The built-in broker's topics and their queue counts.
+#[utoipa::path(
+    get,
+    path = "/v1/topics",
+    tag = "broker",
+    responses((status = 200, description = "every topic", body = super::openapi::Topics, links(
+        ("topic" = (
+            operation_id = "topic",
+            parameters(("topic" = "$response.body#/topics/0/name"))
+        ))
+    )))
+)]
 pub async fn topics(State(state): State<AppState>) -> Json<Value> {
     let topics: Vec<Value> = state
         .broker
@@ -37,11 +58,29 @@ pub async fn topics(State(state): State<AppState>) -> Json<Value> {
     Json(json!({"topics": topics}))
 }
 
+/// A topic's queues and their offsets.
+#[utoipa::path(
+    get,
+    path = "/v1/topics/{topic}",
+    tag = "broker",
+    params(TopicPath),
+    responses(
+        (status = 200, description = "the topic", body = super::openapi::Topic, links(
+            ("pull" = (operation_id = "pull", parameters(
+                ("topic" = "$response.body#/name"), ("queue" = "$response.body#/queues/0/queue")
+            )))
+        )),
+        (status = 400, description = "`invalid_topic`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no message was delivered to this topic yet",
+            body = Problem, content_type = "application/problem+json"),
+    )
+)]
 pub async fn topic(
     State(state): State<AppState>,
     Path(topic): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    check_name("topic", &topic)?;
+    check_topic(&topic)?;
     let queues = state.broker.queue_offsets(&topic).ok_or_else(|| {
         ApiError::not_found(format!(
             "no topic {topic:?} (a topic exists once a message was delivered to it)"
@@ -55,13 +94,18 @@ pub async fn topic(
     Ok(Json(json!({"name": topic, "queues": queues})))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct PullQuery {
+    /// The first offset to read (default 0); below the queue's `min_offset` the answer starts there.
     #[serde(default)]
     offset: u64,
+    /// Messages at most, 1 to `broker.max_pull_messages` (default 32).
     #[serde(default = "default_max")]
+    #[param(minimum = 1)]
     max: usize,
+    /// With nothing at `offset`, wait this long for a message, at most `broker.max_wait`.
     #[serde(default)]
     wait_ms: u64,
 }
@@ -94,12 +138,30 @@ fn message_json(stored: &Stored) -> Value {
     value
 }
 
+/// Reads a queue from an offset.
+///
+/// With nothing at `offset`, waits up to `wait_ms` for a message (long polling, woken by the arrival).
+#[utoipa::path(
+    get,
+    path = "/v1/topics/{topic}/queues/{queue}/messages",
+    tag = "broker",
+    params(TopicPath, QueuePath, PullQuery),
+    responses(
+        (status = 200, description = "the messages from `offset` on",
+            body = super::openapi::Pulled),
+        (status = 400, description = "`invalid_topic`, `invalid_queue`, `invalid_query`, \
+            `invalid_offset` (past the queue's end)", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such topic or queue", body = Problem,
+            content_type = "application/problem+json"),
+    )
+)]
 pub async fn pull(
     State(state): State<AppState>,
     Path((topic, queue)): Path<(String, String)>,
     query: Result<Query<PullQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    check_name("topic", &topic)?;
+    check_topic(&topic)?;
     let queue: u32 = queue
         .parse()
         .map_err(|_| ApiError::bad_request("invalid_queue", "queue must be a whole number"))?;
@@ -168,19 +230,44 @@ pub async fn pull(
     .into_response())
 }
 
-#[derive(Debug, Deserialize)]
+/// A consumer group's offset in a queue: where it reads next.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OffsetBody {
     offset: u64,
 }
 
+/// Stores a consumer group's offset in a queue, durably.
+#[utoipa::path(
+    put,
+    path = "/v1/groups/{group}/offsets/{topic}/{queue}",
+    tag = "broker",
+    params(GroupPath, TopicPath, QueuePath),
+    request_body(content = OffsetBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "stored", body = super::openapi::CommittedOffset),
+        (status = 400, description = "`invalid_json`, `invalid_group`, `invalid_topic`, \
+            `invalid_queue`, `invalid_offset` (past the queue's end)", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such topic or queue", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 408, description = "`request_timeout`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 409, description = "`too_many_groups`: a new group past `broker.max_groups`",
+            body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "`payload_too_large`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 507, description = "`disk_full`", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn commit_offset(
     State(state): State<AppState>,
     Path((group, topic, queue)): Path<(String, String, String)>,
     JsonBody(body): JsonBody<OffsetBody>,
 ) -> Result<Json<Value>, ApiError> {
-    check_name("group", &group)?;
-    check_name("topic", &topic)?;
+    check_group(&group)?;
+    check_topic(&topic)?;
     let queue: u32 = queue
         .parse()
         .map_err(|_| ApiError::bad_request("invalid_queue", "queue must be a whole number"))?;
@@ -230,12 +317,25 @@ pub async fn commit_offset(
     ))
 }
 
+/// A consumer group's offsets in a topic's queues.
+#[utoipa::path(
+    get,
+    path = "/v1/groups/{group}/offsets/{topic}",
+    tag = "broker",
+    params(GroupPath, TopicPath),
+    responses(
+        (status = 200, description = "the queues the group has an offset in",
+            body = super::openapi::GroupOffsets),
+        (status = 400, description = "`invalid_group`, `invalid_topic`", body = Problem,
+            content_type = "application/problem+json"),
+    )
+)]
 pub async fn group_offsets(
     State(state): State<AppState>,
     Path((group, topic)): Path<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
-    check_name("group", &group)?;
-    check_name("topic", &topic)?;
+    check_group(&group)?;
+    check_topic(&topic)?;
     let queues: Vec<Value> = state
         .broker
         .group_offsets(&group, &topic)

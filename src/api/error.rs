@@ -14,15 +14,75 @@ pub struct ApiError {
     pub retry_after_secs: Option<u32>,
 }
 
-/// The problem+json body.
-#[derive(Debug, Serialize)]
+/// Every `code` a problem can carry, for the OpenAPI document's `Problem.code` enum. A test below finds
+/// the codes the sources give and checks that this list holds exactly those.
+pub const PROBLEM_CODES: &[&str] = &[
+    "already_dead",
+    "already_delivered",
+    "conflicting_time_fields",
+    "dedup_not_in_batch",
+    "delay_too_long",
+    "delivery_in_flight",
+    "disk_full",
+    "internal",
+    "invalid_body",
+    "invalid_cursor",
+    "invalid_deliver_at",
+    "invalid_delay",
+    "invalid_delay_level",
+    "invalid_group",
+    "invalid_header",
+    "invalid_json",
+    "invalid_key",
+    "invalid_offset",
+    "invalid_query",
+    "invalid_queue",
+    "invalid_target",
+    "invalid_topic",
+    "method_not_allowed",
+    "missing_deliver_time",
+    "not_dead",
+    "not_found",
+    "overloaded",
+    "payload_too_large",
+    "request_timeout",
+    "shutting_down",
+    "storage_failed",
+    "too_many_groups",
+    "topic_required",
+    "unauthorized",
+    "unknown_sink",
+];
+
+/// An RFC 7807 problem: the body of every error answer, as `application/problem+json`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct Problem {
+    /// `urn:delayd:problem:` and the code.
     #[serde(rename = "type")]
+    #[schema(examples("urn:delayd:problem:not_found"))]
     pub kind: String,
+    /// The HTTP status's reason phrase.
+    #[schema(value_type = String, examples("Not Found"))]
     pub title: &'static str,
+    /// The HTTP status of the answer.
+    #[schema(minimum = 400, maximum = 599)]
     pub status: u16,
+    /// What went wrong, for people.
     pub detail: String,
+    /// What went wrong, for programs: stable across versions.
+    #[schema(schema_with = problem_code_schema)]
     pub code: &'static str,
+}
+
+fn problem_code_schema() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(PROBLEM_CODES.iter().copied()))
+        .description(Some(
+            "What went wrong, for programs: stable across versions (the README's HTTP API section \
+             says when each is answered)",
+        ))
+        .build()
 }
 
 impl ApiError {
@@ -231,5 +291,73 @@ impl IntoResponse for ApiError {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// The codes a source gives: a string literal right after `bad_request(`, `Rejection::new(`,
+    /// `code: ` or a `StatusCode::NAME,` argument, which is how every code is written.
+    fn codes_in(source: &str) -> Vec<&str> {
+        let literal_after = |rest: &'static str| {
+            source.match_indices(rest).filter_map(|(at, marker)| {
+                let after = source[at + marker.len()..].trim_start();
+                let literal = after.strip_prefix('"')?;
+                literal.split('"').next()
+            })
+        };
+        let after_status = source
+            .match_indices("StatusCode::")
+            .filter_map(|(at, marker)| {
+                let after = &source[at + marker.len()..];
+                let after = after.trim_start_matches(|c: char| c.is_ascii_uppercase() || c == '_');
+                let literal = after.strip_prefix(',')?.trim_start().strip_prefix('"')?;
+                literal.split('"').next()
+            });
+        literal_after("bad_request(")
+            .chain(literal_after("Rejection::new("))
+            .chain(literal_after("code: "))
+            .chain(after_status)
+            .filter(|code| code.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'))
+            .collect()
+    }
+
+    /// Every code the HTTP API's sources give is in `PROBLEM_CODES` (so the OpenAPI document lists it),
+    /// and every code listed is given somewhere (none is stale). The MQ sources' dead-letter reasons
+    /// (src/source) are not HTTP answers and are not read.
+    #[test]
+    fn problem_codes_are_the_codes_the_sources_give() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = vec![src.join("intake.rs")];
+        for dir in ["api", "edge"] {
+            for entry in std::fs::read_dir(src.join(dir)).expect("a source directory") {
+                let path = entry.expect("a directory entry").path();
+                if path.extension().is_some_and(|e| e == "rs") {
+                    files.push(path);
+                }
+            }
+        }
+        let mut given = BTreeSet::new();
+        for file in &files {
+            let source = std::fs::read_to_string(file).expect("a source file");
+            for code in codes_in(&source) {
+                given.insert(code.to_string());
+            }
+        }
+        let listed: BTreeSet<String> = PROBLEM_CODES.iter().map(|c| c.to_string()).collect();
+        assert!(given.len() > 20, "the scan finds the codes: {given:?}");
+        assert_eq!(
+            given.difference(&listed).collect::<Vec<_>>(),
+            Vec::<&String>::new(),
+            "codes given but not in PROBLEM_CODES"
+        );
+        assert_eq!(
+            listed.difference(&given).collect::<Vec<_>>(),
+            Vec::<&String>::new(),
+            "codes in PROBLEM_CODES that no source gives"
+        );
     }
 }

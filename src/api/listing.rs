@@ -5,7 +5,7 @@
 //! listing of the topic's pending messages finds, page by page, each cancel as durable as a `DELETE` of
 //! one id; it needs a topic, so that one request cannot empty the whole node.
 
-use super::error::ApiError;
+use super::error::{ApiError, Problem};
 use super::messages::describe_state;
 use super::AppState;
 use crate::format::{format_ms, parse_rfc3339};
@@ -27,14 +27,27 @@ const SCAN_LIMIT: usize = 10_000;
 /// Cancels a purge runs at once.
 const PURGE_CONCURRENCY: usize = 32;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ListParams {
+    /// Only this topic's messages.
     topic: Option<String>,
+    /// `pending` (the default: scheduled or retrying), `delivered`, `dead`, `cancelled`,
+    /// `discarded` or `all`.
+    #[param(value_type = Option<super::openapi::ListedStatus>, inline)]
     status: Option<String>,
+    /// Due at or after this time: unix milliseconds or RFC 3339.
+    #[param(value_type = Option<super::openapi::TimeParam>, inline)]
     from: Option<String>,
+    /// Due before this time: unix milliseconds or RFC 3339.
+    #[param(value_type = Option<super::openapi::TimeParam>, inline)]
     to: Option<String>,
+    /// Messages in a page, 1 to 1000 (default 100).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<usize>,
+    /// Where the page starts: the previous page's `next_cursor`.
+    #[param(pattern = "^[0-9A-Fa-f]{32}$")]
     cursor: Option<String>,
 }
 
@@ -98,9 +111,27 @@ async fn list_page(state: &AppState, query: ListQuery) -> Result<ListPage, ApiEr
         .map_err(ApiError::from)
 }
 
+/// Lists messages by due time, status and topic.
+///
 /// `GET /v1/messages?topic=&status=&from=&to=&limit=&cursor=`: messages due in `[from, to)`, oldest due
 /// first, `limit` (default 100, at most 1000) at a time; `next_cursor` is where the next page starts
 /// (`null`: no more). A page may hold fewer than `limit` and still have a next one.
+#[utoipa::path(
+    get,
+    path = "/v1/messages",
+    tag = "listing",
+    params(ListParams),
+    responses(
+        (status = 200, description = "a page of messages, oldest due first",
+            body = super::openapi::MessagePage),
+        (status = 400, description = "`invalid_query`, `invalid_cursor`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 503, description = "`overloaded`: recent writes are not filed yet", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`: recent writes cannot be filed", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn list(
     State(state): State<AppState>,
     params: Result<Query<ListParams>, QueryRejection>,
@@ -153,9 +184,32 @@ pub async fn list(
     .into_response())
 }
 
+/// Cancels a topic's pending messages due in a range.
+///
 /// `DELETE /v1/messages?topic=&from=&to=`: cancels every pending message of the topic due in
 /// `[from, to)`, each durably, and answers how many (`cancelled`), and how many were being delivered
 /// right then and were left alone (`in_flight`). 400 `topic_required` without a topic.
+#[utoipa::path(
+    delete,
+    path = "/v1/messages",
+    tag = "listing",
+    params(
+        ("topic" = String, Query, description = "the topic whose pending messages are cancelled",
+            min_length = 1),
+        super::openapi::DueRange,
+    ),
+    responses(
+        (status = 200, description = "how many were cancelled, each durably",
+            body = super::openapi::Purged),
+        (status = 400, description = "`topic_required`, `invalid_query`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 503, description = "`overloaded`, `storage_failed`, `shutting_down`: the \
+            detail says how many were cancelled before", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`: the detail says how many were cancelled before",
+            body = Problem, content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn purge(
     State(state): State<AppState>,
     params: Result<Query<RangeParams>, QueryRejection>,
@@ -238,8 +292,25 @@ fn tally(
     }
 }
 
+/// Counts pending messages per bucket of due time.
+///
 /// `GET /v1/stats/timeline?from=&to=`: every bucket with messages due in `[from, to)`, with how many it
 /// holds and how many are pending (from the indexes and dispatch logs; no record is read).
+#[utoipa::path(
+    get,
+    path = "/v1/stats/timeline",
+    tag = "listing",
+    params(super::openapi::DueRange),
+    responses(
+        (status = 200, description = "pending messages per bucket", body = super::openapi::Timeline),
+        (status = 400, description = "`invalid_query`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 503, description = "`overloaded`: recent writes are not filed yet", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`: recent writes cannot be filed", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn timeline(
     State(state): State<AppState>,
     params: Result<Query<RangeParams>, QueryRejection>,

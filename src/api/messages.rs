@@ -10,7 +10,7 @@
 //! The idempotency index (`dedup`) holds a key only while its message is pending: the scheduler reports
 //! each finished one (delivered, dead, cancelled) and the intake drops it from the index (intake.rs).
 
-use super::error::ApiError;
+use super::error::{ApiError, Problem};
 use super::{parse_json, AppState, RawBody};
 use crate::format::{format_ms, parse_rfc3339, Text};
 use crate::intake::{Draft, Keyed};
@@ -66,37 +66,57 @@ impl<'de: 'a, 'a> Deserialize<'de> for NumberOrText<'a> {
     }
 }
 
-/// One message to schedule, borrowing its strings from the request body where it can.
-#[derive(Debug, Deserialize)]
+/// One message to schedule: exactly one of `deliver_at`, `delay` and `delay_level`, and exactly one of
+/// `body` and `body_base64`.
+// Borrows its strings from the request body where it can.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleRequest<'a> {
+    /// `[A-Za-z0-9._-]{1,200}`, not only dots; for an MQ sink, the target (1 to 255 bytes, no
+    /// whitespace or control characters).
     #[serde(borrow)]
+    #[schema(value_type = String, examples("orders.timeout"))]
     topic: Text<'a>,
+    /// The body as UTF-8 text (at most `limits.max_message_bytes`).
     #[serde(borrow)]
+    #[schema(value_type = Option<String>)]
     body: Option<Text<'a>>,
+    /// The body's bytes in standard base64.
     #[serde(borrow)]
+    #[schema(value_type = Option<String>, content_encoding = "base64")]
     body_base64: Option<Text<'a>>,
     #[serde(borrow)]
+    #[schema(schema_with = super::openapi::deliver_at_schema)]
     deliver_at: Option<NumberOrText<'a>>,
     #[serde(borrow)]
+    #[schema(schema_with = super::openapi::delay_schema)]
     delay: Option<NumberOrText<'a>>,
+    /// A delay from the `delay_levels` table, counted from 1 (RocketMQ's 18 levels by default).
+    #[schema(minimum = 1)]
     delay_level: Option<i64>,
+    /// 1 to 1024 bytes; the same key always lands in the same queue.
     #[serde(borrow)]
+    #[schema(value_type = Option<String>)]
     key: Option<Text<'a>>,
+    /// At most 64; names match `[A-Za-z0-9._-]{1,256}`, values have no control characters.
     #[serde(default)]
     headers: BTreeMap<String, String>,
+    /// The sink that delivers it (default `broker`).
     #[serde(borrow)]
+    #[schema(value_type = Option<String>)]
     sink: Option<Text<'a>>,
     /// With a key: while a message with this topic and key is pending, return it instead of adding one.
     #[serde(default)]
     dedup: bool,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BatchRequest<'a> {
-    /// Kept raw, so that each message is parsed once, straight into a request, with its own error.
+    /// At most `limits.max_batch_messages`.
+    // Kept raw, so that each message is parsed once, straight into a request, with its own error.
     #[serde(borrow)]
+    #[schema(value_type = Vec<ScheduleRequest>)]
     messages: Vec<&'a RawValue>,
 }
 
@@ -219,26 +239,41 @@ fn validate<'a>(
     Ok(draft)
 }
 
-/// The answer for a scheduled message (typed and borrowed, not a `Value`: a batch answers thousands).
-#[derive(Debug, serde::Serialize)]
-struct Scheduled<'a> {
+/// A scheduled message: the answer of `POST /v1/messages`, and a batch's result.
+// Typed and borrowed, not a `Value`: a batch answers thousands.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct Scheduled<'a> {
     #[serde(serialize_with = "serialize_display")]
+    #[schema(value_type = String)]
     id: MessageId,
+    #[schema(value_type = String)]
     topic: &'a str,
+    #[schema(format = DateTime)]
     deliver_at: String,
-    status: &'static str,
+    status: Waiting,
+    /// Present (`true`) when a `dedup` request found this message pending and added none.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    duplicate: bool,
+}
+
+/// How a pending message waits: its first attempt, or a retry.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Waiting {
+    Scheduled,
+    Retrying,
 }
 
 /// One result of a batch, in request order.
-#[derive(Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 #[serde(untagged)]
-enum BatchResult<'a> {
+pub enum BatchResult<'a> {
     Scheduled(Scheduled<'a>),
-    Error { error: super::error::Problem },
+    Error { error: Problem },
 }
 
-#[derive(Debug, serde::Serialize)]
-struct BatchAnswer<'a> {
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct BatchAnswer<'a> {
     results: Vec<BatchResult<'a>>,
 }
 
@@ -255,7 +290,8 @@ fn scheduled<'a>(appended: &Appended, topic: &'a str) -> Scheduled<'a> {
         id: appended.id,
         topic,
         deliver_at: format_ms(appended.deliver_at_ms),
-        status: "scheduled",
+        status: Waiting::Scheduled,
+        duplicate: false,
     }
 }
 
@@ -274,6 +310,35 @@ fn check_disk(state: &AppState, bytes: usize) -> Result<(), ApiError> {
     })
 }
 
+/// Schedules one message, answered once it is durable (after the WAL's `fdatasync`).
+#[utoipa::path(
+    post,
+    path = "/v1/messages",
+    tag = "messages",
+    request_body(content = ScheduleRequest, content_type = "application/json"),
+    responses(
+        (status = 201, description = "scheduled: durable", body = Scheduled, links(
+            ("status" = (operation_id = "status", parameters(("id" = "$response.body#/id")))),
+            ("cancel" = (operation_id = "cancel", parameters(("id" = "$response.body#/id")))),
+        )),
+        (status = 200, description = "`dedup` with a key whose message is pending: that message, \
+            `duplicate: true`; nothing was added", body = Scheduled),
+        (status = 400, description = "`invalid_json`, `invalid_body`, `missing_deliver_time`, \
+            `conflicting_time_fields`, `invalid_deliver_at`, `invalid_delay`, `invalid_delay_level`, \
+            `delay_too_long`, `invalid_topic`, `invalid_target`, `invalid_key`, `invalid_header`, \
+            `unknown_sink`", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "`request_timeout`: the body did not arrive within \
+            `limits.body_timeout`", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "`payload_too_large`: a body over `limits.max_message_bytes`, \
+            or a request over `limits.max_request_bytes`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 503, description = "`overloaded`, `storage_failed`, `shutting_down`: nothing \
+            was acknowledged", body = Problem, content_type = "application/problem+json",
+            headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`: nothing was stored", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn schedule(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
@@ -291,9 +356,7 @@ pub async fn schedule(
         {
             Keyed::Scheduled(appended) => appended,
             Keyed::Pending(existing, status) => {
-                let mut answer = scheduled_status(existing, &status);
-                answer["duplicate"] = json!(true);
-                return Ok(Json(answer).into_response());
+                return Ok(Json(duplicate(existing, &status)).into_response());
             }
         },
         _ => state
@@ -313,15 +376,47 @@ pub async fn schedule(
 }
 
 /// The answer for an existing pending message returned again.
-fn scheduled_status(id: MessageId, status: &MessageStatus) -> Value {
-    json!({
-        "id": id.to_string(),
-        "topic": status.message.topic,
-        "deliver_at": format_ms(status.message.deliver_at_ms),
-        "status": if status.message.attempt == 0 { "scheduled" } else { "retrying" },
-    })
+fn duplicate(id: MessageId, status: &MessageStatus) -> Scheduled<'_> {
+    Scheduled {
+        id,
+        topic: &status.message.topic,
+        deliver_at: format_ms(status.message.deliver_at_ms),
+        status: if status.message.attempt == 0 {
+            Waiting::Scheduled
+        } else {
+            Waiting::Retrying
+        },
+        duplicate: true,
+    }
 }
 
+/// Schedules many messages at once.
+///
+/// Each is checked on its own, and the valid ones are made durable by one group commit. The results
+/// are in request order.
+#[utoipa::path(
+    post,
+    path = "/v1/messages/batch",
+    tag = "messages",
+    request_body(content = BatchRequest, content_type = "application/json"),
+    responses(
+        (status = 200, description = "each message's result: scheduled, or its problem",
+            body = BatchAnswer),
+        (status = 400, description = "`invalid_json`: the body is not a batch (a message's own \
+            errors are in its result)", body = Problem, content_type = "application/problem+json"),
+        (status = 408, description = "`request_timeout`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 413, description = "`payload_too_large`: over `limits.max_request_bytes` or \
+            `limits.max_batch_messages`", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "the group commit failed (`overloaded`, `storage_failed`, \
+            `shutting_down`): every result is a problem; nothing was acknowledged", body = BatchAnswer,
+            headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`, nothing was stored: a problem when the disk is \
+            below its reserve, or every result a problem when a write found it full", content(
+            (Problem = "application/problem+json"), (BatchAnswer = "application/json")),
+            headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn schedule_batch(
     State(state): State<AppState>,
     RawBody(bytes): RawBody,
@@ -433,6 +528,22 @@ async fn find(state: &AppState, text: &str) -> Result<(MessageId, MessageStatus)
     Ok((id, status))
 }
 
+/// A message's status and the history of its attempts.
+#[utoipa::path(
+    get,
+    path = "/v1/messages/{id}",
+    tag = "messages",
+    params(("id" = String, Path, description = "the message's id")),
+    responses(
+        (status = 200, description = "the message", body = super::openapi::MessageStatus),
+        (status = 404, description = "`not_found`: no message has this id, or it was retired \
+            after its retention", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`overloaded`: acknowledged moments ago, not filed yet",
+            body = Problem, content_type = "application/problem+json", headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`: recent writes cannot be filed", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn status(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -510,28 +621,59 @@ fn outcome_name(kind: &OutcomeKind) -> &'static str {
 }
 
 /// The body of a requeue: when the new attempt is due (now when neither is given).
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RequeueRequest<'a> {
     #[serde(borrow)]
+    #[schema(schema_with = super::openapi::deliver_at_schema)]
     deliver_at: Option<NumberOrText<'a>>,
     #[serde(borrow)]
+    #[schema(schema_with = super::openapi::delay_schema)]
     delay: Option<NumberOrText<'a>>,
 }
 
+/// Requeues a dead message.
+///
 /// `POST /v1/messages/{id}/requeue`: a dead message becomes a new attempt, due now or at the
 /// `deliver_at` / after the `delay` given, through the WAL. 200 with its status; 409 `not_dead` for a
 /// message that is not dead; 404 for an unknown id.
+#[utoipa::path(
+    post,
+    path = "/v1/messages/{id}/requeue",
+    tag = "dead letters",
+    params(("id" = String, Path, description = "the message's id")),
+    request_body(content = Option<RequeueRequest>, content_type = "application/json",
+        description = "when the new attempt is due; an empty body: now"),
+    responses(
+        (status = 200, description = "requeued: durable", body = super::openapi::Requeued),
+        (status = 400, description = "`invalid_json`, `invalid_deliver_at`, `invalid_delay`, \
+            `conflicting_time_fields`, `delay_too_long`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 408, description = "`request_timeout`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 409, description = "`not_dead`: the message is not a dead letter", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 413, description = "`payload_too_large`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 503, description = "`overloaded`, `storage_failed`, `shutting_down`", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn requeue(
     State(state): State<AppState>,
     Path(id): Path<String>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
     let id = parse_id(&id)?;
+    // No body, or `null`: due now.
     let request: RequeueRequest = if bytes.iter().all(u8::is_ascii_whitespace) {
         RequeueRequest::default()
     } else {
-        parse_json(&bytes)?
+        parse_json::<Option<RequeueRequest>>(&bytes)?.unwrap_or_default()
     };
     let now = state.clock.now_ms();
     let deliver_at_ms = match (&request.deliver_at, &request.delay) {
@@ -562,8 +704,27 @@ pub async fn requeue(
     .into_response())
 }
 
+/// Discards a dead message.
+///
 /// `POST /v1/messages/{id}/discard`: a dead message is put away (it stays dead, and leaves the
 /// dead-letter list). 200; 409 `not_dead`; 404 for an unknown id.
+#[utoipa::path(
+    post,
+    path = "/v1/messages/{id}/discard",
+    tag = "dead letters",
+    params(("id" = String, Path, description = "the message's id")),
+    responses(
+        (status = 200, description = "discarded: durable", body = super::openapi::Discarded),
+        (status = 404, description = "`not_found`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 409, description = "`not_dead`: the message is not a dead letter", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 503, description = "`overloaded`, `storage_failed`, `shutting_down`", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn discard(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -579,10 +740,32 @@ fn parse_id(text: &str) -> Result<MessageId, ApiError> {
         .map_err(|_| ApiError::not_found(format!("{text:?} is not a message id")))
 }
 
+/// Cancels a message.
+///
 /// `DELETE /v1/messages/{id}`: 200 `cancelled` (also for a message cancelled before), 409
 /// `already_delivered` / `already_dead`, 409 `delivery_in_flight` (with `Retry-After`) while an attempt
 /// is being delivered, 404 for an unknown id; 503/507 when the tombstone could not be written (nothing
 /// was cancelled).
+#[utoipa::path(
+    delete,
+    path = "/v1/messages/{id}",
+    tag = "messages",
+    params(("id" = String, Path, description = "the message's id")),
+    responses(
+        (status = 200, description = "cancelled (now or before): no attempt starts afterwards",
+            body = super::openapi::Cancelled),
+        (status = 404, description = "`not_found`", body = Problem,
+            content_type = "application/problem+json"),
+        (status = 409, description = "`already_delivered`, `already_dead`; `delivery_in_flight` (with \
+            `Retry-After`): an attempt is being delivered, nothing was written", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+        (status = 503, description = "`overloaded`, `storage_failed`, `shutting_down`: nothing was \
+            cancelled", body = Problem, content_type = "application/problem+json",
+            headers(("Retry-After" = u32))),
+        (status = 507, description = "`disk_full`: nothing was cancelled", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 pub async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,

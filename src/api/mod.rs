@@ -1,11 +1,13 @@
 //! The HTTP API v1 (DESIGN.md §6): routes, shared state, request checks, authentication and the
-//! per-request metric. Handlers live in `messages` (schedule, status, cancel) and `consume` (the built-in
-//! broker's topics, pulls and group offsets).
+//! per-request metric. Handlers live in `messages` (schedule, status, cancel, requeue, discard),
+//! `listing` (listing, purge, timeline) and `consume` (the built-in broker's topics, pulls and group
+//! offsets); `openapi` describes them all at `GET /openapi.json`.
 
 mod consume;
 pub mod error;
 mod listing;
 mod messages;
+mod openapi;
 
 use crate::broker::Broker;
 use crate::config::Config;
@@ -17,7 +19,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::Router;
-use error::ApiError;
+use error::{ApiError, Problem};
 use metrics_exporter_prometheus::PrometheusHandle;
 use schedulelog::{Clock, ScheduleLog};
 use serde::de::DeserializeOwned;
@@ -83,7 +85,8 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(v1)
         .route("/ui", get(console))
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/openapi.json", get(openapi::document))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("no such route") })
@@ -101,12 +104,13 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// 200 once recovery is done (the router is served only then), as `{"status": "ready"}`; while the disk
-/// is short of space (new messages refused, or a writer held up) it stays 200, for the node still
-/// delivers, cancels and serves pulls (and a sidecar's failing readiness would take its whole pod out of
-/// service), and says why in `"disk_full"`. 503 `storage_failed` while the log or a broker store refuses
-/// writes until a restart.
 /// `GET /v1/sources`: each MQ source, its kind and its connection.
+#[utoipa::path(
+    get,
+    path = "/v1/sources",
+    tag = "connections",
+    responses((status = 200, description = "every MQ source", body = openapi::Sources))
+)]
 async fn sources(State(state): State<AppState>) -> Response {
     let sources: Vec<_> = state
         .config
@@ -123,6 +127,12 @@ async fn sources(State(state): State<AppState>) -> Response {
 }
 
 /// `GET /v1/sinks`: each sink, its kind, and for an MQ sink its connection.
+#[utoipa::path(
+    get,
+    path = "/v1/sinks",
+    tag = "connections",
+    responses((status = 200, description = "every sink", body = openapi::Sinks))
+)]
 async fn sinks(State(state): State<AppState>) -> Response {
     let sinks: Vec<_> = state
         .config
@@ -140,8 +150,16 @@ async fn sinks(State(state): State<AppState>) -> Response {
     axum::Json(serde_json::json!({ "sinks": sinks })).into_response()
 }
 
-/// `GET /ui`: the console, one page built into the binary. It is served without a token; the page asks
-/// for one when the API answers 401. Its policy lets it load nothing from elsewhere.
+/// `GET /ui`: the console.
+///
+/// One page built into the binary. It is served without a token; the page asks for one when the API
+/// answers 401. Its policy lets it load nothing from elsewhere.
+#[utoipa::path(
+    get,
+    path = "/ui",
+    tag = "operations",
+    responses((status = 200, description = "the console page", body = String, content_type = "text/html"))
+)]
 async fn console() -> Response {
     (
         [
@@ -163,6 +181,34 @@ fn storage_failure(state: &AppState) -> Option<String> {
     state.log.poisoned().or_else(|| state.broker.failed())
 }
 
+/// `GET /healthz`: 200 while the process runs.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    responses((status = 200, description = "the process runs", body = String, content_type = "text/plain"))
+)]
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// `GET /readyz`: whether the node is ready.
+///
+/// 200 once recovery is done (the router is served only then), as `{"status": "ready"}`; while the disk
+/// is short of space (new messages refused, or a writer held up) it stays 200, for the node still
+/// delivers, cancels and serves pulls (and a sidecar's failing readiness would take its whole pod out of
+/// service), and says why in `"disk_full"`. 503 `storage_failed` while the log or a broker store refuses
+/// writes until a restart.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "ready: recovery is done", body = openapi::Ready),
+        (status = 503, description = "`storage_failed`: no writes until a restart", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
+    )
+)]
 async fn ready(State(state): State<AppState>) -> Response {
     if let Some(cause) = storage_failure(&state) {
         let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);
@@ -176,6 +222,13 @@ async fn ready(State(state): State<AppState>) -> Response {
     axum::Json(answer).into_response()
 }
 
+/// `GET /metrics`: the Prometheus text format.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses((status = 200, description = "every metric", body = String, content_type = "text/plain"))
+)]
 async fn metrics(State(state): State<AppState>) -> Response {
     // Read at each scrape: 1 exactly when /readyz answers `storage_failed`.
     let failed = storage_failure(&state).is_some();
