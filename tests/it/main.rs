@@ -12,6 +12,7 @@ mod deploy;
 mod disk;
 mod edge;
 mod listing;
+mod openapi;
 mod retention;
 mod sidecar_amqp;
 mod sidecar_kafka;
