@@ -357,7 +357,7 @@ fn a_bucket_is_not_retired_while_an_attempt_it_leads_to_is_pending() {
         retry_of: Some((first.id, 1)),
         dedup: false,
     };
-    let next = log.append(vec![again.encode().unwrap()]).wait().unwrap()[0].clone();
+    let next = log.append(vec![again.encode().unwrap()]).wait().unwrap()[0];
     let retried = OutcomeKind::Retried {
         next: next.location,
         reason: "requeued".into(),
