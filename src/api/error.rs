@@ -48,6 +48,7 @@ pub const PROBLEM_CODES: &[&str] = &[
     "request_timeout",
     "shutting_down",
     "storage_failed",
+    "too_many_attempts",
     "too_many_groups",
     "topic_required",
     "unauthorized",
@@ -233,7 +234,10 @@ impl From<crate::scheduler::DeadLetterError> for ApiError {
         use crate::scheduler::DeadLetterError;
         match error {
             DeadLetterError::NotFound => ApiError::not_found(error.to_string()),
-            DeadLetterError::NotDead(_) | DeadLetterError::TooManyAttempts => {
+            DeadLetterError::TooManyAttempts => {
+                ApiError::new(StatusCode::CONFLICT, "too_many_attempts", error.to_string())
+            }
+            DeadLetterError::NotDead(_) => {
                 ApiError::new(StatusCode::CONFLICT, "not_dead", error.to_string())
             }
             DeadLetterError::Lookup(e) => ApiError::from(e),

@@ -653,13 +653,15 @@ pub struct RequeueRequest<'a> {
             content_type = "application/problem+json"),
         (status = 408, description = "`request_timeout`", body = Problem,
             content_type = "application/problem+json"),
-        (status = 409, description = "`not_dead`: the message is not a dead letter", body = Problem,
+        (status = 409, description = "`not_dead`: the message is not a dead letter; \
+            `too_many_attempts`: it has had as many attempts as an id can count", body = Problem,
             content_type = "application/problem+json"),
         (status = 413, description = "`payload_too_large`", body = Problem,
             content_type = "application/problem+json"),
         (status = 503, description = "`overloaded`, `storage_failed`, `shutting_down`", body = Problem,
             content_type = "application/problem+json", headers(("Retry-After" = u32))),
-        (status = 507, description = "`disk_full`", body = Problem,
+        (status = 507, description = "`disk_full`: free space is below the reserve, as for a new \
+            message (nothing was written)", body = Problem,
             content_type = "application/problem+json", headers(("Retry-After" = u32))),
     )
 )]
@@ -668,6 +670,8 @@ pub async fn requeue(
     Path(id): Path<String>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
+    // A requeue writes the message again: refused like a new one while the disk is short of space.
+    check_disk(&state, bytes.len())?;
     let id = parse_id(&id)?;
     // No body, or `null`: due now.
     let request: RequeueRequest = if bytes.iter().all(u8::is_ascii_whitespace) {
