@@ -159,7 +159,7 @@ impl View {
                 at += 1;
             }
         }
-        fresh.sort_unstable();
+        sort_by_due(&mut fresh);
         self.due_order.append(&mut fresh);
         self.due_order.sort(); // merges the two sorted runs
         self.entries = at;
@@ -253,6 +253,34 @@ impl View {
     }
 }
 
+/// Sorts `due_order` items given in position order by due time, keeping position order among equal
+/// ones: so in `due_order`'s order. A stable radix sort on the due time's bits, 11 a pass (three at
+/// most; none over bits no item has): a bucket's 10 M items take about a tenth of what a comparison
+/// sort takes.
+fn sort_by_due(items: &mut Vec<u64>) {
+    let highest = items.iter().map(|k| k >> 32).max().unwrap_or(0);
+    let mut sorted = vec![0u64; items.len()];
+    let mut shift = 32;
+    while shift < 64 && highest >> (shift - 32) > 0 {
+        let digit = |k: u64| ((k >> shift) & 0x7ff) as usize;
+        let mut starts = vec![0usize; 0x800];
+        for &k in items.iter() {
+            starts[digit(k)] += 1;
+        }
+        let mut sum = 0;
+        for start in starts.iter_mut() {
+            (*start, sum) = (sum, sum + *start);
+        }
+        for &k in items.iter() {
+            let at = &mut starts[digit(k)];
+            sorted[*at] = k;
+            *at += 1;
+        }
+        std::mem::swap(items, &mut sorted);
+        shift += 11;
+    }
+}
+
 /// What a record's outcomes (sorted by offset: in the order they happened) make of it, as a lookup
 /// reads them (log.rs `deciding`): a `retried` outcome wins (a later attempt is the current one), then a
 /// discard (it follows a `dead`), then the first outcome recorded.
@@ -333,4 +361,26 @@ impl Views {
 /// Locks a view; a panic while it was held left it as it was, and the next catch-up goes on from there.
 pub(crate) fn lock(view: &Mutex<View>) -> MutexGuard<'_, View> {
     view.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn the_radix_sort_orders_like_a_comparison_sort(dues in proptest::collection::vec(any::<u32>(), 0..2000), small in any::<bool>()) {
+            // Positions ascending, as items are read; dues over 32 bits, or few of them (ties).
+            let mut items: Vec<u64> = dues
+                .iter()
+                .enumerate()
+                .map(|(i, &d)| u64::from(if small { d % 7 } else { d }) << 32 | i as u64)
+                .collect();
+            let mut expected = items.clone();
+            expected.sort_unstable();
+            sort_by_due(&mut items);
+            prop_assert_eq!(items, expected);
+        }
+    }
 }

@@ -3,10 +3,6 @@
 use super::*;
 use crate::fault::Fault;
 
-fn open_log(dir: &Path, clock: &Arc<ManualClock>) -> ScheduleLog {
-    ScheduleLog::open(dir, options(clock)).unwrap()
-}
-
 fn topic_message(deliver_at_ms: i64, topic: &str, body: &str) -> EncodedMessage {
     NewMessage {
         deliver_at_ms,
@@ -68,7 +64,7 @@ fn all_pages(log: &ScheduleLog, mut query: ListQuery) -> (Vec<String>, usize) {
 fn a_listing_goes_bucket_by_bucket_in_due_order_a_page_at_a_time() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = open_log(dir.path(), &clock);
+    let log = open(dir.path(), &clock);
     // Appended out of due order, over three hourly buckets, two topics; two due at the same time.
     let due = [
         (3 * HOUR_MS + 5, "a"),
@@ -145,7 +141,7 @@ fn a_listing_goes_bucket_by_bucket_in_due_order_a_page_at_a_time() {
 fn a_listing_by_status_follows_the_outcomes_and_skips_replaced_attempts() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = open_log(dir.path(), &clock);
+    let log = open(dir.path(), &clock);
     let at = |i: i64| T0 + HOUR_MS + i * 1000;
     let appended: Vec<Appended> = log
         .append(
@@ -259,7 +255,7 @@ fn a_listing_by_status_follows_the_outcomes_and_skips_replaced_attempts() {
 fn a_lookup_reads_outcomes_recorded_after_its_view_was_built_and_never_half_a_frame() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = open_log(dir.path(), &clock);
+    let log = open(dir.path(), &clock);
     let a = append_one(&log, T0 + HOUR_MS, "a");
     let b = append_one(&log, T0 + HOUR_MS, "b");
     record(&log, &a, OutcomeKind::Cancelled);
@@ -305,7 +301,7 @@ fn a_lookup_reads_outcomes_recorded_after_its_view_was_built_and_never_half_a_fr
 fn a_record_stored_after_its_time_is_listed_first_in_its_bucket_by_either_path() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = open_log(dir.path(), &clock);
+    let log = open(dir.path(), &clock);
     // Due five minutes ago: filed in the bucket of now (T0 is 09:30, so the 09:00 bucket), due before
     // nothing else in it.
     let late = log
@@ -343,7 +339,7 @@ fn a_record_stored_after_its_time_is_listed_first_in_its_bucket_by_either_path()
 fn a_bucket_is_not_retired_while_an_attempt_it_leads_to_is_pending() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = open_log(dir.path(), &clock);
+    let log = open(dir.path(), &clock);
     let first = append_one(&log, T0 + 60_000, "first");
     record(&log, &first, OutcomeKind::Dead { reason: "r".into() });
     // Requeued (as the API does) to two days later.
@@ -389,7 +385,7 @@ fn a_bucket_is_not_retired_while_an_attempt_it_leads_to_is_pending() {
 fn outcomes_read_in_steps_count_the_same_before_and_after_they_are_merged() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = open_log(dir.path(), &clock);
+    let log = open(dir.path(), &clock);
     let appended: Vec<Appended> = log
         .append((0..600).map(|i| message(T0 + HOUR_MS + i, "m")).collect())
         .wait()
