@@ -11,22 +11,36 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/debug/delayd}
 [ -x "$BIN" ] || { echo "no delayd binary at $BIN (cargo build first)" >&2; exit 1; }
-if ! command -v schemathesis >/dev/null; then
-  echo "schemathesis is not installed (pip install schemathesis)" >&2
+# .ci/run installs a pinned schemathesis and says where in $SCHEMATHESIS; otherwise the one on PATH.
+SCHEMATHESIS=${SCHEMATHESIS:-schemathesis}
+if ! command -v "$SCHEMATHESIS" >/dev/null; then
+  echo "schemathesis is not installed (pip install schemathesis==4.32.5)" >&2
   exit 1
 fi
+# The server's config is the file below, whatever this shell's environment says.
+while read -r name; do unset "$name"; done < <(compgen -e | grep '^DELAYD_' || true)
 
 TOKEN=schemathesis-token-0123456789
 WORK=$(mktemp -d)
 SERVER=
 cleanup() {
+  local status=$?
+  if [ "$status" != 0 ] && [ -f "$WORK/server.log" ]; then
+    echo "failed ($status); the server's log:" >&2
+    tail -n 50 "$WORK/server.log" >&2
+  fi
   if [ -n "$SERVER" ]; then
     kill "$SERVER" 2>/dev/null || true
+    # A graceful stop; killed after 10 s.
+    for _ in $(seq 1 100); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$SERVER" 2>/dev/null || true
     wait "$SERVER" 2>/dev/null || true
   fi
   rm -rf "$WORK"
 }
 trap cleanup EXIT
+# Hypothesis keeps a directory of its own where it runs: in the work dir, not the repository.
+export HYPOTHESIS_STORAGE_DIRECTORY=$WORK/hypothesis
 
 # One bearer token, so that every /v1 operation is checked behind it (and `ignored_auth` checks that it
 # is required). Long polls end within 200 ms: a generated wait_ms must not hold the run for 30 s. How full
@@ -78,7 +92,7 @@ fi
 # group's offset in it, dead letters (to requeue, discard and look up, with their history) and a
 # message due tomorrow. Schemathesis draws ids, topics and groups from these half of the time.
 api() {
-  curl -sf -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' "$@"
+  curl -sf --max-time 10 -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' "$@"
 }
 # A JSON answer on stdin, and a Python expression `j` of it.
 field() {
@@ -128,7 +142,7 @@ EOF
 # Checked against a stricter copy of the document: an object that lists its properties gets
 # `additionalProperties: false`, so that a field an answer has and the document lacks fails the run. (The
 # document itself leaves answers open, so that a field added later breaks no client.)
-curl -sf "$BASE/openapi.json" | python3 -c '
+curl -sf --max-time 10 "$BASE/openapi.json" | python3 -c '
 import json, sys
 def close(value):
     if isinstance(value, dict):
@@ -152,7 +166,7 @@ CHECKS=not_a_server_error,response_schema_conformance,status_code_conformance
 CHECKS+=,content_type_conformance,response_headers_conformance,missing_required_header
 CHECKS+=,ignored_auth,unsupported_method
 status=0
-timeout 300 schemathesis --config-file "$WORK/schemathesis.toml" run "$WORK/openapi.json" --url "$BASE" \
+timeout 300 "$SCHEMATHESIS" --config-file "$WORK/schemathesis.toml" run "$WORK/openapi.json" --url "$BASE" \
   --header "Authorization: Bearer $TOKEN" \
   --checks "$CHECKS" \
   --max-examples 25 \
@@ -162,8 +176,4 @@ timeout 300 schemathesis --config-file "$WORK/schemathesis.toml" run "$WORK/open
   --generation-database none \
   --no-color \
   "${@:2}" || status=$?
-if [ "$status" != 0 ]; then
-  echo "schemathesis failed ($status); the server's log:" >&2
-  tail -n 50 "$WORK/server.log" >&2
-fi
 exit "$status"

@@ -484,7 +484,13 @@ pub async fn schedule_batch(
                     },
                 })
                 .collect();
-            return Ok((error.status, Json(BatchAnswer { results })).into_response());
+            let mut answer = (error.status, Json(BatchAnswer { results })).into_response();
+            if let Some(secs) = error.retry_after_secs {
+                answer
+                    .headers_mut()
+                    .insert(axum::http::header::RETRY_AFTER, secs.into());
+            }
+            return Ok(answer);
         }
     };
     let mut answers = Vec::with_capacity(results.len());
@@ -670,8 +676,6 @@ pub async fn requeue(
     Path(id): Path<String>,
     RawBody(bytes): RawBody,
 ) -> Result<Response, ApiError> {
-    // A requeue writes the message again: refused like a new one while the disk is short of space.
-    check_disk(&state, bytes.len())?;
     let id = parse_id(&id)?;
     // No body, or `null`: due now.
     let request: RequeueRequest = if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -698,6 +702,8 @@ pub async fn requeue(
             format!("the delivery time is more than max_delay ({max_delay} ms) away"),
         ));
     }
+    // A requeue writes the message again: refused like a new one while the disk is short of space.
+    check_disk(&state, 0)?;
     let requeued = state.scheduler.requeue_dead(id, deliver_at_ms).await?;
     Ok(Json(json!({
         "id": id.to_string(),

@@ -136,6 +136,17 @@ fn the_openapi_document_describes_every_route_its_auth_and_its_answers() {
         .flat_map(|(path, methods)| methods.iter().map(|m| (path.to_string(), m.to_string())))
         .collect();
     assert_eq!(documented, routed);
+    // ROUTES is the router's list: every `.route("...")` in src/api/mod.rs, so that a route added
+    // there without its documentation fails here.
+    let source =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/src/api/mod.rs")).unwrap();
+    let in_router: BTreeSet<&str> = source
+        .split(".route(")
+        .skip(1)
+        .filter_map(|rest| rest.trim_start().strip_prefix('"')?.split('"').next())
+        .collect();
+    let listed: BTreeSet<&str> = ROUTES.iter().map(|(path, _)| *path).collect();
+    assert_eq!(in_router, listed, "the routes in src/api/mod.rs");
     for (template, method) in &routed {
         let answer = request(
             &server.base,
