@@ -147,8 +147,9 @@ fn pending_messages_are_listed_by_due_time_counted_per_hour_and_purged_by_topic(
         .collect();
     assert_eq!(answer.json["cancelled"], purged.len());
     assert_eq!(answer.json["in_flight"], 0);
+    // (The counter is the process's: other tests' servers may count too.)
     let after = scrape(&server.base)["delayd_messages_cancelled_total"];
-    assert_eq!(after - before, purged.len() as f64);
+    assert!(after - before >= purged.len() as f64, "{before} → {after}");
     for id in &purged {
         assert_eq!(
             server.call("GET", &format!("/v1/messages/{id}"), None).json["status"],
