@@ -352,29 +352,44 @@ impl SegmentReader {
 
     /// Reads index entries `[from, from + count)` (clamped to the published ones), checking each.
     pub fn entries(&self, from: u64, count: u64) -> Result<Vec<IndexEntry>> {
+        let mut entries = Vec::with_capacity(usize::try_from(count.min(self.entries)).unwrap_or(0));
+        self.scan(from, count, |_, entry| entries.push(*entry))?;
+        Ok(entries)
+    }
+
+    /// Reads index entries `[from, from + count)` (clamped to the published ones), checking each, and
+    /// hands each to `f` with its position: a megabyte at a time into one buffer, for walks over a
+    /// whole index (a bucket's view reads millions).
+    pub(crate) fn scan(
+        &self,
+        from: u64,
+        count: u64,
+        mut f: impl FnMut(u64, &IndexEntry),
+    ) -> Result<()> {
+        const CHUNK: u64 = 32 << 10; // entries: 1 MiB
         let end = from.saturating_add(count).min(self.entries);
-        if from >= end {
-            return Ok(Vec::new());
-        }
-        let at = HEADER_LEN as u64 + from * INDEX_ENTRY_LEN as u64;
-        let mut bytes =
-            vec![0u8; usize::try_from(end - from).unwrap_or(usize::MAX) * INDEX_ENTRY_LEN];
-        self.index
-            .read_exact_at(&mut bytes, at)
-            .map_err(Error::io(&self.index_path))?;
-        bytes
-            .chunks_exact(INDEX_ENTRY_LEN)
-            .enumerate()
-            .map(|(i, chunk)| {
-                IndexEntry::decode(chunk).ok_or_else(|| {
+        let mut bytes = Vec::new();
+        let mut position = from;
+        while position < end {
+            let n = CHUNK.min(end - position);
+            bytes.resize(usize::try_from(n).unwrap_or(0) * INDEX_ENTRY_LEN, 0);
+            let at = HEADER_LEN as u64 + position * INDEX_ENTRY_LEN as u64;
+            self.index
+                .read_exact_at(&mut bytes, at)
+                .map_err(Error::io(&self.index_path))?;
+            for (i, chunk) in bytes.chunks_exact(INDEX_ENTRY_LEN).enumerate() {
+                let entry = IndexEntry::decode(chunk).ok_or_else(|| {
                     Error::corrupt(
                         &self.index_path,
                         at + (i * INDEX_ENTRY_LEN) as u64,
                         "index entry checksum mismatch",
                     )
-                })
-            })
-            .collect()
+                })?;
+                f(position + i as u64, &entry);
+            }
+            position += n;
+        }
+        Ok(())
     }
 
     /// Finds the index entry of `seq` by binary search.

@@ -32,8 +32,6 @@ const MAX_VIEWS: usize = 1024;
 /// Views are dropped, least recently used first, while they hold more items than this: an item is 8
 /// bytes (a record in due order is one, an outcome three), so about 128 MiB in all.
 const ITEM_BUDGET: usize = 16 << 20;
-/// Index entries read at a time while building `due_order`.
-const CHUNK: u64 = 1 << 16;
 
 /// One outcome frame, as the index of a dispatch log keeps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -148,21 +146,17 @@ impl View {
         }
         // Read whole before anything changes, so that a failed read leaves the view as it was.
         let mut fresh = Vec::with_capacity(usize::try_from(len - self.entries).unwrap_or(0));
-        let mut at = self.entries;
-        while at < len {
-            let entries = reader.entries(at, CHUNK.min(len - at))?;
-            if entries.is_empty() {
-                break;
-            }
-            for entry in &entries {
-                fresh.push(u64::from(due_key(entry.deliver_at_ms, bucket)) << 32 | at);
-                at += 1;
-            }
-        }
+        reader.scan(self.entries, len - self.entries, |position, entry| {
+            fresh.push(u64::from(due_key(entry.deliver_at_ms, bucket)) << 32 | position);
+        })?;
         sort_by_due(&mut fresh);
-        self.due_order.append(&mut fresh);
-        self.due_order.sort(); // merges the two sorted runs
-        self.entries = at;
+        if self.due_order.is_empty() {
+            self.due_order = fresh;
+        } else {
+            self.due_order.append(&mut fresh);
+            self.due_order.sort(); // merges the two sorted runs
+        }
+        self.entries = len;
         Ok(())
     }
 
