@@ -81,9 +81,9 @@ for _ in $(seq 1 300); do
   kill -0 "$SERVER" 2>/dev/null || break
   sleep 0.1
 done
-if [ -z "$BASE" ] || [ "$(curl -s -o /dev/null -w '%{http_code}' "$BASE/readyz")" != 200 ]; then
-  echo "delayd did not become ready within 30 s:" >&2
-  cat "$WORK/server.log" >&2
+if [ -z "$BASE" ] ||
+  [ "$(curl -s --max-time 10 -o /dev/null -w '%{http_code}' "$BASE/readyz")" != 200 ]; then
+  echo "delayd did not become ready within 30 s" >&2 # (the trap shows its log)
   exit 1
 fi
 

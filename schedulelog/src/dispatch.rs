@@ -314,16 +314,16 @@ impl DispatchLogs {
         Ok((found, start + end as u64))
     }
 
-    /// The outcomes whose frames start at `offsets` in a bucket's log (offsets [`Self::read_from`] gave).
-    pub(crate) fn read_at(&self, bucket: Bucket, offsets: &[u64]) -> Result<Vec<Outcome>> {
+    /// The outcomes whose frames start at `offsets` in a bucket's log (offsets [`Self::read_from`] gave);
+    /// `None` when the log is gone (the bucket was retired meanwhile, its records with it).
+    pub(crate) fn read_at(&self, bucket: Bucket, offsets: &[u64]) -> Result<Option<Vec<Outcome>>> {
         if offsets.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Some(Vec::new()));
         }
         let path = path(&self.dir, bucket);
         let file = match File::open(&path) {
             Ok(file) => file,
-            // Retired meanwhile: its records are gone too.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io(&path)(e)),
         };
         let mut outcomes = Vec::with_capacity(offsets.len());
@@ -344,7 +344,7 @@ impl DispatchLogs {
             };
             outcomes.push(outcome.map_err(|reason| Error::corrupt(&path, offset, reason))?);
         }
-        Ok(outcomes)
+        Ok(Some(outcomes))
     }
 
     /// The size of a bucket's log now (0 without one).

@@ -209,7 +209,9 @@ impl Walk<'_> {
             bucket,
             seq: entry.seq,
         };
-        let outcomes = view.outcomes_of(self.log.dispatch(), bucket, entry.seq)?;
+        let Some(outcomes) = view.outcomes_of(self.log.dispatch(), bucket, entry.seq)? else {
+            return Ok(true); // retired meanwhile
+        };
         self.page.messages.push(Listed {
             location,
             message,
@@ -233,7 +235,7 @@ impl ScheduleLog {
             done: false,
         };
         let mut more = query.limit > 0;
-        for (bucket, total) in self.entry_counts() {
+        for bucket in self.buckets() {
             if !more || bucket.start_ms() >= query.to_ms {
                 break;
             }
@@ -253,9 +255,13 @@ impl ScheduleLog {
             if query.status.finished().is_some() && !has_outcomes {
                 continue;
             }
+            // (The count of records is taken after the outcomes are read: every record with an
+            // outcome is filed by then, so the count is never short of them.)
             if query.status == StatusFilter::Pending
                 && has_outcomes
-                && self.with_view(bucket, false, |view, _| Ok(view.finished()))? >= total
+                && self.with_view(bucket, false, |view, _| {
+                    Ok(view.finished() >= self.filed_records(bucket))
+                })?
             {
                 continue;
             }
@@ -325,11 +331,14 @@ impl ScheduleLog {
             if bucket.end_ms(width) <= from_ms || bucket.start_ms() >= to_ms {
                 continue;
             }
-            // Most future buckets have no dispatch log: nothing to read, no view to keep.
-            let finished = if self.dispatch().size(bucket)? == 0 {
-                0
+            // Most future buckets have no dispatch log: nothing to read, no view to keep. (With one,
+            // the count of records is taken after its outcomes are read, as in `list`.)
+            let (total, finished) = if self.dispatch().size(bucket)? == 0 {
+                (total, 0)
             } else {
-                self.with_view(bucket, false, |view, _| Ok(view.finished()))?
+                self.with_view(bucket, false, |view, _| {
+                    Ok((self.filed_records(bucket), view.finished()))
+                })?
             };
             counts.push(BucketCount {
                 bucket,

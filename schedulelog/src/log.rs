@@ -402,10 +402,16 @@ impl ScheduleLog {
 
     /// The outcomes recorded for one record, oldest first: read through the bucket's outcome index
     /// (view.rs), so a lookup reads its own outcomes, not the whole dispatch log.
-    pub fn outcomes_of(&self, location: Location) -> Result<Vec<Outcome>> {
+    /// `None` when the bucket was retired meanwhile.
+    pub fn outcomes_of(&self, location: Location) -> Result<Option<Vec<Outcome>>> {
         self.with_view(location.bucket, false, |view, _| {
             view.outcomes_of(&self.shared.dispatch, location.bucket, location.seq)
         })
+    }
+
+    /// How many records a bucket has filed now (0 without a segment).
+    pub(crate) fn filed_records(&self, bucket: Bucket) -> u64 {
+        self.shared.replay().entries(bucket).unwrap_or(0)
     }
 
     /// Runs `f` on a bucket's view, its outcomes caught up, and its records in due order too when
@@ -533,8 +539,12 @@ impl ScheduleLog {
             if message.id != id {
                 return Ok(None);
             }
+            // (Retired between reading the record and its outcomes: gone.)
+            let Some(outcomes) = self.outcomes_of(location)? else {
+                return Ok(None);
+            };
             let (pointers, outcomes): (Vec<Outcome>, Vec<Outcome>) =
-                self.outcomes_of(location)?.into_iter().partition(|o| {
+                outcomes.into_iter().partition(|o| {
                     o.attempt > message.attempt && matches!(o.kind, OutcomeKind::Retried { .. })
                 });
             if hop == 0 {
@@ -740,7 +750,8 @@ impl ScheduleLog {
     }
 
     /// Deletes the files of every bucket that ended more than `retention` ago and whose records are all
-    /// finished, none of them retried into an attempt still pending. Returns the buckets retired.
+    /// finished, none of them retried into an attempt not filed yet or in a bucket still kept (so that
+    /// an id always leads to its current attempt). Returns the buckets retired.
     pub fn retire(&self) -> Result<Vec<Bucket>> {
         let now = self.shared.clock.now_ms();
         let retention_ms = i64::try_from(self.shared.retention.as_millis()).unwrap_or(i64::MAX);
@@ -762,23 +773,14 @@ impl ScheduleLog {
             if entries.iter().any(|e| !finished.contains(&e.seq)) {
                 continue;
             }
-            // A retry or requeue still pending is found by its id through this bucket (its first
-            // attempt's pointers, or the attempt it replaced): kept until that one is finished too.
-            let mut leads_to_pending = false;
-            for outcome in &outcomes {
-                if let OutcomeKind::Retried { next, .. } = outcome.kind {
-                    let kept = self.shared.replay().entries(next.bucket).is_some();
-                    if kept
-                        && self.with_view(next.bucket, false, |view, _| {
-                            Ok(view.effect(next.seq).is_none())
-                        })?
-                    {
-                        leads_to_pending = true;
-                        break;
-                    }
-                }
-            }
-            if leads_to_pending {
+            // A later attempt (a retry, a requeue) is found by its id through this bucket: kept
+            // while one is not filed yet or its bucket is kept (and an error reading another
+            // bucket keeps this one, rather than stop every retirement).
+            let leads_on = outcomes.iter().any(|outcome| match outcome.kind {
+                OutcomeKind::Retried { next, .. } => self.leads_on(bucket, next).unwrap_or(true),
+                _ => false,
+            });
+            if leads_on {
                 continue;
             }
             let mut replay = self.shared.replay();
@@ -797,6 +799,34 @@ impl ScheduleLog {
             retired.push(bucket);
         }
         Ok(retired)
+    }
+
+    /// Whether a `retried` outcome of `bucket` (all of whose records are finished) leads to an attempt
+    /// that must stay findable by its id: one written but not filed yet, or one in another bucket that
+    /// is kept. Within `bucket`, it follows each attempt's own retry on.
+    fn leads_on(&self, bucket: Bucket, mut at: Location) -> Result<bool> {
+        // Each hop moves to a later attempt; attempts are u16, so this bounds a corrupt cycle.
+        for _ in 0..=u16::MAX {
+            if at.seq >= self.filed_below() {
+                return Ok(true);
+            }
+            if at.bucket != bucket {
+                return Ok(self.shared.replay().entries(at.bucket).is_some());
+            }
+            let retried = self
+                .outcomes_of(at)?
+                .unwrap_or_default()
+                .into_iter()
+                .find_map(|o| match o.kind {
+                    OutcomeKind::Retried { next, .. } => Some(next),
+                    _ => None,
+                });
+            match retried {
+                Some(next) if next != at => at = next,
+                _ => return Ok(false),
+            }
+        }
+        Ok(true)
     }
 
     /// Replays everything acknowledged so far, syncs the segments and writes a checkpoint now. A failed

@@ -352,7 +352,8 @@ impl SegmentReader {
 
     /// Reads index entries `[from, from + count)` (clamped to the published ones), checking each.
     pub fn entries(&self, from: u64, count: u64) -> Result<Vec<IndexEntry>> {
-        let mut entries = Vec::with_capacity(usize::try_from(count.min(self.entries)).unwrap_or(0));
+        let wanted = count.min(self.entries.saturating_sub(from));
+        let mut entries = Vec::with_capacity(usize::try_from(wanted).unwrap_or(0));
         self.scan(from, count, |_, entry| entries.push(*entry))?;
         Ok(entries)
     }

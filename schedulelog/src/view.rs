@@ -222,13 +222,14 @@ impl View {
         }
     }
 
-    /// Every outcome recorded for a seq, in the order they happened.
+    /// Every outcome recorded for a seq, in the order they happened; `None` when the bucket was
+    /// retired meanwhile.
     pub(crate) fn outcomes_of(
         &self,
         dispatch: &DispatchLogs,
         bucket: Bucket,
         seq: u64,
-    ) -> Result<Vec<Outcome>> {
+    ) -> Result<Option<Vec<Outcome>>> {
         let offsets: Vec<u64> = self.refs(seq).iter().map(|r| r.offset).collect();
         dispatch.read_at(bucket, &offsets)
     }
@@ -253,6 +254,9 @@ impl View {
 /// sort takes.
 fn sort_by_due(items: &mut Vec<u64>) {
     let highest = items.iter().map(|k| k >> 32).max().unwrap_or(0);
+    if highest == 0 {
+        return; // all due at once: in position order already
+    }
     let mut sorted = vec![0u64; items.len()];
     let mut shift = 32;
     while shift < 64 && highest >> (shift - 32) > 0 {

@@ -702,8 +702,9 @@ pub async fn requeue(
             format!("the delivery time is more than max_delay ({max_delay} ms) away"),
         ));
     }
-    // A requeue writes the message again: refused like a new one while the disk is short of space.
-    check_disk(&state, 0)?;
+    // A requeue writes the message again: refused like a new one while the disk is short of space
+    // (counted as large as a message may be: its size is known only once it is read).
+    check_disk(&state, state.config.limits.max_message_bytes)?;
     let requeued = state.scheduler.requeue_dead(id, deliver_at_ms).await?;
     Ok(Json(json!({
         "id": id.to_string(),

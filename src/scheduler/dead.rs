@@ -119,10 +119,10 @@ pub(crate) async fn requeue(
         reason: format!("requeued; it had died: {reason}"),
     };
     let mut pause = std::time::Duration::from_millis(100);
-    for attempt in 1.. {
+    for try_number in 1.. {
         match record(&shared, &status, kind.clone()).await {
             Ok(()) => break,
-            Err(error) if attempt < 6 && shared.log.poisoned().is_none() => {
+            Err(error) if try_number < 6 && shared.log.poisoned().is_none() => {
                 tracing::warn!(%id, %error, "recording a requeue's outcome failed; trying again");
                 tokio::time::sleep(pause).await;
                 pause *= 2;

@@ -287,7 +287,7 @@ fn a_lookup_reads_outcomes_recorded_after_its_view_was_built_and_never_half_a_fr
         log.lookup(b.id).unwrap().unwrap().state,
         MessageState::Delivered { at_ms: T0 + 7 }
     );
-    assert_eq!(log.outcomes_of(b.location).unwrap().len(), 1);
+    assert_eq!(log.outcomes_of(b.location).unwrap().unwrap().len(), 1);
     assert!(all_pages(&log, query(StatusFilter::Pending, 5))
         .0
         .is_empty());
@@ -378,7 +378,55 @@ fn a_bucket_is_not_retired_while_an_attempt_it_leads_to_is_pending() {
     };
     log.record_outcomes(&[(next.location.bucket, delivered)])
         .unwrap();
-    assert_eq!(log.retire().unwrap(), vec![bucket]);
+    // Finished, but its bucket is kept: so is the first one, that its id leads through.
+    assert_eq!(log.retire().unwrap(), vec![]);
+    clock.set(next.location.bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
+    assert_eq!(log.retire().unwrap(), vec![next.location.bucket]);
+    assert_eq!(log.retire().unwrap(), vec![bucket], "the next pass");
+}
+
+#[test]
+fn a_retry_written_but_not_filed_keeps_the_bucket_it_came_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    // Attempt 0 retried into attempt 1 in the same bucket, which dies; attempt 2 is "written" at a
+    // seq the replayer has not filed (past `filed_below`), as a retry the replayer has not reached.
+    let first = append_one(&log, T0 + 60_000, "first");
+    let again = NewMessage {
+        deliver_at_ms: T0 + 120_000,
+        topic: "t".into(),
+        key: None,
+        headers: Vec::new(),
+        sink: "broker".into(),
+        body: b"again".to_vec(),
+        retry_of: Some((first.id, 1)),
+        dedup: false,
+    };
+    let second = log.append(vec![again.encode().unwrap()]).wait().unwrap()[0];
+    let retried = |next| OutcomeKind::Retried {
+        next,
+        reason: "503".into(),
+    };
+    record(&log, &first, retried(second.location));
+    let not_filed = Location {
+        bucket: Bucket::of(T0 + 48 * HOUR_MS, SegmentMinutes::DEFAULT),
+        seq: log.filed_below() + 1_000,
+    };
+    let outcome = Outcome {
+        seq: second.location.seq,
+        at_ms: T0,
+        attempt: 1,
+        kind: retried(not_filed),
+    };
+    log.record_outcomes(&[(second.location.bucket, outcome)])
+        .unwrap();
+    clock.set(first.location.bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
+    assert_eq!(
+        log.retire().unwrap(),
+        vec![],
+        "followed through attempt 1 to attempt 2"
+    );
 }
 
 #[test]
