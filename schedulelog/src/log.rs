@@ -41,7 +41,7 @@ use crate::segment::{IndexEntry, SegmentReader};
 use crate::view::{self, View, Views};
 use crate::wal::{self, ActiveWal};
 use crossbeam_channel::{Receiver, Sender};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -750,8 +750,9 @@ impl ScheduleLog {
     }
 
     /// Deletes the files of every bucket that ended more than `retention` ago and whose records are all
-    /// finished, none of them retried into an attempt not filed yet or in a bucket still kept (so that
-    /// an id always leads to its current attempt). Returns the buckets retired.
+    /// finished, and whose messages retried into later attempts have those finished and past their
+    /// retention too (so that an id leads to its current attempt as long as that is kept). Returns the
+    /// buckets retired.
     pub fn retire(&self) -> Result<Vec<Bucket>> {
         let now = self.shared.clock.now_ms();
         let retention_ms = i64::try_from(self.shared.retention.as_millis()).unwrap_or(i64::MAX);
@@ -773,14 +774,21 @@ impl ScheduleLog {
             if entries.iter().any(|e| !finished.contains(&e.seq)) {
                 continue;
             }
-            // A later attempt (a retry, a requeue) is found by its id through this bucket: kept
-            // while one is not filed yet or its bucket is kept (and an error reading another
-            // bucket keeps this one, rather than stop every retirement).
-            let leads_on = outcomes.iter().any(|outcome| match outcome.kind {
-                OutcomeKind::Retried { next, .. } => self.leads_on(bucket, next).unwrap_or(true),
-                _ => false,
-            });
-            if leads_on {
+            // A message retried (or requeued) from here is found by its id through this bucket: kept
+            // while its current attempt is kept (an error reading where that is keeps it too).
+            let mut newest: HashMap<u64, (u16, Location)> = HashMap::new();
+            for outcome in &outcomes {
+                if let OutcomeKind::Retried { next, .. } = outcome.kind {
+                    let slot = newest.entry(outcome.seq).or_insert((outcome.attempt, next));
+                    if outcome.attempt > slot.0 {
+                        *slot = (outcome.attempt, next);
+                    }
+                }
+            }
+            if newest
+                .values()
+                .any(|&(_, next)| self.current_attempt_kept(next, now).unwrap_or(true))
+            {
                 continue;
             }
             let mut replay = self.shared.replay();
@@ -801,29 +809,34 @@ impl ScheduleLog {
         Ok(retired)
     }
 
-    /// Whether a `retried` outcome of `bucket` (all of whose records are finished) leads to an attempt
-    /// that must stay findable by its id: one written but not filed yet, or one in another bucket that
-    /// is kept. Within `bucket`, it follows each attempt's own retry on.
-    fn leads_on(&self, bucket: Bucket, mut at: Location) -> Result<bool> {
+    /// Whether the current attempt of a message, found from one of its later attempts `at` by its
+    /// `retried` outcomes, is kept: written but not filed yet, pending, or finished in a bucket still
+    /// within its retention (its status is answered that long). A chain of one message's attempts is
+    /// followed, never another message's, so one slow message keeps only its own buckets.
+    fn current_attempt_kept(&self, mut at: Location, now: i64) -> Result<bool> {
+        let retention_ms = i64::try_from(self.shared.retention.as_millis()).unwrap_or(i64::MAX);
         // Each hop moves to a later attempt; attempts are u16, so this bounds a corrupt cycle.
         for _ in 0..=u16::MAX {
             if at.seq >= self.filed_below() {
                 return Ok(true);
             }
-            if at.bucket != bucket {
-                return Ok(self.shared.replay().entries(at.bucket).is_some());
-            }
-            let retried = self
-                .outcomes_of(at)?
-                .unwrap_or_default()
-                .into_iter()
-                .find_map(|o| match o.kind {
-                    OutcomeKind::Retried { next, .. } => Some(next),
-                    _ => None,
-                });
+            // (Every filed record's bucket has a segment until it is retired.)
+            let retired = self.shared.replay().entries(at.bucket).is_none();
+            let outcomes = if retired { None } else { self.outcomes_of(at)? };
+            let Some(outcomes) = outcomes else {
+                return Ok(false); // its bucket is retired
+            };
+            let retried = outcomes.iter().find_map(|o| match o.kind {
+                OutcomeKind::Retried { next, .. } => Some(next),
+                _ => None,
+            });
             match retried {
                 Some(next) if next != at => at = next,
-                _ => return Ok(false),
+                _ if outcomes.is_empty() => return Ok(true), // pending
+                _ => {
+                    let end = at.bucket.end_ms(self.shared.width);
+                    return Ok(end.saturating_add(retention_ms) > now);
+                }
             }
         }
         Ok(true)

@@ -378,11 +378,62 @@ fn a_bucket_is_not_retired_while_an_attempt_it_leads_to_is_pending() {
     };
     log.record_outcomes(&[(next.location.bucket, delivered)])
         .unwrap();
-    // Finished, but its bucket is kept: so is the first one, that its id leads through.
+    // Finished, but within its own retention: the first bucket, that its id leads through, is kept.
     assert_eq!(log.retire().unwrap(), vec![]);
+    assert!(log.lookup(first.id).unwrap().is_some());
     clock.set(next.location.bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
-    assert_eq!(log.retire().unwrap(), vec![next.location.bucket]);
-    assert_eq!(log.retire().unwrap(), vec![bucket], "the next pass");
+    assert_eq!(log.retire().unwrap(), vec![bucket, next.location.bucket]);
+}
+
+/// A message retried from bucket `from` into `to` (with `attempt` its attempt there).
+fn retry_into(log: &ScheduleLog, from: &Appended, attempt: u16, due: i64) -> Appended {
+    let retry = NewMessage {
+        deliver_at_ms: due,
+        topic: "t".into(),
+        key: None,
+        headers: Vec::new(),
+        sink: "broker".into(),
+        body: b"again".to_vec(),
+        retry_of: Some((from.id, attempt)),
+        dedup: false,
+    };
+    let next = log.append(vec![retry.encode().unwrap()]).wait().unwrap()[0];
+    let outcome = Outcome {
+        seq: from.location.seq,
+        at_ms: T0,
+        attempt: attempt - 1,
+        kind: OutcomeKind::Retried {
+            next: next.location,
+            reason: "503".into(),
+        },
+    };
+    log.record_outcomes(&[(from.location.bucket, outcome)])
+        .unwrap();
+    next
+}
+
+#[test]
+fn a_message_pending_in_a_later_hour_keeps_only_its_own_hours() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    // Hour 1: m1, retried into hour 2 and delivered there. Hour 2: m2, retried into hour 3, pending.
+    let m1 = append_one(&log, T0 + HOUR_MS, "m1");
+    let m2 = append_one(&log, T0 + 2 * HOUR_MS, "m2");
+    let m1_again = retry_into(&log, &m1, 1, T0 + 2 * HOUR_MS + 1);
+    record(&log, &m1_again, OutcomeKind::Delivered);
+    let m2_again = retry_into(&log, &m2, 1, T0 + 3 * HOUR_MS);
+    let (hour1, hour2) = (m1.location.bucket, m2.location.bucket);
+    assert_eq!(m1_again.location.bucket, hour2);
+    clock.set(hour2.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
+    // Hour 1's message ended in hour 2, past its retention: hour 1 goes, although hour 2 stays for
+    // m2, whose current attempt is pending in hour 3.
+    assert_eq!(log.retire().unwrap(), vec![hour1]);
+    assert!(log.lookup(m2.id).unwrap().is_some());
+    assert_eq!(
+        log.lookup(m2.id).unwrap().unwrap().location,
+        m2_again.location
+    );
 }
 
 #[test]
@@ -390,25 +441,11 @@ fn a_retry_written_but_not_filed_keeps_the_bucket_it_came_from() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
     let log = open(dir.path(), &clock);
-    // Attempt 0 retried into attempt 1 in the same bucket, which dies; attempt 2 is "written" at a
-    // seq the replayer has not filed (past `filed_below`), as a retry the replayer has not reached.
+    // Attempt 0 retried into attempt 1 three hours later, which is retried into attempt 2 at a seq
+    // the replayer has not filed (past `filed_below`): as a retry the replayer has not reached, so
+    // that no pointer under attempt 0 leads to it yet. The first bucket's link ends at attempt 1.
     let first = append_one(&log, T0 + 60_000, "first");
-    let again = NewMessage {
-        deliver_at_ms: T0 + 120_000,
-        topic: "t".into(),
-        key: None,
-        headers: Vec::new(),
-        sink: "broker".into(),
-        body: b"again".to_vec(),
-        retry_of: Some((first.id, 1)),
-        dedup: false,
-    };
-    let second = log.append(vec![again.encode().unwrap()]).wait().unwrap()[0];
-    let retried = |next| OutcomeKind::Retried {
-        next,
-        reason: "503".into(),
-    };
-    record(&log, &first, retried(second.location));
+    let second = retry_into(&log, &first, 1, T0 + 3 * HOUR_MS);
     let not_filed = Location {
         bucket: Bucket::of(T0 + 48 * HOUR_MS, SegmentMinutes::DEFAULT),
         seq: log.filed_below() + 1_000,
@@ -417,11 +454,14 @@ fn a_retry_written_but_not_filed_keeps_the_bucket_it_came_from() {
         seq: second.location.seq,
         at_ms: T0,
         attempt: 1,
-        kind: retried(not_filed),
+        kind: OutcomeKind::Retried {
+            next: not_filed,
+            reason: "503".into(),
+        },
     };
     log.record_outcomes(&[(second.location.bucket, outcome)])
         .unwrap();
-    clock.set(first.location.bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
+    clock.set(second.location.bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
     assert_eq!(
         log.retire().unwrap(),
         vec![],
