@@ -265,17 +265,18 @@ impl ScheduleLog {
             {
                 continue;
             }
-            // Finished records are found from the outcome index when there are few of them, and by the
-            // walk in due order otherwise (their index entries would all be searched for first).
-            let finished = match query.status.finished() {
+            // Finished records are found from the outcome index when there are few of them (`few`),
+            // and by the walk in due order otherwise (their index entries would all be searched for
+            // first).
+            let few = match query.status.finished() {
                 Some(effect) => {
-                    let count =
-                        self.with_view(bucket, false, |view, _| Ok(view.seqs_with(effect).len()))?;
-                    Some(effect).filter(|_| count <= query.scan_limit)
+                    let seqs =
+                        self.with_view(bucket, false, |view, _| Ok(view.seqs_with(effect)))?;
+                    Some(seqs).filter(|seqs| seqs.len() <= query.scan_limit)
                 }
                 None => None,
             };
-            more = self.with_view(bucket, finished.is_none(), |view, reader| {
+            more = self.with_view(bucket, few.is_none(), |view, reader| {
                 let opened;
                 let reader = match reader {
                     Some(reader) => reader,
@@ -287,7 +288,7 @@ impl ScheduleLog {
                         }
                     }
                 };
-                match finished {
+                match &few {
                     None => {
                         for item in view.due_from(from, after) {
                             if !walk.visit(bucket, view, reader, item)? {
@@ -295,9 +296,9 @@ impl ScheduleLog {
                             }
                         }
                     }
-                    Some(effect) => {
+                    Some(seqs) => {
                         let mut found = Vec::new();
-                        for seq in view.seqs_with(effect) {
+                        for &seq in seqs {
                             if let Some((position, entry)) = reader.position(seq)? {
                                 found.push((due_key(entry.deliver_at_ms, bucket), position));
                             }

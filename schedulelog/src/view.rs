@@ -250,8 +250,8 @@ impl View {
 
 /// Sorts `due_order` items given in position order by due time, keeping position order among equal
 /// ones: so in `due_order`'s order. A stable radix sort on the due time's bits, 11 a pass (three at
-/// most; none over bits no item has): a bucket's 10 M items take about a tenth of what a comparison
-/// sort takes.
+/// most; none over bits no item has): a bucket's 10 M items took about a third of the time a
+/// comparison sort took (`cargo bench --bench listing`).
 fn sort_by_due(items: &mut Vec<u64>) {
     let highest = items.iter().map(|k| k >> 32).max().unwrap_or(0);
     if highest == 0 {

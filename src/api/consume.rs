@@ -165,7 +165,7 @@ pub async fn pull(
     let queue: u32 = queue
         .parse()
         .map_err(|_| ApiError::bad_request("invalid_queue", "queue must be a whole number"))?;
-    let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
+    let query = super::query_params(query)?;
     let max_pull = state.config.broker.max_pull_messages;
     if query.max == 0 || query.max > max_pull {
         return Err(ApiError::bad_request(

@@ -7,8 +7,8 @@
 
 use super::error::{ApiError, Problem};
 use super::messages::describe_state;
-use super::AppState;
-use crate::format::{format_ms, parse_rfc3339};
+use super::{query_params, AppState};
+use crate::format::format_ms;
 use crate::scheduler::{CancelError, Cancelled};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
@@ -59,23 +59,12 @@ pub struct RangeParams {
     to: Option<String>,
 }
 
-fn query<T>(query: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
-    query
-        .map(|Query(q)| q)
-        .map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))
-}
-
 /// A `from` / `to` parameter: unix milliseconds or an RFC 3339 time; `default` when absent.
 fn time_param(name: &str, value: Option<&str>, default: i64) -> Result<i64, ApiError> {
     let Some(text) = value else {
         return Ok(default);
     };
-    let parsed = if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
-        text.parse().ok()
-    } else {
-        parse_rfc3339(text)
-    };
-    parsed.ok_or_else(|| {
+    crate::intake::deliver_at_from_text(text).map_err(|_| {
         ApiError::bad_request(
             "invalid_query",
             format!("{name} {text:?} is neither unix milliseconds nor an RFC 3339 time"),
@@ -136,7 +125,7 @@ pub async fn list(
     State(state): State<AppState>,
     params: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let params = query(params)?;
+    let params = query_params(params)?;
     let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
     if !(1..=MAX_LIMIT).contains(&limit) {
         return Err(ApiError::bad_request(
@@ -214,7 +203,7 @@ pub async fn purge(
     State(state): State<AppState>,
     params: Result<Query<RangeParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let params = query(params)?;
+    let params = query_params(params)?;
     let Some(topic) = params.topic.filter(|t| !t.is_empty()) else {
         return Err(ApiError::bad_request(
             "topic_required",
@@ -315,7 +304,7 @@ pub async fn timeline(
     State(state): State<AppState>,
     params: Result<Query<RangeParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let params = query(params)?;
+    let params = query_params(params)?;
     if params.topic.is_some() {
         return Err(ApiError::bad_request(
             "invalid_query",

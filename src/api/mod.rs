@@ -299,6 +299,16 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
+/// Query parameters, or 400 `invalid_query` with serde's explanation (an unknown or malformed one).
+/// Taken as a `Result` by handlers, so that they check their path first.
+pub fn query_params<T>(
+    query: Result<axum::extract::Query<T>, axum::extract::rejection::QueryRejection>,
+) -> Result<T, ApiError> {
+    query
+        .map(|axum::extract::Query(q)| q)
+        .map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))
+}
+
 /// A JSON request body whose failures are problem+json: 413 over the size limit, 400 `invalid_json`
 /// with serde's explanation for malformed JSON or wrong types.
 #[derive(Debug)]
