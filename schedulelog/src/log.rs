@@ -438,7 +438,7 @@ impl ScheduleLog {
         f(&view, reader.as_ref())
     }
 
-    /// Reads outcomes at offsets of a bucket's dispatch log (listing.rs).
+    /// The dispatch logs, for listing.rs (their sizes, and outcomes at the offsets a view holds).
     pub(crate) fn dispatch(&self) -> &DispatchLogs {
         &self.shared.dispatch
     }
