@@ -22,11 +22,11 @@
 //! - A full disk at rollover is a state, not a failure: it fails the request that needed the new file
 //!   with [`AppendError::DiskFull`] and is reported through `ScheduleLog::disk_full`. For
 //!   `ROLL_RETRY_MS` after it, a request that needs a rollover fails the same way at once, without
-//!   trying: preparing a file zero-fills it in this thread, which every queued request would wait for.
-//!   While idle in that state the writer tries the rollover itself once a second, so that the state
-//!   clears once space is freed even if no request comes. A retry first checks (`statvfs`) that a whole
-//!   file fits, rather than zero-filling until `ENOSPC` each time. The first rollover that succeeds clears
-//!   the state.
+//!   trying: preparing a file (allocating it, or zero-filling it where the file system cannot) in this
+//!   thread, which every queued request would wait for. While idle in that state the writer tries the
+//!   rollover itself once a second, so that the state clears once space is freed even if no request
+//!   comes. A retry first checks (`statvfs`) that a whole file fits, rather than preparing one until
+//!   `ENOSPC` each time. The first rollover that succeeds clears the state.
 
 use crate::bucket::SegmentMinutes;
 use crate::clock::Clock;

@@ -6,6 +6,9 @@
 //! Invariants:
 //! - Records are applied in seq order; `next_seq` is the first seq not yet applied, published only after
 //!   the group's segment writes reached the files, so a reader that waits for `next_seq > seq` finds seq.
+//!   The messages of watched buckets may be filed ahead of their group ([`Replay::apply_watched`], while
+//!   the replayer waits for more groups): each segment still gets its records in seq order, and the apply
+//!   of the group skips them as filed.
 //! - A message goes to the bucket of `max(deliver_at, created_at)`: a message due in the past is filed
 //!   under the bucket current at its commit, never under one that may already be retired.
 //! - Replay is idempotent: a record whose seq is not above its segment's last seq is skipped, and a
@@ -24,7 +27,9 @@
 //!   may be written twice. They let a lookup find the newest attempt without the chain of `retried`
 //!   outcomes, which the dispatcher records only after the retry is durable and may fail to record.
 //! - A checkpoint is written only after every segment written since the last one is synced and every
-//!   segment created since is in a synced directory. After a failed sync no checkpoint is ever written
+//!   segment created since is in a synced directory: by an `fdatasync` per file, or, for many segments,
+//!   by one `syncfs` of the file system through a descriptor open since the log was (Linux 5.8 and later,
+//!   whose `syncfs` reports every write-back error on the file system since that descriptor was opened). After a failed sync no checkpoint is ever written
 //!   again (the sync may have dropped data a later sync would then claim durable): `checkpoint` fails
 //!   with the first failure's cause until the log is reopened, and the WAL stays for recovery.
 //! - A checkpoint is made in two steps: [`Replay::start_checkpoint`] takes, under the replayer's lock, a
@@ -48,6 +53,7 @@ use crate::record::{MessageHead, Outcome, OutcomeKind};
 use crate::segment::{self, IndexEntry, SegmentMark, SegmentWriter};
 use crate::wal::{self, WalRecord};
 use std::collections::{BTreeMap, HashSet};
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -67,6 +73,20 @@ fn max_open_segments() -> usize {
 fn max_open_segments() -> usize {
     2
 }
+
+/// From how many segments to sync on a checkpoint makes one `syncfs` of the file system instead of an
+/// `fdatasync` per file. Each `fdatasync` of a grown file commits the file system's journal and flushes
+/// the disk: on the realistic mix (a batch spread over a month of hourly buckets, ~720 segments per
+/// checkpoint, 1,440 files) that made a checkpoint take 1-6 s, so WAL files were retired late and the WAL
+/// grew past its spares into new, zero-filled files. One `syncfs` writes the same pages back and commits
+/// the journal once. It also writes back whatever else on the file system is dirty (the data dir should
+/// have a file system of its own; operations.md says so), so a checkpoint of a few segments keeps the
+/// per-file syncs.
+#[cfg(not(test))]
+const SYNC_FILE_SYSTEM_FROM: usize = 16;
+/// Tests reach it with a few buckets, so that both ways run.
+#[cfg(test)]
+const SYNC_FILE_SYSTEM_FROM: usize = 3;
 
 /// The bucket a message is filed under.
 pub(crate) fn placement(head: &MessageHead, width: SegmentMinutes) -> Bucket {
@@ -103,6 +123,9 @@ pub(crate) struct CheckpointJob {
     /// pages from the cache after (not for a bucket being delivered from).
     sync: Vec<(Bucket, SegmentMark, bool)>,
     schedule_dir: PathBuf,
+    /// The schedule directory, open since the log was, for `syncfs` (see `SYNC_FILE_SYSTEM_FROM`);
+    /// `None` where `syncfs` does not report write-back errors.
+    file_system: Option<Arc<File>>,
     checkpoint_path: PathBuf,
     width: SegmentMinutes,
     #[cfg(test)]
@@ -154,13 +177,30 @@ impl CheckpointJob {
 
     fn sync_and_store_locked(&self) -> Result<()> {
         let started = std::time::Instant::now();
-        for &(bucket, mark, drop_cache) in &self.sync {
-            #[cfg(test)]
+        #[cfg(test)]
+        for &(bucket, ..) in &self.sync {
             self.faults.sync_fails_at(
                 crate::fault::Point::SegmentSync,
                 &segment::log_path(&self.schedule_dir, bucket),
             )?;
-            segment::sync_files(&self.schedule_dir, bucket, mark.log_len, drop_cache)?;
+        }
+        match &self.file_system {
+            // Kept open since the log was opened, so that a write-back error of any time since is
+            // reported here, whoever else calls `syncfs` meanwhile.
+            Some(dir) if self.sync.len() >= SYNC_FILE_SYSTEM_FROM => {
+                crate::slow_disk::sync();
+                crate::sys::sync_file_system(dir).map_err(Error::sync(&self.schedule_dir))?;
+                for &(bucket, mark, drop_cache) in &self.sync {
+                    if drop_cache {
+                        segment::drop_cached_log(&self.schedule_dir, bucket, mark.log_len);
+                    }
+                }
+            }
+            _ => {
+                for &(bucket, mark, drop_cache) in &self.sync {
+                    segment::sync_files(&self.schedule_dir, bucket, mark.log_len, drop_cache)?;
+                }
+            }
         }
         // Every time, rather than after creations only: a job skipped above may have been the one to
         // sync the creations a newer job lists.
@@ -181,6 +221,8 @@ impl CheckpointJob {
 #[derive(Debug)]
 pub(crate) struct Replay {
     schedule_dir: PathBuf,
+    /// For checkpoint jobs (`CheckpointJob::file_system`).
+    file_system: Option<Arc<File>>,
     wal_dir: PathBuf,
     /// How many retired WAL files are kept for reuse at most (wal.rs).
     wal_spares: usize,
@@ -203,6 +245,8 @@ pub(crate) struct Replay {
     pub tap: Option<crossbeam_channel::Sender<Replayed>>,
     /// Why a sync failed, once one has: from then on no checkpoint is written.
     sync_failed: Option<String>,
+    /// How many segments the last `apply` wrote to.
+    spread: usize,
     #[cfg(test)]
     pub faults: Arc<crate::fault::Faults>,
 }
@@ -241,8 +285,15 @@ impl Replay {
                 },
             );
         }
+        let file_system = match crate::sys::file_system_sync_reports_errors() {
+            true => Some(Arc::new(
+                File::open(&schedule_dir).map_err(Error::io(&schedule_dir))?,
+            )),
+            false => None,
+        };
         Ok(Replay {
             schedule_dir,
+            file_system,
             wal_dir: data_dir.join("wal"),
             wal_spares,
             checkpoint_path: data_dir.join("checkpoint"),
@@ -258,6 +309,7 @@ impl Replay {
             watched: Default::default(),
             tap: None,
             sync_failed: None,
+            spread: 0,
             #[cfg(test)]
             faults: Default::default(),
         })
@@ -315,31 +367,7 @@ impl Replay {
                 }
             }
         }
-        // One bucket at a time (a stable sort keeps seq order within each): a group spread over more
-        // buckets than there are open writers would otherwise reopen a segment for nearly every record.
-        messages.sort_by_key(|(bucket, _, _)| *bucket);
-        for run in messages.chunk_by(|a, b| a.0 == b.0) {
-            let bucket = run[0].0;
-            let tap = match self.watched.contains(&bucket) {
-                true => self.tap.clone(),
-                false => None,
-            };
-            let state = self.writer(bucket)?;
-            let writer = state.writer.as_mut().expect("writer() opens it");
-            let mut entries = Vec::new();
-            for (_, head, frame) in run {
-                if head.seq <= writer.last_seq() {
-                    continue; // in the segment already (recovery, or an earlier try of this group)
-                }
-                entries.push(writer.append(frame, head));
-            }
-            state.written = writer.flush()?;
-            if let Some(tap) = &tap {
-                for entry in entries {
-                    let _ = tap.send(Replayed::Scheduled { bucket, entry });
-                }
-            }
-        }
+        self.spread = self.file(messages)?;
         // Checked only now: in recovery a cancel may come in the same call as its message, whose
         // bucket then exists only once the messages above are applied. (A first attempt's bucket that
         // is gone was retired: the message can no longer be looked up, and needs no pointer.)
@@ -361,6 +389,82 @@ impl Replay {
             self.next_seq = self.next_seq.max(last.seq() + 1);
         }
         Ok(())
+    }
+
+    /// Files the messages of watched buckets among `groups` now, ahead of the others (which wait for
+    /// [`Replay::apply`] of the same groups): a watched bucket is being delivered from, and its messages
+    /// reach the wheel only once filed. `next_seq` does not move. Returns whether a group cancels a
+    /// message of a watched bucket, which must not wait for the rest either.
+    ///
+    /// Called with every group not yet applied, oldest first, each time: a bucket may become watched
+    /// between two calls, and its segment must get its earlier records before its later ones (a record
+    /// not above a segment's last seq counts as filed).
+    pub(crate) fn apply_watched(&mut self, groups: &[(&[u8], &[WalRecord])]) -> Result<bool> {
+        let mut urgent = false;
+        let mut messages = Vec::new();
+        let records = groups
+            .iter()
+            .flat_map(|(bytes, records)| records.iter().map(move |r| (*bytes, r)));
+        for (bytes, record) in records {
+            if record.seq() < self.next_seq {
+                continue;
+            }
+            match record {
+                WalRecord::Message { head, frame } => {
+                    let bucket = placement(head, self.width);
+                    if self.watched.contains(&bucket) {
+                        messages.push((bucket, head, &bytes[frame.clone()]));
+                    }
+                }
+                WalRecord::Cancel(cancel) => {
+                    urgent |= self.watched.contains(&cancel.target.bucket);
+                }
+            }
+        }
+        self.file(messages)?;
+        Ok(urgent)
+    }
+
+    /// Writes messages (in seq order) to their segments, skipping those a segment has already, and
+    /// reports those of watched buckets to the tap. Returns how many segments it wrote to.
+    fn file(&mut self, mut messages: Vec<(Bucket, &MessageHead, &[u8])>) -> Result<usize> {
+        // One bucket at a time (a stable sort keeps seq order within each): a group spread over more
+        // buckets than there are open writers would otherwise reopen a segment for nearly every record.
+        messages.sort_by_key(|(bucket, _, _)| *bucket);
+        let mut written = 0;
+        for run in messages.chunk_by(|a, b| a.0 == b.0) {
+            let bucket = run[0].0;
+            let tap = match self.watched.contains(&bucket) {
+                true => self.tap.clone(),
+                false => None,
+            };
+            let state = self.writer(bucket)?;
+            let writer = state.writer.as_mut().expect("writer() opens it");
+            let mut entries = Vec::new();
+            for (_, head, frame) in run {
+                if head.seq <= writer.last_seq() {
+                    continue; // in the segment already (recovery, an earlier try of this group, or filed
+                              // ahead as a watched bucket's)
+                }
+                entries.push(writer.append(frame, head));
+            }
+            if entries.is_empty() {
+                continue;
+            }
+            state.written = writer.flush()?;
+            written += 1;
+            if let Some(tap) = &tap {
+                for entry in entries {
+                    let _ = tap.send(Replayed::Scheduled { bucket, entry });
+                }
+            }
+        }
+        Ok(written)
+    }
+
+    /// How many segments the last [`Replay::apply`] wrote to.
+    pub(crate) fn spread(&self) -> usize {
+        self.spread
     }
 
     /// The state of `bucket`'s segment with an open writer, creating the segment if needed.
@@ -468,6 +572,7 @@ impl Replay {
             },
             sync,
             schedule_dir: self.schedule_dir.clone(),
+            file_system: self.file_system.clone(),
             checkpoint_path: self.checkpoint_path.clone(),
             width: self.width,
             #[cfg(test)]

@@ -487,6 +487,14 @@ pub(crate) fn sync_files(dir: &Path, bucket: Bucket, log_len: u64, drop_cache: b
     Ok(())
 }
 
+/// Drops the pages of a synced segment's `.log` up to `log_len` from the page cache, as [`sync_files`]
+/// does with `drop_cache`, for a segment synced by other means. Advice only: errors are ignored.
+pub(crate) fn drop_cached_log(dir: &Path, bucket: Bucket, log_len: u64) {
+    if let Ok(file) = File::open(log_path(dir, bucket)) {
+        let _ = crate::sys::drop_cached_pages(&file, 0, log_len);
+    }
+}
+
 /// Deletes a segment's files (missing files are fine: a crash may have left one of the two).
 pub(crate) fn remove(dir: &Path, bucket: Bucket) -> Result<()> {
     for path in [log_path(dir, bucket), index_path(dir, bucket)] {

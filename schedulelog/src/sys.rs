@@ -68,6 +68,54 @@ pub(crate) fn start_writeback(file: &File, offset: u64, len: u64) -> io::Result<
     }
 }
 
+/// Allocates `len` bytes of disk for `file` from its start (`fallocate`, mode 0): the blocks are
+/// reserved and read as zeros, without writing them. `Unsupported` where the file system cannot.
+pub(crate) fn allocate(file: &File, len: u64) -> io::Result<()> {
+    let Ok(len) = libc::off_t::try_from(len) else {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    };
+    // SAFETY: fallocate only reads its integer arguments; the descriptor is valid for as long as `file`
+    // is borrowed, and a bad length or descriptor is reported through errno.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) => Err(io::Error::new(io::ErrorKind::Unsupported, e)),
+        _ => Err(e),
+    }
+}
+
+/// Writes back every dirty page of the file system holding `file` and commits its journal (`syncfs`):
+/// one flush of the device for all of them, where an `fdatasync` per file costs a journal commit and a
+/// flush each. Reports a write-back error of any file on the file system since `file` was opened (Linux
+/// 5.8 and later; see [`file_system_sync_reports_errors`]).
+pub(crate) fn sync_file_system(file: &File) -> io::Result<()> {
+    // SAFETY: syncfs only reads its descriptor argument, valid for as long as `file` is borrowed.
+    let rc = unsafe { libc::syncfs(file.as_raw_fd()) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether this kernel's `syncfs` reports write-back errors: Linux 5.8 and later. Before, it returned 0
+/// even when pages could not be written, so it cannot stand in for `fdatasync`.
+pub(crate) fn file_system_sync_reports_errors() -> bool {
+    let Ok(release) = std::fs::read_to_string("/proc/sys/kernel/osrelease") else {
+        return false;
+    };
+    let mut numbers = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    let major = numbers.next().unwrap_or(0);
+    let minor = numbers.next().unwrap_or(0);
+    (major, minor) >= (5, 8)
+}
+
 /// Tells the kernel that the cached pages of `file` in `[offset, offset + len)` will not be read soon, so
 /// it can free them now (they must be clean, i.e. synced, to be dropped).
 pub(crate) fn drop_cached_pages(file: &File, offset: u64, len: u64) -> io::Result<()> {

@@ -586,6 +586,112 @@ fn watch_hands_off_between_snapshot_and_live_reports() {
     assert!(matches!(got[1], Replayed::Cancelled { target, .. } if target == before.location));
 }
 
+/// While the replayer lingers for more groups, the messages of watched buckets are filed ahead of the
+/// rest (`Replay::apply_watched`). A bucket that becomes watched between two early filings must still
+/// get its records in seq order, each once (a record not above a segment's last seq counts as filed, so
+/// a later record filed first would hide an earlier one), each reported to the tap once; the full apply
+/// then files the rest and doubles nothing; a cancel of a watched bucket's message ends the wait.
+#[test]
+fn watched_buckets_are_filed_ahead_in_seq_order_and_once() {
+    use crate::replay::Replay;
+    use crate::wal::WalRecord;
+    let source = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(source.path(), &clock);
+    let (x, y) = (T0 + 2 * HOUR_MS, T0 + 5 * HOUR_MS);
+    // One group per WAL file (test files hold one block of frames, and a group is padded to a block).
+    let first = log
+        .append(vec![message(x, "x1"), message(y, "y1"), message(x, "x2")])
+        .wait()
+        .unwrap();
+    let second = log
+        .append(vec![message(x, "x3"), message(y, "y2")])
+        .wait()
+        .unwrap();
+    log.cancel(first[0].location).wait().unwrap();
+    // Read while the log is open: test options checkpoint only on close, which retires the files.
+    let files = wal::list(&source.path().join("wal")).unwrap();
+    let scanned: Vec<_> = files
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (seq, path))| wal::scan_file(path, *seq, i + 1 == files.len()).unwrap())
+        .filter(|f| !f.records.is_empty())
+        .collect();
+    log.close().unwrap();
+    let groups: Vec<(&[u8], &[WalRecord])> = scanned
+        .iter()
+        .map(|f| (&f.bytes[..], &f.records[..]))
+        .collect();
+    // Where each group ends: the first append's, the second's, and the cancel's (last).
+    let through = |seq: u64| {
+        1 + groups
+            .iter()
+            .position(|(_, r)| r.iter().any(|r| r.seq() == seq))
+            .unwrap()
+    };
+    let (to_first, to_second) = (
+        through(first[2].location.seq),
+        through(second[1].location.seq),
+    );
+    assert!(to_first < to_second && to_second < groups.len());
+
+    let target = tempfile::tempdir().unwrap();
+    for dir in ["schedule", "dispatch"] {
+        std::fs::create_dir(target.path().join(dir)).unwrap();
+    }
+    let width = SegmentMinutes::DEFAULT;
+    let mut replay =
+        Replay::open(target.path(), width, &checkpoint::Checkpoint::empty(), 1).unwrap();
+    let dispatch = dispatch::DispatchLogs::new(&target.path().join("dispatch"), width);
+    let (tap, reports) = crossbeam_channel::unbounded();
+    replay.tap = Some(tap);
+    let (bx, by) = (first[0].location.bucket, first[1].location.bucket);
+
+    assert!(!replay.apply_watched(&groups[..to_first]).unwrap());
+    assert_eq!(replay.entries(bx), None, "not watched yet: nothing filed");
+    replay.watched.insert(bx);
+    assert!(!replay.apply_watched(&groups[..to_second]).unwrap());
+    assert!(
+        replay.apply_watched(&groups).unwrap(),
+        "a cancel of a watched bucket's message does not wait"
+    );
+    let seqs = |replay: &Replay, bucket| {
+        let entries = replay.entries(bucket).unwrap();
+        let reader = SegmentReader::open(replay.schedule_dir(), bucket, entries).unwrap();
+        let read = reader.entries(0, reader.len()).unwrap();
+        read.iter().map(|e| e.seq).collect::<Vec<_>>()
+    };
+    let in_x = vec![
+        first[0].location.seq,
+        first[2].location.seq,
+        second[0].location.seq,
+    ];
+    assert_eq!(seqs(&replay, bx), in_x);
+    assert_eq!(replay.entries(by), None, "an unwatched bucket waits");
+    assert_eq!(replay.next_seq, 1, "nothing counts as applied yet");
+
+    replay.apply(&groups, &dispatch).unwrap();
+    assert_eq!(seqs(&replay, bx), in_x, "nothing doubled");
+    assert_eq!(
+        seqs(&replay, by),
+        vec![first[1].location.seq, second[1].location.seq]
+    );
+    assert_eq!(
+        replay.next_seq,
+        second[1].location.seq + 2,
+        "the cancel is applied too"
+    );
+    let scheduled: Vec<u64> = reports
+        .try_iter()
+        .filter_map(|r| match r {
+            Replayed::Scheduled { bucket, entry } if bucket == bx => Some(entry.seq),
+            Replayed::Scheduled { .. } => panic!("an unwatched bucket was reported"),
+            Replayed::Cancelled { .. } => None,
+        })
+        .collect();
+    assert_eq!(scheduled, in_x, "each reported once, in order");
+}
+
 /// A watch that fails (here: the index cannot be opened, as with EMFILE) must leave the bucket
 /// unwatched: records filed meanwhile are not reported, so the retry's snapshot, which holds them, is
 /// the only place they appear. Reported and in the snapshot, they would be in the wheel twice.
