@@ -151,7 +151,16 @@ impl NewMessage {
 impl MessageRef<'_> {
     /// Encodes the message into a frame, checking every length against the format's limits.
     pub fn encode(&self) -> Result<EncodedMessage, TooLarge> {
-        let mut buf = Vec::with_capacity(64 + self.topic.len() + self.body.len());
+        // The exact size: a guess one byte short made every 1 KiB message grow (and copy) its buffer.
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|(n, v)| 6 + n.len() + v.len())
+            .sum();
+        let variable =
+            1 + self.topic.len() + 1 + self.sink.len() + 2 + self.key.map_or(0, str::len);
+        let len = frame::HEADER_LEN + VARIABLE + variable + 2 + headers + 4 + self.body.len();
+        let mut buf = Vec::with_capacity(len);
         let at = frame::start(&mut buf);
         let (id, attempt) = match self.retry_of {
             Some((id, attempt)) => (Some(id), attempt),
@@ -195,6 +204,7 @@ impl MessageRef<'_> {
             });
         }
         frame::finish(&mut buf, at, Kind::Message);
+        debug_assert_eq!(buf.len(), len, "the size computed up front");
         Ok(EncodedMessage {
             frame: buf,
             deliver_at_ms: self.deliver_at_ms,
