@@ -233,7 +233,10 @@ impl ScheduleLog {
         let mut dispatch = DispatchLogs::new(&data_dir.join("dispatch"), width);
         check_wal_reaches(&data_dir, &checkpoint)?;
         // Retired WAL files kept for reuse: as many as the WAL grows by while a checkpoint is taken and
-        // made (its trigger, `checkpoint_bytes`, and as much again while its syncs run), at most 8.
+        // made (its trigger, `checkpoint_bytes`, and as much again while its syncs run), at most 8
+        // (512 MiB of disk). With the default trigger always 8: a node writing more than ~200 MB/s of WAL
+        // outgrows them between two checkpoints and allocates a file or two per checkpoint, which costs
+        // no writes, only slower syncs in those files (wal.rs).
         let wal_spares = (options.checkpoint_bytes.saturating_mul(2) / options.wal_segment_bytes)
             .clamp(1, 8) as usize;
         let mut replay = Replay::open(&data_dir, width, &checkpoint, wal_spares)?;
@@ -1020,7 +1023,12 @@ fn recover_wal(
             }
         }
     }
-    let next_seq = expected.unwrap_or(checkpointed).max(checkpointed);
+    // Never a seq a segment holds already (`Replay::highest_seq`): a new record with it would be taken
+    // for filed and skipped.
+    let next_seq = expected
+        .unwrap_or(checkpointed)
+        .max(checkpointed)
+        .max(replay.highest_seq() + 1);
     let active = match tail {
         Some((path, end, tail_next))
             if tail_next == next_seq && end.is_multiple_of(frame::BLOCK as u64) =>

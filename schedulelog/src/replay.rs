@@ -28,8 +28,9 @@
 //!   outcomes, which the dispatcher records only after the retry is durable and may fail to record.
 //! - A checkpoint is written only after every segment written since the last one is synced and every
 //!   segment created since is in a synced directory: by an `fdatasync` per file, or, for many segments,
-//!   by one `syncfs` of the file system through a descriptor open since the log was (Linux 5.8 and later,
-//!   whose `syncfs` reports every write-back error on the file system since that descriptor was opened). After a failed sync no checkpoint is ever written
+//!   by one `syncfs` of the file system through a descriptor open since the log was, where that reports
+//!   every write-back error on the file system since the descriptor was opened and a failed journal
+//!   commit (Linux 5.17 and later on ext4, XFS or tmpfs: `sys::file_system_sync_is_reliable`). After a failed sync no checkpoint is ever written
 //!   again (the sync may have dropped data a later sync would then claim durable): `checkpoint` fails
 //!   with the first failure's cause until the log is reopened, and the WAL stays for recovery.
 //! - A checkpoint is made in two steps: [`Replay::start_checkpoint`] takes, under the replayer's lock, a
@@ -124,7 +125,7 @@ pub(crate) struct CheckpointJob {
     sync: Vec<(Bucket, SegmentMark, bool)>,
     schedule_dir: PathBuf,
     /// The schedule directory, open since the log was, for `syncfs` (see `SYNC_FILE_SYSTEM_FROM`);
-    /// `None` where `syncfs` does not report write-back errors.
+    /// `None` where `syncfs` cannot stand in for the files' own syncs (`file_system_sync_is_reliable`).
     file_system: Option<Arc<File>>,
     checkpoint_path: PathBuf,
     width: SegmentMinutes,
@@ -285,10 +286,16 @@ impl Replay {
                 },
             );
         }
-        let file_system = match crate::sys::file_system_sync_reports_errors() {
-            true => Some(Arc::new(
-                File::open(&schedule_dir).map_err(Error::io(&schedule_dir))?,
-            )),
+        let dir = File::open(&schedule_dir).map_err(Error::io(&schedule_dir))?;
+        let file_system = match crate::sys::file_system_sync_is_reliable(&dir) {
+            // A write-back error from before this open (another program's, or one already reported
+            // through a file's own fdatasync) would fail the first checkpoint's syncfs: one syncfs now,
+            // before this open writes anything, takes it. Nothing below the checkpoint's marks can be
+            // concerned: those were synced before the checkpoint was stored.
+            true => {
+                let _ = crate::sys::sync_file_system(&dir);
+                Some(Arc::new(dir))
+            }
             false => None,
         };
         Ok(Replay {
@@ -635,6 +642,17 @@ impl Replay {
             sync_dir(&self.wal_dir)?;
         }
         Ok(())
+    }
+
+    /// The highest seq any segment holds (0 for none). A checkpoint taken while messages of a watched
+    /// bucket were filed ahead of their group (`apply_watched`) holds segments with seqs at or above its
+    /// `next_seq`: recovery must not hand those seqs out again should the WAL's tail be lost.
+    pub(crate) fn highest_seq(&self) -> u64 {
+        self.segments
+            .values()
+            .map(|s| s.written.last_seq)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Published entry count of a bucket's segment, `None` if it has none.

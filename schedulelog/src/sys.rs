@@ -89,8 +89,8 @@ pub(crate) fn allocate(file: &File, len: u64) -> io::Result<()> {
 
 /// Writes back every dirty page of the file system holding `file` and commits its journal (`syncfs`):
 /// one flush of the device for all of them, where an `fdatasync` per file costs a journal commit and a
-/// flush each. Reports a write-back error of any file on the file system since `file` was opened (Linux
-/// 5.8 and later; see [`file_system_sync_reports_errors`]).
+/// flush each. Reports a write-back error of any file on the file system since `file` was opened, and a
+/// failed journal commit, where [`file_system_sync_is_reliable`] says so.
 pub(crate) fn sync_file_system(file: &File) -> io::Result<()> {
     // SAFETY: syncfs only reads its descriptor argument, valid for as long as `file` is borrowed.
     let rc = unsafe { libc::syncfs(file.as_raw_fd()) };
@@ -101,9 +101,14 @@ pub(crate) fn sync_file_system(file: &File) -> io::Result<()> {
     }
 }
 
-/// Whether this kernel's `syncfs` reports write-back errors: Linux 5.8 and later. Before, it returned 0
-/// even when pages could not be written, so it cannot stand in for `fdatasync`.
-pub(crate) fn file_system_sync_reports_errors() -> bool {
+/// Whether `syncfs` on the file system holding `file` can stand in for an `fdatasync` of each file:
+/// Linux 5.17 or later (5.8 made it report write-back errors, 5.17 a failed journal commit; before,
+/// it answered 0 regardless), on ext4, XFS or tmpfs. Not on an overlay (a container's root), whose
+/// `syncfs` does not see the write-back errors of the file system beneath, nor on others not checked.
+pub(crate) fn file_system_sync_is_reliable(file: &File) -> bool {
+    const EXT4: i64 = 0xEF53;
+    const XFS: i64 = 0x5846_5342;
+    const TMPFS: i64 = 0x0102_1994;
     let Ok(release) = std::fs::read_to_string("/proc/sys/kernel/osrelease") else {
         return false;
     };
@@ -111,9 +116,18 @@ pub(crate) fn file_system_sync_reports_errors() -> bool {
         .trim()
         .split(|c: char| !c.is_ascii_digit())
         .map(|n| n.parse::<u32>().unwrap_or(0));
-    let major = numbers.next().unwrap_or(0);
-    let minor = numbers.next().unwrap_or(0);
-    (major, minor) >= (5, 8)
+    let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    let mut stats = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `stats` points to memory large enough for a `statfs`, which the call fills entirely when
+    // it returns 0 (and which is read only then); the descriptor is valid while `file` is borrowed.
+    let rc = unsafe { libc::fstatfs(file.as_raw_fd(), stats.as_mut_ptr()) };
+    if rc != 0 {
+        return false;
+    }
+    // SAFETY: fstatfs returned 0, so it initialised `stats`.
+    #[allow(clippy::unnecessary_cast)] // the field type differs between targets
+    let kind = unsafe { stats.assume_init() }.f_type as i64;
+    version >= (5, 17) && [EXT4, XFS, TMPFS].contains(&kind)
 }
 
 /// Tells the kernel that the cached pages of `file` in `[offset, offset + len)` will not be read soon, so

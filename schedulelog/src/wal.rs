@@ -19,7 +19,8 @@
 //! - Files are written over, never appended to: overwriting written blocks costs `fdatasync` no metadata,
 //!   ~2x faster on the reference disk than appending to a growing file. A new file is allocated
 //!   (`fallocate`: its blocks read as zeros and are not written; `prepare` says why not zero-filled); its
-//!   first use pays a journal commit per sync (~1.7x an overwrite's), its reuses do not.
+//!   first use pays a journal commit per sync (~1.7x an overwrite's), its reuses do not (but for blocks
+//!   its first use did not reach).
 //! - Files are reused. A file whose records are all replayed and checkpointed is retired: kept as a spare
 //!   (up to a number the log sets), deleted otherwise; an idle node sheds them one per checkpoint
 //!   interval (`Replay::shed_spare`), giving the space back. A rollover takes a spare when there is one
