@@ -1062,21 +1062,22 @@ const APPLY_PASS_BYTES: usize = 16 << 10;
 /// A pass that wrote to at least `LINGER_FROM_SEGMENTS` segments makes the next one wait up to `LINGER`
 /// for more groups (until `LINGER_BYTES` of them), so that each segment gets fewer, larger writes: the
 /// kernel's cost of a buffered write is mostly per call and per page touched, and a batch spread over a
-/// month writes a few records to each of ~720 segments. On the realistic mix (issue 15) a 30 ms wait cut
-/// the replayer's CPU by a fifth and raised ingest by 8-14 %. Messages of watched buckets (being
-/// delivered from) do not wait (`Replay::apply_watched`), nor does a cancel of one; only `next_seq`, and
-/// so what waits for a record to be filed (a lookup, a listing), does.
+/// month writes a few records to each of ~720 segments. On the realistic mix (issue 15), against no wait,
+/// 20 ms raised ingest by ~12 % and 50 ms by ~20 % (the replayer's CPU down by a fifth and a third);
+/// 100 ms did no better than 50. Messages of watched buckets (being delivered from) do not wait
+/// (`Replay::apply_watched`), nor does a cancel of one; only `next_seq`, and so what waits for a record
+/// to be filed (a lookup, a listing), does.
 #[cfg(not(test))]
 const LINGER_FROM_SEGMENTS: usize = 64;
 #[cfg(not(test))]
-const LINGER: Duration = Duration::from_millis(20);
+const LINGER: Duration = Duration::from_millis(50);
 /// Tests linger after every pass, briefly, so that every test runs through it.
 #[cfg(test)]
 const LINGER_FROM_SEGMENTS: usize = 1;
 #[cfg(test)]
 const LINGER: Duration = Duration::from_millis(3);
 #[cfg(not(test))]
-const LINGER_BYTES: usize = 8 << 20;
+const LINGER_BYTES: usize = 32 << 20;
 #[cfg(test)]
 const LINGER_BYTES: usize = 8 << 10;
 
