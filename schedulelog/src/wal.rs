@@ -7,7 +7,8 @@
 //! 4096  ..   frames (frame.rs) of kind message, cancel or padding; message and cancel seqs run
 //!            first_seq, first_seq + 1, ... without gaps
 //! ..    ..   zeros to the end of the file
-//! wal/next.tmp              the next file, allocated in the background
+//! wal/next.tmp              the next file, prepared in the background (zero-filled at open, else
+//!                           allocated)
 //! wal/spare-{seq:020}.tmp   a retired file (seq: its old first seq) kept for reuse
 //! ```
 //!
@@ -17,15 +18,15 @@
 //!   be a stale or forged frame).
 //! - A file is synced before the next one is created, so only the last file can have a torn tail.
 //! - Files are written over, never appended to: overwriting written blocks costs `fdatasync` no metadata,
-//!   ~2x faster on the reference disk than appending to a growing file. A new file is allocated
-//!   (`fallocate`: its blocks read as zeros and are not written; `prepare` says why not zero-filled); its
-//!   first use pays a journal commit per sync (~1.7x an overwrite's), its reuses do not (but for blocks
-//!   its first use did not reach).
+//!   ~2x faster on the reference disk than appending to a growing file. The files made at open are
+//!   zero-filled; one made for a rollover that found no spare is only allocated (`fallocate`: its blocks
+//!   read as zeros and are not written), and its first use pays a journal commit per sync (~1.7x an
+//!   overwrite's), its reuses do not (but for blocks its first use did not reach). `Make` says why.
 //! - Files are reused. A file whose records are all replayed and checkpointed is retired: kept as a spare
 //!   (up to a number the log sets), deleted otherwise; an idle node sheds them one per checkpoint
 //!   interval (`Replay::shed_spare`), giving the space back. A rollover takes a spare when there is one
-//!   (renamed to its new first seq, header rewritten) and the allocated `next.tmp` only when there is
-//!   none. Each record is written twice (here and in its segment), never three times.
+//!   (renamed to its new first seq, header rewritten) and `next.tmp` only when there is none. Past the
+//!   files made at open, each record is written twice (here and in its segment), never three times.
 //! - So past the end of its own log a file may hold frames of its earlier uses. Every one of them has a
 //!   seq below the file's first seq (the files before it hold the lower seqs), so the seq check ends the
 //!   log at them, and the tail policy for WAL files (`check_tail`) asks not for zeros past the unsynced
@@ -373,14 +374,14 @@ impl ActiveWal {
             next: None,
             staging: AlignedBuf::default(),
         };
-        wal.prepare_next();
+        wal.prepare_next(Make::Written);
         Ok(wal)
     }
 
     /// Starts a new WAL file whose first record will be `first_seq`.
     pub(crate) fn create(dir: &Path, segment_bytes: u64, first_seq: u64) -> Result<ActiveWal> {
         let next = dir.join(NEXT_FILE);
-        prepare(&next, segment_bytes)?;
+        prepare(&next, segment_bytes, Make::Written)?;
         let mut staging = AlignedBuf::default();
         let (file, path) = install(dir, &next, first_seq, &mut staging)?;
         let mut wal = ActiveWal {
@@ -392,7 +393,7 @@ impl ActiveWal {
             next: None,
             staging,
         };
-        wal.prepare_next();
+        wal.prepare_next(Make::Written);
         Ok(wal)
     }
 
@@ -455,8 +456,8 @@ impl ActiveWal {
         &self.path
     }
 
-    /// Switches to a file whose first record is `first_seq`: a spare when there is one, else the
-    /// allocated `next.tmp`. The caller has synced the current file. A failure to prepare the new file
+    /// Switches to a file whose first record is `first_seq`: a spare when there is one, else
+    /// `next.tmp`. The caller has synced the current file. A failure to prepare the new file
     /// changed nothing (the current file stays active, and the half-prepared one is deleted), so a roll
     /// that found the disk full may be tried again; a failure to install it leaves the directory in a
     /// state only recovery sorts out.
@@ -487,7 +488,7 @@ impl ActiveWal {
                     "WAL preparation thread panicked",
                 )))
             }),
-            None => prepare(&next, self.segment_bytes),
+            None => prepare(&next, self.segment_bytes, Make::Allocated),
         };
         if let Err(e) = prepared {
             // Gives the space a half-filled file took back.
@@ -500,16 +501,16 @@ impl ActiveWal {
         // Each one's first use pays a journal commit per sync (`prepare`): the cost to a node short of
         // spares.
         metrics::counter!("delayd_wal_files_total", "from" => "new").increment(1);
-        self.prepare_next();
+        self.prepare_next(Make::Allocated);
         Ok(())
     }
 
-    fn prepare_next(&mut self) {
+    fn prepare_next(&mut self, make: Make) {
         let path = self.dir.join(NEXT_FILE);
         let bytes = self.segment_bytes;
         let spawned = std::thread::Builder::new()
             .name("delayd-wal-prep".into())
-            .spawn(move || prepare(&path, bytes));
+            .spawn(move || prepare(&path, bytes, make));
         self.next = spawned.ok();
     }
 }
@@ -554,21 +555,33 @@ fn open_direct(path: &Path) -> io::Result<File> {
     }
 }
 
+/// How a new WAL file is made (both read as zeros).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Make {
+    /// Zeros written (with `O_DIRECT`: the disk copies them by DMA, no CPU, no page cache): its syncs are
+    /// overwrites from the first. At open, when the node has the time: a quiet node may write into its
+    /// first files for days, and an allocated file's syncs cost it ~1.7x on every request (a fresh
+    /// node's single-message ingest was a fifth lower with an allocated first file).
+    Written,
+    /// Space allocated (`fallocate`), nothing written: for a rollover that found no spare, a node growing
+    /// its WAL under load. Zero-filling then wrote a whole file of extra bytes for every file the WAL
+    /// grew by (write amplification 2.4-2.8 instead of 2.2 on the realistic mix, issue 15); a sync of a
+    /// write into allocated space commits the journal (the extent becomes written), ~1.7x an overwrite's
+    /// on the reference disk, only until the file comes back as a spare. Zeros are written where the file
+    /// system cannot allocate.
+    Allocated,
+}
+
 /// Makes a file of `bytes` bytes at `path` that reads as zeros, and syncs it.
-///
-/// The space is allocated (`fallocate`), not written: zero-filling wrote a whole file's worth of extra
-/// bytes for every file the WAL grew by (write amplification 2.4-2.8 instead of 2.2 on the realistic
-/// mix, issue 15), while a sync of a write into allocated space costs at most ~1.7x the sync of an
-/// overwrite on the reference disk (the extent is marked written in the journal), and only until the
-/// file comes back as a spare. Where the file system cannot allocate, the file is zero-filled with
-/// `O_DIRECT` (the disk copies the zeros by DMA: no CPU, no page cache).
-fn prepare(path: &Path, bytes: u64) -> Result<()> {
+fn prepare(path: &Path, bytes: u64, make: Make) -> Result<()> {
     const CHUNK: usize = 1 << 20;
     let fill = || -> io::Result<File> {
         let file = File::create(path)?;
-        match crate::sys::allocate(&file, bytes) {
-            Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
-            other => return other.map(|()| file),
+        if make == Make::Allocated {
+            match crate::sys::allocate(&file, bytes) {
+                Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
+                other => return other.map(|()| file),
+            }
         }
         let mut file = open_direct(path)?;
         let mut buffer = AlignedBuf::default();

@@ -320,7 +320,7 @@ fn below_the_reserve_new_messages_wait_while_deliveries_and_cancels_go_on() {
         &[("DELAYD_MIN_FREE_DISK_BYTES", &reserve)],
     );
     let base = process.base.clone();
-    // The WAL allocates its next file in the background after a start: a steady state to measure the
+    // The WAL zero-fills its next file in the background after a start: a steady state to measure the
     // free space from.
     let next = fs.path().join("data/wal/next.tmp");
     wait_for("the WAL's next file", Duration::from_secs(30), || {
