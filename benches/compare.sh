@@ -17,8 +17,9 @@
 #                           N_RSS=0 skips it);
 #  the realistic mix, 1 KiB bodies due 1 min - 30 days ahead, so nothing comes due during the run (no
 #  consumer): durable ingest, request latency and write amplification (bytes the target process caused
-#  to be written to disk, from /proc/PID/io, over messages × 1,024 body bytes; delayd's figure includes
-#  the WAL files it prepares ahead of use, if it must zero-fill them; none for PostgreSQL, which has no single process):
+#  to be written to disk, from /proc/PID/io read once it has stopped writing before and after the run,
+#  over messages × 1,024 body bytes; delayd's figure includes the WAL files it prepares ahead of use,
+#  where it zero-fills them; none for PostgreSQL, which has no single process):
 #   real-batch              1,000 messages per request at concurrency 8 (N_REAL_BATCH messages);
 #   real-single             one message per request at concurrency 64 (N_REAL_SINGLE messages);
 #                           each after a warm-up of N_REAL_WARMUP messages (batched, not measured) into

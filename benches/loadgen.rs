@@ -1069,6 +1069,24 @@ fn disk_write_bytes(pid: Option<u32>) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// `write_bytes` once the process has stopped writing: unchanged over 0.5 s (at most 30 s of waiting).
+/// Read at the start and the end of a run, so that the writes a run causes after its last answer (a
+/// server filing what it acknowledged, its next checkpoint) count for it, and those of what ran before
+/// (a warm-up) do not.
+async fn settled_write_bytes(pid: Option<u32>) -> Option<u64> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = disk_write_bytes(pid)?;
+    let mut since = Instant::now();
+    while Instant::now() < deadline && since.elapsed() < Duration::from_millis(500) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = disk_write_bytes(pid)?;
+        if now != last {
+            (last, since) = (now, Instant::now());
+        }
+    }
+    Some(last)
+}
+
 async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     let per_request = if args.mode == "batch" { args.batch } else { 1 };
     let requests = args.messages.div_ceil(per_request as u64);
@@ -1094,7 +1112,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
             })
             .collect(),
     );
-    let written_before = disk_write_bytes(args.pid);
+    let written_before = settled_write_bytes(args.pid).await;
     let started = Instant::now();
     let producers: Vec<_> = (0..args.concurrency)
         .map(|_| {
@@ -1244,7 +1262,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
         json!({"p50": percentile(&latencies, 0.5), "p99": percentile(&latencies, 0.99)});
     result["peak_rss_mb"] = json!(peak_rss_mb(args.pid));
     let written = written_before
-        .zip(disk_write_bytes(args.pid))
+        .zip(settled_write_bytes(args.pid).await)
         .map(|(before, after)| after.saturating_sub(before));
     result["disk_write_bytes"] = json!(written);
     let payload = args.messages as f64 * args.body_bytes as f64;

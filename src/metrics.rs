@@ -187,7 +187,7 @@ fn describe() {
     );
     describe_counter!(
         "delayd_wal_files_total",
-        "WAL files a rollover started, by where they came from: spare (a retired file reused) or new (an allocated file, whose first use makes each sync commit the file system's journal)"
+        "WAL files a rollover started, by where they came from: spare (a retired file reused) or new (next.tmp: zero-filled when made at a start, else an allocated file, whose first use makes each sync commit the file system's journal)"
     );
     describe_counter!(
         "delayd_wal_poisoned_total",

@@ -1116,12 +1116,21 @@ fn linger<'a>(
     mut open: bool,
 ) -> Result<(MutexGuard<'a, Replay>, bool)> {
     let deadline = Instant::now() + LINGER;
+    // The groups whose watched messages are filed, and the watched buckets they were filed for: only a
+    // change of those makes the groups before worth another look (`apply_watched` says why).
+    let mut filed = 0;
+    let mut watched = replay.watched.clone();
     while open && !backlog.groups.is_empty() && backlog.bytes < LINGER_BYTES {
+        if replay.watched != watched {
+            (filed, watched) = (0, replay.watched.clone());
+        }
         let pass: Vec<_> = backlog
             .groups
             .iter()
+            .skip(filed)
             .map(|g| (&g.bytes[..], &g.records[..]))
             .collect();
+        filed = backlog.groups.len();
         match replay.apply_watched(&pass) {
             Ok(false) => {}
             Ok(true) => break,

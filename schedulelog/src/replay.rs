@@ -30,8 +30,8 @@
 //!   segment created since is in a synced directory: by an `fdatasync` per file, or, for many segments,
 //!   by one `syncfs` of the file system through a descriptor open since the log was, where that reports
 //!   every write-back error on the file system since the descriptor was opened and a failed journal
-//!   commit (Linux 5.17 and later on ext4, XFS or tmpfs: `sys::file_system_sync_is_reliable`). After a failed sync no checkpoint is ever written
-//!   again (the sync may have dropped data a later sync would then claim durable): `checkpoint` fails
+//!   commit (Linux 5.17 and later on ext4, XFS or tmpfs: `sys::file_system_sync_is_reliable`). After a
+//!   failed sync no checkpoint is ever written again (the sync may have dropped data a later sync would then claim durable): `checkpoint` fails
 //!   with the first failure's cause until the log is reopened, and the WAL stays for recovery.
 //! - A checkpoint is made in two steps: [`Replay::start_checkpoint`] takes, under the replayer's lock, a
 //!   [`CheckpointJob`]: the marks every segment has now (all its records below `next_seq` are written)
@@ -88,6 +88,18 @@ const SYNC_FILE_SYSTEM_FROM: usize = 16;
 /// Tests reach it with a few buckets, so that both ways run.
 #[cfg(test)]
 const SYNC_FILE_SYSTEM_FROM: usize = 3;
+
+/// The records of `groups` from `next_seq` on, each with the bytes of its group (those below were
+/// applied already: recovery overlaps the checkpoint).
+fn unapplied<'a>(
+    groups: &'a [(&'a [u8], &'a [WalRecord])],
+    next_seq: u64,
+) -> impl Iterator<Item = (&'a [u8], &'a WalRecord)> {
+    groups
+        .iter()
+        .flat_map(|(bytes, records)| records.iter().map(move |r| (*bytes, r)))
+        .filter(move |(_, r)| r.seq() >= next_seq)
+}
 
 /// The bucket a message is filed under.
 pub(crate) fn placement(head: &MessageHead, width: SegmentMinutes) -> Bucket {
@@ -335,13 +347,7 @@ impl Replay {
         let mut cancels = Vec::new();
         let mut pointers = Vec::new();
         let mut messages = Vec::new();
-        let records = groups
-            .iter()
-            .flat_map(|(bytes, records)| records.iter().map(move |r| (*bytes, r)));
-        for (bytes, record) in records {
-            if record.seq() < self.next_seq {
-                continue; // already applied (recovery overlaps the checkpoint)
-            }
+        for (bytes, record) in unapplied(groups, self.next_seq) {
             match record {
                 WalRecord::Message { head, frame } => {
                     let bucket = placement(head, self.width);
@@ -403,19 +409,14 @@ impl Replay {
     /// reach the wheel only once filed. `next_seq` does not move. Returns whether a group cancels a
     /// message of a watched bucket, which must not wait for the rest either.
     ///
-    /// Called with every group not yet applied, oldest first, each time: a bucket may become watched
-    /// between two calls, and its segment must get its earlier records before its later ones (a record
-    /// not above a segment's last seq counts as filed).
+    /// Called with the groups not yet applied, oldest first: all of them whenever the watched buckets
+    /// changed since the last call, since a bucket that became watched must get its earlier records
+    /// before its later ones (a record not above a segment's last seq counts as filed); otherwise only
+    /// those that came since.
     pub(crate) fn apply_watched(&mut self, groups: &[(&[u8], &[WalRecord])]) -> Result<bool> {
         let mut urgent = false;
         let mut messages = Vec::new();
-        let records = groups
-            .iter()
-            .flat_map(|(bytes, records)| records.iter().map(move |r| (*bytes, r)));
-        for (bytes, record) in records {
-            if record.seq() < self.next_seq {
-                continue;
-            }
+        for (bytes, record) in unapplied(groups, self.next_seq) {
             match record {
                 WalRecord::Message { head, frame } => {
                     let bucket = placement(head, self.width);

@@ -26,7 +26,8 @@
 //!   (up to a number the log sets), deleted otherwise; an idle node sheds them one per checkpoint
 //!   interval (`Replay::shed_spare`), giving the space back. A rollover takes a spare when there is one
 //!   (renamed to its new first seq, header rewritten) and `next.tmp` only when there is none. Past the
-//!   files made at open, each record is written twice (here and in its segment), never three times.
+//!   files made at open, each record is written twice (here and in its segment), never three times
+//!   (where the file system can allocate).
 //! - So past the end of its own log a file may hold frames of its earlier uses. Every one of them has a
 //!   seq below the file's first seq (the files before it hold the lower seqs), so the seq check ends the
 //!   log at them, and the tail policy for WAL files (`check_tail`) asks not for zeros past the unsynced
@@ -498,8 +499,8 @@ impl ActiveWal {
         (self.file, self.path) =
             install(&self.dir, &next, first_seq, &mut self.staging).map_err(RollError::Install)?;
         self.pos = DATA_START;
-        // Each one's first use pays a journal commit per sync (`prepare`): the cost to a node short of
-        // spares.
+        // Past the first after a start (zero-filled), each one's first use pays a journal commit per sync
+        // (`Make::Allocated`): the cost to a node short of spares.
         metrics::counter!("delayd_wal_files_total", "from" => "new").increment(1);
         self.prepare_next(Make::Allocated);
         Ok(())
