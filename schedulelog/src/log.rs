@@ -762,6 +762,15 @@ impl ScheduleLog {
     /// retention too (so that an id leads to its current attempt as long as that is kept). Returns the
     /// buckets retired.
     pub fn retire(&self) -> Result<Vec<Bucket>> {
+        // What was acknowledged before this pass is filed first: a record not filed yet is not in its
+        // segment, and its bucket could look finished without it. The replayer may be waiting up to
+        // `LINGER` for more groups; before it did, the window was a pass's time. Within `wait_replayed`'s
+        // limits (10 s, and not while a full disk holds the replayer up: retiring is then how space comes
+        // back, as before).
+        let committed = self.shared.committed.load(Ordering::Acquire);
+        if committed > 0 {
+            self.wait_replayed(committed - 1);
+        }
         let now = self.shared.clock.now_ms();
         let retention_ms = i64::try_from(self.shared.retention.as_millis()).unwrap_or(i64::MAX);
         let mut retired = Vec::new();
