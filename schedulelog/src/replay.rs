@@ -451,18 +451,19 @@ impl Replay {
             };
             let state = self.writer(bucket)?;
             let writer = state.writer.as_mut().expect("writer() opens it");
-            let mut entries = Vec::new();
-            for (_, head, frame) in run {
-                if head.seq <= writer.last_seq() {
-                    continue; // in the segment already (recovery, an earlier try of this group, or filed
-                              // ahead as a watched bucket's)
-                }
-                entries.push(writer.append(frame, head));
-            }
-            if entries.is_empty() {
+            let last_seq = writer.last_seq();
+            let frames: Vec<(&MessageHead, &[u8])> = run
+                .iter()
+                // Those at or below it are in the segment already (recovery, an earlier try of this
+                // group, or filed ahead as a watched bucket's).
+                .filter(|(_, head, _)| head.seq > last_seq)
+                .map(|(_, head, frame)| (*head, *frame))
+                .collect();
+            if frames.is_empty() {
                 continue;
             }
-            state.written = writer.flush()?;
+            let (entries, mark) = writer.write_frames(&frames)?;
+            state.written = mark;
             written += 1;
             if let Some(tap) = &tap {
                 for entry in entries {
@@ -486,7 +487,7 @@ impl Replay {
             .get(&bucket)
             .is_none_or(|s| s.writer.is_none());
         if needs_open && self.open_writers >= self.max_open_writers {
-            self.evict()?;
+            self.evict();
         }
         let (dir, width, now) = (self.schedule_dir.clone(), self.width, self.use_counter);
         match self.segments.get_mut(&bucket) {
@@ -525,9 +526,9 @@ impl Replay {
         Ok(state)
     }
 
-    /// Writes out and closes the least recently used quarter of the open segments (at least one): one
-    /// pass over them per quarter, not per segment closed.
-    fn evict(&mut self) -> Result<()> {
+    /// Closes the least recently used quarter of the open segments (at least one): one pass over them
+    /// per quarter, not per segment closed.
+    fn evict(&mut self) {
         let mut open: Vec<(u64, Bucket)> = self
             .segments
             .iter()
@@ -540,17 +541,13 @@ impl Replay {
         }
         for &(_, bucket) in &open[..count] {
             let state = self.segments.get_mut(&bucket).expect("present");
-            if let Some(writer) = state.writer.as_mut() {
-                // No sync here: the next checkpoint syncs every segment written since the last one,
-                // open or not. (Syncing on eviction cost two fsyncs per bucket per batch when batches
-                // spread over many buckets.) Closed only once written: a writer dropped with a failed
-                // write would forget where its file really ends.
-                state.written = writer.flush()?;
-                state.writer = None;
+            // No sync here: the next checkpoint syncs every segment written since the last one, open
+            // or not. (Syncing on eviction cost two fsyncs per bucket per batch when batches spread
+            // over many buckets.) A writer holds nothing unwritten: `written` is where its files end.
+            if state.writer.take().is_some() {
                 self.open_writers -= 1;
             }
         }
-        Ok(())
     }
 
     /// Syncs every written segment, stores a checkpoint at `next_seq`, and retires the WAL files that

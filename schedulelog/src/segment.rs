@@ -22,10 +22,10 @@
 //!   past them is cut (it is replayed again from the WAL). So a segment never holds a record twice.
 //! - Readers never read past the entry count the replayer has published, so they never see a half-written
 //!   entry.
-//! - A writer's `written` mark only moves when a write of queued records succeeded. A write that failed
-//!   (a full disk) drops what was queued and puts the writer back to that mark: bytes that reached the
-//!   files past it are cut, or overwritten by the next write, and never published or checkpointed. So
-//!   the replayer can queue the same records again and get each in the segment once.
+//! - A writer's `written` mark only moves when a write of records succeeded. A write that failed (a full
+//!   disk) leaves the writer at that mark: bytes that reached the files past it are cut, or overwritten
+//!   by the next write, and never published or checkpointed. So the replayer can write the same records
+//!   again and get each in the segment once.
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::error::{Error, Result};
@@ -107,11 +107,7 @@ pub(crate) struct SegmentWriter {
     index_path: PathBuf,
     /// Written to the files (not necessarily synced).
     written: SegmentMark,
-    /// Seq of the last record queued (equal to `written.last_seq` when nothing is queued).
-    queued_last_seq: u64,
-    pending_log: Vec<u8>,
-    pending_index: Vec<u8>,
-    /// Where the `.log`'s next writeback chunk starts (see `flush`).
+    /// Where the `.log`'s next writeback chunk starts (see `write_frames`).
     writeback_from: u64,
     #[cfg(test)]
     pub faults: std::sync::Arc<crate::fault::Faults>,
@@ -155,9 +151,6 @@ impl SegmentWriter {
                 entries: 0,
                 last_seq: 0,
             },
-            queued_last_seq: 0,
-            pending_log: Vec::new(),
-            pending_index: Vec::new(),
             writeback_from: 0,
             #[cfg(test)]
             faults: Default::default(),
@@ -212,103 +205,105 @@ impl SegmentWriter {
             log_path,
             index_path,
             written: mark,
-            queued_last_seq: mark.last_seq,
-            pending_log: Vec::new(),
-            pending_index: Vec::new(),
             writeback_from: mark.log_len / WRITEBACK_CHUNK * WRITEBACK_CHUNK,
             #[cfg(test)]
             faults: Default::default(),
         })
     }
 
-    /// The seq of the last record appended, written or queued (0 if none): replay skips seqs at or
-    /// below it.
+    /// The seq of the last record written (0 if none): replay skips seqs at or below it.
     pub(crate) fn last_seq(&self) -> u64 {
-        self.queued_last_seq
+        self.written.last_seq
     }
 
-    /// Queues a message frame (as it was in the WAL) for writing; [`SegmentWriter::flush`] writes it.
-    /// The entry returned is only true once that flush succeeded.
-    pub(crate) fn append(&mut self, frame_bytes: &[u8], head: &MessageHead) -> IndexEntry {
-        debug_assert!(head.seq > self.queued_last_seq);
-        let seq = head.seq;
-        let entry = IndexEntry {
-            seq,
-            deliver_at_ms: head.deliver_at_ms,
-            sink_tag: head.sink_tag,
-            dedup: head.dedup,
-            offset: self.written.log_len + self.pending_log.len() as u64,
-            frame_len: u32::try_from(frame_bytes.len()).expect("frames are bounded by MAX_PAYLOAD"),
-        };
-        self.pending_log.extend_from_slice(frame_bytes);
-        self.pending_index.extend_from_slice(&entry.encode());
-        self.queued_last_seq = seq;
-        entry
-    }
-
-    /// Writes queued records to the files (no sync). Returns the mark of what is now written.
+    /// Writes message frames (as they were in the WAL, in increasing seq order, above
+    /// [`SegmentWriter::last_seq`]) and their index entries (no sync), the frames in one vectored write
+    /// straight from the caller's buffers: gathering them into one first cost the replayer a copy of
+    /// every record. Returns their index entries and the mark of what is now written.
     ///
-    /// On failure nothing queued counts as written: the queue is dropped and the writer is back at its
-    /// last written mark (see the module's invariants), so the caller queues those records again.
-    pub(crate) fn flush(&mut self) -> Result<SegmentMark> {
-        if !self.pending_log.is_empty() {
-            if let Err(e) = self.write_queued() {
-                self.drop_queued();
-                return Err(e);
-            }
-            self.written.log_len += self.pending_log.len() as u64;
-            self.written.entries += (self.pending_index.len() / INDEX_ENTRY_LEN) as u64;
-            self.written.last_seq = self.queued_last_seq;
-            self.pending_log.clear();
-            self.pending_index.clear();
-            // Whole written-out chunks start their way to the disk now: left to the checkpoint, a burst
-            // makes one fdatasync of hundreds of megabytes that stalls every other sync behind it.
-            let full = self.written.log_len / WRITEBACK_CHUNK * WRITEBACK_CHUNK;
-            if full > self.writeback_from {
-                // Advice only: the checkpoint's fdatasync is what makes the data durable.
-                let _ = crate::sys::start_writeback(
-                    &self.log,
-                    self.writeback_from,
-                    full - self.writeback_from,
-                );
-                self.writeback_from = full;
-            }
+    /// On failure none of them counts as written: the writer is back at its last written mark (see the
+    /// module's invariants), so the caller can write them again.
+    pub(crate) fn write_frames(
+        &mut self,
+        frames: &[(&MessageHead, &[u8])],
+    ) -> Result<(Vec<IndexEntry>, SegmentMark)> {
+        let mut entries = Vec::with_capacity(frames.len());
+        let mut index = Vec::with_capacity(frames.len() * INDEX_ENTRY_LEN);
+        let mut log_len = self.written.log_len;
+        let mut last_seq = self.written.last_seq;
+        for (head, frame_bytes) in frames {
+            debug_assert!(head.seq > last_seq);
+            let entry = IndexEntry {
+                seq: head.seq,
+                deliver_at_ms: head.deliver_at_ms,
+                sink_tag: head.sink_tag,
+                dedup: head.dedup,
+                offset: log_len,
+                frame_len: u32::try_from(frame_bytes.len())
+                    .expect("frames are bounded by MAX_PAYLOAD"),
+            };
+            log_len += frame_bytes.len() as u64;
+            last_seq = head.seq;
+            index.extend_from_slice(&entry.encode());
+            entries.push(entry);
         }
-        Ok(self.written)
+        if entries.is_empty() {
+            return Ok((entries, self.written));
+        }
+        let log: Vec<&[u8]> = frames.iter().map(|(_, frame)| *frame).collect();
+        if let Err(e) = self.write_files(&log, &index) {
+            self.cut_back();
+            return Err(e);
+        }
+        self.written = SegmentMark {
+            log_len,
+            entries: self.written.entries + entries.len() as u64,
+            last_seq,
+        };
+        // Whole written-out chunks start their way to the disk now: left to the checkpoint, a burst
+        // makes one fdatasync of hundreds of megabytes that stalls every other sync behind it.
+        let full = self.written.log_len / WRITEBACK_CHUNK * WRITEBACK_CHUNK;
+        if full > self.writeback_from {
+            // Advice only: the checkpoint's fdatasync is what makes the data durable.
+            let _ = crate::sys::start_writeback(
+                &self.log,
+                self.writeback_from,
+                full - self.writeback_from,
+            );
+            self.writeback_from = full;
+        }
+        Ok((entries, self.written))
     }
 
-    fn write_queued(&self) -> Result<()> {
+    /// Writes frames at the `.log`'s written end and index entries at the `.idx`'s.
+    fn write_files(&self, log: &[&[u8]], index: &[u8]) -> Result<()> {
         let index_at = HEADER_LEN as u64 + self.written.entries * INDEX_ENTRY_LEN as u64;
+        let write_log = || {
+            crate::sys::write_all_vectored_at(&self.log, log, self.written.log_len)
+                .map_err(Error::io(&self.log_path))
+        };
         #[cfg(test)]
         if self.faults.strikes(crate::fault::Point::SegmentWrite) {
             // As a full disk part-way through leaves it: the records in the .log, half their entries in
             // the .idx.
-            self.log
-                .write_all_at(&self.pending_log, self.written.log_len)
-                .map_err(Error::io(&self.log_path))?;
-            let half = &self.pending_index[..self.pending_index.len().div_ceil(2)];
+            write_log()?;
             self.index
-                .write_all_at(half, index_at)
+                .write_all_at(&index[..index.len().div_ceil(2)], index_at)
                 .map_err(Error::io(&self.index_path))?;
             return Err(Error::io(&self.index_path)(crate::fault::no_space()));
         }
-        crate::slow_disk::write(self.pending_log.len());
-        self.log
-            .write_all_at(&self.pending_log, self.written.log_len)
-            .map_err(Error::io(&self.log_path))?;
-        crate::slow_disk::write(self.pending_index.len());
+        crate::slow_disk::write(log.iter().map(|l| l.len()).sum());
+        write_log()?;
+        crate::slow_disk::write(index.len());
         self.index
-            .write_all_at(&self.pending_index, index_at)
+            .write_all_at(index, index_at)
             .map_err(Error::io(&self.index_path))
     }
 
-    /// Forgets the queued records after a failed write and cuts what part of them reached the files.
-    fn drop_queued(&mut self) {
-        self.pending_log.clear();
-        self.pending_index.clear();
-        self.queued_last_seq = self.written.last_seq;
-        // Best effort, and only to give the space back at once: bytes past the mark are overwritten by
-        // the next write, and cut on open if a crash comes first.
+    /// Cuts what part of a failed write reached the files. Best effort, and only to give the space back
+    /// at once: bytes past the mark are overwritten by the next write, and cut on open if a crash comes
+    /// first.
+    fn cut_back(&self) {
         let index_len = HEADER_LEN as u64 + self.written.entries * INDEX_ENTRY_LEN as u64;
         let _ = self.log.set_len(self.written.log_len);
         let _ = self.index.set_len(index_len);

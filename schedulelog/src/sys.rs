@@ -47,6 +47,52 @@ pub(crate) fn open_file_limit() -> io::Result<u64> {
     Ok(unsafe { limit.assume_init() }.rlim_cur as u64)
 }
 
+/// Writes `slices`, one after the other, at `offset` of `file` (`pwritev`, as many at a time as the
+/// system takes), so that many small buffers reach a file without being gathered into one first.
+pub(crate) fn write_all_vectored_at(file: &File, slices: &[&[u8]], offset: u64) -> io::Result<()> {
+    let mut slices: Vec<io::IoSlice<'_>> = slices
+        .iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| io::IoSlice::new(s))
+        .collect();
+    let mut slices = &mut slices[..];
+    let mut offset = offset;
+    while !slices.is_empty() {
+        let count = slices.len().min(IOV_MAX);
+        let Ok(at) = libc::off64_t::try_from(offset) else {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        };
+        // SAFETY: `IoSlice` has the layout of `iovec` (std guarantees it on Unix), the first `count`
+        // slices are valid for reads while borrowed here, and pwritev64 only reads them.
+        let written = unsafe {
+            libc::pwritev64(
+                file.as_raw_fd(),
+                slices.as_ptr().cast::<libc::iovec>(),
+                count as libc::c_int,
+                at,
+            )
+        };
+        match written {
+            -1 => {
+                let error = io::Error::last_os_error();
+                if error.kind() != io::ErrorKind::Interrupted {
+                    return Err(error);
+                }
+            }
+            0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+            n => {
+                let n = n as usize;
+                offset += n as u64;
+                io::IoSlice::advance_slices(&mut slices, n);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The most buffers one `pwritev` takes (Linux's `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
 /// Starts writing back the dirty pages of `file` in `[offset, offset + len)` without waiting for them,
 /// so that a later `fdatasync` finds little left to write.
 pub(crate) fn start_writeback(file: &File, offset: u64, len: u64) -> io::Result<()> {
@@ -160,6 +206,33 @@ mod tests {
         assert_eq!(missing.kind(), io::ErrorKind::NotFound);
         let nul = available_bytes(Path::new("a\0b")).unwrap_err();
         assert_eq!(nul.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn vectored_writes_put_every_slice_in_order_past_the_system_limit_on_slices() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        // More slices than one pwritev takes, some empty, of every length from 0 to 6.
+        let owned: Vec<Vec<u8>> = (0..3 * IOV_MAX + 7)
+            .map(|i| vec![(i % 251) as u8; i % 7])
+            .collect();
+        let slices: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+        write_all_vectored_at(&file, &slices, 5).unwrap();
+        let mut expected = vec![0u8; 5];
+        expected.extend(owned.concat());
+        assert_eq!(std::fs::read(&path).unwrap(), expected);
+        write_all_vectored_at(&file, &[], 3).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), expected);
+        let read_only = File::open(&path).unwrap();
+        let error = write_all_vectored_at(&read_only, &[b"x"], 0).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EBADF));
     }
 
     #[test]
