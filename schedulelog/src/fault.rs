@@ -19,8 +19,8 @@ pub(crate) enum Fault {
     Sync,
     /// The WAL writer's next rollover finds no space for the new file.
     DiskFullAtRoll,
-    /// The next `n` segment writes (creating a segment, or writing its queued records, which then half
-    /// reach the files) fail with `ENOSPC`; 0 disarms.
+    /// The next `n` segment writes (creating a segment, or writing records, which then half reach the
+    /// files) fail with `ENOSPC`; 0 disarms.
     SegmentWritesFull(u32),
     /// The next `n` checkpoint writes fail with `ENOSPC`; 0 disarms.
     CheckpointWritesFull(u32),

@@ -55,6 +55,7 @@ use crate::segment::{self, IndexEntry, SegmentMark, SegmentWriter};
 use crate::wal::{self, WalRecord};
 use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -100,6 +101,9 @@ fn unapplied<'a>(
         .flat_map(|(bytes, records)| records.iter().map(move |r| (*bytes, r)))
         .filter(move |(_, r)| r.seq() >= next_seq)
 }
+
+/// A message to file: its bucket, head, the bytes of its WAL group and where its frame is in them.
+type Filed<'a> = (Bucket, &'a MessageHead, &'a [u8], Range<usize>);
 
 /// The bucket a message is filed under.
 pub(crate) fn placement(head: &MessageHead, width: SegmentMinutes) -> Bucket {
@@ -370,7 +374,7 @@ impl Replay {
                         };
                         pointers.push((id.first.bucket, pointer));
                     }
-                    messages.push((bucket, head, &bytes[frame.clone()]));
+                    messages.push((bucket, head, bytes, frame.clone()));
                 }
                 WalRecord::Cancel(cancel) => {
                     let outcome = Outcome {
@@ -424,7 +428,7 @@ impl Replay {
                 WalRecord::Message { head, frame } => {
                     let bucket = placement(head, self.width);
                     if self.watched.contains(&bucket) {
-                        messages.push((bucket, head, &bytes[frame.clone()]));
+                        messages.push((bucket, head, bytes, frame.clone()));
                     }
                 }
                 WalRecord::Cancel(cancel) => {
@@ -438,10 +442,10 @@ impl Replay {
 
     /// Writes messages (in seq order) to their segments, skipping those a segment has already, and
     /// reports those of watched buckets to the tap. Returns how many segments it wrote to.
-    fn file(&mut self, mut messages: Vec<(Bucket, &MessageHead, &[u8])>) -> Result<usize> {
+    fn file(&mut self, mut messages: Vec<Filed<'_>>) -> Result<usize> {
         // One bucket at a time (a stable sort keeps seq order within each): a group spread over more
         // buckets than there are open writers would otherwise reopen a segment for nearly every record.
-        messages.sort_by_key(|(bucket, _, _)| *bucket);
+        messages.sort_by_key(|(bucket, ..)| *bucket);
         let mut written = 0;
         for run in messages.chunk_by(|a, b| a.0 == b.0) {
             let bucket = run[0].0;
@@ -452,17 +456,33 @@ impl Replay {
             let state = self.writer(bucket)?;
             let writer = state.writer.as_mut().expect("writer() opens it");
             let last_seq = writer.last_seq();
-            let frames: Vec<(&MessageHead, &[u8])> = run
-                .iter()
-                // Those at or below it are in the segment already (recovery, an earlier try of this
-                // group, or filed ahead as a watched bucket's).
-                .filter(|(_, head, _)| head.seq > last_seq)
-                .map(|(_, head, frame)| (*head, *frame))
-                .collect();
-            if frames.is_empty() {
-                continue;
+            let mut frames = Vec::with_capacity(run.len());
+            // The frames' bytes, those next to each other in a group's bytes as one slice (a bucket's
+            // frames mostly are when a group's messages fall due close together).
+            let mut log: Vec<&[u8]> = Vec::new();
+            let mut pending: Option<(&[u8], Range<usize>)> = None;
+            // Those at or below it are in the segment already (recovery, an earlier try of this group,
+            // or filed ahead as a watched bucket's).
+            for (_, head, bytes, frame) in run.iter().filter(|(_, head, ..)| head.seq > last_seq) {
+                frames.push((*head, frame.len()));
+                match &mut pending {
+                    Some((group, range))
+                        if std::ptr::eq(*group, *bytes) && range.end == frame.start =>
+                    {
+                        range.end = frame.end;
+                    }
+                    _ => {
+                        if let Some((group, range)) = pending.replace((bytes, frame.clone())) {
+                            log.push(&group[range]);
+                        }
+                    }
+                }
             }
-            let (entries, mark) = writer.write_frames(&frames)?;
+            let Some((group, range)) = pending else {
+                continue;
+            };
+            log.push(&group[range]);
+            let (entries, mark) = writer.write_frames(&frames, &log)?;
             state.written = mark;
             written += 1;
             if let Some(tap) = &tap {

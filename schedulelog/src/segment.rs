@@ -217,21 +217,24 @@ impl SegmentWriter {
     }
 
     /// Writes message frames (as they were in the WAL, in increasing seq order, above
-    /// [`SegmentWriter::last_seq`]) and their index entries (no sync), the frames in one vectored write
-    /// straight from the caller's buffers: gathering them into one first cost the replayer a copy of
-    /// every record. Returns their index entries and the mark of what is now written.
+    /// [`SegmentWriter::last_seq`]) and their index entries (no sync). `frames` are the messages' heads
+    /// and frame lengths, `log` the frames' bytes in the same order, in as few slices as the caller
+    /// has them: they go to the file in one vectored write straight from the caller's buffers, for
+    /// gathering them into one first cost the replayer a copy of every record. Returns their index
+    /// entries and the mark of what is now written.
     ///
     /// On failure none of them counts as written: the writer is back at its last written mark (see the
     /// module's invariants), so the caller can write them again.
     pub(crate) fn write_frames(
         &mut self,
-        frames: &[(&MessageHead, &[u8])],
+        frames: &[(&MessageHead, usize)],
+        log: &[&[u8]],
     ) -> Result<(Vec<IndexEntry>, SegmentMark)> {
         let mut entries = Vec::with_capacity(frames.len());
         let mut index = Vec::with_capacity(frames.len() * INDEX_ENTRY_LEN);
         let mut log_len = self.written.log_len;
         let mut last_seq = self.written.last_seq;
-        for (head, frame_bytes) in frames {
+        for &(head, frame_len) in frames {
             debug_assert!(head.seq > last_seq);
             let entry = IndexEntry {
                 seq: head.seq,
@@ -239,19 +242,22 @@ impl SegmentWriter {
                 sink_tag: head.sink_tag,
                 dedup: head.dedup,
                 offset: log_len,
-                frame_len: u32::try_from(frame_bytes.len())
-                    .expect("frames are bounded by MAX_PAYLOAD"),
+                frame_len: u32::try_from(frame_len).expect("frames are bounded by MAX_PAYLOAD"),
             };
-            log_len += frame_bytes.len() as u64;
+            log_len += frame_len as u64;
             last_seq = head.seq;
             index.extend_from_slice(&entry.encode());
             entries.push(entry);
         }
+        debug_assert_eq!(
+            log.iter().map(|l| l.len() as u64).sum::<u64>(),
+            log_len - self.written.log_len,
+            "the frames' bytes and lengths agree"
+        );
         if entries.is_empty() {
             return Ok((entries, self.written));
         }
-        let log: Vec<&[u8]> = frames.iter().map(|(_, frame)| *frame).collect();
-        if let Err(e) = self.write_files(&log, &index) {
+        if let Err(e) = self.write_files(log, &index) {
             self.cut_back();
             return Err(e);
         }
