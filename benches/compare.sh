@@ -20,7 +20,9 @@
 #  to be written to disk, from /proc/PID/io read once it has stopped writing before and after the run,
 #  over messages × 1,024 body bytes; delayd's figure includes the WAL files it prepares ahead of use,
 #  where it zero-fills them; none for PostgreSQL, which has no single process):
-#   real-batch              1,000 messages per request at concurrency 8 (N_REAL_BATCH messages);
+#   real-batch              1,000 messages per request at concurrency 8 (N_REAL_BATCH messages: a few
+#                           seconds, so that delayd's filing and checkpoints fall inside the run, as
+#                           under sustained load, rather than after a burst);
 #   real-single             one message per request at concurrency 64 (N_REAL_SINGLE messages);
 #                           each after a warm-up of N_REAL_WARMUP messages (batched, not measured) into
 #                           the same fresh target, so that it is measured as a node that has been running
@@ -29,7 +31,7 @@
 #                           (N_REAL_WARMUP=0 measures from empty).
 #
 # Variables (defaults in brackets):
-#   N_SINGLE [20000], N_BATCH [200000], N_RSS [10000000], N_REAL_BATCH [300000], N_REAL_SINGLE [30000],
+#   N_SINGLE [20000], N_BATCH [200000], N_RSS [10000000], N_REAL_BATCH [1000000], N_REAL_SINGLE [30000],
 #   N_REAL_WARMUP [300000]  messages per workload, as above;
 #   WORKLOADS [single batch single-5k batch-50k rss real-batch real-single]
 #                           the workloads to run, in order;
@@ -50,7 +52,7 @@ cd "$(dirname "$0")/.."
 N_SINGLE=${N_SINGLE:-20000}
 N_BATCH=${N_BATCH:-200000}
 N_RSS=${N_RSS:-10000000}
-N_REAL_BATCH=${N_REAL_BATCH:-300000}
+N_REAL_BATCH=${N_REAL_BATCH:-1000000}
 N_REAL_SINGLE=${N_REAL_SINGLE:-30000}
 N_REAL_WARMUP=${N_REAL_WARMUP:-300000}
 WORKLOADS=${WORKLOADS:-single batch single-5k batch-50k rss real-batch real-single}
