@@ -1016,6 +1016,34 @@ mod tests {
                 .collect::<Vec<_>>()
         );
         assert!(results.iter().all(Result::is_ok));
+        // That came from the one pass, which takes exactly `max` messages.
+        let one_pass = |body: &str, max| {
+            let mut deserializer = serde_json::Deserializer::from_str(body);
+            serde::de::DeserializeSeed::deserialize(OnePass { max }, &mut deserializer)
+                .and_then(|all| deserializer.end().map(|()| all))
+                .map(|all| all.iter().map(|r| Ok(format!("{r:?}"))).collect::<Vec<_>>())
+        };
+        assert_eq!(one_pass(good, 2).unwrap(), results);
+
+        // What the one pass does not take, the per-message path answers as it always did.
+        for body in [
+            r#"{"messages":[],"other":1}"#,
+            r#"{"messages":[],"messages":[]}"#,
+            r#"{"messages":null}"#,
+            r#"{"messages":[]} x"#,
+            r#"{}"#,
+        ] {
+            assert!(one_pass(body, 10).is_err(), "{body}");
+            assert_eq!(
+                parsed(body, 10),
+                Err("400 Bad Request invalid_json".into()),
+                "{body}"
+            );
+        }
+        for body in [r#"{"messages":[]}"#, r#"{"mess\u0061ges":[]}"#] {
+            assert_eq!(one_pass(body, 10).unwrap(), []);
+            assert_eq!(parsed(body, 10), Ok(vec![]));
+        }
 
         // One message that does not parse fails alone; the others are still parsed.
         let mixed =
