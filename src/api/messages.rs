@@ -937,7 +937,13 @@ mod tests {
         })
     }
 
-    fn scheduled(seq: u64, topic: &str, status: Waiting, duplicate: bool) -> BatchResult<'_> {
+    /// A batch result for a scheduled message (not the module's `scheduled`, which takes an append).
+    fn scheduled_result(
+        seq: u64,
+        topic: &str,
+        status: Waiting,
+        duplicate: bool,
+    ) -> BatchResult<'_> {
         BatchResult::Scheduled(Scheduled {
             id: id(seq),
             topic,
@@ -960,13 +966,13 @@ mod tests {
             },
             BatchAnswer {
                 results: vec![
-                    scheduled(1, "orders", Waiting::Scheduled, false),
-                    scheduled(2, "orders", Waiting::Scheduled, false),
+                    scheduled_result(1, "orders", Waiting::Scheduled, false),
+                    scheduled_result(2, "orders", Waiting::Scheduled, false),
                     BatchResult::Error { error: problem() },
                     // An MQ target may hold what JSON escapes; the topic changes and changes back.
-                    scheduled(3, "a \"queue\" \\ \u{1}", Waiting::Scheduled, false),
-                    scheduled(4, "orders", Waiting::Retrying, true),
-                    scheduled(5, "orders", Waiting::Scheduled, false),
+                    scheduled_result(3, "a \"queue\" \\ \u{1}", Waiting::Scheduled, false),
+                    scheduled_result(4, "orders", Waiting::Retrying, true),
+                    scheduled_result(5, "orders", Waiting::Scheduled, false),
                 ],
             },
         ];
