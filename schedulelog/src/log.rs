@@ -37,7 +37,7 @@ use crate::header::{self, FileHeader, META_MAGIC};
 use crate::id::{Location, MessageId};
 use crate::record::{EncodedMessage, Message, Outcome, OutcomeKind};
 use crate::replay::{CheckpointJob, Replay, Replayed};
-use crate::segment::{IndexEntry, SegmentReader};
+use crate::segment::{IndexEntry, RecordReader, SegmentReader};
 use crate::view::{self, View, Views};
 use crate::wal::{self, ActiveWal};
 use crossbeam_channel::{Receiver, Sender};
@@ -148,6 +148,10 @@ pub struct BucketSnapshot {
     pub total: u64,
 }
 
+/// Segment logs kept open for [`ScheduleLog::read_record`], at most: the buckets being delivered from
+/// (one or two at a time, more after a backlog), each one file descriptor.
+const OPEN_RECORD_READERS: usize = 16;
+
 struct Shared {
     data_dir: PathBuf,
     width: SegmentMinutes,
@@ -156,6 +160,11 @@ struct Shared {
     /// Buckets' records in due order and outcomes by seq, for listings and lookups (view.rs).
     views: Views,
     replay: Mutex<Replay>,
+    /// Open segment logs for [`ScheduleLog::read_record`], so that delivering reads records without the
+    /// replayer's lock (held while it writes, for milliseconds on a slow disk). Filled, and emptied of a
+    /// retired bucket, with that lock held, so a bucket in here has its segment (lock order: `replay`,
+    /// then this).
+    records: Mutex<HashMap<Bucket, Arc<RecordReader>>>,
     /// Signalled each time the replayer publishes a new `next_seq`.
     replayed: Condvar,
     /// Every seq below this is durable in the WAL.
@@ -180,6 +189,10 @@ struct Shared {
 impl Shared {
     fn replay(&self) -> MutexGuard<'_, Replay> {
         self.replay.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn records(&self) -> MutexGuard<'_, HashMap<Bucket, Arc<RecordReader>>> {
+        self.records.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Poisons the log after a failed sync met outside the writer and the replayer threads (a checkpoint
@@ -261,6 +274,7 @@ impl ScheduleLog {
             dispatch,
             views: Views::default(),
             replay: Mutex::new(replay),
+            records: Mutex::default(),
             replayed: Condvar::new(),
             committed: committed.clone(),
             filed: AtomicU64::new(next_seq),
@@ -449,6 +463,48 @@ impl ScheduleLog {
     /// The dispatch logs, for listing.rs (their sizes, and outcomes at the offsets a view holds).
     pub(crate) fn dispatch(&self) -> &DispatchLogs {
         &self.shared.dispatch
+    }
+
+    /// Reads the message frame of `frame_len` bytes at `offset` in `bucket`'s segment: a record the
+    /// replayer reported (a wheel entry's). `None` when the bucket has no segment (retired).
+    ///
+    /// The segment's log stays open for the next read (up to 16 buckets), so the replayer's lock is
+    /// taken once per bucket, not once per read. A read that fails closes it: the next one opens the
+    /// file afresh (a restored file is read then, not the old one).
+    pub fn read_record(
+        &self,
+        bucket: Bucket,
+        offset: u64,
+        frame_len: u32,
+    ) -> Result<Option<Message>> {
+        let cached = self.shared.records().get(&bucket).cloned();
+        let reader = match cached {
+            Some(reader) => reader,
+            None => {
+                let replay = self.shared.replay();
+                if replay.entries(bucket).is_none() {
+                    return Ok(None);
+                }
+                let reader = Arc::new(RecordReader::open(replay.schedule_dir(), bucket)?);
+                let mut records = self.shared.records();
+                if records.len() >= OPEN_RECORD_READERS {
+                    records.clear(); // due buckets change once an hour or so: no need to pick
+                }
+                records.insert(bucket, reader.clone());
+                reader
+            }
+        };
+        let read = reader.read_at(offset, frame_len);
+        if read.is_err() {
+            let mut records = self.shared.records();
+            if records
+                .get(&bucket)
+                .is_some_and(|r| Arc::ptr_eq(r, &reader))
+            {
+                records.remove(&bucket);
+            }
+        }
+        read.map(Some)
     }
 
     /// A reader over the part of `bucket`'s segment that has been replayed so far; `None` without one.
@@ -813,6 +869,7 @@ impl ScheduleLog {
                 continue; // a record arrived meanwhile, or is being filed
             }
             let removed = replay.remove(bucket);
+            self.shared.records().remove(&bucket);
             drop(replay);
             self.shared.poison_on_sync_failure(&removed);
             removed?;

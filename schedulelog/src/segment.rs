@@ -320,23 +320,59 @@ impl SegmentWriter {
     }
 }
 
+/// Reads records of a segment's log at places known from elsewhere (a wheel entry, an index entry).
+/// Needs no index, so it stays valid as the segment grows: a record, once written and reported, is
+/// never moved or cut while its segment exists.
+#[derive(Debug)]
+pub(crate) struct RecordReader {
+    log: File,
+    log_path: PathBuf,
+}
+
+impl RecordReader {
+    pub(crate) fn open(dir: &Path, bucket: Bucket) -> Result<RecordReader> {
+        let log_path = log_path(dir, bucket);
+        Ok(RecordReader {
+            log: File::open(&log_path).map_err(Error::io(&log_path))?,
+            log_path,
+        })
+    }
+
+    /// Reads and decodes the message frame of `frame_len` bytes at `offset`.
+    pub(crate) fn read_at(&self, offset: u64, frame_len: u32) -> Result<Message> {
+        let mut bytes = vec![0u8; frame_len as usize];
+        self.log
+            .read_exact_at(&mut bytes, offset)
+            .map_err(Error::io(&self.log_path))?;
+        let corrupt = |reason: String| Error::corrupt(&self.log_path, offset, reason);
+        match frame::decode(&bytes) {
+            Next::Frame {
+                kind: Kind::Message,
+                payload,
+            } if payload.len() + frame::HEADER_LEN == bytes.len() => {
+                Message::decode(payload).map_err(|e| corrupt(e.to_string()))
+            }
+            Next::Invalid(reason) => Err(corrupt(reason.to_string())),
+            _ => Err(corrupt("not a message frame".to_string())),
+        }
+    }
+}
+
 /// Reads a segment the replayer has published up to `entries` index entries.
 #[derive(Debug)]
 pub struct SegmentReader {
-    log: File,
+    records: RecordReader,
     index: File,
-    log_path: PathBuf,
     index_path: PathBuf,
     entries: u64,
 }
 
 impl SegmentReader {
     pub(crate) fn open(dir: &Path, bucket: Bucket, entries: u64) -> Result<SegmentReader> {
-        let (log_path, index_path) = (log_path(dir, bucket), index_path(dir, bucket));
+        let index_path = index_path(dir, bucket);
         Ok(SegmentReader {
-            log: File::open(&log_path).map_err(Error::io(&log_path))?,
+            records: RecordReader::open(dir, bucket)?,
             index: File::open(&index_path).map_err(Error::io(&index_path))?,
-            log_path,
             index_path,
             entries,
         })
@@ -421,28 +457,14 @@ impl SegmentReader {
         let message = self.read_at(entry.offset, entry.frame_len)?;
         if message.seq != entry.seq {
             let reason = format!("record has seq {}, index says {}", message.seq, entry.seq);
-            return Err(Error::corrupt(&self.log_path, entry.offset, reason));
+            return Err(Error::corrupt(&self.records.log_path, entry.offset, reason));
         }
         Ok(message)
     }
 
     /// Reads and decodes the message frame of `frame_len` bytes at `offset`.
     pub fn read_at(&self, offset: u64, frame_len: u32) -> Result<Message> {
-        let mut bytes = vec![0u8; frame_len as usize];
-        self.log
-            .read_exact_at(&mut bytes, offset)
-            .map_err(Error::io(&self.log_path))?;
-        let corrupt = |reason: String| Error::corrupt(&self.log_path, offset, reason);
-        match frame::decode(&bytes) {
-            Next::Frame {
-                kind: Kind::Message,
-                payload,
-            } if payload.len() + frame::HEADER_LEN == bytes.len() => {
-                Message::decode(payload).map_err(|e| corrupt(e.to_string()))
-            }
-            Next::Invalid(reason) => Err(corrupt(reason.to_string())),
-            _ => Err(corrupt("not a message frame".to_string())),
-        }
+        self.records.read_at(offset, frame_len)
     }
 }
 

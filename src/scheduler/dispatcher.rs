@@ -30,7 +30,6 @@ use super::{entry_bucket, Shared};
 use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry};
 use crossbeam_channel::Sender;
 use schedulelog::{Bucket, Location, MessageId, NewMessage, Outcome, OutcomeKind};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -511,31 +510,20 @@ fn unreadable(shared: &Shared, entry: &Entry, bucket: Bucket, error: &schedulelo
 /// make, without the cancelled ones (dropped) and those whose cancel is in progress (held). A record
 /// that cannot be read goes back to the wheel (see the module doc).
 fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
-    let mut readers = HashMap::new();
     let mut read = Vec::with_capacity(batch.len());
     // Entries read, or gone with their retired bucket: no longer unreadable.
     let mut settled = Vec::new();
     for entry in batch {
         let bucket = entry_bucket(entry);
-        let reader = match readers.entry(bucket) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => match shared.log.reader(bucket) {
-                Ok(Some(reader)) => v.insert(reader),
-                Ok(None) => {
-                    settled.push(*entry); // retired meanwhile
-                    continue;
-                }
-                Err(e) => {
-                    unreadable(shared, entry, bucket, &e);
-                    continue;
-                }
-            },
-        };
-        match reader.read_at(entry.offset(), entry.frame_len) {
-            Ok(message) => {
+        match shared
+            .log
+            .read_record(bucket, entry.offset(), entry.frame_len)
+        {
+            Ok(Some(message)) => {
                 settled.push(*entry);
                 read.push((*entry, bucket, message));
             }
+            Ok(None) => settled.push(*entry), // retired meanwhile
             Err(e) => unreadable(shared, entry, bucket, &e),
         }
     }

@@ -1049,8 +1049,8 @@ fn flip_byte_of(path: &std::path::Path, needle: &[u8]) {
 }
 
 /// A due message whose record cannot be read stays pending and comes round again: after 1 s for an I/O
-/// error (the segment cannot be opened), after 10 min for a corrupt record; once the file is whole again
-/// it is delivered. (The old lane logged the error and forgot the entry until a restart.)
+/// error (the segment's file is cut short), after 10 min for a corrupt record; once the file is whole
+/// again it is delivered. (The old lane logged the error and forgot the entry until a restart.)
 #[test]
 fn an_unreadable_due_message_is_handed_back_not_forgotten() {
     let mut h = Harness::manual();
@@ -1065,10 +1065,16 @@ fn an_unreadable_due_message_is_handed_back_not_forgotten() {
     scheduler.shared.hooks().read_failed = Some(failed_tx);
     let bucket = h.log().lookup(fragile).unwrap().unwrap().location.bucket;
     let segment = h.dir.path().join("schedule").join(format!("{bucket}.log"));
-    let aside = segment.with_extension("aside");
+    let whole = std::fs::read(&segment).unwrap();
 
-    // An I/O error: the segment cannot be opened.
-    std::fs::rename(&segment, &aside).unwrap();
+    // An I/O error: the record is past the end of the file (the lane has it open already, from the
+    // probe: the same file, cut short).
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&segment)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
     h.set(T0 + MINUTE);
     let error = failed.recv_timeout(WAIT).expect("the read failed");
     assert!(error.starts_with("I/O error"), "{error}");
@@ -1077,7 +1083,7 @@ fn an_unreadable_due_message_is_handed_back_not_forgotten() {
         1,
         "counted as unreadable"
     );
-    std::fs::rename(&aside, &segment).unwrap();
+    std::fs::write(&segment, &whole).unwrap();
     h.set(T0 + MINUTE + 1_000);
     let r = h.recv();
     assert_eq!((r.body.as_str(), r.at_ms), ("fragile", T0 + MINUTE + 1_000));

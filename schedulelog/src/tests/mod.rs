@@ -551,6 +551,79 @@ fn retirement_waits_for_every_record_and_the_retention() {
     assert!(log.lookup(later.id).unwrap().is_some());
 }
 
+/// `read_record` keeps a bucket's log open: it reads records filed after it was opened, a read that
+/// fails closes it (so a file restored in place of a damaged one is read), and a retired bucket has
+/// none.
+#[test]
+fn records_are_read_through_a_log_kept_open_until_a_read_fails_or_the_bucket_retires() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let a = append_one(&log, T0 + 60_000, "a");
+    let bucket = a.location.bucket;
+    let entry = |seq| {
+        log.wait_replayed(seq);
+        log.reader(bucket)
+            .unwrap()
+            .unwrap()
+            .find(seq)
+            .unwrap()
+            .unwrap()
+    };
+    let body = |e: &IndexEntry| {
+        log.read_record(bucket, e.offset, e.frame_len)
+            .map(|m| m.map(|m| String::from_utf8(m.body).unwrap()))
+    };
+    let at_a = entry(a.location.seq);
+    assert_eq!(body(&at_a).unwrap().as_deref(), Some("a"));
+    let b = append_one(&log, T0 + 120_000, "b");
+    let at_b = entry(b.location.seq);
+    assert_eq!(
+        body(&at_b).unwrap().as_deref(),
+        Some("b"),
+        "filed after the log was opened"
+    );
+
+    let path = dir.path().join(format!("schedule/{bucket}.log"));
+    let good = std::fs::read(&path).unwrap();
+    let last = (at_a.offset + u64::from(at_a.frame_len) - 1) as usize;
+    let damaged = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&damaged, &[good[last] ^ 0xff], last as u64).unwrap();
+    assert!(
+        matches!(body(&at_a), Err(Error::Corrupt { .. })),
+        "the damage is read"
+    );
+    let restored = path.with_extension("restored");
+    std::fs::write(&restored, &good).unwrap();
+    std::fs::rename(&restored, &path).unwrap();
+    assert_eq!(
+        body(&at_a).unwrap().as_deref(),
+        Some("a"),
+        "the restored file is read"
+    );
+
+    let delivered = |seq| {
+        (
+            bucket,
+            Outcome {
+                seq,
+                at_ms: T0,
+                attempt: 0,
+                kind: OutcomeKind::Delivered,
+            },
+        )
+    };
+    log.record_outcomes(&[delivered(a.location.seq), delivered(b.location.seq)])
+        .unwrap();
+    clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
+    assert_eq!(log.retire().unwrap(), vec![bucket]);
+    assert_eq!(
+        body(&at_b).unwrap(),
+        None,
+        "a retired bucket has no records"
+    );
+}
+
 #[test]
 fn watch_hands_off_between_snapshot_and_live_reports() {
     let dir = tempfile::tempdir().unwrap();
