@@ -2,8 +2,9 @@
 //!
 //! Every connection is a descriptor, and so is every file the storage engine and the broker open: the
 //! WAL and the next file it prepares, each open bucket's segment, index and dispatch log, a reader per
-//! lookup, checkpoint files, the broker's commit logs and one consume-queue file per queue of every
-//! topic (so storage's share grows as topics are created), and the webhook sinks' outbound connections.
+//! lookup, the segment logs the lanes read due records from (up to 16), checkpoint files, the broker's
+//! commit logs and one consume-queue file per queue of every topic (so storage's share grows as topics
+//! are created), and the webhook sinks' outbound connections.
 //! When the process runs out, `open` fails with EMFILE wherever it happens to be called next, and that
 //! may be a storage write. So HTTP connections are capped (see [`Budget`]) such that they never take
 //! the last `limits.reserved_fds` descriptors: whatever else the process opens has those to grow into.
