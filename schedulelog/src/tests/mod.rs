@@ -76,6 +76,19 @@ pub(crate) fn all_messages(log: &ScheduleLog) -> std::collections::BTreeMap<u64,
     all
 }
 
+/// A `delivered` outcome for the record `seq` of `bucket`.
+pub(crate) fn delivered(bucket: Bucket, seq: u64) -> (Bucket, Outcome) {
+    (
+        bucket,
+        Outcome {
+            seq,
+            at_ms: T0,
+            attempt: 0,
+            kind: OutcomeKind::Delivered,
+        },
+    )
+}
+
 /// `options` with a checkpoint every 20 ms (where the test options otherwise checkpoint only on request).
 pub(crate) fn quick_checkpoints(options: Options) -> Options {
     Options {
@@ -517,22 +530,13 @@ fn retirement_waits_for_every_record_and_the_retention() {
     let b = append_one(&log, T0 + 120_000, "b");
     let later = append_one(&log, T0 + 5 * HOUR_MS, "later");
     let bucket = a.location.bucket;
-    let delivered = |seq| {
-        (
-            bucket,
-            Outcome {
-                seq,
-                at_ms: T0,
-                attempt: 0,
-                kind: OutcomeKind::Delivered,
-            },
-        )
-    };
-    log.record_outcomes(&[delivered(a.location.seq)]).unwrap();
+    log.record_outcomes(&[delivered(bucket, a.location.seq)])
+        .unwrap();
 
     clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
     assert_eq!(log.retire().unwrap(), vec![], "b is still pending");
-    log.record_outcomes(&[delivered(b.location.seq)]).unwrap();
+    log.record_outcomes(&[delivered(bucket, b.location.seq)])
+        .unwrap();
     clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 23 * HOUR_MS);
     assert_eq!(log.retire().unwrap(), vec![], "within retention");
     clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 24 * HOUR_MS);
@@ -602,19 +606,11 @@ fn records_are_read_through_a_log_kept_open_until_a_read_fails_or_the_bucket_ret
         "the restored file is read"
     );
 
-    let delivered = |seq| {
-        (
-            bucket,
-            Outcome {
-                seq,
-                at_ms: T0,
-                attempt: 0,
-                kind: OutcomeKind::Delivered,
-            },
-        )
-    };
-    log.record_outcomes(&[delivered(a.location.seq), delivered(b.location.seq)])
-        .unwrap();
+    log.record_outcomes(&[
+        delivered(bucket, a.location.seq),
+        delivered(bucket, b.location.seq),
+    ])
+    .unwrap();
     clock.set(bucket.end_ms(SegmentMinutes::DEFAULT) + 25 * HOUR_MS);
     assert_eq!(log.retire().unwrap(), vec![bucket]);
     assert_eq!(
