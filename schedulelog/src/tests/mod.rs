@@ -580,6 +580,15 @@ fn records_are_read_through_a_log_kept_open_until_a_read_fails_or_the_bucket_ret
     };
     let at_a = entry(a.location.seq);
     assert_eq!(body(&at_a).unwrap().as_deref(), Some("a"));
+    let path = dir.path().join(format!("schedule/{bucket}.log"));
+    let aside = path.with_extension("aside");
+    std::fs::rename(&path, &aside).unwrap();
+    assert_eq!(
+        body(&at_a).unwrap().as_deref(),
+        Some("a"),
+        "read through the file opened before"
+    );
+    std::fs::rename(&aside, &path).unwrap();
     let b = append_one(&log, T0 + 120_000, "b");
     let at_b = entry(b.location.seq);
     assert_eq!(
@@ -588,7 +597,6 @@ fn records_are_read_through_a_log_kept_open_until_a_read_fails_or_the_bucket_ret
         "filed after the log was opened"
     );
 
-    let path = dir.path().join(format!("schedule/{bucket}.log"));
     let good = std::fs::read(&path).unwrap();
     let last = (at_a.offset + u64::from(at_a.frame_len) - 1) as usize;
     let damaged = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
