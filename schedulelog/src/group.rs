@@ -51,6 +51,16 @@ impl<T, W, R> Group<T, W, R> {
         lock(&self.state)
     }
 
+    /// The state if nobody holds it now (a leader holds it through its write and sync); `None` rather
+    /// than a wait, for callers that must not block (an async runtime's worker).
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        match self.state.try_lock() {
+            Ok(state) => Some(state),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// Does `work` on the state, together with whatever else is queued when the lock is obtained, and
     /// returns its result. `run` gets every queued piece of work in the order it was queued and must
     /// return one result for each, in the same order.
@@ -140,6 +150,15 @@ mod tests {
         done.sort();
         assert_eq!(done, vec![1, 2, 3]);
         assert_eq!(group.queued(), 0);
+    }
+
+    #[test]
+    fn try_lock_answers_none_while_the_state_is_held_instead_of_waiting() {
+        let group: Group<u32, (), ()> = Group::new(7);
+        let held = group.lock();
+        assert!(group.try_lock().is_none());
+        drop(held);
+        assert_eq!(group.try_lock().as_deref(), Some(&7));
     }
 
     /// A leader that panics takes down the work it took from the queue (its callers panic too), not

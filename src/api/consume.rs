@@ -3,7 +3,7 @@
 use super::error::{ApiError, Problem};
 use super::openapi::{GroupPath, QueuePath, TopicPath};
 use super::{AppState, JsonBody};
-use crate::broker::Stored;
+use crate::broker::{Broker, Stored};
 use crate::format::{format_ms, valid_name};
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
@@ -11,7 +11,32 @@ use axum::Json;
 use base64::Engine;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// Runs `look` on the broker on the blocking pool: a store's lock is held through its commit-log
+/// `fdatasync` (and a checkpoint's syncs), and a runtime worker waiting for it would stall every request
+/// and delivery scheduled on that worker meanwhile.
+async fn off_runtime<T: Send + 'static>(
+    state: &AppState,
+    look: impl FnOnce(&Broker) -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let broker: Arc<Broker> = state.broker.clone();
+    tokio::task::spawn_blocking(move || look(&broker))
+        .await
+        .map_err(ApiError::internal)
+}
+
+/// `(min_offset, max_offset)` of every queue of a topic; `None` for an unknown topic. Looked up at once
+/// when the store's lock is free (most of the time: no hop to another thread), else on the blocking pool
+/// (see [`off_runtime`]).
+async fn queue_offsets(state: &AppState, topic: &str) -> Result<Option<Vec<(u64, u64)>>, ApiError> {
+    if let Ok(offsets) = state.broker.queue_offsets_now(topic) {
+        return Ok(offsets);
+    }
+    let topic = topic.to_string();
+    off_runtime(state, move |broker| broker.queue_offsets(&topic)).await
+}
 
 /// A topic from a path: a valid name, or the dead letters' own topic.
 fn check_topic(topic: &str) -> Result<(), ApiError> {
@@ -48,14 +73,13 @@ fn check_group(group: &str) -> Result<(), ApiError> {
         ))
     )))
 )]
-pub async fn topics(State(state): State<AppState>) -> Json<Value> {
-    let topics: Vec<Value> = state
-        .broker
-        .topics()
+pub async fn topics(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let topics: Vec<Value> = off_runtime(&state, Broker::topics)
+        .await?
         .into_iter()
         .map(|(name, queues)| json!({"name": name, "queues": queues}))
         .collect();
-    Json(json!({"topics": topics}))
+    Ok(Json(json!({"topics": topics})))
 }
 
 /// A topic's queues and their offsets.
@@ -81,7 +105,7 @@ pub async fn topic(
     Path(topic): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     check_topic(&topic)?;
-    let queues = state.broker.queue_offsets(&topic).ok_or_else(|| {
+    let queues = queue_offsets(&state, &topic).await?.ok_or_else(|| {
         ApiError::not_found(format!(
             "no topic {topic:?} (a topic exists once a message was delivered to it)"
         ))
@@ -184,17 +208,17 @@ pub async fn pull(
     // A long poll on a topic that does not exist yet waits for the next delivery to any topic, then
     // answers with what is there (the first message may have gone to another queue).
     let mut wait = wait;
-    if state.broker.queue_offsets(&topic).is_none() && !wait.is_zero() {
+    if queue_offsets(&state, &topic).await?.is_none() && !wait.is_zero() {
         // Listening before the second look: an arrival in between is not missed.
         let notified = state.broker.arrivals();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if state.broker.queue_offsets(&topic).is_none() {
+        if queue_offsets(&state, &topic).await?.is_none() {
             let _ = tokio::time::timeout(wait, notified).await;
         }
         wait = Duration::ZERO;
     }
-    let Some(offsets) = state.broker.queue_offsets(&topic) else {
+    let Some(offsets) = queue_offsets(&state, &topic).await? else {
         return Err(ApiError::not_found(format!("no topic {topic:?}")));
     };
     let Some(&(_, max_offset)) = offsets.get(queue as usize) else {
@@ -272,9 +296,8 @@ pub async fn commit_offset(
         .parse()
         .map_err(|_| ApiError::bad_request("invalid_queue", "queue must be a whole number"))?;
     // Only a queue that exists, and not past its end: a typo would otherwise be kept for ever.
-    let offsets = state
-        .broker
-        .queue_offsets(&topic)
+    let offsets = queue_offsets(&state, &topic)
+        .await?
         .ok_or_else(|| ApiError::not_found(format!("no topic {topic:?}")))?;
     let Some(&(_, max_offset)) = offsets.get(queue as usize) else {
         return Err(ApiError::not_found(format!(

@@ -177,8 +177,17 @@ async fn console() -> Response {
 }
 
 /// Why the node refuses writes until a restart (a poisoned log, or a failed broker store), if it does.
-fn storage_failure(state: &AppState) -> Option<String> {
-    state.log.poisoned().or_else(|| state.broker.failed())
+/// The broker's stores are asked on the blocking pool: their locks are held through commit-log syncs and
+/// checkpoints, which a runtime worker must not wait for.
+async fn storage_failure(state: &AppState) -> Option<String> {
+    if let Some(cause) = state.log.poisoned() {
+        return Some(cause);
+    }
+    let broker = state.broker.clone();
+    match tokio::task::spawn_blocking(move || broker.failed()).await {
+        Ok(failed) => failed,
+        Err(e) => Some(format!("asking the broker whether it failed panicked: {e}")),
+    }
 }
 
 /// `GET /healthz`: 200 while the process runs.
@@ -210,7 +219,7 @@ async fn healthz() -> &'static str {
     )
 )]
 async fn ready(State(state): State<AppState>) -> Response {
-    if let Some(cause) = storage_failure(&state) {
+    if let Some(cause) = storage_failure(&state).await {
         let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);
         error.retry_after_secs = Some(60);
         return error.into_response();
@@ -231,7 +240,7 @@ async fn ready(State(state): State<AppState>) -> Response {
 )]
 async fn metrics(State(state): State<AppState>) -> Response {
     // Read at each scrape: 1 exactly when /readyz answers `storage_failed`.
-    let failed = storage_failure(&state).is_some();
+    let failed = storage_failure(&state).await.is_some();
     metrics::gauge!("delayd_storage_failed").set(if failed { 1.0 } else { 0.0 });
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

@@ -181,6 +181,10 @@ pub struct Incoming {
     pub body: Vec<u8>,
 }
 
+/// A store's lock is held now (see [`Broker::queue_offsets_now`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreBusy;
+
 /// What one retention pass deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Retired {
@@ -348,6 +352,18 @@ impl Broker {
     /// `(min_offset, max_offset)` of every queue of a topic; `None` for an unknown topic.
     pub fn queue_offsets(&self, topic: &str) -> Option<Vec<(u64, u64)>> {
         self.store(topic).queue_offsets(topic)
+    }
+
+    /// [`Broker::queue_offsets`] without waiting: [`StoreBusy`] while the topic's store is locked (an
+    /// append holds it through its commit-log sync, a checkpoint through its syncs), for async callers,
+    /// which then ask on the blocking pool instead.
+    pub fn queue_offsets_now(&self, topic: &str) -> Result<Option<Vec<(u64, u64)>>, StoreBusy> {
+        let store = if self.in_dead_store(topic) {
+            self.dead.try_lock()
+        } else {
+            self.main.try_lock()
+        };
+        Ok(store.ok_or(StoreBusy)?.queue_offsets(topic))
     }
 
     /// Up to `max` messages of a queue from `offset` (from `min_offset` when `offset` is below it), and
@@ -1413,6 +1429,32 @@ mod tests {
         }
         drop(held);
         callers.into_iter().map(|c| c.join().unwrap()).collect()
+    }
+
+    /// A store's lock is held through an append's commit-log sync: `queue_offsets_now` answers busy at
+    /// once instead of waiting (an async caller then asks on the blocking pool), only for the store that
+    /// is held, and otherwise answers what `queue_offsets` does.
+    #[test]
+    fn offsets_now_answer_busy_rather_than_wait_for_a_held_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), options(2)).unwrap();
+        let dead = crate::scheduler::DEAD_TOPIC;
+        broker
+            .append(vec![incoming("t", None, "a"), incoming(dead, None, "d")])
+            .unwrap();
+        let offsets = broker.queue_offsets("t");
+        assert_eq!(offsets, Some(vec![(0, 0), (0, 1)]));
+        assert_eq!(broker.queue_offsets_now("t"), Ok(offsets.clone()));
+        assert_eq!(broker.queue_offsets_now("nope"), Ok(None));
+        let held = broker.main.lock();
+        assert_eq!(broker.queue_offsets_now("t"), Err(StoreBusy));
+        assert_eq!(
+            broker.queue_offsets_now(dead),
+            Ok(Some(vec![(0, 0), (0, 1)])),
+            "the dead letters' store has a lock of its own"
+        );
+        drop(held);
+        assert_eq!(broker.queue_offsets_now("t"), Ok(offsets));
     }
 
     /// Lanes delivering at once share the commit log's write and sync: three appends that arrive while
