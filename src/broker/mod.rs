@@ -1431,6 +1431,73 @@ mod tests {
         callers.into_iter().map(|c| c.join().unwrap()).collect()
     }
 
+    /// A checkpoint is taken under the store's lock and made durable off it: while its job is held before
+    /// its first sync, appends and reads go on and the checkpoint file is untouched; released, the file
+    /// gets the log's end as it was when the job was taken. A checkpoint due while one runs waits for a
+    /// later append, and what came after every checkpoint is recovered on open.
+    #[test]
+    fn a_checkpoint_is_made_durable_off_the_stores_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
+        let gate = Arc::new(std::sync::Barrier::new(2));
+        {
+            let mut store = broker.main.lock();
+            store.checkpoint_every = (2, u64::MAX);
+            store.checkpoint_gate = Some(gate.clone());
+        }
+        let checkpoint = || store::read_checkpoint(&dir.path().join("broker"));
+        let end = || broker.main.lock().log.end();
+        let append = |bodies: [&str; 2]| {
+            broker
+                .append(bodies.map(|b| incoming("t", None, b)).to_vec())
+                .unwrap()
+        };
+        let before = checkpoint();
+        // On a thread of its own: were the job run under the lock, this append would wait at the gate.
+        let (done, appended) = std::sync::mpsc::channel();
+        let first = broker.clone();
+        let appending = std::thread::spawn(move || {
+            let messages = vec![incoming("t", None, "a"), incoming("t", None, "b")];
+            done.send(first.append(messages).map(|_| ())).unwrap();
+        });
+        appended
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the append returns while its checkpoint waits to sync")
+            .unwrap();
+        appending.join().unwrap();
+        let taken = end();
+        assert!(taken > before);
+        append(["c", "d"]);
+        let read = broker.read("t", 0, 0, 10).unwrap().unwrap();
+        assert_eq!(
+            bodies(&read),
+            ["a", "b", "c", "d"],
+            "appends and reads go on"
+        );
+        assert_eq!(checkpoint(), before, "nothing stored before the syncs");
+        gate.wait();
+        broker.main.lock().wait_for_checkpoint();
+        assert_eq!(
+            checkpoint(),
+            taken,
+            "the end as it was when the job was taken"
+        );
+
+        broker.main.lock().checkpoint_gate = None;
+        append(["e", "f"]);
+        broker.main.lock().wait_for_checkpoint();
+        assert_eq!(
+            checkpoint(),
+            end(),
+            "the next one, due since c and d, started at e and f"
+        );
+        append(["g", "h"]);
+        drop(broker); // the last reference: waits for the job started at g and h
+        let broker = Broker::open(dir.path(), options(1)).unwrap();
+        let read = broker.read("t", 0, 0, 10).unwrap().unwrap();
+        assert_eq!(bodies(&read), ["a", "b", "c", "d", "e", "f", "g", "h"]);
+    }
+
     /// A store's lock is held through an append's commit-log sync: `queue_offsets_now` answers busy at
     /// once instead of waiting (an async caller then asks on the blocking pool), only for the store that
     /// is held, and otherwise answers what `queue_offsets` does.

@@ -14,8 +14,9 @@
 //!   unit whose record is still in the log is found by binary search.
 //! - `min_offset` is the first queue offset whose record the commit log still holds; files whose units
 //!   are all below it are deleted (never the last file, which appends go to).
-//! - Only the last file is written to (repair excepted); it is synced at the broker checkpoint, and the
-//!   file before it when a new one is started.
+//! - Only the last file is written to (repair excepted). It is synced by the broker checkpoint, a job off
+//!   the store's lock that holds the file through `take_unsynced` (the queue may have moved on to a new
+//!   file meanwhile), and when a new file is started, unless a checkpoint job took it already.
 //! - Before the queues were segmented a queue was one file, `consumequeue/{topic}/{queue}`; opening one
 //!   moves it to `{queue}/00000000000000000000` by way of `{queue}.migrating/`, crash-safely.
 
@@ -24,6 +25,7 @@ use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub(crate) const UNIT_LEN: u64 = 20;
 
@@ -103,7 +105,8 @@ pub(crate) struct Queue {
     units_per_file: u64,
     /// The first queue offset of each file, oldest first; the last one is `active`.
     files: BTreeSet<u64>,
-    active: File,
+    /// Shared with a checkpoint job syncing it off the store's lock (see `take_unsynced`).
+    active: Arc<File>,
     /// Queue offset of the next unit (the queue's `max_offset`).
     pub units: u64,
     /// The first queue offset whose record is still in the commit log.
@@ -151,7 +154,7 @@ impl Queue {
             dir,
             units_per_file: units_per_file.max(1),
             files,
-            active,
+            active: Arc::new(active),
             units: active_first + len / UNIT_LEN,
             min_offset: first,
             dirty: false,
@@ -196,7 +199,7 @@ impl Queue {
             .map_err(io_err(&path))?;
         sync_dir(&self.dir)?;
         self.files.insert(first);
-        self.active = file;
+        self.active = Arc::new(file);
         Ok(())
     }
 
@@ -316,11 +319,24 @@ impl Queue {
             .and_then(|()| file.sync_all())
             .map_err(io_err(&path))?;
         sync_dir(&self.dir)?;
-        self.active = file;
+        self.active = Arc::new(file);
         self.units = units;
         self.min_offset = self.min_offset.min(units);
         self.dirty = false;
         Ok(())
+    }
+
+    /// The active file and its path if it was written since its last sync, marked synced: the caller
+    /// (a broker checkpoint job, off the store's lock) syncs it, and a failure of that sync stops every
+    /// later checkpoint (store.rs), so a unit this leaves unsynced is never claimed durable.
+    pub(crate) fn take_unsynced(&mut self) -> Option<(Arc<File>, PathBuf)> {
+        if !std::mem::take(&mut self.dirty) {
+            return None;
+        }
+        Some((
+            self.active.clone(),
+            file_path(&self.dir, self.active_first()),
+        ))
     }
 
     /// Makes the units written so far durable.

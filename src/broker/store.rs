@@ -20,6 +20,11 @@
 //!   zero or point past the log are cut. A record whose queue offset leaves a gap is corruption.
 //!   Recovery reads the log from the checkpoint one record at a time: its time and memory do not grow
 //!   with the history kept.
+//! - A checkpoint is taken under the store's lock (the log's end, the queue files written since the last
+//!   one) and made durable off it, on a thread of its own: its syncs (a few milliseconds on a slow disk,
+//!   tens with other syncs queued) would otherwise hold up every append and pull. One runs at a time, so
+//!   the checkpoint file only moves forward; while one runs, the next waits for a later append. Dropping
+//!   the store waits for it.
 //! - After a failed checkpoint sync no further checkpoint is written until a restart (the kernel may have
 //!   dropped those units' pages).
 //! - Each queue's `min_offset` is the first unit whose record the log still holds: retention moves it
@@ -34,12 +39,12 @@ use super::{
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
-/// Messages stored between two checkpoints, at most (recovery re-reads what follows the checkpoint).
-/// A checkpoint syncs every queue file and writes the checkpoint file (six syncs and more) holding the
-/// store's lock, which appends and pulls wait for: 5 ms on a slow disk, which at 10,000 messages made
-/// five such stalls a second at 50,000 messages a second.
+/// Messages stored between two checkpoints, at most (recovery re-reads what follows the checkpoint;
+/// a checkpoint syncs every queue file written since the last one, and the checkpoint file).
 const CHECKPOINT_EVERY: u64 = 100_000;
 /// Bytes stored between two checkpoints, at most.
 const CHECKPOINT_EVERY_BYTES: u64 = 256 << 20;
@@ -88,8 +93,51 @@ pub(crate) struct Store {
     /// longer match what this store holds in memory.
     pub failed: Option<String>,
     /// A checkpoint's sync failed: no later checkpoint may claim the units it covered; the next open
-    /// rewrites every unit since the last good one.
-    checkpoint_failed: bool,
+    /// rewrites every unit since the last good one. Set by the checkpoint job.
+    checkpoint_failed: Arc<AtomicBool>,
+    /// The checkpoint job running or last run.
+    checkpointing: Option<JoinHandle<()>>,
+    /// Messages and bytes stored before a checkpoint is due.
+    pub checkpoint_every: (u64, u64),
+    /// Where a test holds checkpoint jobs before they sync anything.
+    #[cfg(test)]
+    pub checkpoint_gate: Option<Arc<std::sync::Barrier>>,
+}
+
+/// A checkpoint taken under the store's lock, made durable off it: the queue files written since the
+/// last one are synced, then the checkpoint file says every unit of a record below `end` is durable.
+struct CheckpointJob {
+    dir: PathBuf,
+    end: u64,
+    files: Vec<(Arc<File>, PathBuf)>,
+    #[cfg(test)]
+    gate: Option<Arc<std::sync::Barrier>>,
+}
+
+impl CheckpointJob {
+    fn run(self) -> Result<(), BrokerError> {
+        #[cfg(test)]
+        if let Some(gate) = &self.gate {
+            gate.wait();
+        }
+        for (file, path) in &self.files {
+            schedulelog::slow_disk::sync();
+            file.sync_data().map_err(io_err(path))?;
+        }
+        let mut bytes = self.end.to_le_bytes().to_vec();
+        let crc = crc32c::crc32c(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        write_atomically(&self.dir.join("checkpoint"), &bytes)
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // A reopen (a restart, a test) must not meet a job still writing the checkpoint file.
+        if let Some(job) = self.checkpointing.take() {
+            let _ = job.join();
+        }
+    }
 }
 
 impl Store {
@@ -112,7 +160,11 @@ impl Store {
             unsynced_bytes_since_checkpoint: 0,
             queues_behind: false,
             failed: None,
-            checkpoint_failed: false,
+            checkpoint_failed: Arc::default(),
+            checkpointing: None,
+            checkpoint_every: (CHECKPOINT_EVERY, CHECKPOINT_EVERY_BYTES),
+            #[cfg(test)]
+            checkpoint_gate: None,
         };
         store.load_topics()?;
         store.recover()?;
@@ -232,7 +284,7 @@ impl Store {
             });
         }
         remove_files(&doomed)?;
-        self.sync_and_checkpoint()
+        self.take_checkpoint().run()
     }
 
     fn queue_mut(&mut self, topic: &str, queue: u32) -> Result<&mut Queue, BrokerError> {
@@ -351,32 +403,75 @@ impl Store {
         }
         self.unsynced_since_checkpoint += messages.len() as u64;
         self.unsynced_bytes_since_checkpoint += buf.len() as u64;
-        let due = self.unsynced_since_checkpoint >= CHECKPOINT_EVERY
-            || self.unsynced_bytes_since_checkpoint >= CHECKPOINT_EVERY_BYTES;
-        if due && !self.checkpoint_failed {
-            // The messages are stored either way; a failed checkpoint only makes the next open rewrite
-            // more units.
-            if let Err(e) = self.sync_and_checkpoint() {
-                tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
-                self.checkpoint_failed = true;
-            }
-        }
+        self.start_checkpoint_if_due();
         Ok(placed)
     }
 
-    fn sync_and_checkpoint(&mut self) -> Result<(), BrokerError> {
-        for topic in self.topics.values_mut() {
-            for queue in &mut topic.queues {
-                queue.sync()?;
+    /// Starts a checkpoint job when one is due, none is running and none failed. The messages are
+    /// stored either way; a failed checkpoint only makes the next open rewrite more units.
+    fn start_checkpoint_if_due(&mut self) {
+        let (every, every_bytes) = self.checkpoint_every;
+        let due = self.unsynced_since_checkpoint >= every
+            || self.unsynced_bytes_since_checkpoint >= every_bytes;
+        if !due
+            || self.checkpoint_failed.load(Ordering::Acquire)
+            || self
+                .checkpointing
+                .as_ref()
+                .is_some_and(|j| !j.is_finished())
+        {
+            return;
+        }
+        let job = self.take_checkpoint();
+        let failed = self.checkpoint_failed.clone();
+        let spawned = std::thread::Builder::new()
+            .name("delayd-broker-checkpoint".into())
+            .spawn(move || {
+                let started = std::time::Instant::now();
+                match job.run() {
+                    Ok(()) => metrics::histogram!("delayd_sync_seconds", "file" => "broker_checkpoint")
+                        .record(started.elapsed().as_secs_f64()),
+                    Err(e) => {
+                        tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
+                        failed.store(true, Ordering::Release);
+                    }
+                }
+            });
+        match spawned {
+            Ok(handle) => self.checkpointing = Some(handle),
+            Err(e) => {
+                // The files taken are no longer marked unsynced: no checkpoint may claim them now.
+                tracing::error!(error = %e, "starting a broker checkpoint failed; no more until restart");
+                self.checkpoint_failed.store(true, Ordering::Release);
             }
         }
-        let mut bytes = self.log.end().to_le_bytes().to_vec();
-        let crc = crc32c::crc32c(&bytes);
-        bytes.extend_from_slice(&crc.to_le_bytes());
-        write_atomically(&self.dir.join("checkpoint"), &bytes)?;
+    }
+
+    /// Waits for the checkpoint job running, if one is.
+    #[cfg(test)]
+    pub fn wait_for_checkpoint(&mut self) {
+        if let Some(job) = self.checkpointing.take() {
+            job.join().unwrap();
+        }
+    }
+
+    /// A checkpoint of what is stored now: the log's end and the queue files written since the last one.
+    fn take_checkpoint(&mut self) -> CheckpointJob {
+        let files = self
+            .topics
+            .values_mut()
+            .flat_map(|topic| topic.queues.iter_mut())
+            .filter_map(Queue::take_unsynced)
+            .collect();
         self.unsynced_since_checkpoint = 0;
         self.unsynced_bytes_since_checkpoint = 0;
-        Ok(())
+        CheckpointJob {
+            dir: self.dir.clone(),
+            end: self.log.end(),
+            files,
+            #[cfg(test)]
+            gate: self.checkpoint_gate.clone(),
+        }
     }
 
     /// Refuses appends from now on: an undo failed, so the files may hold what memory does not.
@@ -555,7 +650,7 @@ fn create_topic(
     Ok(state)
 }
 
-fn read_checkpoint(dir: &Path) -> u64 {
+pub(crate) fn read_checkpoint(dir: &Path) -> u64 {
     let Ok(bytes) = fs::read(dir.join("checkpoint")) else {
         return 0;
     };
