@@ -177,7 +177,7 @@ fn describe() {
     describe_histogram!(
         "delayd_sync_seconds",
         Unit::Seconds,
-        "Write and fdatasync of other files, by file: broker (one commit-log write and sync, shared by the batches stored meanwhile), dispatch (one dispatch-log write and sync, shared by the outcomes recorded meanwhile), checkpoint (a whole replay checkpoint: segment syncs and the store, on a thread of its own), broker_checkpoint (a broker store's checkpoint: its queue files synced and the checkpoint stored, on a thread of its own, every 100,000 messages)"
+        "Write and fdatasync of other files, by file: broker (one commit-log write and sync, shared by the batches stored meanwhile), dispatch (one dispatch-log write and sync, shared by the outcomes recorded meanwhile), checkpoint (a whole replay checkpoint: segment syncs and the store, on a thread of its own), broker_checkpoint (a broker store's checkpoint: its queue files synced and the checkpoint stored, on a thread of its own, every 100,000 messages or 256 MiB)"
     );
     describe_histogram!("delayd_wal_batch_records", "Records per WAL group commit");
     describe_counter!(

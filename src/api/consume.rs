@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Runs `look` on the broker on the blocking pool: a store's lock is held through its commit-log
-/// `fdatasync` (and a checkpoint's syncs), and a runtime worker waiting for it would stall every request
-/// and delivery scheduled on that worker meanwhile.
+/// `fdatasync` (and a queue file's at a rollover), the offsets' lock through an offset commit's, and a
+/// runtime worker waiting for one would stall every request and delivery scheduled on it meanwhile.
 async fn off_runtime<T: Send + 'static>(
     state: &AppState,
     look: impl FnOnce(&Broker) -> T + Send + 'static,
@@ -359,11 +359,11 @@ pub async fn group_offsets(
 ) -> Result<Json<Value>, ApiError> {
     check_group(&group)?;
     check_topic(&topic)?;
-    let queues: Vec<Value> = state
-        .broker
-        .group_offsets(&group, &topic)
-        .into_iter()
-        .map(|(queue, offset)| json!({"queue": queue, "offset": offset}))
-        .collect();
+    let queues: Vec<Value> =
+        off_runtime(&state, move |broker| broker.group_offsets(&group, &topic))
+            .await?
+            .into_iter()
+            .map(|(queue, offset)| json!({"queue": queue, "offset": offset}))
+            .collect();
     Ok(Json(json!({"queues": queues})))
 }

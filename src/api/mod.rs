@@ -177,8 +177,8 @@ async fn console() -> Response {
 }
 
 /// Why the node refuses writes until a restart (a poisoned log, or a failed broker store), if it does.
-/// The broker's stores are asked on the blocking pool: their locks are held through commit-log syncs and
-/// checkpoints, which a runtime worker must not wait for.
+/// The broker's stores are asked on the blocking pool: their locks are held through commit-log syncs,
+/// which a runtime worker must not wait for.
 async fn storage_failure(state: &AppState) -> Option<String> {
     if let Some(cause) = state.log.poisoned() {
         return Some(cause);
@@ -186,7 +186,8 @@ async fn storage_failure(state: &AppState) -> Option<String> {
     let broker = state.broker.clone();
     match tokio::task::spawn_blocking(move || broker.failed()).await {
         Ok(failed) => failed,
-        Err(e) => Some(format!("asking the broker whether it failed panicked: {e}")),
+        Err(e) if e.is_cancelled() => None, // the runtime is shutting down
+        Err(e) => Some(format!("asking the broker whether it failed: {e}")),
     }
 }
 

@@ -355,8 +355,8 @@ impl Broker {
     }
 
     /// [`Broker::queue_offsets`] without waiting: [`StoreBusy`] while the topic's store is locked (an
-    /// append holds it through its commit-log sync, a checkpoint through its syncs), for async callers,
-    /// which then ask on the blocking pool instead.
+    /// append holds it through its commit-log sync), for async callers, which then ask on the blocking
+    /// pool instead.
     pub fn queue_offsets_now(&self, topic: &str) -> Result<Option<Vec<(u64, u64)>>, StoreBusy> {
         let store = if self.in_dead_store(topic) {
             self.dead.try_lock()
@@ -1434,12 +1434,21 @@ mod tests {
     /// A checkpoint is taken under the store's lock and made durable off it: while its job is held before
     /// its first sync, appends and reads go on and the checkpoint file is untouched; released, the file
     /// gets the log's end as it was when the job was taken. A checkpoint due while one runs waits for a
-    /// later append, and what came after every checkpoint is recovered on open.
+    /// later append; dropping the broker waits for a running job; what came after the last checkpoint is
+    /// recovered on open.
     #[test]
     fn a_checkpoint_is_made_durable_off_the_stores_lock() {
         let dir = tempfile::tempdir().unwrap();
         let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
-        let gate = Arc::new(std::sync::Barrier::new(2));
+        let gate = Arc::new(store::Gate::default());
+        // Opened however the test ends: a job held at the gate would otherwise hold up the store's drop.
+        struct Opens(Arc<store::Gate>);
+        impl Drop for Opens {
+            fn drop(&mut self) {
+                self.0.open();
+            }
+        }
+        let _opens = Opens(gate.clone());
         {
             let mut store = broker.main.lock();
             store.checkpoint_every = (2, u64::MAX);
@@ -1461,7 +1470,7 @@ mod tests {
             done.send(first.append(messages).map(|_| ())).unwrap();
         });
         appended
-            .recv_timeout(Duration::from_secs(30))
+            .recv_timeout(Duration::from_secs(20))
             .expect("the append returns while its checkpoint waits to sync")
             .unwrap();
         appending.join().unwrap();
@@ -1475,7 +1484,7 @@ mod tests {
             "appends and reads go on"
         );
         assert_eq!(checkpoint(), before, "nothing stored before the syncs");
-        gate.wait();
+        gate.open();
         broker.main.lock().wait_for_checkpoint();
         assert_eq!(
             checkpoint(),
@@ -1492,10 +1501,22 @@ mod tests {
             "the next one, due since c and d, started at e and f"
         );
         append(["g", "h"]);
+        let at_h = end();
+        broker.main.lock().checkpoint_every = (u64::MAX, u64::MAX);
+        append(["i", "j"]);
         drop(broker); // the last reference: waits for the job started at g and h
+        assert_eq!(
+            checkpoint(),
+            at_h,
+            "the job started at g and h finished before the drop ended"
+        );
         let broker = Broker::open(dir.path(), options(1)).unwrap();
-        let read = broker.read("t", 0, 0, 10).unwrap().unwrap();
-        assert_eq!(bodies(&read), ["a", "b", "c", "d", "e", "f", "g", "h"]);
+        let read = broker.read("t", 0, 0, 20).unwrap().unwrap();
+        assert_eq!(
+            bodies(&read),
+            ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"],
+            "i and j, after the last checkpoint, recovered"
+        );
     }
 
     /// A store's lock is held through an append's commit-log sync: `queue_offsets_now` answers busy at

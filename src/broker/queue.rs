@@ -113,6 +113,9 @@ pub(crate) struct Queue {
     pub min_offset: u64,
     /// The active file was written since its last sync.
     dirty: bool,
+    /// A sync of this queue's files failed: the kernel may have dropped units, so no later checkpoint
+    /// may claim them (store.rs stops checkpoints until a restart, whose recovery rewrites them).
+    pub sync_failed: bool,
 }
 
 impl Queue {
@@ -158,6 +161,7 @@ impl Queue {
             units: active_first + len / UNIT_LEN,
             min_offset: first,
             dirty: false,
+            sync_failed: false,
         })
     }
 
@@ -317,6 +321,7 @@ impl Queue {
             .map_err(io_err(&path))?;
         file.set_len((units - first) * UNIT_LEN)
             .and_then(|()| file.sync_all())
+            .inspect_err(|_| self.sync_failed = true)
             .map_err(io_err(&path))?;
         sync_dir(&self.dir)?;
         self.active = Arc::new(file);
@@ -328,7 +333,9 @@ impl Queue {
 
     /// The active file and its path if it was written since its last sync, marked synced: the caller
     /// (a broker checkpoint job, off the store's lock) syncs it, and a failure of that sync stops every
-    /// later checkpoint (store.rs), so a unit this leaves unsynced is never claimed durable.
+    /// later checkpoint (store.rs), so a unit this leaves unsynced is never claimed durable. The handle
+    /// is the queue's own open file, so a write-back error is reported to whichever of the job's sync
+    /// and a rollover's comes first; either failure stops checkpoints.
     pub(crate) fn take_unsynced(&mut self) -> Option<(Arc<File>, PathBuf)> {
         if !std::mem::take(&mut self.dirty) {
             return None;
@@ -345,6 +352,7 @@ impl Queue {
             schedulelog::slow_disk::sync();
             self.active
                 .sync_data()
+                .inspect_err(|_| self.sync_failed = true)
                 .map_err(io_err(&file_path(&self.dir, self.active_first())))?;
             self.dirty = false;
         }

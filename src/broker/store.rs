@@ -23,10 +23,11 @@
 //! - A checkpoint is taken under the store's lock (the log's end, the queue files written since the last
 //!   one) and made durable off it, on a thread of its own: its syncs (a few milliseconds on a slow disk,
 //!   tens with other syncs queued) would otherwise hold up every append and pull. One runs at a time, so
-//!   the checkpoint file only moves forward; while one runs, the next waits for a later append. Dropping
-//!   the store waits for it.
-//! - After a failed checkpoint sync no further checkpoint is written until a restart (the kernel may have
-//!   dropped those units' pages).
+//!   the checkpoint file only moves forward; while one runs, the next waits for a later append (so does
+//!   one whose thread could not be started: nothing is taken before it is). Dropping the store waits for
+//!   the job.
+//! - After a failed checkpoint sync (a job's, or a queue file's at a rollover; or a job that panicked) no
+//!   further checkpoint is written until a restart (the kernel may have dropped those units' pages).
 //! - Each queue's `min_offset` is the first unit whose record the log still holds: retention moves it
 //!   when it deletes segments, and opening recomputes it (files of an interrupted deletion go then).
 
@@ -39,7 +40,6 @@ use super::{
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -92,16 +92,16 @@ pub(crate) struct Store {
     /// Why appends are refused until a restart: undoing a failed append failed, so the files may no
     /// longer match what this store holds in memory.
     pub failed: Option<String>,
-    /// A checkpoint's sync failed: no later checkpoint may claim the units it covered; the next open
-    /// rewrites every unit since the last good one. Set by the checkpoint job.
-    checkpoint_failed: Arc<AtomicBool>,
-    /// The checkpoint job running or last run.
-    checkpointing: Option<JoinHandle<()>>,
+    /// A checkpoint's sync failed (or its job panicked), or a queue file's: no later checkpoint may claim
+    /// the units it covered; the next open rewrites every unit since the last good one.
+    checkpoint_failed: bool,
+    /// The checkpoint job running or last run; it answers whether it stored its checkpoint.
+    checkpointing: Option<JoinHandle<bool>>,
     /// Messages and bytes stored before a checkpoint is due.
     pub checkpoint_every: (u64, u64),
     /// Where a test holds checkpoint jobs before they sync anything.
     #[cfg(test)]
-    pub checkpoint_gate: Option<Arc<std::sync::Barrier>>,
+    pub checkpoint_gate: Option<Arc<Gate>>,
 }
 
 /// A checkpoint taken under the store's lock, made durable off it: the queue files written since the
@@ -111,14 +111,39 @@ struct CheckpointJob {
     end: u64,
     files: Vec<(Arc<File>, PathBuf)>,
     #[cfg(test)]
-    gate: Option<Arc<std::sync::Barrier>>,
+    gate: Option<Arc<Gate>>,
+}
+
+/// A gate a test opens: a checkpoint job waits at it (for 30 s at most, so that a failing test ends
+/// rather than hangs in the store's drop).
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+#[cfg(test)]
+impl Gate {
+    pub fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    fn pass(&self) {
+        let open = self.open.lock().unwrap();
+        let _ = self
+            .opened
+            .wait_timeout_while(open, std::time::Duration::from_secs(30), |open| !*open)
+            .unwrap();
+    }
 }
 
 impl CheckpointJob {
     fn run(self) -> Result<(), BrokerError> {
         #[cfg(test)]
         if let Some(gate) = &self.gate {
-            gate.wait();
+            gate.pass();
         }
         for (file, path) in &self.files {
             schedulelog::slow_disk::sync();
@@ -134,9 +159,7 @@ impl CheckpointJob {
 impl Drop for Store {
     fn drop(&mut self) {
         // A reopen (a restart, a test) must not meet a job still writing the checkpoint file.
-        if let Some(job) = self.checkpointing.take() {
-            let _ = job.join();
-        }
+        self.join_checkpoint();
     }
 }
 
@@ -160,7 +183,7 @@ impl Store {
             unsynced_bytes_since_checkpoint: 0,
             queues_behind: false,
             failed: None,
-            checkpoint_failed: Arc::default(),
+            checkpoint_failed: false,
             checkpointing: None,
             checkpoint_every: (CHECKPOINT_EVERY, CHECKPOINT_EVERY_BYTES),
             #[cfg(test)]
@@ -413,46 +436,79 @@ impl Store {
         let (every, every_bytes) = self.checkpoint_every;
         let due = self.unsynced_since_checkpoint >= every
             || self.unsynced_bytes_since_checkpoint >= every_bytes;
-        if !due
-            || self.checkpoint_failed.load(Ordering::Acquire)
-            || self
-                .checkpointing
-                .as_ref()
-                .is_some_and(|j| !j.is_finished())
-        {
+        if !due || self.checkpoint_failed {
             return;
         }
-        let job = self.take_checkpoint();
-        let failed = self.checkpoint_failed.clone();
+        if self
+            .checkpointing
+            .as_ref()
+            .is_some_and(|j| !j.is_finished())
+        {
+            return; // one at a time: a later append starts the next
+        }
+        self.join_checkpoint();
+        if self.queues().any(|q| q.sync_failed) {
+            tracing::error!(
+                "a broker queue file failed to sync; no more broker checkpoints until restart"
+            );
+            self.checkpoint_failed = true;
+        }
+        if self.checkpoint_failed {
+            return;
+        }
+        // The thread first, then the checkpoint: a thread that cannot be started has taken nothing.
+        let (hand_over, handed) = std::sync::mpsc::channel::<CheckpointJob>();
         let spawned = std::thread::Builder::new()
             .name("delayd-broker-checkpoint".into())
             .spawn(move || {
+                let Ok(job) = handed.recv() else {
+                    return true; // nothing taken
+                };
                 let started = std::time::Instant::now();
                 match job.run() {
-                    Ok(()) => metrics::histogram!("delayd_sync_seconds", "file" => "broker_checkpoint")
-                        .record(started.elapsed().as_secs_f64()),
+                    Ok(()) => {
+                        metrics::histogram!("delayd_sync_seconds", "file" => "broker_checkpoint")
+                            .record(started.elapsed().as_secs_f64());
+                        true
+                    }
                     Err(e) => {
                         tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
-                        failed.store(true, Ordering::Release);
+                        false
                     }
                 }
             });
         match spawned {
-            Ok(handle) => self.checkpointing = Some(handle),
+            Ok(job) => {
+                if hand_over.send(self.take_checkpoint()).is_err() {
+                    // Cannot happen (the thread waits for it); were it so, the files taken are unsynced.
+                    self.checkpoint_failed = true;
+                }
+                self.checkpointing = Some(job);
+            }
             Err(e) => {
-                // The files taken are no longer marked unsynced: no checkpoint may claim them now.
-                tracing::error!(error = %e, "starting a broker checkpoint failed; no more until restart");
-                self.checkpoint_failed.store(true, Ordering::Release);
+                tracing::warn!(error = %e, "starting a broker checkpoint failed; the next append tries again");
             }
         }
+    }
+
+    /// Joins the last checkpoint job: one that failed (or panicked) stops every later checkpoint, for
+    /// the files it took may not be durable.
+    fn join_checkpoint(&mut self) {
+        if let Some(job) = self.checkpointing.take() {
+            if !matches!(job.join(), Ok(true)) {
+                self.checkpoint_failed = true;
+            }
+        }
+    }
+
+    fn queues(&self) -> impl Iterator<Item = &Queue> {
+        self.topics.values().flat_map(|topic| &topic.queues)
     }
 
     /// Waits for the checkpoint job running, if one is.
     #[cfg(test)]
     pub fn wait_for_checkpoint(&mut self) {
-        if let Some(job) = self.checkpointing.take() {
-            job.join().unwrap();
-        }
+        self.join_checkpoint();
     }
 
     /// A checkpoint of what is stored now: the log's end and the queue files written since the last one.
