@@ -1519,6 +1519,39 @@ mod tests {
         );
     }
 
+    /// A queue that moves on to a new file while a checkpoint job holds its old one: the job syncs the
+    /// file it took, the rollover the units written after it, and everything reads back after a reopen.
+    #[test]
+    fn a_queue_moving_to_a_new_file_while_a_checkpoint_holds_the_old_one_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        let gate = Arc::new(store::Gate::default());
+        {
+            let mut store = broker.main.lock();
+            store.checkpoint_every = (2, u64::MAX);
+            store.checkpoint_gate = Some(gate.clone());
+        }
+        let names: Vec<String> = (0..72).map(|i| format!("m{i}")).collect();
+        let messages = |names: &[String]| names.iter().map(|n| incoming("t", None, n)).collect();
+        broker.append(messages(&names[..2])).unwrap();
+        let taken = broker.main.lock().log.end();
+        // 64 units a file with these segments: the queue moves on while the job holds file 0.
+        broker.append(messages(&names[2..])).unwrap();
+        let queue_files = files(&dir.path().join("broker/consumequeue/t/0"));
+        gate.open();
+        broker.main.lock().wait_for_checkpoint();
+        assert_eq!(
+            queue_files,
+            ["00000000000000000000", "00000000000000000064"],
+            "the queue moved on meanwhile"
+        );
+        assert_eq!(store::read_checkpoint(&dir.path().join("broker")), taken);
+        drop(broker);
+        let broker = Broker::open(dir.path(), small(1)).unwrap();
+        let read = broker.read("t", 0, 0, 100).unwrap().unwrap();
+        assert_eq!(bodies(&read), names);
+    }
+
     /// A store's lock is held through an append's commit-log sync: `queue_offsets_now` answers busy at
     /// once instead of waiting (an async caller then asks on the blocking pool), only for the store that
     /// is held, and otherwise answers what `queue_offsets` does.
