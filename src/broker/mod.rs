@@ -1431,29 +1431,35 @@ mod tests {
         callers.into_iter().map(|c| c.join().unwrap()).collect()
     }
 
+    /// Opens its gate when dropped, however the test ends: a job held at it would hold up the store's
+    /// drop (for the gate's 30 s).
+    struct GateOpens(Arc<store::Gate>);
+
+    impl Drop for GateOpens {
+        fn drop(&mut self) {
+            self.0.open();
+        }
+    }
+
+    /// Makes the main store's checkpoints due every two messages and holds their jobs at a gate.
+    fn gate_checkpoints(broker: &Broker) -> GateOpens {
+        let gate = Arc::new(store::Gate::default());
+        let mut store = broker.main.lock();
+        store.checkpoint_every = (2, u64::MAX);
+        store.checkpoint_gate = Some(gate.clone());
+        GateOpens(gate)
+    }
+
     /// A checkpoint is taken under the store's lock and made durable off it: while its job is held before
     /// its first sync, appends and reads go on and the checkpoint file is untouched; released, the file
     /// gets the log's end as it was when the job was taken. A checkpoint due while one runs waits for a
-    /// later append; dropping the broker waits for a running job; what came after the last checkpoint is
-    /// recovered on open.
+    /// later append; dropping the broker waits for a running job; units of records after the last
+    /// checkpoint are rewritten on open.
     #[test]
     fn a_checkpoint_is_made_durable_off_the_stores_lock() {
         let dir = tempfile::tempdir().unwrap();
         let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
-        let gate = Arc::new(store::Gate::default());
-        // Opened however the test ends: a job held at the gate would otherwise hold up the store's drop.
-        struct Opens(Arc<store::Gate>);
-        impl Drop for Opens {
-            fn drop(&mut self) {
-                self.0.open();
-            }
-        }
-        let _opens = Opens(gate.clone());
-        {
-            let mut store = broker.main.lock();
-            store.checkpoint_every = (2, u64::MAX);
-            store.checkpoint_gate = Some(gate.clone());
-        }
+        let gate = gate_checkpoints(&broker);
         let checkpoint = || store::read_checkpoint(&dir.path().join("broker"));
         let end = || broker.main.lock().log.end();
         let append = |bodies: [&str; 2]| {
@@ -1484,7 +1490,7 @@ mod tests {
             "appends and reads go on"
         );
         assert_eq!(checkpoint(), before, "nothing stored before the syncs");
-        gate.open();
+        gate.0.open();
         broker.main.lock().wait_for_checkpoint();
         assert_eq!(
             checkpoint(),
@@ -1492,7 +1498,6 @@ mod tests {
             "the end as it was when the job was taken"
         );
 
-        broker.main.lock().checkpoint_gate = None;
         append(["e", "f"]);
         broker.main.lock().wait_for_checkpoint();
         assert_eq!(
@@ -1500,52 +1505,66 @@ mod tests {
             end(),
             "the next one, due since c and d, started at e and f"
         );
+
+        let held = gate_checkpoints(&broker);
         append(["g", "h"]);
         let at_h = end();
         broker.main.lock().checkpoint_every = (u64::MAX, u64::MAX);
         append(["i", "j"]);
-        drop(broker); // the last reference: waits for the job started at g and h
-        assert_eq!(
-            checkpoint(),
-            at_h,
-            "the job started at g and h finished before the drop ended"
-        );
+        // The gate opens a moment after the drop began: a drop that did not wait for the job would end
+        // before its checkpoint is stored.
+        let opening = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(held);
+        });
+        drop(broker);
+        assert_eq!(checkpoint(), at_h, "the drop waited for the job");
+        opening.join().unwrap();
+        // i and j came after the last checkpoint: their units, zeroed here as a crash may leave them,
+        // are rewritten on open (a checkpoint past them would have them cut instead).
+        let queue = dir
+            .path()
+            .join("broker/consumequeue/t/0/00000000000000000000");
+        let file = fs::OpenOptions::new().write(true).open(queue).unwrap();
+        file.write_all_at(&[0; 2 * queue::UNIT_LEN as usize], 8 * queue::UNIT_LEN)
+            .unwrap();
         let broker = Broker::open(dir.path(), options(1)).unwrap();
         let read = broker.read("t", 0, 0, 20).unwrap().unwrap();
         assert_eq!(
             bodies(&read),
-            ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"],
-            "i and j, after the last checkpoint, recovered"
+            ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]
         );
     }
 
-    /// A queue that moves on to a new file while a checkpoint job holds its old one: the job syncs the
-    /// file it took, the rollover the units written after it, and everything reads back after a reopen.
+    /// Queue files are synced by checkpoint jobs alone: a file the queue moved on from while a job held
+    /// it goes to the next job, before the active one; everything reads back after a reopen.
     #[test]
-    fn a_queue_moving_to_a_new_file_while_a_checkpoint_holds_the_old_one_loses_nothing() {
+    fn a_queue_file_moved_on_from_goes_to_the_next_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
         let broker = Broker::open(dir.path(), small(1)).unwrap();
-        let gate = Arc::new(store::Gate::default());
-        {
-            let mut store = broker.main.lock();
-            store.checkpoint_every = (2, u64::MAX);
-            store.checkpoint_gate = Some(gate.clone());
-        }
-        let names: Vec<String> = (0..72).map(|i| format!("m{i}")).collect();
+        let gate = gate_checkpoints(&broker);
+        let names: Vec<String> = (0..74).map(|i| format!("m{i}")).collect();
         let messages = |names: &[String]| names.iter().map(|n| incoming("t", None, n)).collect();
+        let queue_file = |first: u64| {
+            dir.path()
+                .join(format!("broker/consumequeue/t/0/{first:020}"))
+        };
         broker.append(messages(&names[..2])).unwrap();
         let taken = broker.main.lock().log.end();
+        assert_eq!(broker.main.lock().checkpoint_files, [queue_file(0)]);
         // 64 units a file with these segments: the queue moves on while the job holds file 0.
-        broker.append(messages(&names[2..])).unwrap();
-        let queue_files = files(&dir.path().join("broker/consumequeue/t/0"));
-        gate.open();
+        broker.append(messages(&names[2..72])).unwrap();
+        assert!(queue_file(64).exists(), "the queue moved on");
+        gate.0.open();
+        broker.main.lock().wait_for_checkpoint();
+        assert_eq!(store::read_checkpoint(&dir.path().join("broker")), taken);
+        broker.append(messages(&names[72..])).unwrap();
         broker.main.lock().wait_for_checkpoint();
         assert_eq!(
-            queue_files,
-            ["00000000000000000000", "00000000000000000064"],
-            "the queue moved on meanwhile"
+            broker.main.lock().checkpoint_files,
+            [queue_file(0), queue_file(64)],
+            "the file moved on from (written after the first job took it), then the active one"
         );
-        assert_eq!(store::read_checkpoint(&dir.path().join("broker")), taken);
         drop(broker);
         let broker = Broker::open(dir.path(), small(1)).unwrap();
         let read = broker.read("t", 0, 0, 100).unwrap().unwrap();

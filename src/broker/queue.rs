@@ -14,9 +14,11 @@
 //!   unit whose record is still in the log is found by binary search.
 //! - `min_offset` is the first queue offset whose record the commit log still holds; files whose units
 //!   are all below it are deleted (never the last file, which appends go to).
-//! - Only the last file is written to (repair excepted). It is synced by the broker checkpoint, a job off
-//!   the store's lock that holds the file through `take_unsynced` (the queue may have moved on to a new
-//!   file meanwhile), and when a new file is started, unless a checkpoint job took it already.
+//! - Only the last file is written to (repair excepted). Queue files are synced by the broker checkpoint
+//!   alone, a job off the store's lock (one at a time): `take_unsynced` hands it every file written since
+//!   the last one took its files, the active one and those the queue moved on from meanwhile. So every
+//!   sync of a queue file, and every failure of one, is a checkpoint job's (a write-back error is
+//!   reported to one sync per open file: a second syncer of the same handle could take it from the job).
 //! - Before the queues were segmented a queue was one file, `consumequeue/{topic}/{queue}`; opening one
 //!   moves it to `{queue}/00000000000000000000` by way of `{queue}.migrating/`, crash-safely.
 
@@ -111,11 +113,10 @@ pub(crate) struct Queue {
     pub units: u64,
     /// The first queue offset whose record is still in the commit log.
     pub min_offset: u64,
-    /// The active file was written since its last sync.
+    /// The active file was written since a checkpoint last took it.
     dirty: bool,
-    /// A sync of this queue's files failed: the kernel may have dropped units, so no later checkpoint
-    /// may claim them (store.rs stops checkpoints until a restart, whose recovery rewrites them).
-    pub sync_failed: bool,
+    /// Files the queue moved on from, written since a checkpoint last took them: for the next one.
+    retired: Vec<(Arc<File>, PathBuf)>,
 }
 
 impl Queue {
@@ -161,7 +162,7 @@ impl Queue {
             units: active_first + len / UNIT_LEN,
             min_offset: first,
             dirty: false,
-            sync_failed: false,
+            retired: Vec::new(),
         })
     }
 
@@ -190,9 +191,13 @@ impl Queue {
         Ok(())
     }
 
-    /// Syncs the active file and starts a new one whose first queue offset is `first`.
+    /// Starts a new file whose first queue offset is `first`; the one it replaces is synced by the next
+    /// checkpoint (see the module doc).
     fn start_file(&mut self, first: u64) -> Result<(), BrokerError> {
-        self.sync()?;
+        if std::mem::take(&mut self.dirty) {
+            let path = file_path(&self.dir, self.active_first());
+            self.retired.push((self.active.clone(), path));
+        }
         let path = file_path(&self.dir, first);
         let file = OpenOptions::new()
             .read(true)
@@ -321,7 +326,6 @@ impl Queue {
             .map_err(io_err(&path))?;
         file.set_len((units - first) * UNIT_LEN)
             .and_then(|()| file.sync_all())
-            .inspect_err(|_| self.sync_failed = true)
             .map_err(io_err(&path))?;
         sync_dir(&self.dir)?;
         self.active = Arc::new(file);
@@ -331,32 +335,19 @@ impl Queue {
         Ok(())
     }
 
-    /// The active file and its path if it was written since its last sync, marked synced: the caller
-    /// (a broker checkpoint job, off the store's lock) syncs it, and a failure of that sync stops every
-    /// later checkpoint (store.rs), so a unit this leaves unsynced is never claimed durable. The handle
-    /// is the queue's own open file, so a write-back error is reported to whichever of the job's sync
-    /// and a rollover's comes first; either failure stops checkpoints.
-    pub(crate) fn take_unsynced(&mut self) -> Option<(Arc<File>, PathBuf)> {
-        if !std::mem::take(&mut self.dirty) {
-            return None;
+    /// The files written since a checkpoint last took them (those the queue moved on from, then the
+    /// active one), with their paths, marked taken: the caller, a broker checkpoint job, syncs them off
+    /// the store's lock, and a failure stops every later checkpoint (store.rs), so a unit this leaves
+    /// unsynced is never claimed durable.
+    pub(crate) fn take_unsynced(&mut self) -> Vec<(Arc<File>, PathBuf)> {
+        let mut files = std::mem::take(&mut self.retired);
+        if std::mem::take(&mut self.dirty) {
+            files.push((
+                self.active.clone(),
+                file_path(&self.dir, self.active_first()),
+            ));
         }
-        Some((
-            self.active.clone(),
-            file_path(&self.dir, self.active_first()),
-        ))
-    }
-
-    /// Makes the units written so far durable.
-    pub(crate) fn sync(&mut self) -> Result<(), BrokerError> {
-        if self.dirty {
-            schedulelog::slow_disk::sync();
-            self.active
-                .sync_data()
-                .inspect_err(|_| self.sync_failed = true)
-                .map_err(io_err(&file_path(&self.dir, self.active_first())))?;
-            self.dirty = false;
-        }
-        Ok(())
+        files
     }
 
     /// Moves `min_offset` to the first unit whose record is at or after `log_first` (the first offset the
@@ -448,7 +439,6 @@ mod tests {
             fs::remove_file(path).unwrap();
         }
         // Reopened, the queue keeps its end; the store recomputes min_offset from the log.
-        queue.sync().unwrap();
         drop(queue);
         let mut queue = Queue::open(dir.path(), 0, 4).unwrap();
         assert_eq!((queue.min_offset, queue.units), (4, 10));

@@ -26,7 +26,7 @@
 //!   the checkpoint file only moves forward; while one runs, the next waits for a later append (so does
 //!   one whose thread could not be started: nothing is taken before it is). Dropping the store waits for
 //!   the job.
-//! - After a failed checkpoint sync (a job's, or a queue file's at a rollover; or a job that panicked) no
+//! - Queue files are synced by checkpoint jobs only (queue.rs). After a job failed (or panicked) no
 //!   further checkpoint is written until a restart (the kernel may have dropped those units' pages).
 //! - Each queue's `min_offset` is the first unit whose record the log still holds: retention moves it
 //!   when it deletes segments, and opening recomputes it (files of an interrupted deletion go then).
@@ -92,16 +92,19 @@ pub(crate) struct Store {
     /// Why appends are refused until a restart: undoing a failed append failed, so the files may no
     /// longer match what this store holds in memory.
     pub failed: Option<String>,
-    /// A checkpoint's sync failed (or its job panicked), or a queue file's: no later checkpoint may claim
-    /// the units it covered; the next open rewrites every unit since the last good one.
+    /// A checkpoint job failed (or panicked): no later checkpoint may claim the units it covered; the
+    /// next open rewrites every unit since the last good one.
     checkpoint_failed: bool,
-    /// The checkpoint job running or last run; it answers whether it stored its checkpoint.
+    /// The checkpoint job running or last run; it answers false when it failed.
     checkpointing: Option<JoinHandle<bool>>,
     /// Messages and bytes stored before a checkpoint is due.
     pub checkpoint_every: (u64, u64),
     /// Where a test holds checkpoint jobs before they sync anything.
     #[cfg(test)]
     pub checkpoint_gate: Option<Arc<Gate>>,
+    /// The files the last checkpoint took, for tests.
+    #[cfg(test)]
+    pub checkpoint_files: Vec<PathBuf>,
 }
 
 /// A checkpoint taken under the store's lock, made durable off it: the queue files written since the
@@ -132,10 +135,11 @@ impl Gate {
 
     fn pass(&self) {
         let open = self.open.lock().unwrap();
-        let _ = self
+        let (_open, waited) = self
             .opened
             .wait_timeout_while(open, std::time::Duration::from_secs(30), |open| !*open)
             .unwrap();
+        assert!(!waited.timed_out(), "a test left a checkpoint gate shut");
     }
 }
 
@@ -188,6 +192,8 @@ impl Store {
             checkpoint_every: (CHECKPOINT_EVERY, CHECKPOINT_EVERY_BYTES),
             #[cfg(test)]
             checkpoint_gate: None,
+            #[cfg(test)]
+            checkpoint_files: Vec::new(),
         };
         store.load_topics()?;
         store.recover()?;
@@ -447,12 +453,6 @@ impl Store {
             return; // one at a time: a later append starts the next
         }
         self.join_checkpoint();
-        if self.queues().any(|q| q.sync_failed) {
-            tracing::error!(
-                "a broker queue file failed to sync; no more broker checkpoints until restart"
-            );
-            self.checkpoint_failed = true;
-        }
         if self.checkpoint_failed {
             return;
         }
@@ -486,7 +486,10 @@ impl Store {
                 self.checkpointing = Some(job);
             }
             Err(e) => {
-                tracing::warn!(error = %e, "starting a broker checkpoint failed; the next append tries again");
+                // Nothing taken; tried again once as much more is stored (one line per try).
+                tracing::warn!(error = %e, "starting a broker checkpoint failed; trying again later");
+                self.unsynced_since_checkpoint = 0;
+                self.unsynced_bytes_since_checkpoint = 0;
             }
         }
     }
@@ -501,14 +504,15 @@ impl Store {
         }
     }
 
-    fn queues(&self) -> impl Iterator<Item = &Queue> {
-        self.topics.values().flat_map(|topic| &topic.queues)
-    }
-
-    /// Waits for the checkpoint job running, if one is.
+    /// Waits for the checkpoint job running, if one is; it must have stored its checkpoint.
     #[cfg(test)]
     pub fn wait_for_checkpoint(&mut self) {
-        self.join_checkpoint();
+        if let Some(job) = self.checkpointing.take() {
+            assert!(
+                job.join().expect("the checkpoint job panicked"),
+                "the checkpoint failed"
+            );
+        }
     }
 
     /// A checkpoint of what is stored now: the log's end and the queue files written since the last one.
@@ -517,8 +521,12 @@ impl Store {
             .topics
             .values_mut()
             .flat_map(|topic| topic.queues.iter_mut())
-            .filter_map(Queue::take_unsynced)
-            .collect();
+            .flat_map(Queue::take_unsynced)
+            .collect::<Vec<_>>();
+        #[cfg(test)]
+        {
+            self.checkpoint_files = files.iter().map(|(_, path)| path.clone()).collect();
+        }
         self.unsynced_since_checkpoint = 0;
         self.unsynced_bytes_since_checkpoint = 0;
         CheckpointJob {
