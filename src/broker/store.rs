@@ -442,7 +442,12 @@ impl Store {
         let (every, every_bytes) = self.checkpoint_every;
         let due = self.unsynced_since_checkpoint >= every
             || self.unsynced_bytes_since_checkpoint >= every_bytes;
-        if !due || self.checkpoint_failed {
+        if !due {
+            return;
+        }
+        if self.checkpoint_failed {
+            // None is stored until a restart: the files kept open for the next one are let go.
+            drop(self.take_checkpoint());
             return;
         }
         if self
@@ -454,6 +459,7 @@ impl Store {
         }
         self.join_checkpoint();
         if self.checkpoint_failed {
+            drop(self.take_checkpoint());
             return;
         }
         // The thread first, then the checkpoint: a thread that cannot be started has taken nothing.
