@@ -14,11 +14,13 @@
 //!   unit whose record is still in the log is found by binary search.
 //! - `min_offset` is the first queue offset whose record the commit log still holds; files whose units
 //!   are all below it are deleted (never the last file, which appends go to).
-//! - Only the last file is written to (repair excepted). Queue files are synced by the broker checkpoint
-//!   alone, a job off the store's lock (one at a time): `take_unsynced` hands it every file written since
-//!   the last one took its files, the active one and those the queue moved on from meanwhile. So every
-//!   sync of a queue file, and every failure of one, is a checkpoint job's (a write-back error is
-//!   reported to one sync per open file: a second syncer of the same handle could take it from the job).
+//! - Only the last file is written to (repair excepted). Through the handles the queue keeps, its files
+//!   are synced by the broker checkpoint alone, a job off the store's lock (one at a time):
+//!   `take_unsynced` hands it every file written since the last one took its files, the active one and
+//!   those the queue moved on from meanwhile (kept open until then). A write-back error is reported to
+//!   one sync per open file, so a second syncer of the same handle could take it from the job. `cut`
+//!   and recovery's repair sync through handles of their own; a failure there fails the append (and
+//!   the store) or the open.
 //! - Before the queues were segmented a queue was one file, `consumequeue/{topic}/{queue}`; opening one
 //!   moves it to `{queue}/00000000000000000000` by way of `{queue}.migrating/`, crash-safely.
 
@@ -113,7 +115,7 @@ pub(crate) struct Queue {
     pub units: u64,
     /// The first queue offset whose record is still in the commit log.
     pub min_offset: u64,
-    /// The active file was written since a checkpoint last took it.
+    /// The active file was written since a checkpoint last took it (or `cut` synced it).
     dirty: bool,
     /// Files the queue moved on from, written since a checkpoint last took them: for the next one.
     retired: Vec<(Arc<File>, PathBuf)>,
@@ -333,6 +335,11 @@ impl Queue {
         self.min_offset = self.min_offset.min(units);
         self.dirty = false;
         Ok(())
+    }
+
+    /// Files kept open for the next checkpoint.
+    pub(crate) fn kept_files(&self) -> u64 {
+        self.retired.len() as u64
     }
 
     /// The files written since a checkpoint last took them (those the queue moved on from, then the

@@ -23,11 +23,12 @@
 //! - A checkpoint is taken under the store's lock (the log's end, the queue files written since the last
 //!   one) and made durable off it, on a thread of its own: its syncs (a few milliseconds on a slow disk,
 //!   tens with other syncs queued) would otherwise hold up every append and pull. One runs at a time, so
-//!   the checkpoint file only moves forward; while one runs, the next waits for a later append (so does
-//!   one whose thread could not be started: nothing is taken before it is). Dropping the store waits for
-//!   the job.
-//! - Queue files are synced by checkpoint jobs only (queue.rs). After a job failed (or panicked) no
-//!   further checkpoint is written until a restart (the kernel may have dropped those units' pages).
+//!   the checkpoint file only moves forward; while one runs, the next waits for a later append. One whose
+//!   thread cannot be started is made under the lock, as at open. Dropping the store waits for the job.
+//! - A checkpoint is due every 100,000 messages, 256 MiB, or 64 queue files kept open for it (queue.rs).
+//! - Queue files are synced through their shared handles by checkpoints only (queue.rs). After a job
+//!   failed (or panicked) no further checkpoint is written until a restart (the kernel may have dropped
+//!   those units' pages); the files kept for one are let go when it would have been due.
 //! - Each queue's `min_offset` is the first unit whose record the log still holds: retention moves it
 //!   when it deletes segments, and opening recomputes it (files of an interrupted deletion go then).
 
@@ -48,6 +49,10 @@ use std::thread::JoinHandle;
 const CHECKPOINT_EVERY: u64 = 100_000;
 /// Bytes stored between two checkpoints, at most.
 const CHECKPOINT_EVERY_BYTES: u64 = 256 << 20;
+/// Queue files kept open for the next checkpoint, at most (a queue moves on to a new file every
+/// `segment_bytes / 1024` units: once per queue between two checkpoints with the default 1 GiB segments,
+/// far more often with small ones).
+const CHECKPOINT_EVERY_FILES: u64 = 64;
 /// A read stops at this many commit-log segments (the next pull goes on from there): each holds a
 /// descriptor until the answer is sent, and a queue whose records are spread thinly (other topics in
 /// between, or small segments) would otherwise hold one per message, taking descriptors storage needs.
@@ -86,6 +91,8 @@ pub(crate) struct Store {
     units_per_file: u64,
     unsynced_since_checkpoint: u64,
     unsynced_bytes_since_checkpoint: u64,
+    /// Queue files kept open since the last checkpoint for the next one (queues moved on from them).
+    kept_files: u64,
     /// Queues whose `min_offset` could not be moved at the last retention (an I/O error reading their
     /// units): the next pass tries them again.
     pub queues_behind: bool,
@@ -185,6 +192,7 @@ impl Store {
             units_per_file: units_per_file(segment_bytes),
             unsynced_since_checkpoint: 0,
             unsynced_bytes_since_checkpoint: 0,
+            kept_files: 0,
             queues_behind: false,
             failed: None,
             checkpoint_failed: false,
@@ -412,7 +420,7 @@ impl Store {
         for ((topic, index), bytes) in &units {
             let queue =
                 &mut self.topics.get_mut(*topic).expect("created above").queues[*index as usize];
-            let before = queue.units;
+            let (before, kept) = (queue.units, queue.kept_files());
             if let Err(e) = queue.append(bytes) {
                 // Undone as a whole: units already written for this batch and the records themselves.
                 written.push(((topic, *index), before));
@@ -428,6 +436,7 @@ impl Store {
                 }
                 return Err(e);
             }
+            self.kept_files += queue.kept_files() - kept;
             written.push(((topic, *index), before));
         }
         self.unsynced_since_checkpoint += messages.len() as u64;
@@ -441,7 +450,8 @@ impl Store {
     fn start_checkpoint_if_due(&mut self) {
         let (every, every_bytes) = self.checkpoint_every;
         let due = self.unsynced_since_checkpoint >= every
-            || self.unsynced_bytes_since_checkpoint >= every_bytes;
+            || self.unsynced_bytes_since_checkpoint >= every_bytes
+            || self.kept_files >= CHECKPOINT_EVERY_FILES;
         if !due {
             return;
         }
@@ -492,10 +502,12 @@ impl Store {
                 self.checkpointing = Some(job);
             }
             Err(e) => {
-                // Nothing taken; tried again once as much more is stored (one line per try).
-                tracing::warn!(error = %e, "starting a broker checkpoint failed; trying again later");
-                self.unsynced_since_checkpoint = 0;
-                self.unsynced_bytes_since_checkpoint = 0;
+                // Done here then, under the lock, as at open: the files kept for it are let go.
+                tracing::warn!(error = %e, "starting a broker checkpoint thread failed; checkpointing under the store's lock");
+                if let Err(e) = self.take_checkpoint().run() {
+                    tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
+                    self.checkpoint_failed = true;
+                }
             }
         }
     }
@@ -535,6 +547,7 @@ impl Store {
         }
         self.unsynced_since_checkpoint = 0;
         self.unsynced_bytes_since_checkpoint = 0;
+        self.kept_files = 0;
         CheckpointJob {
             dir: self.dir.clone(),
             end: self.log.end(),
