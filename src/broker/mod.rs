@@ -267,12 +267,17 @@ impl Broker {
         topic == crate::scheduler::DEAD_TOPIC && !self.dead_in_main
     }
 
-    fn store(&self, topic: &str) -> MutexGuard<'_, Store> {
+    /// The store `topic` lives in, with its queue of appends.
+    fn group(&self, topic: &str) -> &StoreGroup {
         if self.in_dead_store(topic) {
-            self.dead.lock()
+            &self.dead
         } else {
-            self.main.lock()
+            &self.main
         }
+    }
+
+    fn store(&self, topic: &str) -> MutexGuard<'_, Store> {
+        self.group(topic).lock()
     }
 
     /// Remembers whether a delivery failed for want of space (for [`Broker::disk_full`]).
@@ -358,12 +363,8 @@ impl Broker {
     /// append holds it through its commit-log sync), for async callers, which then ask on the blocking
     /// pool instead.
     pub fn queue_offsets_now(&self, topic: &str) -> Result<Option<Vec<(u64, u64)>>, StoreBusy> {
-        let store = if self.in_dead_store(topic) {
-            self.dead.try_lock()
-        } else {
-            self.main.try_lock()
-        };
-        Ok(store.ok_or(StoreBusy)?.queue_offsets(topic))
+        let store = self.group(topic).try_lock().ok_or(StoreBusy)?;
+        Ok(store.queue_offsets(topic))
     }
 
     /// Up to `max` messages of a queue from `offset` (from `min_offset` when `offset` is below it), and

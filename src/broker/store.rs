@@ -151,6 +151,22 @@ impl Gate {
 }
 
 impl CheckpointJob {
+    /// Runs the job, timed, and logs a failure: whether the checkpoint was stored.
+    fn run_reported(self) -> bool {
+        let started = std::time::Instant::now();
+        match self.run() {
+            Ok(()) => {
+                metrics::histogram!("delayd_sync_seconds", "file" => "broker_checkpoint")
+                    .record(started.elapsed().as_secs_f64());
+                true
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
+                false
+            }
+        }
+    }
+
     fn run(self) -> Result<(), BrokerError> {
         #[cfg(test)]
         if let Some(gate) = &self.gate {
@@ -452,23 +468,17 @@ impl Store {
         let due = self.unsynced_since_checkpoint >= every
             || self.unsynced_bytes_since_checkpoint >= every_bytes
             || self.kept_files >= CHECKPOINT_EVERY_FILES;
-        if !due {
-            return;
-        }
-        if self.checkpoint_failed {
-            // None is stored until a restart: the files kept open for the next one are let go.
-            drop(self.take_checkpoint());
-            return;
-        }
-        if self
-            .checkpointing
-            .as_ref()
-            .is_some_and(|j| !j.is_finished())
+        if !due
+            || self
+                .checkpointing
+                .as_ref()
+                .is_some_and(|j| !j.is_finished())
         {
             return; // one at a time: a later append starts the next
         }
         self.join_checkpoint();
         if self.checkpoint_failed {
+            // None is stored until a restart: the files kept open for the next one are let go.
             drop(self.take_checkpoint());
             return;
         }
@@ -476,23 +486,8 @@ impl Store {
         let (hand_over, handed) = std::sync::mpsc::channel::<CheckpointJob>();
         let spawned = std::thread::Builder::new()
             .name("delayd-broker-checkpoint".into())
-            .spawn(move || {
-                let Ok(job) = handed.recv() else {
-                    return true; // nothing taken
-                };
-                let started = std::time::Instant::now();
-                match job.run() {
-                    Ok(()) => {
-                        metrics::histogram!("delayd_sync_seconds", "file" => "broker_checkpoint")
-                            .record(started.elapsed().as_secs_f64());
-                        true
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
-                        false
-                    }
-                }
-            });
+            // Nothing sent is nothing taken.
+            .spawn(move || handed.recv().map_or(true, CheckpointJob::run_reported));
         match spawned {
             Ok(job) => {
                 if hand_over.send(self.take_checkpoint()).is_err() {
@@ -504,8 +499,7 @@ impl Store {
             Err(e) => {
                 // Done here then, under the lock, as at open: the files kept for it are let go.
                 tracing::warn!(error = %e, "starting a broker checkpoint thread failed; checkpointing under the store's lock");
-                if let Err(e) = self.take_checkpoint().run() {
-                    tracing::error!(error = %e, "broker checkpoint failed; no more until restart");
+                if !self.take_checkpoint().run_reported() {
                     self.checkpoint_failed = true;
                 }
             }
