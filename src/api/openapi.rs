@@ -340,7 +340,8 @@ mod answers {
         cancelled_at: Option<String>,
         #[schema(format = DateTime, nullable = false)]
         discarded_at: Option<String>,
-        /// Why it is dead or discarded, or why its last attempt is retried.
+        /// Why it is dead or discarded, or why its last attempt is retried (for a retry, once its
+        /// `retried` outcome is recorded: a moment after the new attempt, which may show first).
         #[schema(nullable = false)]
         reason: Option<String>,
         history: Vec<Attempt>,
