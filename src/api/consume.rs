@@ -138,28 +138,54 @@ fn default_max() -> usize {
     32
 }
 
-fn message_json(stored: &Stored) -> Value {
-    let meta = &stored.meta;
-    let mut value = json!({
-        "offset": stored.offset,
-        "id": meta.id,
-        "topic": meta.topic,
-        "headers": meta.headers,
-        "deliver_at": format_ms(meta.deliver_at_ms),
-        "delivered_at": format_ms(meta.delivered_at_ms),
-        "attempt": meta.attempt,
-    });
-    if let Some(key) = &meta.key {
-        value["key"] = json!(key);
-    }
-    match std::str::from_utf8(&stored.body) {
-        Ok(text) => value["body"] = json!(text),
-        Err(_) => {
-            value["body_base64"] =
-                json!(base64::engine::general_purpose::STANDARD.encode(&stored.body))
+/// A pulled message as the answer carries it (`openapi::PulledMessage`), serialized straight from the
+/// stored message: a pull answers up to `broker.max_pull_messages` of them, and a `Value` tree would
+/// cost several allocations for each.
+#[derive(serde::Serialize)]
+struct PulledMessage<'a> {
+    offset: u64,
+    id: &'a str,
+    topic: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key: Option<&'a str>,
+    headers: &'a std::collections::BTreeMap<String, String>,
+    deliver_at: String,
+    delivered_at: String,
+    attempt: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body_base64: Option<String>,
+}
+
+impl<'a> From<&'a Stored> for PulledMessage<'a> {
+    fn from(stored: &'a Stored) -> Self {
+        let meta = &stored.meta;
+        // `body` when it is UTF-8, else `body_base64`.
+        let body = std::str::from_utf8(&stored.body).ok();
+        PulledMessage {
+            offset: stored.offset,
+            id: &meta.id,
+            topic: &meta.topic,
+            key: meta.key.as_deref(),
+            headers: &meta.headers,
+            deliver_at: format_ms(meta.deliver_at_ms),
+            delivered_at: format_ms(meta.delivered_at_ms),
+            attempt: meta.attempt,
+            body,
+            body_base64: body
+                .is_none()
+                .then(|| base64::engine::general_purpose::STANDARD.encode(&stored.body)),
         }
     }
-    value
+}
+
+/// A pull's answer (`openapi::Pulled`).
+#[derive(serde::Serialize)]
+struct PullAnswer<'a> {
+    messages: Vec<PulledMessage<'a>>,
+    next_offset: u64,
+    skipped: u64,
 }
 
 /// Reads a queue from an offset.
@@ -245,12 +271,11 @@ pub async fn pull(
     // Below min_offset (retention deleted those messages) the answer starts at min_offset and says how
     // many were skipped; next_offset moves past them even when nothing is there yet.
     let next_offset = messages.last().map_or(from, |m| m.offset + 1);
-    let messages: Vec<Value> = messages.iter().map(message_json).collect();
-    Ok(Json(json!({
-        "messages": messages,
-        "next_offset": next_offset,
-        "skipped": from.saturating_sub(query.offset),
-    }))
+    Ok(Json(PullAnswer {
+        messages: messages.iter().map(PulledMessage::from).collect(),
+        next_offset,
+        skipped: from.saturating_sub(query.offset),
+    })
     .into_response())
 }
 

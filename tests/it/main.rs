@@ -20,7 +20,7 @@ mod sidecar_nats;
 mod sidecar_redis;
 mod webhook;
 
-use common::{now_ms, parse, request, scrape, spawn, spawn_cli, Answer};
+use common::{now_ms, parse, request, scrape, spawn, spawn_cli, wait_for, Answer};
 use delayd::schedulelog::Clock;
 use serde_json::{json, Value};
 use std::process::Command;
@@ -164,6 +164,40 @@ fn a_message_is_invisible_before_deliver_at_and_visible_after() {
         (cancel.status, cancel.json["code"].as_str()),
         (409, Some("already_delivered"))
     );
+}
+
+#[test]
+fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
+    let server = Server::start(|_| {});
+    let sent = server.call(
+        "POST",
+        "/v1/messages/batch",
+        Some(json!({"messages": [
+            {"topic": "bin", "body_base64": "AAEC/w==", "delay": 0},
+            {"topic": "bin", "body": "text", "delay": 0, "key": "k"},
+        ]})),
+    );
+    assert_eq!(sent.status, 200, "{}", sent.json);
+    let mut messages = Vec::new();
+    wait_for("both delivered", Duration::from_secs(10), || {
+        let pulled = server.call(
+            "GET",
+            "/v1/topics/bin/queues/0/messages?offset=0&wait_ms=1000",
+            None,
+        );
+        messages = pulled.json["messages"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        messages.len() == 2
+    });
+    let binary = messages.iter().find(|m| m["body"].is_null()).unwrap();
+    assert_eq!(binary["body_base64"], "AAEC/w==");
+    // No key given: none in the answer (not null).
+    assert!(binary.get("key").is_none(), "{binary}");
+    let text = messages.iter().find(|m| m["body"] == "text").unwrap();
+    assert!(text.get("body_base64").is_none(), "{text}");
+    assert_eq!((&text["key"], &text["attempt"]), (&json!("k"), &json!(0)));
 }
 
 #[test]
