@@ -20,7 +20,7 @@ mod sidecar_nats;
 mod sidecar_redis;
 mod webhook;
 
-use common::{now_ms, parse, request, scrape, spawn, spawn_cli, wait_for, Answer};
+use common::{now_ms, parse, request, scrape, spawn, spawn_cli, Answer};
 use delayd::schedulelog::Clock;
 use serde_json::{json, Value};
 use std::process::Command;
@@ -179,7 +179,7 @@ fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
     );
     assert_eq!(sent.status, 200, "{}", sent.json);
     let mut messages = Vec::new();
-    wait_for("both delivered", Duration::from_secs(10), || {
+    common::wait_for("both delivered", Duration::from_secs(10), || {
         let pulled = server.call(
             "GET",
             "/v1/topics/bin/queues/0/messages?offset=0&wait_ms=1000",
