@@ -178,6 +178,13 @@ fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
         ]})),
     );
     assert_eq!(sent.status, 200, "{}", sent.json);
+    let ids: Vec<String> = (0..2)
+        .map(|i| {
+            let id = sent.json["results"][i]["id"].as_str();
+            id.unwrap_or_else(|| panic!("result {i} has no id: {}", sent.json))
+                .to_string()
+        })
+        .collect();
     let mut messages = Vec::new();
     common::wait_for("both delivered", Duration::from_secs(10), || {
         let pulled = server.call(
@@ -189,14 +196,40 @@ fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
             .as_array()
             .cloned()
             .unwrap_or_default();
-        messages.len() == 2
+        ids.iter()
+            .all(|id| messages.iter().any(|m| m["id"] == id.as_str()))
     });
-    let binary = messages.iter().find(|m| m["body"].is_null()).unwrap();
+    let keys = |m: &Value| -> Vec<String> {
+        let mut keys: Vec<String> = m.as_object().unwrap().keys().cloned().collect();
+        keys.sort();
+        keys
+    };
+    let common = [
+        "attempt",
+        "deliver_at",
+        "delivered_at",
+        "headers",
+        "id",
+        "offset",
+        "topic",
+    ];
+    let binary = messages
+        .iter()
+        .find(|m| m["id"] == ids[0].as_str())
+        .unwrap();
     assert_eq!(binary["body_base64"], "AAEC/w==");
-    // No key given: none in the answer (not null).
-    assert!(binary.get("key").is_none(), "{binary}");
-    let text = messages.iter().find(|m| m["body"] == "text").unwrap();
-    assert!(text.get("body_base64").is_none(), "{text}");
+    // No key given: none in the answer (not null); no `body` beside `body_base64`.
+    let mut expected: Vec<&str> = common.iter().copied().chain(["body_base64"]).collect();
+    expected.sort();
+    assert_eq!(keys(binary), expected, "{binary}");
+    let text = messages
+        .iter()
+        .find(|m| m["id"] == ids[1].as_str())
+        .unwrap();
+    assert_eq!(text["body"], "text");
+    let mut expected: Vec<&str> = common.iter().copied().chain(["body", "key"]).collect();
+    expected.sort();
+    assert_eq!(keys(text), expected, "{text}");
     assert_eq!((&text["key"], &text["attempt"]), (&json!("k"), &json!(0)));
 }
 
