@@ -186,25 +186,32 @@ fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
         })
         .collect();
     let mut messages = Vec::new();
+    let mut answer = Value::Null;
     common::wait_for("both delivered", Duration::from_secs(10), || {
         let pulled = server.call(
             "GET",
             "/v1/topics/bin/queues/0/messages?offset=0&wait_ms=1000",
             None,
         );
-        messages = pulled.json["messages"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
+        answer = pulled.json;
+        messages = answer["messages"].as_array().cloned().unwrap_or_default();
         ids.iter()
             .all(|id| messages.iter().any(|m| m["id"] == id.as_str()))
     });
+    // The answer itself: the messages, where to read next, none skipped.
+    let mut top: Vec<&String> = answer.as_object().unwrap().keys().collect();
+    top.sort();
+    assert_eq!(top, ["messages", "next_offset", "skipped"], "{answer}");
+    assert_eq!(
+        (&answer["next_offset"], &answer["skipped"]),
+        (&json!(2), &json!(0))
+    );
     let keys = |m: &Value| -> Vec<String> {
         let mut keys: Vec<String> = m.as_object().unwrap().keys().cloned().collect();
         keys.sort();
         keys
     };
-    let common = [
+    let always = [
         "attempt",
         "deliver_at",
         "delivered_at",
@@ -219,7 +226,7 @@ fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
         .unwrap();
     assert_eq!(binary["body_base64"], "AAEC/w==");
     // No key given: none in the answer (not null); no `body` beside `body_base64`.
-    let mut expected: Vec<&str> = common.iter().copied().chain(["body_base64"]).collect();
+    let mut expected: Vec<&str> = always.iter().copied().chain(["body_base64"]).collect();
     expected.sort();
     assert_eq!(keys(binary), expected, "{binary}");
     let text = messages
@@ -227,7 +234,7 @@ fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
         .find(|m| m["id"] == ids[1].as_str())
         .unwrap();
     assert_eq!(text["body"], "text");
-    let mut expected: Vec<&str> = common.iter().copied().chain(["body", "key"]).collect();
+    let mut expected: Vec<&str> = always.iter().copied().chain(["body", "key"]).collect();
     expected.sort();
     assert_eq!(keys(text), expected, "{text}");
     assert_eq!((&text["key"], &text["attempt"]), (&json!("k"), &json!(0)));
