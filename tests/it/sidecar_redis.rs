@@ -197,7 +197,8 @@ fn read_target(
     got
 }
 
-/// Entries of the source stream delivered to delayd's group and not acknowledged.
+/// Entries of the source stream delivered to delayd's group and not acknowledged. The group must exist
+/// (delayd's source creates it on connecting): XPENDING answers NOGROUP before.
 fn pending(redis: &mut redis::Connection) -> i64 {
     let answer: Value = redis::cmd("XPENDING")
         .arg("delayd:in")
@@ -489,12 +490,14 @@ fn redis_restarted_mid_run_loses_nothing() {
     wait_for(
         "the request to be acknowledged",
         Duration::from_secs(10),
+        // Scheduled first: until delayd's source has connected, its group does not exist and
+        // XPENDING answers NOGROUP; once it counted the request, the group is there.
         || {
-            pending(&mut connection) == 0
-                && scrape(&delayd.base)
-                    .get(r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#)
-                    .copied()
-                    == Some(1.0)
+            scrape(&delayd.base)
+                .get(r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#)
+                .copied()
+                == Some(1.0)
+                && pending(&mut connection) == 0
         },
     );
     redis.stop();
