@@ -707,46 +707,68 @@ impl BrokerSink {
             tracing::error!(%reason, "storing deliveries in the broker failed; they are postponed (delayd_messages_postponed_total) and tried again");
         }
     }
+
+    /// A batch as the broker stores it, stamped as delivered now.
+    fn incoming(&self, batch: &[Delivery]) -> Vec<Incoming> {
+        let now = self.clock.now_ms();
+        batch
+            .iter()
+            .map(|d| Incoming {
+                topic: d.message.topic.clone(),
+                id: d.id.to_string(),
+                key: d.message.key.clone(),
+                headers: d.message.headers.iter().cloned().collect(),
+                deliver_at_ms: d.message.deliver_at_ms,
+                delivered_at_ms: now,
+                attempt: d.message.attempt,
+                body: d.message.body.clone(),
+            })
+            .collect()
+    }
+
+    /// The answer for each of `count` deliveries stored together (or not). Trouble with delayd's own
+    /// storage is not the message's fault: postponed, using up no attempt (a retry would also copy the
+    /// message through the WAL into a segment again, and a few minutes of trouble would make every due
+    /// message dead).
+    fn answer(&self, count: usize, stored: Result<(), (String, bool)>) -> Vec<SinkOutcome> {
+        let (reason, disk_full) = match stored {
+            Ok(()) => return vec![SinkOutcome::Delivered; count],
+            Err(failed) => failed,
+        };
+        let after = if disk_full {
+            // Reported once by the disk watch, not for every batch while it lasts.
+            tracing::debug!(%reason, "storing deliveries in the broker failed");
+            Duration::from_secs(1)
+        } else {
+            self.report(&reason);
+            Duration::from_secs(5)
+        };
+        vec![SinkOutcome::Postpone { after, reason }; count]
+    }
+}
+
+/// An append's result as [`BrokerSink::answer`] takes it: why it failed, and whether for want of space.
+fn append_result<T>(stored: Result<T, BrokerError>) -> Result<(), (String, bool)> {
+    stored
+        .map(drop)
+        .map_err(|e| (e.to_string(), e.is_disk_full()))
 }
 
 impl Sink for BrokerSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
-            let now = self.clock.now_ms();
-            let incoming: Vec<Incoming> = batch
-                .iter()
-                .map(|d| Incoming {
-                    topic: d.message.topic.clone(),
-                    id: d.id.to_string(),
-                    key: d.message.key.clone(),
-                    headers: d.message.headers.iter().cloned().collect(),
-                    deliver_at_ms: d.message.deliver_at_ms,
-                    delivered_at_ms: now,
-                    attempt: d.message.attempt,
-                    body: d.message.body.clone(),
-                })
-                .collect();
-            let broker = self.broker.clone();
-            let stored = tokio::task::spawn_blocking(move || broker.append(incoming)).await;
-            let (reason, disk_full) = match stored {
-                Ok(Ok(_)) => return vec![SinkOutcome::Delivered; batch.len()],
-                Ok(Err(e)) => (e.to_string(), e.is_disk_full()),
-                Err(e) => (e.to_string(), false),
-            };
-            // Trouble with delayd's own storage is not the message's fault: postponed, using up no
-            // attempt (a retry would also copy the message through the WAL into a segment again, and a
-            // few minutes of trouble would make every due message dead).
-            let after = if disk_full {
-                // Reported once by the disk watch, not for every batch while it lasts.
-                tracing::debug!(%reason, "storing deliveries in the broker failed");
-                Duration::from_secs(1)
-            } else {
-                self.report(&reason);
-                Duration::from_secs(5)
-            };
-            let answer = SinkOutcome::Postpone { after, reason };
-            vec![answer; batch.len()]
+            let (broker, incoming) = (self.broker.clone(), self.incoming(batch));
+            let stored =
+                tokio::task::spawn_blocking(move || append_result(broker.append(incoming)))
+                    .await
+                    .unwrap_or_else(|e| Err((e.to_string(), false)));
+            self.answer(batch.len(), stored)
         })
+    }
+
+    fn deliver_blocking(&self, batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
+        let stored = append_result(self.broker.append(self.incoming(batch)));
+        Some(self.answer(batch.len(), stored))
     }
 }
 
@@ -1271,6 +1293,15 @@ mod tests {
             runtime.block_on(sink.deliver(&first)),
             vec![SinkOutcome::Delivered]
         );
+        // In place (as lanes deliver), the same: stored, then answered.
+        assert_eq!(
+            sink.deliver_blocking(&[delivery("in place")]),
+            Some(vec![SinkOutcome::Delivered])
+        );
+        assert_eq!(
+            bodies(&broker.read("t", 0, 0, 10).unwrap().unwrap())[1],
+            "in place"
+        );
         // The next segment cannot be created (a directory in its way): not a full disk, an I/O error.
         let log_dir = dir.path().join("broker/commitlog");
         let last = files(&log_dir).pop().unwrap();
@@ -1281,6 +1312,11 @@ mod tests {
         assert!(
             matches!(&answers[..], [SinkOutcome::Postpone { after, .. }] if *after == Duration::from_secs(5)),
             "postponed, no attempt used: {answers:?}"
+        );
+        let answers = sink.deliver_blocking(&second).unwrap();
+        assert!(
+            matches!(&answers[..], [SinkOutcome::Postpone { after, .. }] if *after == Duration::from_secs(5)),
+            "in place too: {answers:?}"
         );
         assert_eq!(broker.disk_full(), None, "not a full disk");
     }

@@ -2,7 +2,9 @@
 //!
 //! Per batch: read the records (blocking pool), admit them in the registry (registry.rs: a cancelled
 //! attempt is dropped, one whose cancel is in progress is held, the rest are in flight until settled),
-//! call the sink (at most `max_in_flight` calls at once), then make each answer durable:
+//! call the sink (at most `max_in_flight` calls at once; a sink that delivers in place, the built-in
+//! broker, on the blocking thread that read the batch: no hand-over to another thread and back, each a
+//! wait for a core when the cores are short), then make each answer durable:
 //! - delivered / dead → an outcome in the bucket's dispatch log;
 //! - retry → a new attempt through the WAL (`attempt + 1`, due after the backoff with jitter or the
 //!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead;
@@ -30,6 +32,7 @@ use super::{entry_bucket, Shared};
 use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry};
 use crossbeam_channel::Sender;
 use schedulelog::{Bucket, Location, MessageId, NewMessage, Outcome, OutcomeKind};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -132,10 +135,31 @@ impl Lane {
         while running.join_next().await.is_some() {}
     }
 
-    async fn deliver(&self, batch: Vec<Entry>) {
-        let shared = self.shared.clone();
-        let read = tokio::task::spawn_blocking(move || read_batch(&shared, &batch)).await;
-        let (entries, deliveries) = match read {
+    async fn deliver(self: Arc<Self>, batch: Vec<Entry>) {
+        let lane = self.clone();
+        // A sink that delivers in place does so on the thread that read the batch (Sink::deliver_blocking).
+        let read = tokio::task::spawn_blocking(move || {
+            let (entries, deliveries) = read_batch(&lane.shared, &batch);
+            let outcomes = if deliveries.is_empty() {
+                None
+            } else {
+                lane.record_lateness(&deliveries);
+                // A panic (a bug) postpones the batch, as one in the sink's own blocking task did before
+                // it ran here: no attempt used, and nothing left in flight until a restart.
+                let deliver = AssertUnwindSafe(|| lane.sink.deliver_blocking(&deliveries));
+                std::panic::catch_unwind(deliver).unwrap_or_else(|_| {
+                    let reason = format!("the {} sink panicked delivering the batch", lane.name);
+                    let after = Duration::from_secs(5);
+                    Some(vec![
+                        SinkOutcome::Postpone { after, reason };
+                        deliveries.len()
+                    ])
+                })
+            };
+            (entries, deliveries, outcomes)
+        })
+        .await;
+        let (entries, deliveries, outcomes) = match read {
             Ok(read) => read,
             Err(e) => {
                 tracing::error!(sink = %self.name, error = %e, "reading due messages panicked");
@@ -150,12 +174,10 @@ impl Lane {
             shared: &self.shared,
             ids: deliveries.iter().map(|d| d.id).collect(),
         };
-        let now = self.shared.clock.now_ms();
-        for delivery in &deliveries {
-            let late_ms = (now - delivery.message.deliver_at_ms).max(0);
-            self.lateness.record(late_ms as f64 / 1000.0);
-        }
-        let mut outcomes = self.sink.deliver(&deliveries).await;
+        let mut outcomes = match outcomes {
+            Some(outcomes) => outcomes,
+            None => self.sink.deliver(&deliveries).await,
+        };
         outcomes.resize(
             deliveries.len(),
             SinkOutcome::Retry {
@@ -164,6 +186,15 @@ impl Lane {
             },
         );
         self.settle(&entries, &deliveries, outcomes, flight).await;
+    }
+
+    /// How late each delivery goes to the sink.
+    fn record_lateness(&self, deliveries: &[Delivery]) {
+        let now = self.shared.clock.now_ms();
+        for delivery in deliveries {
+            let late_ms = (now - delivery.message.deliver_at_ms).max(0);
+            self.lateness.record(late_ms as f64 / 1000.0);
+        }
     }
 
     /// Makes the sink's answers durable: retries through the WAL, then every outcome in the dispatch logs;

@@ -100,10 +100,13 @@ struct Received {
     at_ms: i64,
     /// Real time when the sink got it, in microseconds since the epoch.
     at_us: i64,
+    /// Whether it came through `deliver_blocking` (else through `deliver`).
+    in_place: bool,
 }
 
 /// Reports every delivery; answers from a script keyed by body (default: delivered); optionally holds
-/// every call until released.
+/// every call until released. With `in_place`, it delivers through `deliver_blocking` (as the built-in
+/// broker does), panicking in the first `in_place` calls.
 #[derive(Debug)]
 struct TestSink {
     name: &'static str,
@@ -113,41 +116,66 @@ struct TestSink {
     gate: Option<Arc<tokio::sync::Semaphore>>,
     /// Signalled when a call starts, before it waits at the gate.
     entered: Sender<()>,
+    /// `Some(panics)`: delivers in place, panicking in that many calls first.
+    in_place: Option<Mutex<u32>>,
+}
+
+impl TestSink {
+    /// Reports a batch and answers it from the script.
+    fn answer(&self, batch: &[Delivery], at_ms: i64, in_place: bool) -> Vec<SinkOutcome> {
+        let at_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as i64;
+        let mut script = self.script.lock().unwrap();
+        batch
+            .iter()
+            .map(|d| {
+                let body = String::from_utf8(d.message.body.clone()).unwrap();
+                let _ = self.tx.send(Received {
+                    body: body.clone(),
+                    sink: self.name,
+                    attempt: d.message.attempt,
+                    deliver_at_ms: d.message.deliver_at_ms,
+                    at_ms,
+                    at_us,
+                    in_place,
+                });
+                match script.get_mut(&body) {
+                    Some(answers) if !answers.is_empty() => answers.remove(0),
+                    _ => SinkOutcome::Delivered,
+                }
+            })
+            .collect()
+    }
 }
 
 impl Sink for TestSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
             let at_ms = self.clock.now_ms();
-            let at_us = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap()
-                .as_micros() as i64;
             let _ = self.entered.send(());
             if let Some(gate) = &self.gate {
                 // Closed when the harness is dropped: a failed test ends instead of hanging here.
                 let _ = gate.acquire().await;
             }
-            let mut script = self.script.lock().unwrap();
-            batch
-                .iter()
-                .map(|d| {
-                    let body = String::from_utf8(d.message.body.clone()).unwrap();
-                    let _ = self.tx.send(Received {
-                        body: body.clone(),
-                        sink: self.name,
-                        attempt: d.message.attempt,
-                        deliver_at_ms: d.message.deliver_at_ms,
-                        at_ms,
-                        at_us,
-                    });
-                    match script.get_mut(&body) {
-                        Some(answers) if !answers.is_empty() => answers.remove(0),
-                        _ => SinkOutcome::Delivered,
-                    }
-                })
-                .collect()
+            self.answer(batch, at_ms, false)
         })
+    }
+
+    fn deliver_blocking(&self, batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
+        let panics = self.in_place.as_ref()?;
+        let at_ms = self.clock.now_ms();
+        let _ = self.entered.send(());
+        {
+            let mut panics = panics.lock().unwrap();
+            if *panics > 0 {
+                *panics -= 1;
+                drop(panics);
+                panic!("a deliberate panic in deliver_blocking (test)");
+            }
+        }
+        Some(self.answer(batch, at_ms, true))
     }
 }
 
@@ -168,6 +196,8 @@ struct Harness {
         Option<Arc<tokio::sync::Semaphore>>,
     )>,
     script: HashMap<String, Vec<SinkOutcome>>,
+    /// `Some(panics)`: the sinks deliver in place (see [`TestSink`]).
+    in_place: Option<u32>,
     dead_letters: Option<Arc<dyn Sink>>,
     entered: Receiver<()>,
     entered_tx: Sender<()>,
@@ -201,6 +231,7 @@ impl Harness {
             settled_tx,
             sinks: vec![("a", SinkPolicy::default(), None)],
             script: HashMap::new(),
+            in_place: None,
             dead_letters: None,
             entered,
             entered_tx,
@@ -238,6 +269,7 @@ impl Harness {
                 script: Mutex::new(self.script.clone()),
                 gate: gate.clone(),
                 entered: self.entered_tx.clone(),
+                in_place: self.in_place.map(Mutex::new),
             };
             registry
                 .register(name, Arc::new(sink), policy.clone())
@@ -971,6 +1003,45 @@ fn a_cancel_racing_the_load_of_its_bucket_is_honoured() {
     assert_eq!(h.recv().body, "second sentinel");
     assert!(h.received.try_recv().is_err(), "neither was delivered");
     assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
+}
+
+/// A sink that delivers in place (the built-in broker) is called on the lane's blocking thread, its
+/// answers settled like any other's; a panic there postpones the batch (no attempt used, nothing left in
+/// flight) instead of losing it until a restart.
+#[test]
+fn a_sink_that_delivers_in_place_is_called_so_and_a_panic_there_postpones_the_batch() {
+    let mut h = Harness::manual();
+    h.in_place = Some(1);
+    h.script.insert(
+        "flaky".into(),
+        vec![SinkOutcome::Retry {
+            after: Some(Duration::from_secs(2)),
+            reason: "busy".into(),
+        }],
+    );
+    let id = h.schedule("a", T0, "flaky");
+    h.start();
+    assert_eq!(h.settle(1), vec![(id, "postponed")]);
+    h.set(T0 + 5_000);
+    let first = h.recv();
+    assert_eq!(
+        (first.body.as_str(), first.attempt, first.in_place),
+        ("flaky", 0, true),
+        "the panic used no attempt"
+    );
+    assert!(first.at_ms >= T0 + 5_000, "postponed by 5 s: {first:?}");
+    // The script's retry goes through the WAL as from any sink; the next attempt is delivered.
+    assert_eq!(h.settle(1), vec![(id, "retry")]);
+    h.set(T0 + 7_000);
+    let second = h.recv();
+    assert_eq!((second.attempt, second.in_place), (1, true));
+    let retried = h.settle(1);
+    assert_eq!(retried.len(), 1);
+    assert_eq!(retried[0].1, "ok");
+    assert!(
+        h.received.try_recv().is_err(),
+        "each attempt delivered once"
+    );
 }
 
 /// Fails to store the first dead letter it is given, then stores them.

@@ -59,6 +59,15 @@ pub enum SinkOutcome {
 pub trait Sink: Send + Sync + fmt::Debug + 'static {
     /// Delivers a batch; returns one outcome per delivery, in the same order.
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>>;
+
+    /// Delivers a batch on the calling thread, a blocking-pool thread, as [`Sink::deliver`] would; `None`
+    /// (the default) for a sink that does not, whose batch is then delivered through
+    /// [`Sink::deliver`]. For a sink that only writes to delayd's own disk (the built-in broker): the
+    /// lane calls it on the thread that has just read the batch, saving two thread hand-overs on the
+    /// way from due to stored, each a wait for a core when the cores are short.
+    fn deliver_blocking(&self, _batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
+        None
+    }
 }
 
 /// The same retry for every delivery of a batch (the destination could not be reached at all).
