@@ -142,7 +142,7 @@ fn describe() {
     );
     describe_counter!(
         "delayd_messages_postponed_total",
-        "Deliveries put off for a shortage of delayd's own (the broker's disk is full), by sink: no attempt used"
+        "Deliveries put off for trouble of delayd's own (the broker's disk full or its files failing, a panic storing them), by sink: no attempt used"
     );
     describe_counter!(
         "delayd_messages_cancelled_total",

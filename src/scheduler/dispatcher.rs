@@ -8,8 +8,9 @@
 //! - delivered / dead → an outcome in the bucket's dispatch log;
 //! - retry → a new attempt through the WAL (`attempt + 1`, due after the backoff with jitter or the
 //!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead;
-//! - postpone (delayd's own shortage, not the destination's: the broker's disk is full) → the entry goes
-//!   back to the wheel, nothing written, no attempt used.
+//! - postpone (delayd's own trouble, not the destination's: the broker's disk is full or its files fail,
+//!   or a sink delivering in place panicked) → the entry goes back to the wheel, nothing written, no
+//!   attempt used.
 //!
 //! A sink's own delay (an HTTP `Retry-After`) is capped by the sink's `backoff_cap`, like the backoff
 //! itself (the configuration keeps that cap within `max_delay`): a receiver cannot park a message for
@@ -140,26 +141,20 @@ impl Lane {
         // A sink that delivers in place does so on the thread that read the batch (Sink::deliver_blocking).
         let read = tokio::task::spawn_blocking(move || {
             let (entries, deliveries) = read_batch(&lane.shared, &batch);
+            // Admitted in flight by read_batch; released once settled (or if this task ends early).
+            let flight = InFlight {
+                shared: lane.shared.clone(),
+                ids: deliveries.iter().map(|d| d.id).collect(),
+            };
             let outcomes = if deliveries.is_empty() {
                 None
             } else {
-                lane.record_lateness(&deliveries);
-                // A panic (a bug) postpones the batch, as one in the sink's own blocking task did before
-                // it ran here: no attempt used, and nothing left in flight until a restart.
-                let deliver = AssertUnwindSafe(|| lane.sink.deliver_blocking(&deliveries));
-                std::panic::catch_unwind(deliver).unwrap_or_else(|_| {
-                    let reason = format!("the {} sink panicked delivering the batch", lane.name);
-                    let after = Duration::from_secs(5);
-                    Some(vec![
-                        SinkOutcome::Postpone { after, reason };
-                        deliveries.len()
-                    ])
-                })
+                lane.deliver_in_place(&deliveries)
             };
-            (entries, deliveries, outcomes)
+            (entries, deliveries, flight, outcomes)
         })
         .await;
-        let (entries, deliveries, outcomes) = match read {
+        let (entries, deliveries, flight, outcomes) = match read {
             Ok(read) => read,
             Err(e) => {
                 tracing::error!(sink = %self.name, error = %e, "reading due messages panicked");
@@ -169,14 +164,12 @@ impl Lane {
         if deliveries.is_empty() {
             return;
         }
-        // Admitted in flight by read_batch; released once settled (or if this task ends early).
-        let flight = InFlight {
-            shared: &self.shared,
-            ids: deliveries.iter().map(|d| d.id).collect(),
-        };
         let mut outcomes = match outcomes {
             Some(outcomes) => outcomes,
-            None => self.sink.deliver(&deliveries).await,
+            None => {
+                self.record_lateness(&deliveries, self.shared.clock.now_ms());
+                self.sink.deliver(&deliveries).await
+            }
         };
         outcomes.resize(
             deliveries.len(),
@@ -188,9 +181,27 @@ impl Lane {
         self.settle(&entries, &deliveries, outcomes, flight).await;
     }
 
-    /// How late each delivery goes to the sink.
-    fn record_lateness(&self, deliveries: &[Delivery]) {
+    /// The sink's answers if it delivers in place (on this thread, a blocking-pool one), else `None`.
+    /// A panic there (a bug) postpones the batch, as one in the sink's own blocking task did before it
+    /// ran here: no attempt used, nothing left in flight, and an error logged with the panic's message.
+    fn deliver_in_place(&self, deliveries: &[Delivery]) -> Option<Vec<SinkOutcome>> {
         let now = self.shared.clock.now_ms();
+        let deliver = AssertUnwindSafe(|| self.sink.deliver_blocking(deliveries));
+        let outcomes = std::panic::catch_unwind(deliver).unwrap_or_else(|panic| {
+            let message = (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(sink = %self.name, panic = %message, "delivering a batch panicked; it is postponed by 5 s");
+            let reason = format!("the {} sink panicked delivering the batch: {message}", self.name);
+            let after = Duration::from_secs(5);
+            Some(vec![SinkOutcome::Postpone { after, reason }; deliveries.len()])
+        })?;
+        self.record_lateness(deliveries, now);
+        Some(outcomes)
+    }
+
+    /// How late each delivery went to the sink, called at `now`.
+    fn record_lateness(&self, deliveries: &[Delivery], now: i64) {
         for delivery in deliveries {
             let late_ms = (now - delivery.message.deliver_at_ms).max(0);
             self.lateness.record(late_ms as f64 / 1000.0);
@@ -204,7 +215,7 @@ impl Lane {
         entries: &[Entry],
         deliveries: &[Delivery],
         outcomes: Vec<SinkOutcome>,
-        flight: InFlight<'_>,
+        flight: InFlight,
     ) {
         let now = self.shared.clock.now_ms();
         let mut records: Vec<(Bucket, Outcome)> = Vec::new();
@@ -493,12 +504,12 @@ pub const DEAD_TOPIC: &str = "$dead";
 
 /// Attempts a lane has admitted and not yet settled; released from the registry when dropped (also if
 /// the task that holds them ends early), so that a cancel is refused only while they really run.
-struct InFlight<'a> {
-    shared: &'a Shared,
+struct InFlight {
+    shared: Arc<Shared>,
     ids: Vec<MessageId>,
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.shared.registry().release(&self.ids);
     }

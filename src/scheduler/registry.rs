@@ -158,6 +158,12 @@ impl Registry {
         }
     }
 
+    /// Attempts in flight (admitted by a lane, not yet settled).
+    #[cfg(test)]
+    pub fn in_flight_len(&self) -> usize {
+        self.in_flight.len()
+    }
+
     /// Cancelled locations a lane may still meet.
     #[cfg(test)]
     pub fn cancelled_len(&self) -> usize {

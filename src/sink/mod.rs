@@ -47,8 +47,9 @@ pub enum SinkOutcome {
         reason: String,
     },
     /// Not taken for a reason of delayd's own, not the destination's (the built-in broker's disk is
-    /// full): the message goes back to the wheel, due after `after`, without using up an attempt or
-    /// writing anything (a retry would copy the message through the WAL into a segment again).
+    /// full or its files fail; a sink delivering in place panicked): the message goes back to the wheel,
+    /// due after `after`, without using up an attempt or writing anything (a retry would copy the
+    /// message through the WAL into a segment again).
     Postpone {
         after: Duration,
         reason: String,
@@ -60,11 +61,13 @@ pub trait Sink: Send + Sync + fmt::Debug + 'static {
     /// Delivers a batch; returns one outcome per delivery, in the same order.
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>>;
 
-    /// Delivers a batch on the calling thread, a blocking-pool thread, as [`Sink::deliver`] would; `None`
-    /// (the default) for a sink that does not, whose batch is then delivered through
-    /// [`Sink::deliver`]. For a sink that only writes to delayd's own disk (the built-in broker): the
-    /// lane calls it on the thread that has just read the batch, saving two thread hand-overs on the
-    /// way from due to stored, each a wait for a core when the cores are short.
+    /// Delivers a batch on the calling thread, a blocking-pool thread, as [`Sink::deliver`] would: one
+    /// outcome per delivery, in order. `None` (the default) for a sink that does not, whose batch is
+    /// then delivered through [`Sink::deliver`]. Only for a sink whose work is local and blocking (the
+    /// built-in broker, which writes and syncs delayd's own disk): the lane calls it on the thread that
+    /// has just read the batch, holding that thread and one of the sink's call slots until it returns,
+    /// and saves two thread hand-overs on the way from due to stored, each a wait for a core when the
+    /// cores are short. A panic in it postpones the whole batch by 5 s.
     fn deliver_blocking(&self, _batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
         None
     }
