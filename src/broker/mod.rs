@@ -730,10 +730,10 @@ impl BrokerSink {
     /// storage is not the message's fault: postponed, using up no attempt (a retry would also copy the
     /// message through the WAL into a segment again, and a few minutes of trouble would make every due
     /// message dead).
-    fn answer(&self, count: usize, stored: Result<(), (String, bool)>) -> Vec<SinkOutcome> {
+    fn answer<T>(&self, count: usize, stored: Result<T, BrokerError>) -> Vec<SinkOutcome> {
         let (reason, disk_full) = match stored {
-            Ok(()) => return vec![SinkOutcome::Delivered; count],
-            Err(failed) => failed,
+            Ok(_) => return vec![SinkOutcome::Delivered; count],
+            Err(e) => (e.to_string(), e.is_disk_full()),
         };
         let after = if disk_full {
             // Reported once by the disk watch, not for every batch while it lasts.
@@ -747,28 +747,24 @@ impl BrokerSink {
     }
 }
 
-/// An append's result as [`BrokerSink::answer`] takes it: why it failed, and whether for want of space.
-fn append_result<T>(stored: Result<T, BrokerError>) -> Result<(), (String, bool)> {
-    stored
-        .map(drop)
-        .map_err(|e| (e.to_string(), e.is_disk_full()))
-}
-
 impl Sink for BrokerSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
             let (broker, incoming) = (self.broker.clone(), self.incoming(batch));
-            let stored =
-                tokio::task::spawn_blocking(move || append_result(broker.append(incoming)))
-                    .await
-                    .unwrap_or_else(|e| Err((e.to_string(), false)));
+            let stored = tokio::task::spawn_blocking(move || broker.append(incoming))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(BrokerError::Io {
+                        path: PathBuf::from("broker"),
+                        source: io::Error::other(e.to_string()),
+                    })
+                });
             self.answer(batch.len(), stored)
         })
     }
 
     fn deliver_blocking(&self, batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
-        let stored = append_result(self.broker.append(self.incoming(batch)));
-        Some(self.answer(batch.len(), stored))
+        Some(self.answer(batch.len(), self.broker.append(self.incoming(batch))))
     }
 }
 
