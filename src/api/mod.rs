@@ -276,7 +276,7 @@ async fn authenticate(State(state): State<AppState>, request: Request, next: Nex
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(bearer_token);
     match given {
         Some(given)
             if tokens
@@ -298,6 +298,15 @@ async fn authenticate(State(state): State<AppState>, request: Request, next: Nex
         )
         .into_response(),
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value. The scheme is matched without regard to case
+/// (RFC 9110 §11.1: `bearer` and `BEARER` are `Bearer`), and any run of spaces may follow it.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start_matches(' '))
 }
 
 /// Compares without an early exit, so the time taken does not tell how much of a token matched.
@@ -397,5 +406,15 @@ mod tests {
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"abcd"));
         assert!(!constant_time_eq(b"abcd", b"abc"));
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_matched_without_regard_to_case() {
+        assert_eq!(bearer_token("Bearer t0k"), Some("t0k"));
+        assert_eq!(bearer_token("bearer t0k"), Some("t0k"));
+        assert_eq!(bearer_token("BEARER   t0k"), Some("t0k"));
+        assert_eq!(bearer_token("Basic dXNlcjpwYXNz"), None);
+        assert_eq!(bearer_token("Bearer"), None);
+        assert_eq!(bearer_token("Bearert0k"), None);
     }
 }

@@ -212,6 +212,17 @@ fn the_console_page_is_served_without_a_token_and_the_api_behind_it_needs_one() 
             "{path}"
         );
     }
+    // The scheme is case-insensitive (RFC 9110 §11.1), as clients such as curl's --oauth2-bearer and
+    // some proxies write it.
+    for scheme in ["bearer", "BEARER", "Bearer "] {
+        let status = common::agent(Duration::from_secs(10))
+            .get(&format!("{}/v1/stats/timeline", server.base))
+            .header("Authorization", &format!("{scheme} s3cret"))
+            .call()
+            .unwrap()
+            .status();
+        assert_eq!(status, 200, "{scheme:?}");
+    }
     // The routes that change things answer 401 before they look at anything.
     let id = "a".repeat(23);
     for (method, path) in [
