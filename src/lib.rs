@@ -261,12 +261,19 @@ async fn start_sources(
                     )
                     .with_context(|| format!("sources.{name}"))?,
                 ),
-                ("kafka", Some(url), None) => Box::new(source::kafka::KafkaTransport::new(
-                    url,
-                    &source.topics,
-                    &source.group,
-                    &source.consumer,
-                )),
+                ("kafka", Some(url), None) => Box::new(
+                    source::kafka::KafkaTransport::new(
+                        url,
+                        &source.topics,
+                        &source.group,
+                        &source.consumer,
+                        &config
+                            .data_dir
+                            .join("sources")
+                            .join(format!("{name}.kafka-epochs")),
+                    )
+                    .with_context(|| format!("sources.{name}"))?,
+                ),
                 ("nats", Some(url), None) => Box::new(source::nats::NatsTransport::new(
                     url,
                     source.stream.as_deref().unwrap_or_default(),

@@ -88,6 +88,8 @@ const GAUGES: &[&str] = &[
     "delayd_max_fds",
     "delayd_unreadable_messages",
     "delayd_storage_failed",
+    "delayd_key_index_entries",
+    "delayd_key_index_bytes",
 ];
 
 /// Makes every series with a bounded label set exist from the start, at 0 unless something already
@@ -194,6 +196,15 @@ fn describe() {
         "WAL write or fsync failures (the log then refuses writes)"
     );
     describe_gauge!("delayd_segments", "Schedule segments on disk");
+    describe_gauge!(
+        "delayd_key_index_entries",
+        "Pending messages with an idempotency key (HTTP dedup, keyed MQ requests) in the in-memory key index"
+    );
+    describe_gauge!(
+        "delayd_key_index_bytes",
+        Unit::Bytes,
+        "Memory the key index holds: 16 bytes a key, however long the key"
+    );
     describe_counter!(
         "delayd_log_torn_tails_total",
         "Torn log tails cut on recovery"

@@ -46,7 +46,9 @@ pub use listing::{
     BucketCount, InvalidCursor, ListCursor, ListPage, ListQuery, Listed, StatusFilter,
 };
 pub use log::{Attempt, BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog};
-pub use record::{EncodedMessage, Message, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge};
+pub use record::{
+    EncodedMessage, Message, MessageMeta, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge,
+};
 pub use replay::Replayed;
 pub use segment::{IndexEntry, SegmentReader};
 pub use sys::available_bytes;

@@ -35,7 +35,7 @@ use crate::error::{AppendError, Blocked, DiskFullReport, Error, Result};
 use crate::frame;
 use crate::header::{self, FileHeader, META_MAGIC};
 use crate::id::{Location, MessageId};
-use crate::record::{EncodedMessage, Message, Outcome, OutcomeKind};
+use crate::record::{EncodedMessage, Message, MessageMeta, Outcome, OutcomeKind};
 use crate::replay::{CheckpointJob, Replay, Replayed};
 use crate::segment::{IndexEntry, RecordReader, SegmentReader};
 use crate::view::{self, View, Views};
@@ -718,44 +718,51 @@ impl ScheduleLog {
         })
     }
 
-    /// Every unfinished message that carries an idempotency key, with where it is: what an idempotency
-    /// index is rebuilt from on start. Reads each bucket's index and outcomes, and only the flagged records.
-    pub fn pending_dedup(&self) -> Result<Vec<(Location, Message)>> {
-        self.wait_replayed(0);
-        let mut found = Vec::new();
+    /// Hands `f` every unfinished message that carries an idempotency key, without its body: what an
+    /// idempotency index is rebuilt from at a start. Reads each bucket's index and outcomes, and only
+    /// the start of the flagged records ([`SegmentReader::read_meta`]), one at a time.
+    ///
+    /// Waits until everything committed is filed; `NotFiledYet` while the replayer is held up by a full
+    /// disk (the caller tries again later: a record not filed yet would be missed).
+    pub fn pending_keyed(&self, mut f: impl FnMut(MessageMeta)) -> Result<()> {
+        self.replayed_all()?;
         for bucket in self.buckets() {
             let Some(reader) = self.reader(bucket)? else {
                 continue;
             };
-            let flagged: Vec<IndexEntry> = reader
-                .entries(0, reader.len())?
-                .into_iter()
-                .filter(|e| e.dedup)
-                .collect();
+            let mut flagged = Vec::new();
+            reader.scan(0, reader.len(), |_, entry| {
+                if entry.dedup {
+                    flagged.push(*entry);
+                }
+            })?;
             if flagged.is_empty() {
                 continue;
             }
             let finished: HashSet<u64> = self.outcomes(bucket)?.iter().map(|o| o.seq).collect();
             for entry in flagged.iter().filter(|e| !finished.contains(&e.seq)) {
-                found.push((
-                    Location {
-                        bucket,
-                        seq: entry.seq,
-                    },
-                    reader.read(entry)?,
-                ));
+                f(reader.read_meta(entry)?);
             }
         }
-        Ok(found)
+        Ok(())
     }
 
-    /// Every record with a seq of `seq` or more that is still kept (messages and retries alike), bucket
-    /// by bucket: what an MQ source rebuilds the positions of its unacknowledged requests from after a
-    /// restart. Each bucket's index is searched for its first entry at `seq` or above (entries are in
-    /// seq order), and only the records from there are read.
-    pub fn records_since(&self, seq: u64) -> Result<Vec<Message>> {
+    /// Hands `f` every kept record of the sink `sink` with a seq of `seq` or more (messages and
+    /// retries alike), without its body, bucket by bucket: what an MQ source rebuilds the positions of
+    /// the requests it wrote since it last saved its state from. Each bucket's index is searched for
+    /// its first entry at `seq` or above (entries are in seq order); from there, only the records whose
+    /// index entry has the sink's tag are read, and only their start.
+    ///
+    /// Waits until everything committed is filed; `NotFiledYet` while the replayer is held up by a full
+    /// disk.
+    pub fn records_since(
+        &self,
+        seq: u64,
+        sink: &str,
+        mut f: impl FnMut(MessageMeta),
+    ) -> Result<()> {
         self.replayed_all()?;
-        let mut found = Vec::new();
+        let tag = crate::record::sink_tag(sink);
         for bucket in self.buckets() {
             let Some(reader) = self.reader(bucket)? else {
                 continue;
@@ -768,11 +775,21 @@ impl ScheduleLog {
                     _ => hi = mid,
                 }
             }
-            for entry in reader.entries(lo, reader.len() - lo)? {
-                found.push(reader.read(&entry)?);
+            let mut tagged = Vec::new();
+            reader.scan(lo, reader.len() - lo, |_, entry| {
+                if entry.sink_tag == tag {
+                    tagged.push(*entry);
+                }
+            })?;
+            for entry in &tagged {
+                let meta = reader.read_meta(entry)?;
+                // Two sink names may share a tag.
+                if meta.sink == sink {
+                    f(meta);
+                }
             }
         }
-        Ok(found)
+        Ok(())
     }
 
     /// The seq the next appended record will have, at least.

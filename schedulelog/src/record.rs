@@ -261,6 +261,9 @@ fn put_bytes32(buf: &mut Vec<u8>, b: &[u8], field: &'static str) -> Result<(), T
 #[error("malformed record: {0}")]
 pub struct Malformed(pub &'static str);
 
+/// What [`Reader`] answers when the bytes end before a field does.
+const TRUNCATED: Malformed = Malformed("truncated payload");
+
 /// A bounds-checked reader over a payload: every accessor fails instead of panicking.
 struct Reader<'a> {
     bytes: &'a [u8],
@@ -273,10 +276,7 @@ impl<'a> Reader<'a> {
             .pos
             .checked_add(n)
             .ok_or(Malformed("length overflow"))?;
-        let out = self
-            .bytes
-            .get(self.pos..end)
-            .ok_or(Malformed("truncated payload"))?;
+        let out = self.bytes.get(self.pos..end).ok_or(TRUNCATED)?;
         self.pos = end;
         Ok(out)
     }
@@ -379,12 +379,48 @@ impl MessageHead {
     }
 }
 
-impl Message {
-    pub fn decode(payload: &[u8]) -> Result<Message, Malformed> {
+/// A message without its body: what an index is rebuilt from at a start (the idempotency keys of the
+/// pending messages, an MQ source's positions), read from the start of a frame without the body
+/// ([`MessageMeta::decode_prefix`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessageMeta {
+    pub seq: u64,
+    pub deliver_at_ms: i64,
+    pub created_at_ms: i64,
+    pub id: MessageId,
+    pub attempt: u16,
+    pub topic: String,
+    pub key: Option<String>,
+    /// The key is an idempotency key.
+    pub dedup: bool,
+    pub headers: Vec<(String, String)>,
+    pub sink: String,
+}
+
+/// Why a prefix did not decode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrefixError {
+    /// The prefix ends before the body's length: read more of the frame.
+    Short,
+    Malformed(Malformed),
+}
+
+impl MessageMeta {
+    /// Decodes everything before the body from the start of a message payload (or all of it); the
+    /// body's length is the last field read.
+    pub fn decode_prefix(prefix: &[u8]) -> Result<MessageMeta, PrefixError> {
         let mut r = Reader {
-            bytes: payload,
+            bytes: prefix,
             pos: 0,
         };
+        MessageMeta::read(&mut r).map_err(|e| match e {
+            TRUNCATED => PrefixError::Short,
+            other => PrefixError::Malformed(other),
+        })
+    }
+
+    /// Reads the fields up to the body, leaving `r` at the body's length.
+    fn read(r: &mut Reader<'_>) -> Result<MessageMeta, Malformed> {
         let seq = r.u64()?;
         let deliver_at_ms = r.i64()?;
         let created_at_ms = r.i64()?;
@@ -413,10 +449,7 @@ impl Message {
             let value = r.str(value_len)?;
             headers.push((name, value));
         }
-        let body_len = r.u32()? as usize;
-        let body = r.take(body_len)?.to_vec();
-        r.finish()?;
-        Ok(Message {
+        Ok(MessageMeta {
             seq,
             deliver_at_ms,
             created_at_ms,
@@ -433,6 +466,48 @@ impl Message {
             dedup,
             headers,
             sink,
+        })
+    }
+}
+
+impl From<Message> for MessageMeta {
+    fn from(m: Message) -> MessageMeta {
+        MessageMeta {
+            seq: m.seq,
+            deliver_at_ms: m.deliver_at_ms,
+            created_at_ms: m.created_at_ms,
+            id: m.id,
+            attempt: m.attempt,
+            topic: m.topic,
+            key: m.key,
+            dedup: m.dedup,
+            headers: m.headers,
+            sink: m.sink,
+        }
+    }
+}
+
+impl Message {
+    pub fn decode(payload: &[u8]) -> Result<Message, Malformed> {
+        let mut r = Reader {
+            bytes: payload,
+            pos: 0,
+        };
+        let meta = MessageMeta::read(&mut r)?;
+        let body_len = r.u32()? as usize;
+        let body = r.take(body_len)?.to_vec();
+        r.finish()?;
+        Ok(Message {
+            seq: meta.seq,
+            deliver_at_ms: meta.deliver_at_ms,
+            created_at_ms: meta.created_at_ms,
+            id: meta.id,
+            attempt: meta.attempt,
+            topic: meta.topic,
+            key: meta.key,
+            dedup: meta.dedup,
+            headers: meta.headers,
+            sink: meta.sink,
             body,
         })
     }
@@ -624,12 +699,24 @@ mod tests {
             prop_assert_eq!(&message.body, &new.body);
             let head = MessageHead::decode(payload(&frame_bytes)).unwrap();
             prop_assert_eq!(head, MessageHead { seq, deliver_at_ms: new.deliver_at_ms, created_at_ms: created, sink_tag: sink_tag(&new.sink), dedup: new.dedup && new.key.is_some(), retry: new.retry_of.filter(|r| r.1 > 0) });
+            // Everything but the body, from any prefix that reaches the body's length; a shorter one
+            // asks for more.
+            let whole = payload(&frame_bytes);
+            let meta_end = whole.len() - new.body.len() - 4;
+            let meta = MessageMeta::decode_prefix(whole).unwrap();
+            prop_assert_eq!(&meta, &MessageMeta::decode_prefix(&whole[..meta_end]).unwrap());
+            prop_assert_eq!((meta.seq, meta.id, meta.attempt), (seq, message.id, message.attempt));
+            prop_assert_eq!((&meta.topic, &meta.key, &meta.sink), (&new.topic, &new.key, &new.sink));
+            prop_assert_eq!(&meta.headers, &new.headers);
+            prop_assert_eq!(meta.dedup, message.dedup);
+            prop_assert_eq!(MessageMeta::decode_prefix(&whole[..meta_end - 1]), Err(PrefixError::Short));
         }
 
         #[test]
         fn garbage_payloads_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..120)) {
             let _ = Message::decode(&bytes);
             let _ = MessageHead::decode(&bytes);
+            let _ = MessageMeta::decode_prefix(&bytes);
             let _ = Cancel::decode(&bytes);
             let _ = Outcome::decode(&bytes);
         }

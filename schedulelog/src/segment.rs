@@ -31,7 +31,7 @@ use crate::bucket::{Bucket, SegmentMinutes};
 use crate::error::{Error, Result};
 use crate::frame::{self, Kind, Next};
 use crate::header::{FileHeader, HEADER_LEN, INDEX_MAGIC, SEGMENT_MAGIC};
-use crate::record::{Message, MessageHead};
+use crate::record::{Message, MessageHead, MessageMeta, PrefixError};
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -358,6 +358,51 @@ impl RecordReader {
     }
 }
 
+/// The first read of a [`RecordReader::read_meta_at`]: a whole frame of a message with a body of up to
+/// about 3 KiB, or the start of a larger one.
+#[cfg(not(test))]
+const META_READ: usize = 4096;
+/// Test frames are at most 1 KiB (frame.rs): a smaller first read takes the larger frames' path.
+#[cfg(test)]
+const META_READ: usize = 64;
+
+impl RecordReader {
+    /// Reads a message frame's fields before its body ([`MessageMeta`]): the whole frame when it is
+    /// at most [`META_READ`] bytes (its checksum is checked then), else only its start, and more of it
+    /// only when its headers are longer than that.
+    ///
+    /// The checksum covers the whole frame, so the fields of a larger frame are read unchecked: callers
+    /// use them as hints that a full read checks before anything is decided on them (a key index
+    /// entry), or whose damage can at worst repeat a delivery (a source's position).
+    pub(crate) fn read_meta_at(&self, offset: u64, frame_len: u32) -> Result<MessageMeta> {
+        let frame_len = frame_len as usize;
+        if frame_len <= META_READ {
+            return self
+                .read_at(offset, frame_len as u32)
+                .map(MessageMeta::from);
+        }
+        let corrupt = |reason: String| Error::corrupt(&self.log_path, offset, reason);
+        let mut bytes = vec![0u8; META_READ];
+        loop {
+            self.log
+                .read_exact_at(&mut bytes, offset)
+                .map_err(Error::io(&self.log_path))?;
+            let payload_len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+            if bytes[8] != Kind::Message as u8 || payload_len + frame::HEADER_LEN != frame_len {
+                return Err(corrupt("not a message frame".to_string()));
+            }
+            match MessageMeta::decode_prefix(&bytes[frame::HEADER_LEN..]) {
+                Ok(meta) => return Ok(meta),
+                Err(PrefixError::Short) if bytes.len() < frame_len => {
+                    bytes.resize((bytes.len() * 4).min(frame_len), 0);
+                }
+                Err(PrefixError::Short) => return Err(corrupt("truncated payload".to_string())),
+                Err(PrefixError::Malformed(e)) => return Err(corrupt(e.to_string())),
+            }
+        }
+    }
+}
+
 /// Reads a segment the replayer has published up to `entries` index entries.
 #[derive(Debug)]
 pub struct SegmentReader {
@@ -465,6 +510,17 @@ impl SegmentReader {
     /// Reads and decodes the message frame of `frame_len` bytes at `offset`.
     pub fn read_at(&self, offset: u64, frame_len: u32) -> Result<Message> {
         self.records.read_at(offset, frame_len)
+    }
+
+    /// Reads the fields before the body of the message an index entry points to (see
+    /// [`RecordReader::read_meta_at`]).
+    pub fn read_meta(&self, entry: &IndexEntry) -> Result<MessageMeta> {
+        let meta = self.records.read_meta_at(entry.offset, entry.frame_len)?;
+        if meta.seq != entry.seq {
+            let reason = format!("record has seq {}, index says {}", meta.seq, entry.seq);
+            return Err(Error::corrupt(&self.records.log_path, entry.offset, reason));
+        }
+        Ok(meta)
     }
 }
 

@@ -275,6 +275,7 @@ impl From<crate::intake::IntakeError> for ApiError {
             IntakeError::Append(e) => e.into(),
             IntakeError::Lookup(e) => e.into(),
             IntakeError::Interrupted(e) => ApiError::internal(e),
+            IntakeError::KeysNotReady => ApiError::disk_full(error.to_string()),
         }
     }
 }
@@ -335,7 +336,7 @@ mod tests {
     #[test]
     fn problem_codes_are_the_codes_the_sources_give() {
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let mut files = vec![src.join("intake.rs")];
+        let mut files = vec![src.join("intake/mod.rs")];
         for dir in ["api", "edge"] {
             for entry in std::fs::read_dir(src.join(dir)).expect("a source directory") {
                 let path = entry.expect("a directory entry").path();

@@ -13,7 +13,7 @@
 use super::error::{ApiError, Problem};
 use super::{parse_json, AppState, RawBody};
 use crate::format::{format_ms, parse_rfc3339, Text};
-use crate::intake::{Draft, Keyed};
+use crate::intake::{Draft, Keyed, MessageKey};
 use crate::scheduler::Cancelled;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -497,7 +497,14 @@ pub async fn schedule(
     let appended = match (message.dedup, message.key) {
         (true, Some(key)) => match state
             .intake
-            .schedule_keyed(message.topic, key, encoded)
+            .schedule_keyed(
+                &MessageKey {
+                    sink: message.sink.to_string(),
+                    topic: message.topic.to_string(),
+                    key: key.to_string(),
+                },
+                encoded,
+            )
             .await?
         {
             Keyed::Scheduled(appended) => appended,

@@ -6,21 +6,25 @@
 //! - A message that fails a check is never written: the caller answers 4xx (HTTP) or makes it a dead
 //!   letter (a source); either way it is not delivered.
 //! - The delivery time is at most `max_delay` away; the body at most `limits.max_message_bytes`.
-//! - The idempotency index holds `(topic, key) → id` only while that message is pending: the scheduler
-//!   reports each finished one (delivered, dead, cancelled) and [`Intake::start_pruning`] drops it. Two
-//!   keyed requests for one `(topic, key)` make one message: the check and the append happen under the
-//!   index's lock.
+//! - The idempotency index (keys.rs) maps each [`MessageKey`] (sink, topic, key) to the id of its pending
+//!   message: the scheduler reports each finished one (delivered, dead, cancelled) and
+//!   [`Intake::start_pruning`] drops it, and an entry found finished on a lookup is dropped then. Two
+//!   keyed requests for one key make one message: the check and the append happen under the index's
+//!   lock. The index holds 16 bytes per key, the keys themselves stay on disk; it is rebuilt at a start
+//!   from the records' starts, never their bodies.
+
+mod keys;
 
 use crate::config::Config;
 use crate::disk::DiskWatch;
 use crate::format::{parse_rfc3339, valid_name, valid_target};
 use crate::scheduler::{FinishedKey, Scheduler};
+use keys::{KeyHash, KeyIndex, KeyIndexBuilder};
 use schedulelog::{
-    AppendError, Appended, Clock, EncodedMessage, MessageId, MessageRef, MessageState,
+    AppendError, Appended, Clock, EncodedMessage, Message, MessageId, MessageRef, MessageState,
     MessageStatus, ScheduleLog,
 };
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -189,15 +193,31 @@ impl Draft<'_> {
     }
 }
 
-/// (topic, key) → message id, for pending messages sent with `dedup`.
-pub type KeyIndex = HashMap<(String, String), MessageId>;
+/// A message's idempotency key: the sink it goes to, its topic (an MQ sink's target) and its key. While
+/// a message with `dedup` is pending, no other message gets its key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MessageKey {
+    pub sink: String,
+    pub topic: String,
+    pub key: String,
+}
+
+impl MessageKey {
+    /// Whether `message` (a record read back) has this key.
+    fn names(&self, message: &Message) -> bool {
+        message.dedup
+            && message.sink == self.sink
+            && message.topic == self.topic
+            && message.key.as_deref() == Some(self.key.as_str())
+    }
+}
 
 /// What scheduling a keyed message did.
 #[derive(Debug)]
 pub enum Keyed {
     /// A new message.
     Scheduled(Appended),
-    /// A message with this topic and key is pending: it is the answer, nothing was written.
+    /// A message with this key is pending: it is the answer, nothing was written.
     Pending(MessageId, Box<MessageStatus>),
 }
 
@@ -210,6 +230,26 @@ pub enum IntakeError {
     Lookup(#[from] schedulelog::Error),
     #[error("a lookup was interrupted: {0}")]
     Interrupted(String),
+    /// The index of idempotency keys is not rebuilt yet: its rebuild at the start waits while a full
+    /// disk holds the replayer up (it reads every pending keyed message, and must not miss one).
+    #[error("keyed messages are refused until the index of idempotency keys is rebuilt, once the disk has room")]
+    KeysNotReady,
+}
+
+/// The idempotency index, and whether it holds every pending key yet.
+#[derive(Debug)]
+struct Keys {
+    index: KeyIndex,
+    complete: bool,
+}
+
+impl Keys {
+    fn complete(&mut self) -> Result<&mut KeyIndex, IntakeError> {
+        match self.complete {
+            true => Ok(&mut self.index),
+            false => Err(IntakeError::KeysNotReady),
+        }
+    }
 }
 
 /// The services new messages go through.
@@ -221,11 +261,15 @@ pub struct Intake {
     pub clock: Arc<dyn Clock>,
     /// Whether new messages are refused for want of disk space.
     pub disk: Arc<DiskWatch>,
-    pub keys: Arc<tokio::sync::Mutex<KeyIndex>>,
+    /// Locked from a keyed message's check to its append, so that two with one key make one message.
+    keys: Arc<tokio::sync::Mutex<Keys>>,
 }
 
 impl Intake {
-    /// Rebuilds the idempotency index from the pending keyed messages.
+    /// Rebuilds the idempotency index from the pending keyed messages (blocking: call it off the async
+    /// threads). While a full disk holds the replayer up the index cannot be rebuilt: the intake opens
+    /// without it, refuses keyed messages ([`IntakeError::KeysNotReady`]), and [`Intake::start_pruning`]
+    /// rebuilds it once the disk has room.
     pub fn open(
         log: Arc<ScheduleLog>,
         scheduler: Arc<Scheduler>,
@@ -233,11 +277,20 @@ impl Intake {
         clock: Arc<dyn Clock>,
         disk: Arc<DiskWatch>,
     ) -> Result<Intake, schedulelog::Error> {
-        let keys: KeyIndex = log
-            .pending_dedup()?
-            .into_iter()
-            .filter_map(|(_, m)| Some(((m.topic, m.key?), m.id)))
-            .collect();
+        let keys = match rebuild_keys(&log) {
+            Ok(index) => Keys {
+                index,
+                complete: true,
+            },
+            Err(schedulelog::Error::NotFiledYet { cause }) => {
+                tracing::warn!(cause = cause.as_deref().unwrap_or("the replayer is behind"), "the index of idempotency keys waits for the disk: keyed messages are refused until it is rebuilt");
+                Keys {
+                    index: KeyIndex::new(),
+                    complete: false,
+                }
+            }
+            Err(e) => return Err(e),
+        };
         Ok(Intake {
             log,
             scheduler,
@@ -248,11 +301,12 @@ impl Intake {
         })
     }
 
-    /// Lets the idempotency index forget each key once its message is finished, as the scheduler
-    /// reports them. Runs once per scheduler (later calls do nothing); reports made before wait.
+    /// Completes the idempotency index if the start could not, then lets it forget each key once its
+    /// message is finished, as the scheduler reports them. Runs once per scheduler (later calls do
+    /// nothing); reports made before wait.
     pub fn start_pruning(&self) {
         if let Some(finished) = self.scheduler.take_finished_keys() {
-            tokio::spawn(prune_keys(self.keys.clone(), finished));
+            tokio::spawn(maintain_keys(self.log.clone(), self.keys.clone(), finished));
         }
     }
 
@@ -264,74 +318,64 @@ impl Intake {
         self.log.append(messages).await
     }
 
-    /// Schedules a message sent with `dedup` and a key, unless one with its topic and key is pending.
+    /// Schedules a message sent with `dedup` and a key, unless one with its key is pending.
     pub async fn schedule_keyed(
         &self,
-        topic: &str,
-        key: &str,
+        key: &MessageKey,
         message: EncodedMessage,
     ) -> Result<Keyed, IntakeError> {
         self.start_pruning();
         // Check and append under one lock, so that two requests with one key make one message.
-        let mut index = self.keys.lock().await;
-        let index_key = (topic.to_string(), key.to_string());
-        if let Some(existing) = index.get(&index_key).copied() {
-            match self.lookup(existing).await? {
-                Some(status) if status.state == MessageState::Pending => {
-                    return Ok(Keyed::Pending(existing, Box::new(status)));
-                }
-                _ => {
-                    index.remove(&index_key);
-                }
-            }
+        let mut keys = self.keys.lock().await;
+        let index = keys.complete()?;
+        let hash = index.hash(&key.sink, &key.topic, &key.key);
+        if let Some((id, status)) = self.pending_of(index, hash, key).await? {
+            return Ok(Keyed::Pending(id, status));
         }
         let appended = self.log.append(vec![message]).await?;
         let appended = appended
             .into_iter()
             .next()
             .ok_or_else(|| IntakeError::Interrupted("an append returned no id".into()))?;
-        index.insert(index_key, appended.id);
+        index.insert(hash, appended.id);
         Ok(Keyed::Scheduled(appended))
     }
 
-    /// Schedules messages in one group commit, in order. One with a `(topic, key)` is left out (`None`)
-    /// while a message with that topic and key is pending, or an earlier one of this call has them.
+    /// Schedules messages in one group commit, in order. One with a key is left out (`None`) while a
+    /// message with that key is pending, or an earlier one of this call has it.
     pub async fn schedule_all(
         &self,
-        messages: Vec<(Option<(String, String)>, EncodedMessage)>,
+        messages: Vec<(Option<MessageKey>, EncodedMessage)>,
     ) -> Result<Vec<Option<Appended>>, IntakeError> {
         self.start_pruning();
         // Checked and appended under one lock, as `schedule_keyed`, when any message has a key.
-        let mut index = match messages.iter().any(|(key, _)| key.is_some()) {
+        let mut keys = match messages.iter().any(|(key, _)| key.is_some()) {
             true => Some(self.keys.lock().await),
             false => None,
+        };
+        let mut index = match keys.as_mut() {
+            Some(keys) => Some(keys.complete()?),
+            None => None,
         };
         let mut kept = Vec::with_capacity(messages.len());
         let mut encoded = Vec::with_capacity(messages.len());
         let mut this_call = std::collections::HashSet::new();
         for (key, message) in messages {
-            let keep = match (&key, index.as_mut()) {
+            let filed = match (&key, index.as_mut()) {
                 (Some(key), Some(index)) => {
-                    if !this_call.insert(key.clone()) {
-                        false
-                    } else if let Some(existing) = index.get(key).copied() {
-                        match self.lookup(existing).await? {
-                            Some(status) if status.state == MessageState::Pending => false,
-                            _ => {
-                                index.remove(key);
-                                true
-                            }
-                        }
-                    } else {
-                        true
+                    let hash = index.hash(&key.sink, &key.topic, &key.key);
+                    let first = this_call.insert(key.clone());
+                    match first && self.pending_of(index, hash, key).await?.is_none() {
+                        true => Some(Some(hash)),
+                        false => None,
                     }
                 }
-                _ => true,
+                _ => Some(None),
             };
-            if keep {
+            if filed.is_some() {
                 encoded.push(message);
             }
-            kept.push((keep, key));
+            kept.push(filed);
         }
         let mut appended = match encoded.is_empty() {
             true => Vec::new(),
@@ -339,29 +383,53 @@ impl Intake {
         }
         .into_iter();
         let mut answers = Vec::with_capacity(kept.len());
-        for (keep, key) in kept {
-            if !keep {
+        for filed in kept {
+            let Some(hash) = filed else {
                 answers.push(None);
                 continue;
-            }
+            };
             let one = appended
                 .next()
                 .ok_or_else(|| IntakeError::Interrupted("an append returned too few ids".into()))?;
-            if let (Some(key), Some(index)) = (key, index.as_mut()) {
-                index.insert(key, one.id);
+            if let (Some(hash), Some(index)) = (hash, index.as_mut()) {
+                index.insert(hash, one.id);
             }
             answers.push(Some(one));
         }
         Ok(answers)
     }
 
-    /// The pending message with this topic and key, if any.
-    pub async fn pending_with_key(&self, topic: &str, key: &str) -> Option<MessageId> {
-        self.keys
-            .lock()
-            .await
-            .get(&(topic.to_string(), key.to_string()))
-            .copied()
+    /// The pending message with this key, if any.
+    pub async fn pending_with_key(
+        &self,
+        key: &MessageKey,
+    ) -> Result<Option<MessageId>, IntakeError> {
+        let mut keys = self.keys.lock().await;
+        let index = keys.complete()?;
+        let hash = index.hash(&key.sink, &key.topic, &key.key);
+        Ok(self.pending_of(index, hash, key).await?.map(|(id, _)| id))
+    }
+
+    /// The pending message with `key` among the index's candidates for its `hash`, read from disk.
+    /// Candidates found finished (or gone) are removed; another key's (a hash collision) are kept.
+    async fn pending_of(
+        &self,
+        index: &mut KeyIndex,
+        hash: KeyHash,
+        key: &MessageKey,
+    ) -> Result<Option<(MessageId, Box<MessageStatus>)>, IntakeError> {
+        for id in index.candidates(hash) {
+            match self.lookup(id).await? {
+                Some(status) if !key.names(&status.message) => {}
+                Some(status) if status.state == MessageState::Pending => {
+                    return Ok(Some((id, Box::new(status))));
+                }
+                _ => {
+                    index.remove(hash, id);
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// Finds a message by id off the async threads.
@@ -373,26 +441,68 @@ impl Intake {
     }
 }
 
-/// Drops each finished message's key from the index, until the scheduler is gone.
-async fn prune_keys(
-    index: Arc<tokio::sync::Mutex<KeyIndex>>,
+/// The idempotency index of the pending keyed messages, read from the log (their starts, not their
+/// bodies). `NotFiledYet` while a full disk holds the replayer up.
+fn rebuild_keys(log: &ScheduleLog) -> Result<KeyIndex, schedulelog::Error> {
+    let mut builder = KeyIndexBuilder::default();
+    log.pending_keyed(|meta| {
+        if let Some(key) = &meta.key {
+            let hash = builder.hash(&meta.sink, &meta.topic, key);
+            builder.add(hash, meta.id);
+        }
+    })?;
+    let index = builder.build();
+    report_size(&index);
+    Ok(index)
+}
+
+/// `delayd_key_index_entries` and `delayd_key_index_bytes`.
+fn report_size(index: &KeyIndex) {
+    metrics::gauge!("delayd_key_index_entries").set(index.len() as f64);
+    metrics::gauge!("delayd_key_index_bytes").set(index.heap_bytes() as f64);
+}
+
+/// Rebuilds the index if the start could not (retrying each second), then drops each finished
+/// message's key from it, until the scheduler is gone.
+async fn maintain_keys(
+    log: Arc<ScheduleLog>,
+    keys: Arc<tokio::sync::Mutex<Keys>>,
     mut finished: tokio::sync::mpsc::UnboundedReceiver<FinishedKey>,
 ) {
+    while !keys.lock().await.complete {
+        let log = log.clone();
+        match tokio::task::spawn_blocking(move || rebuild_keys(&log)).await {
+            Ok(Ok(index)) => {
+                tracing::info!(
+                    keys = index.len(),
+                    "the index of idempotency keys is rebuilt: keyed messages are taken again"
+                );
+                *keys.lock().await = Keys {
+                    index,
+                    complete: true,
+                };
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "the index of idempotency keys still waits");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "rebuilding the index of idempotency keys panicked; trying again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
     while let Some(first) = finished.recv().await {
-        let mut index = index.lock().await;
+        let mut keys = keys.lock().await;
+        let index = &mut keys.index;
         let mut next = Some(first);
         while let Some(done) = next {
-            let key = (done.topic, done.key);
             // Only this message's entry: the key may name a newer pending message by now.
-            if index.get(&key) == Some(&done.id) {
-                index.remove(&key);
-            }
+            let hash = index.hash(&done.sink, &done.topic, &done.key);
+            index.remove(hash, done.id);
             next = finished.try_recv().ok();
         }
-        // A map keeps its capacity; give memory back once most of it is unused.
-        if index.capacity() > 1024 && index.len() < index.capacity() / 4 {
-            index.shrink_to_fit();
-        }
+        report_size(index);
     }
 }
 
@@ -408,23 +518,32 @@ mod tests {
         })
     }
 
-    fn key(topic: &str, key: &str) -> (String, String) {
-        (topic.to_string(), key.to_string())
-    }
-
     /// A finished message's key leaves the index; a key that names a newer message stays.
     #[test]
     fn finished_keys_leave_the_idempotency_index() {
         let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
             .build()
             .unwrap();
-        let index = Arc::new(tokio::sync::Mutex::new(KeyIndex::from([
-            (key("t", "a"), id(1)),
-            (key("t", "b"), id(3)), // b was sent again after message 2 finished
-            (key("u", "a"), id(4)),
-        ])));
+        let dir = tempfile::tempdir().unwrap();
+        let log = Arc::new(ScheduleLog::open(dir.path(), schedulelog::Options::default()).unwrap());
+        let mut index = KeyIndex::new();
+        for (sink, topic, key, seq) in [
+            ("s", "t", "a", 1),
+            ("s", "t", "b", 3), // b was sent again after message 2 finished
+            ("s", "u", "a", 4),
+            ("r", "t", "a", 5), // another sink's key
+        ] {
+            let hash = index.hash(sink, topic, key);
+            index.insert(hash, id(seq));
+        }
+        let keys = Arc::new(tokio::sync::Mutex::new(Keys {
+            index,
+            complete: true,
+        }));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let finished = |topic: &str, k: &str, seq| FinishedKey {
+            sink: "s".into(),
             topic: topic.into(),
             key: k.into(),
             id: id(seq),
@@ -432,12 +551,14 @@ mod tests {
         tx.send(finished("t", "a", 1)).unwrap();
         tx.send(finished("t", "b", 2)).unwrap();
         drop(tx); // the pruning ends with the scheduler
-        runtime.block_on(prune_keys(index.clone(), rx));
-        let index = runtime.block_on(index.lock());
-        assert_eq!(
-            *index,
-            KeyIndex::from([(key("t", "b"), id(3)), (key("u", "a"), id(4))])
-        );
+        runtime.block_on(maintain_keys(log, keys.clone(), rx));
+        let keys = runtime.block_on(keys.lock());
+        let left = |sink, topic, key| keys.index.candidates(keys.index.hash(sink, topic, key));
+        assert!(left("s", "t", "a").is_empty());
+        assert_eq!(left("s", "t", "b"), [id(3)]);
+        assert_eq!(left("s", "u", "a"), [id(4)]);
+        assert_eq!(left("r", "t", "a"), [id(5)]);
+        assert_eq!(keys.index.len(), 3);
     }
 
     #[test]

@@ -316,9 +316,8 @@ impl Lane {
             self.record_outcomes(records).await;
         }
         for (delivery, (_, label)) in deliveries.iter().zip(&labels) {
-            let m = &delivery.message;
-            if let (true, Some(key), "ok" | "dead" | "cancelled") = (m.dedup, &m.key, *label) {
-                self.shared.finished_key(&m.topic, key, delivery.id);
+            if matches!(*label, "ok" | "dead" | "cancelled") {
+                self.shared.finished_key(&delivery.message, delivery.id);
             }
         }
         // Released before the report, so that whoever waits for it finds the attempts settled.
@@ -609,9 +608,7 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
         }
     }
     for message in dropped {
-        if let (true, Some(key)) = (message.dedup, &message.key) {
-            shared.finished_key(&message.topic, key, message.id);
-        }
+        shared.finished_key(&message, message.id);
         if let Some(settled) = &shared.settled {
             let _ = settled.send(vec![(message.id, "cancelled")]);
         }

@@ -57,6 +57,7 @@ pub use schedulelog::{ManualClock, SystemClock};
 /// free again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FinishedKey {
+    pub sink: String,
     pub topic: String,
     pub key: String,
     pub id: MessageId,
@@ -150,13 +151,16 @@ impl Shared {
         self.unreadable.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Reports a finished message that carries an idempotency key.
-    pub fn finished_key(&self, topic: &str, key: &str, id: MessageId) {
-        let _ = self.finished_keys.send(FinishedKey {
-            topic: topic.to_string(),
-            key: key.to_string(),
-            id,
-        });
+    /// Reports a finished message if it carries an idempotency key (`id`: its id).
+    pub fn finished_key(&self, message: &schedulelog::Message, id: MessageId) {
+        if let (true, Some(key)) = (message.dedup, &message.key) {
+            let _ = self.finished_keys.send(FinishedKey {
+                sink: message.sink.clone(),
+                topic: message.topic.clone(),
+                key: key.clone(),
+                id,
+            });
+        }
     }
 
     /// Hands an entry back to the wheel, due a second from `now_ms`.

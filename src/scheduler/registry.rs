@@ -340,10 +340,7 @@ pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancell
         #[cfg(test)]
         shared.hook_tombstone_written(seq).await;
     }
-    let message = &status.message;
-    if let (true, Some(key)) = (message.dedup, &message.key) {
-        shared.finished_key(&message.topic, key, id);
-    }
+    shared.finished_key(&status.message, id);
     drop(intent);
     Ok(if status.state == MessageState::Pending {
         Cancelled::Now

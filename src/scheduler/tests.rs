@@ -1279,7 +1279,7 @@ fn finished_messages_with_an_idempotency_key_are_reported() {
     let mut got: Vec<(String, MessageId)> = (0..3)
         .map(|_| {
             let key = finished.try_recv().expect("a finished key");
-            assert_eq!(key.topic, "t");
+            assert_eq!((key.sink.as_str(), key.topic.as_str()), ("a", "t"));
             (key.key, key.id)
         })
         .collect();

@@ -11,10 +11,14 @@
 //!   or its dead letter in the broker (`$dead`). One group commit per batch of requests.
 //! - A request the MQ delivers again (a crash between the fsync and the ack) is not scheduled twice. Each
 //!   message records where its request was (the header `delayd-source-position`, `{source}/{position}`);
-//!   the runner remembers the positions written and not yet acknowledged, and keeps on disk
-//!   (`sources/{name}`, decimal) a seq below which every record of the source was acknowledged. At a
-//!   start it reads the records from that seq on and remembers their positions: a redelivered one is
-//!   acknowledged without a second message.
+//!   the runner remembers the positions written and not yet acknowledged, and keeps them on disk with
+//!   a seq below which every other record of the source was acknowledged (mark.rs). At a start it
+//!   reads back the positions (never the bodies) of the source's records from that seq on, which
+//!   follows the log's end: what a start reads grows with what the source has not acknowledged, not
+//!   with the store. A redelivered request is acknowledged without a second message.
+//! - A position names the incarnation of what it is in (a JetStream stream's creation time, a Kafka
+//!   partition's epoch): a stream or topic deleted and made again starts a new order, whose requests
+//!   are neither taken for redeliveries of the old one's nor ordered against them.
 //! - A request that cannot be scheduled (no or a bad time, no target, too large, a bad header) is never
 //!   dropped and never delivered: it becomes a dead letter with the reason, and is acknowledged.
 //! - An MQ that is away never stops delayd: the runner reconnects with backoff; the link (link.rs)
@@ -22,18 +26,20 @@
 
 pub mod amqp;
 pub mod kafka;
+pub(crate) mod mark;
 pub mod nats;
 pub mod redis;
 
 use crate::broker::{Broker, Incoming};
-use crate::intake::{delay_from_text, deliver_at_from_text, Draft, Intake, Rejection};
+use crate::intake::{delay_from_text, deliver_at_from_text, Draft, Intake, MessageKey, Rejection};
 use crate::link::Link;
 use crate::mq::{MqError, EXCHANGE_HEADER};
 use crate::scheduler::{CancelError, DEAD_TOPIC};
 use crate::sink::BoxFuture;
+use mark::Mark;
 use schedulelog::EncodedMessage;
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -94,6 +100,13 @@ pub trait Transport: Send + Sync + std::fmt::Debug + 'static {
     /// forgotten, so that the mark moves on.
     fn redelivery_window(&self) -> Duration {
         Duration::from_secs(10)
+    }
+    /// Whether a later request of one place of this MQ (a stream, a partition) has a position that
+    /// sorts after an earlier one's ([`ordered`]): what lets a cancel the MQ delivers again leave alone
+    /// the message a later request gave its key. False (the default) for an MQ whose positions are
+    /// names the publisher chose (an AMQP `message_id`).
+    fn ordered_positions(&self) -> bool {
+        false
     }
 }
 
@@ -244,9 +257,9 @@ fn when(name: &str, value: &str, now_ms: i64) -> Result<i64, Rejection> {
     }
 }
 
-/// A message of a batch on its way to the log: the request's index, its (target, key) if keyed, and
+/// A message of a batch on its way to the log: the request's index, its idempotency key if keyed, and
 /// the message.
-type Pending = (usize, Option<(String, String)>, EncodedMessage);
+type Pending = (usize, Option<MessageKey>, EncodedMessage);
 
 /// How a request ended, as counted in `delayd_source_messages_total{outcome}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -313,21 +326,31 @@ struct Writer {
     intake: Arc<Intake>,
     broker: Arc<Broker>,
     link: Link,
+    /// Whether the MQ's positions are ordered ([`Transport::ordered_positions`]).
+    ordered: bool,
     /// Positions written and not yet acknowledged, with the seq of their record and when they were
     /// written (or read back at the start).
     unacked: HashMap<String, (u64, Instant)>,
-    /// Every record of this source below this seq was acknowledged (kept in `sources/{name}`).
-    mark: u64,
-    mark_saved: u64,
-    mark_saved_at: Instant,
+    /// The records of this source from this seq on are to be read back before the first connection
+    /// (the mark's `below` at the start), `None` once they were.
+    read_back_from: Option<u64>,
+    /// The mark is to be written at the next save: `unacked` changed since it was last written (or a
+    /// stop wants the last state kept).
+    unsaved: bool,
+    /// The `below` of the mark last written, and when.
+    saved_below: u64,
+    mark_written_at: Instant,
+    /// When a save was last due (sources save once a second at most).
+    mark_checked_at: Instant,
+    /// Every record this source wrote has a seq below this.
     last_written: u64,
 }
 
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
 
 impl SourceRunner {
-    /// Loads the source's mark and the positions of the records after it (blocking: call it off the
-    /// async threads).
+    /// Loads the source's mark (blocking: call it off the async threads). A mark that cannot be read
+    /// is an error naming its file.
     pub fn open(
         settings: SourceSettings,
         intake: Arc<Intake>,
@@ -335,53 +358,48 @@ impl SourceRunner {
         link: Link,
         transport: Box<dyn Transport>,
     ) -> anyhow::Result<SourceRunner> {
-        let path = mark_path(&settings.data_dir, &settings.name);
-        let mark = match std::fs::read_to_string(&path) {
-            Ok(text) => text.trim().parse::<u64>().unwrap_or_else(|_| {
-                tracing::warn!(path = %path.display(), "the source's mark is unreadable; reading every record kept for redelivered requests");
-                0
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                // Never consumed anything: no record of it exists.
-                let mark = intake.log.next_seq()?;
-                write_mark(&path, mark)?;
-                mark
+        let path = mark::path(&settings.data_dir, &settings.name);
+        let (saved, read_back_from) = match mark::read(&path)? {
+            Some(saved) => {
+                let below = saved.below;
+                (saved, Some(below))
             }
-            Err(e) => return Err(anyhow::anyhow!("reading {}: {e}", path.display())),
+            None => {
+                // Never ran: no record of it exists, nothing to read back.
+                let new = Mark {
+                    below: intake.log.filed_below(),
+                    unacked: Vec::new(),
+                };
+                mark::write(&path, &new)
+                    .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+                (new, None)
+            }
         };
-        let prefix = format!("{}/", settings.name);
-        let mut unacked = HashMap::new();
-        let mut last_written = mark;
-        for message in intake.log.records_since(mark)? {
-            let position = message
-                .headers
-                .iter()
-                .find(|(n, _)| n == POSITION_HEADER)
-                .and_then(|(_, v)| v.strip_prefix(&prefix));
-            if let (Some(position), 0) = (position, message.attempt) {
-                unacked.insert(position.to_string(), (message.seq, Instant::now()));
-                last_written = last_written.max(message.seq + 1);
-            }
-        }
-        if !unacked.is_empty() {
-            tracing::info!(source = %settings.name, records = unacked.len(), "requests scheduled before the restart may be delivered again by the MQ; they will not be scheduled twice");
-        }
+        let now = Instant::now();
+        let unacked: HashMap<String, (u64, Instant)> = saved
+            .unacked
+            .into_iter()
+            .map(|(position, seq)| (position, (seq, now)))
+            .collect();
         for outcome in Outcome::ALL {
             metrics::counter!("delayd_source_messages_total", "source" => settings.name.clone(), "outcome" => outcome.label()).absolute(0);
         }
         Ok(SourceRunner {
-            transport,
             writer: Writer {
                 settings,
                 intake,
                 broker,
                 link,
+                ordered: transport.ordered_positions(),
+                last_written: unacked.values().map(|(seq, _)| seq + 1).max().unwrap_or(0),
                 unacked,
-                mark,
-                mark_saved: mark,
-                mark_saved_at: Instant::now(),
-                last_written,
+                read_back_from,
+                unsaved: false,
+                saved_below: saved.below,
+                mark_written_at: now,
+                mark_checked_at: now,
             },
+            transport,
             connected_at: None,
             pause: FIRST_PAUSE,
         })
@@ -390,6 +408,9 @@ impl SourceRunner {
     /// Runs until `stop` says so. A failure (to connect, receive or acknowledge) drops the connection
     /// and makes it again after a pause that doubles up to 5 s, and is reset by a round that worked.
     pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
+        if !self.writer.read_back(&mut stop).await {
+            return;
+        }
         while !*stop.borrow() {
             let served = tokio::select! {
                 connected = self.transport.connect() => match connected {
@@ -405,6 +426,10 @@ impl SourceRunner {
                 self.writer
                     .link
                     .down(self.writer.intake.clock.now_ms(), &e.0);
+                // The mark follows the log while the MQ is away, so that a restart reads back little.
+                if self.writer.mark_checked_at.elapsed() >= Duration::from_secs(1) {
+                    self.writer.save_mark().await;
+                }
                 tokio::select! {
                     _ = tokio::time::sleep(self.pause) => {},
                     _ = stop.changed() => break,
@@ -412,12 +437,13 @@ impl SourceRunner {
                 self.pause = (self.pause * 2).min(Duration::from_secs(5));
             }
         }
+        // The last state, for the next start to read back as little as possible.
+        self.writer.unsaved = true;
         self.writer.save_mark().await;
     }
 
     /// Forgets the positions written before the current connection once the MQ has had its
-    /// `redelivery_window` to deliver them again (see [`Transport::redelivery_window`]), and moves the
-    /// mark to the oldest position still remembered.
+    /// `redelivery_window` to deliver them again (see [`Transport::redelivery_window`]).
     ///
     /// Only after a receive that began once the window was over: a redelivery comes with a receive, and
     /// one begun earlier (before a long batch, say) may not have asked for it yet.
@@ -425,17 +451,13 @@ impl SourceRunner {
         let writer = &mut self.writer;
         if let Some(connected_at) = self.connected_at {
             if receive_began >= connected_at + self.transport.redelivery_window() {
+                let before = writer.unacked.len();
                 writer
                     .unacked
                     .retain(|_, (_, since)| *since >= connected_at);
+                writer.unsaved |= writer.unacked.len() != before;
             }
         }
-        writer.mark = writer
-            .unacked
-            .values()
-            .map(|(seq, _)| *seq)
-            .min()
-            .unwrap_or(writer.last_written);
     }
 
     /// A round worked: the MQ is there.
@@ -519,7 +541,7 @@ impl SourceRunner {
                     self.healthy();
                     self.forget_redelivered_window(began);
                     // A source that is never idle saves it too, once a second.
-                    if self.writer.mark_saved_at.elapsed() >= Duration::from_secs(1) {
+                    if self.writer.mark_checked_at.elapsed() >= Duration::from_secs(1) {
                         self.writer.save_mark().await;
                     }
                 }
@@ -546,8 +568,70 @@ impl Writer {
     /// A batch was acknowledged: the MQ will not deliver its requests again.
     fn acked(&mut self, batch: &[Request]) {
         for position in batch.iter().filter_map(|r| r.position.as_ref()) {
-            self.unacked.remove(position);
+            self.unsaved |= self.unacked.remove(position).is_some();
         }
+    }
+
+    /// Reads back the positions of the records this source wrote since its mark was saved, before
+    /// the first connection: the MQ may deliver their requests again. Waits (saying so in the link)
+    /// while a full disk holds the replayer up; false when `stop` said so meanwhile.
+    async fn read_back(&mut self, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
+        let Some(from) = self.read_back_from else {
+            return true;
+        };
+        let prefix = format!("{}/", self.settings.name);
+        loop {
+            let (log, sink, prefix) = (
+                self.intake.log.clone(),
+                self.settings.sink.clone(),
+                prefix.clone(),
+            );
+            let read = tokio::task::spawn_blocking(move || {
+                let mut found = Vec::new();
+                log.records_since(from, &sink, |meta| {
+                    if let (Some(position), 0) = (position_of(&meta.headers, &prefix), meta.attempt)
+                    {
+                        found.push((position.to_string(), meta.seq));
+                    }
+                })
+                .map(|()| found)
+            })
+            .await;
+            match read {
+                Ok(Ok(found)) => {
+                    let now = Instant::now();
+                    for (position, seq) in found {
+                        self.last_written = self.last_written.max(seq + 1);
+                        self.unacked.insert(position, (seq, now));
+                    }
+                    break;
+                }
+                Ok(Err(schedulelog::Error::NotFiledYet { cause })) => {
+                    let why = format!(
+                        "waiting for the disk before reading back what this source wrote: {}",
+                        cause.as_deref().unwrap_or("the log is behind")
+                    );
+                    self.link.down(self.intake.clock.now_ms(), &why);
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {},
+                        _ = stop.changed() => return false,
+                    }
+                }
+                Ok(Err(error)) => {
+                    self.read_back_failed(&error);
+                    break;
+                }
+                Err(error) => {
+                    self.read_back_failed(&error);
+                    break;
+                }
+            }
+        }
+        self.read_back_from = None;
+        if !self.unacked.is_empty() {
+            tracing::info!(source = %self.settings.name, records = self.unacked.len(), "requests scheduled before the restart may be delivered again by the MQ; they will not be scheduled twice");
+        }
+        true
     }
 
     /// Makes a batch durable; then every request of it may be acknowledged.
@@ -604,7 +688,12 @@ impl Writer {
                     };
                     match draft.check(&config, now).and_then(|()| draft.encode()) {
                         Ok(encoded) => {
-                            run.push((i, key.map(|key| (target.clone(), key)), encoded));
+                            let key = key.map(|key| MessageKey {
+                                sink: self.settings.sink.clone(),
+                                topic: target.clone(),
+                                key,
+                            });
+                            run.push((i, key, encoded));
                         }
                         Err(rejection) => dead.push((i, rejection)),
                     }
@@ -680,9 +769,14 @@ impl Writer {
         }
     }
 
+    fn read_back_failed(&self, error: &dyn std::fmt::Display) {
+        tracing::error!(source = %self.settings.name, %error, "reading back what this source wrote before the restart failed; requests the MQ delivers again may be scheduled twice");
+    }
+
     fn written(&mut self, request: &Request, seq: u64) {
         if let Some(position) = &request.position {
             self.unacked.insert(position.clone(), (seq, Instant::now()));
+            self.unsaved = true;
         }
         self.last_written = self.last_written.max(seq + 1);
     }
@@ -695,12 +789,21 @@ impl Writer {
         key: &str,
         position: Option<&str>,
     ) -> Result<(), NotStored> {
-        let Some(id) = self.intake.pending_with_key(target, key).await else {
+        let key = MessageKey {
+            sink: self.settings.sink.clone(),
+            topic: target.to_string(),
+            key: key.to_string(),
+        };
+        let pending = self.intake.pending_with_key(&key).await;
+        let Some(id) = pending.map_err(|e| NotStored(e.to_string()))? else {
             return Ok(()); // none pending: delivered, cancelled, or never sent
         };
         // A cancel the MQ delivers again (a crash before its ack) must not cancel a message its key was
-        // given after it: one whose request comes later in this source.
-        if let Some(cancel_at) = position.and_then(ordered) {
+        // given after it: one whose request comes later in this source. Only a request not yet
+        // acknowledged can be delivered again, and with it every later one (acknowledgements go in
+        // stream order), so a later request is one still unacknowledged; and only positions of an
+        // ordered MQ, in one place (a stream, a partition) of one incarnation, say what is later.
+        if let Some(cancel_at) = position.filter(|_| self.ordered).and_then(ordered) {
             let status = self
                 .intake
                 .lookup(id)
@@ -708,12 +811,8 @@ impl Writer {
                 .map_err(|e| NotStored(e.to_string()))?;
             let prefix = format!("{}/", self.settings.name);
             let later = status.is_some_and(|status| {
-                status
-                    .message
-                    .headers
-                    .iter()
-                    .find(|(name, _)| name == POSITION_HEADER)
-                    .and_then(|(_, value)| value.strip_prefix(&prefix))
+                position_of(&status.message.headers, &prefix)
+                    .filter(|at| self.unacked.contains_key(*at))
                     .and_then(ordered)
                     .is_some_and(|(place, at)| place == cancel_at.0 && at > cancel_at.1)
             });
@@ -763,26 +862,50 @@ impl Writer {
         }
     }
 
-    /// Writes the mark when it moved (after an empty receive, a second after the last save, and at the
-    /// end).
+    /// Saves the mark (after an empty receive, a second after the last save, while the MQ is away,
+    /// and at the end) when what is unacknowledged changed, or the log's end moved on and the last
+    /// write is 10 s old: a quiet source's mark follows the log without a write every second.
     async fn save_mark(&mut self) {
-        self.mark_saved_at = Instant::now();
-        if self.mark == self.mark_saved {
+        self.mark_checked_at = Instant::now();
+        if self.read_back_from.is_some() {
+            return; // the positions since the mark are not known yet
+        }
+        let below = self.last_written.max(self.intake.log.filed_below());
+        let moved =
+            below != self.saved_below && self.mark_written_at.elapsed() >= Duration::from_secs(10);
+        if !self.unsaved && !moved {
             return;
         }
-        let path = mark_path(&self.settings.data_dir, &self.settings.name);
-        let mark = self.mark;
+        let path = mark::path(&self.settings.data_dir, &self.settings.name);
+        let mark = Mark {
+            below,
+            unacked: (self.unacked.iter())
+                .map(|(position, (seq, _))| (position.clone(), *seq))
+                .collect(),
+        };
         // An fsync: off the async threads.
-        let written = tokio::task::spawn_blocking(move || write_mark(&path, mark))
+        let written = tokio::task::spawn_blocking(move || mark::write(&path, &mark))
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
         match written {
-            Ok(()) => self.mark_saved = mark,
+            Ok(()) => {
+                self.saved_below = below;
+                self.unsaved = false;
+                self.mark_written_at = Instant::now();
+            }
             Err(error) => {
                 tracing::warn!(source = %self.settings.name, %error, "saving the source's mark failed; a restart reads more records")
             }
         }
     }
+}
+
+/// The position a record's request had in this source, from its header (`prefix`: `{source}/`).
+fn position_of<'h>(headers: &'h [(String, String)], prefix: &str) -> Option<&'h str> {
+    headers
+        .iter()
+        .find(|(name, _)| name == POSITION_HEADER)
+        .and_then(|(_, value)| value.strip_prefix(prefix))
 }
 
 /// A position as where it is ordered and the numbers that order it there: a Redis entry id
@@ -796,21 +919,6 @@ fn ordered(position: &str) -> Option<(&str, Vec<u64>)> {
         .map(|part| part.parse().ok())
         .collect::<Option<_>>()?;
     Some((place, numbers))
-}
-
-fn mark_path(data_dir: &Path, name: &str) -> PathBuf {
-    data_dir.join("sources").join(name)
-}
-
-/// Replaces the mark file durably (tmp, fsync, rename, directory fsync).
-fn write_mark(path: &Path, mark: u64) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = path.with_extension("tmp~");
-    std::fs::write(&tmp, format!("{mark}\n"))?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

@@ -2,8 +2,10 @@
 //! `subject` when missing), explicit acks. A message's NATS headers are the request's headers (each value
 //! of a multi-valued header is one pair), its payload the body.
 //!
-//! - position: the JetStream stream sequence (from the message's `$JS.ACK...` reply subject), the same
-//!   on every redelivery.
+//! - position: `{stream}@{created}/{sequence}`: the JetStream stream sequence (from the message's
+//!   `$JS.ACK...` reply subject), the same on every redelivery, after the stream's name and creation
+//!   time (unix nanoseconds), so that a stream deleted and made again, whose sequences start again at
+//!   1, starts a new order of positions.
 //! - receipt: that reply subject. An ack is a double ack (`+ACK` as a request: the server's reply
 //!   confirms it was recorded), sent on whatever connection is current, for the whole batch at once.
 //! - A request not acknowledged comes again after the consumer's `ack_wait` (a crash, a lost
@@ -37,6 +39,8 @@ pub struct NatsTransport {
     /// full goes unanswered.
     batch: usize,
     connected: Option<(async_nats::Client, consumer::PullConsumer)>,
+    /// `{stream}@{created}`: what positions in the stream connected to start with.
+    incarnation: String,
     /// Receipts of requests received and not acknowledged: `-NAK`ed on a rewind or a reconnect.
     held: Vec<String>,
 }
@@ -58,6 +62,7 @@ impl NatsTransport {
             ack_wait,
             batch,
             connected: None,
+            incarnation: String::new(),
             held: Vec::new(),
         }
     }
@@ -89,8 +94,13 @@ fn failed(what: &str, error: impl std::fmt::Display) -> TransportError {
     TransportError(format!("{what}: {error}"))
 }
 
-/// One JetStream message as a request; `stream_sequence` is from its reply subject.
-fn request(message: &async_nats::Message, stream_sequence: Option<u64>) -> Request {
+/// One JetStream message as a request; `stream_sequence` is from its reply subject, `incarnation`
+/// names the stream (see the module doc).
+fn request(
+    message: &async_nats::Message,
+    incarnation: &str,
+    stream_sequence: Option<u64>,
+) -> Request {
     let receipt = message.reply.as_ref().map(|r| r.to_string());
     let mut headers = Vec::new();
     if let Some(map) = &message.headers {
@@ -108,7 +118,7 @@ fn request(message: &async_nats::Message, stream_sequence: Option<u64>) -> Reque
             (Some(_), Some(_)) => None,
             _ => Some("not a JetStream message (no $JS.ACK reply subject)".into()),
         },
-        position: stream_sequence.map(|seq| seq.to_string()),
+        position: stream_sequence.map(|seq| format!("{incarnation}/{seq}")),
         receipt: receipt.unwrap_or_default(),
         headers,
         body: message.payload.to_vec(),
@@ -172,6 +182,8 @@ impl Transport for NatsTransport {
                 })
                 .await
                 .map_err(|e| failed(&format!("stream {:?}", self.stream), e))?;
+            let created = stream.cached_info().created.unix_timestamp_nanos();
+            self.incarnation = format!("{}@{created}", self.stream);
             let consumer = stream
                 .create_consumer(consumer::pull::Config {
                     durable_name: Some(self.durable.clone()),
@@ -219,7 +231,10 @@ impl Transport for NatsTransport {
             .map_err(|_| TransportError(format!("no answer from NATS within {bound:?}")))??;
             let requests: Vec<Request> = received
                 .iter()
-                .map(|m| request(&m.message, m.info().ok().map(|i| i.stream_sequence)))
+                .map(|m| {
+                    let sequence = m.info().ok().map(|i| i.stream_sequence);
+                    request(&m.message, &self.incarnation, sequence)
+                })
                 .collect();
             self.held.extend(
                 requests
@@ -251,6 +266,11 @@ impl Transport for NatsTransport {
     fn redelivery_window(&self) -> Duration {
         // What was delivered before comes again `ack_wait` after its delivery at the latest.
         self.ack_wait + Duration::from_secs(10)
+    }
+
+    /// Stream sequences grow within one incarnation of the stream, which positions name.
+    fn ordered_positions(&self) -> bool {
+        true
     }
 
     fn rewind(&mut self) {
@@ -289,8 +309,11 @@ mod tests {
             description: None,
             length: 0,
         };
-        let read = request(&message, Some(17));
-        assert_eq!(read.position.as_deref(), Some("17"));
+        let read = request(&message, "DELAYS@1764583200000000000", Some(17));
+        assert_eq!(
+            read.position.as_deref(),
+            Some("DELAYS@1764583200000000000/17")
+        );
         assert_eq!(
             read.receipt,
             "$JS.ACK.DELAYS.delayd.2.17.9.1764583200000000000.4"
@@ -316,6 +339,6 @@ mod tests {
             reply: None,
             ..message
         };
-        assert!(request(&plain, None).unreadable.is_some());
+        assert!(request(&plain, "DELAYS@1", None).unreadable.is_some());
     }
 }

@@ -245,6 +245,12 @@ impl Transport for RedisTransport {
         })
     }
 
+    /// Entry ids grow within a stream, and in one deleted and made again too (`XADD *` takes them from
+    /// the clock): later requests have later ids.
+    fn ordered_positions(&self) -> bool {
+        true
+    }
+
     fn rewind(&mut self) {
         // What was read and not acknowledged is pending: the pending read takes it again.
         self.prefetched.clear();

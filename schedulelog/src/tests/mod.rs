@@ -867,3 +867,62 @@ fn watch_never_loses_or_doubles_a_record_under_concurrent_appends() {
         log.unwatch(bucket);
     }
 }
+
+/// A message for `sink` with an idempotency key and a header long enough that its start is read in
+/// more than one piece (see `META_READ`).
+fn keyed(deliver_at_ms: i64, sink: &str, key: &str) -> EncodedMessage {
+    NewMessage {
+        deliver_at_ms,
+        topic: "orders.timeout".into(),
+        key: Some(key.into()),
+        headers: vec![(
+            "delayd-source-position".into(),
+            format!("in/{key}").repeat(20),
+        )],
+        sink: sink.into(),
+        body: vec![7; 300],
+        retry_of: None,
+        dedup: true,
+    }
+    .encode()
+    .unwrap()
+}
+
+#[test]
+fn pending_keyed_messages_and_a_sinks_records_since_a_seq_are_read_without_bodies() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = open(dir.path(), &clock);
+    let appended = log
+        .append(vec![
+            keyed(T0 + 1000, "out", "a"),
+            keyed(T0 + 2 * HOUR_MS, "out", "b"),
+            keyed(T0 + 1000, "other", "c"),
+            message(T0 + 1000, "not keyed"),
+            keyed(T0 + 3 * HOUR_MS, "out", "d"),
+        ])
+        .wait()
+        .unwrap();
+    // "a" is delivered: no longer pending.
+    let a = appended[0].location;
+    log.record_outcomes(&[delivered(a.bucket, a.seq)]).unwrap();
+    let full = all_messages(&log);
+    let mut keyed = Vec::new();
+    log.pending_keyed(|meta| keyed.push(meta)).unwrap();
+    keyed.sort_by_key(|m| m.seq);
+    let keys: Vec<_> = keyed.iter().map(|m| m.key.as_deref().unwrap()).collect();
+    assert_eq!(keys, ["b", "c", "d"]);
+    for meta in &keyed {
+        assert_eq!(*meta, MessageMeta::from(full[&meta.seq].clone()));
+    }
+    // The records of "out" from the second on, whichever bucket they are in.
+    let mut since = Vec::new();
+    log.records_since(appended[1].location.seq, "out", |meta| since.push(meta.seq))
+        .unwrap();
+    since.sort();
+    assert_eq!(
+        since,
+        [appended[1].location.seq, appended[4].location.seq],
+        "only the sink's records at or after the seq"
+    );
+}

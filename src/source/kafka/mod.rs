@@ -5,9 +5,11 @@
 //!   body the record's value; the record's key is its key when no `delayd-key` (or
 //!   `scheduler-target-key`) header gives one (DESIGN.md §11). A header value, or a key needed as the
 //!   key, that is not UTF-8 makes the request a dead letter.
-//! - Its position (what a redelivery is recognised by) and receipt: `{topic}/{partition}/{offset}`. An
-//!   acknowledgement commits, per partition, the batch's highest offset + 1, synchronously (the group
-//!   coordinator answered).
+//! - Its receipt: `{topic}/{partition}/{offset}`. An acknowledgement commits, per partition, the
+//!   batch's highest offset + 1, synchronously (the group coordinator answered).
+//! - Its position (what a redelivery is recognised by): `{topic}/{partition}@{epoch}/{offset}`, or the
+//!   receipt in epoch 0. A topic deleted and made again starts its offsets at 0 again: the partition's
+//!   epoch (epochs.rs) tells its requests from the old topic's.
 //! - No read-ahead: a receive asked not to wait returns nothing, so the consumer is polled (and
 //!   librdkafka runs a rebalance only inside a poll) only when every durable request was committed and
 //!   none is being written. Partitions revoked by a rebalance therefore carry nothing durable and
@@ -20,16 +22,19 @@
 //! - Rewind (a batch that could not be stored) makes the consumer anew: it resumes from the committed
 //!   offsets.
 
+mod epochs;
+
 use super::{Request, Transport, TransportError};
 use crate::mq::kafka::client_config;
 use crate::sink::BoxFuture;
+use epochs::Epochs;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,6 +49,20 @@ impl ClientContext for Events {}
 
 /// How long an offset commit may take.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long looking up whether a partition has a committed offset may take.
+const EPOCH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the transport knows of a partition it reads.
+#[derive(Debug, Clone, Copy)]
+struct Partition {
+    /// Its epoch (epochs.rs).
+    epoch: u64,
+    /// The offset after the last record read from it.
+    next: i64,
+    /// Looked up since the last rebalance.
+    current: bool,
+}
 
 /// An error a poll returned: librdkafka recovers from most by itself (one broker of several away, a
 /// coordinator moving), and the consumer goes on; all brokers away, or a fatal error (this node's
@@ -80,6 +99,11 @@ pub struct KafkaTransport {
     consumer: Option<Arc<KafkaConsumer>>,
     /// The next receive makes the consumer anew first (after a rewind).
     reopen: bool,
+    /// By topic and partition.
+    partitions: HashMap<(String, i32), Partition>,
+    epochs: Epochs,
+    /// The revocations counted when the partitions were last marked current.
+    revocations_seen: u64,
 }
 
 impl std::fmt::Debug for KafkaTransport {
@@ -97,21 +121,82 @@ fn failed(what: &str, error: impl std::fmt::Display) -> TransportError {
 }
 
 impl KafkaTransport {
-    pub fn new(url: &str, topics: &[String], group: &str, instance: &str) -> KafkaTransport {
-        KafkaTransport {
+    /// `epochs`: where the partitions' epochs are kept (epochs.rs); an unreadable file is an error
+    /// naming it.
+    pub fn new(
+        url: &str,
+        topics: &[String],
+        group: &str,
+        instance: &str,
+        epochs: &std::path::Path,
+    ) -> anyhow::Result<KafkaTransport> {
+        Ok(KafkaTransport {
             url: url.to_string(),
             topics: topics.to_vec(),
             group: group.to_string(),
             instance: instance.to_string(),
             consumer: None,
             reopen: false,
-        }
+            partitions: HashMap::new(),
+            epochs: Epochs::open(epochs)?,
+            revocations_seen: 0,
+        })
     }
 
     fn consumer(&self) -> Result<Arc<KafkaConsumer>, TransportError> {
         self.consumer
             .clone()
             .ok_or_else(|| TransportError("not connected".into()))
+    }
+
+    /// Sets each request's position, looking up its partition's epoch where it is not known yet (see
+    /// the module doc). `revoked`: the consumer's revocations counted when the requests were read.
+    async fn set_positions(
+        &mut self,
+        consumer: &Arc<KafkaConsumer>,
+        revoked: u64,
+        requests: &mut [Request],
+    ) -> Result<(), TransportError> {
+        if revoked != self.revocations_seen {
+            for partition in self.partitions.values_mut() {
+                partition.current = false;
+            }
+            self.revocations_seen = revoked;
+        }
+        for request in requests {
+            let (topic, partition, offset) = parse_receipt(&request.receipt)?;
+            let key = (topic.to_string(), partition);
+            let known = self
+                .partitions
+                .get(&key)
+                .filter(|p| p.current && offset >= p.next)
+                .map(|p| p.epoch);
+            let epoch = match known {
+                Some(epoch) => epoch,
+                None => {
+                    let (consumer, asked) = (consumer.clone(), topic.to_string());
+                    let has_commit = tokio::task::spawn_blocking(move || {
+                        has_committed_offset(&consumer, &asked, partition)
+                    })
+                    .await
+                    .map_err(|e| failed("looking up the committed offset", e))??;
+                    self.epochs
+                        .resolve(topic, partition, has_commit)
+                        .await
+                        .map_err(|e| failed("saving the partitions' epochs", e))?
+                }
+            };
+            self.partitions.insert(
+                key,
+                Partition {
+                    epoch,
+                    next: offset + 1,
+                    current: true,
+                },
+            );
+            request.position = Some(position(topic, partition, epoch, offset));
+        }
+        Ok(())
     }
 
     /// Closes the consumer off the async threads (a close may wait for the broker).
@@ -122,17 +207,40 @@ impl KafkaTransport {
     }
 }
 
-/// One record as a request.
+/// The position of a record (see the module doc).
+fn position(topic: &str, partition: i32, epoch: u64, offset: i64) -> String {
+    match epoch {
+        0 => format!("{topic}/{partition}/{offset}"),
+        epoch => format!("{topic}/{partition}@{epoch}/{offset}"),
+    }
+}
+
+/// Whether the group has a committed offset for a partition. Blocking.
+fn has_committed_offset(
+    consumer: &KafkaConsumer,
+    topic: &str,
+    partition: i32,
+) -> Result<bool, TransportError> {
+    let mut asked = TopicPartitionList::new();
+    asked.add_partition(topic, partition);
+    let committed = consumer
+        .committed_offsets(asked, EPOCH_TIMEOUT)
+        .map_err(|e| failed("looking up the committed offset", e))?;
+    let elem = committed.find_partition(topic, partition);
+    Ok(elem.is_some_and(|e| matches!(e.offset(), Offset::Offset(_))))
+}
+
+/// One record as a request, its position still to be set (it needs the partition's epoch).
 fn request(message: &BorrowedMessage<'_>) -> Request {
-    let position = format!(
+    let receipt = format!(
         "{}/{}/{}",
         message.topic(),
         message.partition(),
         message.offset()
     );
     let mut request = Request {
-        position: Some(position.clone()),
-        receipt: position,
+        position: None,
+        receipt,
         headers: Vec::new(),
         body: message.payload().unwrap_or_default().to_vec(),
         unreadable: None,
@@ -276,6 +384,8 @@ impl Transport for KafkaTransport {
                 }
                 limit = Duration::ZERO;
             }
+            self.set_positions(&consumer, revoked, &mut requests)
+                .await?;
             Ok(requests)
         })
     }
@@ -286,6 +396,9 @@ impl Transport for KafkaTransport {
                 return Ok(());
             }
             let list = commits(receipts)?;
+            let partitions: Vec<(String, i32)> = (list.elements().iter())
+                .map(|e| (e.topic().to_string(), e.partition()))
+                .collect();
             let consumer = self.consumer()?;
             // A synchronous commit waits for the coordinator as long as librdkafka lets it; a stop
             // must not. A commit that lands after the timeout is of durable requests: harmless.
@@ -295,7 +408,11 @@ impl Transport for KafkaTransport {
                 .await
                 .map_err(|_| TransportError("committing offsets: no answer".into()))?
                 .map_err(|e| failed("committing offsets", e))?
-                .map_err(|e| failed("committing offsets", e))
+                .map_err(|e| failed("committing offsets", e))?;
+            self.epochs
+                .committed(&partitions)
+                .await
+                .map_err(|e| failed("saving the partitions' epochs", e))
         })
     }
 
@@ -303,6 +420,11 @@ impl Transport for KafkaTransport {
     /// whose partitions went to another member never sees them again.
     fn redelivery_window(&self) -> Duration {
         Duration::from_secs(60)
+    }
+
+    /// Offsets grow within a partition of one epoch, which positions name.
+    fn ordered_positions(&self) -> bool {
+        true
     }
 
     fn rewind(&mut self) {
@@ -346,5 +468,14 @@ mod tests {
         );
         assert!(commits(&["in/x/1".to_string()]).is_err());
         assert!(commits(&["nothing".to_string()]).is_err());
+    }
+
+    #[test]
+    fn positions_name_the_partitions_epoch() {
+        assert_eq!(position("in", 3, 0, 17), "in/3/17");
+        assert_eq!(
+            position("in", 3, 1796117400000, 17),
+            "in/3@1796117400000/17"
+        );
     }
 }
