@@ -12,7 +12,9 @@
 //! ```
 //!
 //! Open order: lock, meta, checkpoint, segments cut back to the checkpoint, WAL scanned from the
-//! checkpoint (torn tail zeroed), WAL records replayed, new checkpoint, threads started.
+//! checkpoint (torn tail zeroed), WAL records replayed, new checkpoint, threads started. A full disk
+//! does not stop an open: the WAL records it kept from being replayed go to the replayer, which files
+//! them once there is room (the log opens disk full, below).
 //!
 //! Failure states, as the service sees them:
 //! - **Poisoned** ([`ScheduleLog::poisoned`]): a WAL write or any sync failed, or the replayer stopped on
@@ -69,6 +71,9 @@ pub struct Options {
     /// replay: up to ~1 GiB, a few seconds.
     pub checkpoint_bytes: u64,
     pub clock: Arc<dyn Clock>,
+    /// Faults armed before the open (see fault.rs): what a test of recovery on a full disk needs.
+    #[cfg(test)]
+    pub(crate) faults: Option<Arc<crate::fault::Faults>>,
 }
 
 impl Default for Options {
@@ -81,6 +86,8 @@ impl Default for Options {
             checkpoint_interval: Duration::from_secs(2),
             checkpoint_bytes: 1 << 30,
             clock: Arc::new(SystemClock),
+            #[cfg(test)]
+            faults: None,
         }
     }
 }
@@ -254,7 +261,7 @@ impl ScheduleLog {
             .clamp(1, 8) as usize;
         let mut replay = Replay::open(&data_dir, width, &checkpoint, wal_spares)?;
         #[cfg(test)]
-        let faults = Arc::new(crate::fault::Faults::default());
+        let faults = options.faults.clone().unwrap_or_default();
         #[cfg(test)]
         {
             dispatch.faults = faults.clone();
@@ -263,8 +270,13 @@ impl ScheduleLog {
 
         let wal_dir = data_dir.join("wal");
         wal::remove_leftovers(&wal_dir)?;
-        let (active, next_seq) = recover_wal(&wal_dir, &options, &mut replay, &dispatch)?;
-        replay.checkpoint()?;
+        let (active, next_seq, unfiled) = recover_wal(&wal_dir, &options, &mut replay, &dispatch)?;
+        // A full disk: the replayer files the rest, and checkpoints, once there is room.
+        match replay.checkpoint() {
+            Err(e) if !e.is_disk_full() => return Err(e),
+            _ => {}
+        }
+        let filed = replay.next_seq;
 
         let committed = Arc::new(AtomicU64::new(next_seq));
         let shared = Arc::new(Shared {
@@ -277,7 +289,7 @@ impl ScheduleLog {
             records: Mutex::default(),
             replayed: Condvar::new(),
             committed: committed.clone(),
-            filed: AtomicU64::new(next_seq),
+            filed: AtomicU64::new(filed),
             clock: options.clock.clone(),
             poisoned: Arc::default(),
             disk_full: Arc::default(),
@@ -287,6 +299,13 @@ impl ScheduleLog {
             #[cfg(test)]
             faults,
         });
+        if let Some(unfiled) = &unfiled {
+            // Said at once: what waits for the records to be filed (a lookup, a listing, a source
+            // reading back its positions) answers so rather than waiting.
+            shared
+                .disk_full
+                .set(Blocked::Replayer, unfiled.cause.clone());
+        }
         let (submit, requests) = crossbeam_channel::bounded(4096);
         let (to_replay, committed_groups) = crossbeam_channel::bounded(8);
         let (recycle, recycled) = crossbeam_channel::bounded(4);
@@ -314,7 +333,14 @@ impl ScheduleLog {
         let replayer = std::thread::Builder::new()
             .name("delayd-replay".into())
             .spawn(move || {
-                let result = run_replayer(&replayer_shared, &committed_groups, recycle, &options);
+                let unfiled = unfiled.map(|u| u.groups).unwrap_or_default();
+                let result = run_replayer(
+                    &replayer_shared,
+                    &committed_groups,
+                    recycle,
+                    &options,
+                    unfiled,
+                );
                 if let Err(e) = &result {
                     let _ = replayer_shared.poisoned.set(format!("replay failed: {e}"));
                 }
@@ -1066,12 +1092,22 @@ fn check_wal_reaches(data_dir: &Path, checkpoint: &Checkpoint) -> Result<()> {
 
 /// Scans the WAL from the checkpoint, replays what it finds, cuts a torn tail and returns the file to
 /// append to and the next seq.
+/// What a full disk kept an open from filing: why, and the WAL's groups from there on.
+struct Unfiled {
+    cause: String,
+    groups: Vec<CommittedGroup>,
+}
+
+/// Scans the WAL from the checkpoint and files its records. A full disk stops the filing, not the
+/// open: what is left comes back (the scan goes on, for the seqs and the tail), for the replayer to
+/// file once there is room. It is held in memory until then: at most the WAL written since the last
+/// checkpoint (`checkpoint_bytes`).
 fn recover_wal(
     wal_dir: &Path,
     options: &Options,
     replay: &mut Replay,
     dispatch: &DispatchLogs,
-) -> Result<(ActiveWal, u64)> {
+) -> Result<(ActiveWal, u64, Option<Unfiled>)> {
     let files = wal::list(wal_dir)?;
     // Files entirely below the checkpoint were replayed already (their deletion may have been cut short).
     let start = files
@@ -1081,6 +1117,7 @@ fn recover_wal(
     let checkpointed = replay.next_seq;
     let mut expected: Option<u64> = None;
     let mut tail = None;
+    let mut unfiled: Option<Unfiled> = None;
     for (i, (first_seq, path)) in files.iter().enumerate().skip(start) {
         let gap = match expected {
             Some(expected) => *first_seq != expected,
@@ -1095,12 +1132,29 @@ fn recover_wal(
         }
         match wal::scan_file(path, *first_seq, i + 1 == files.len())? {
             Some(scanned) => {
-                replay.apply(&[(&scanned.bytes, &scanned.records)], dispatch)?;
                 if let Some(at) = scanned.torn_at {
                     wal::zero_torn_tail(path, &scanned.bytes, at, !scanned.reused_end)?;
                 }
                 expected = Some(scanned.next_seq);
                 tail = Some((path.clone(), scanned.end, scanned.next_seq));
+                let filed = match &unfiled {
+                    None => replay.apply(&[(&scanned.bytes, &scanned.records)], dispatch),
+                    Some(_) => Ok(()), // not tried: the groups must be filed in order
+                };
+                match filed {
+                    Err(e) if e.is_disk_full() => {
+                        let cause = e.disk_full_cause().unwrap_or_else(|| e.to_string());
+                        let groups = Vec::new();
+                        unfiled = Some(Unfiled { cause, groups });
+                    }
+                    result => result?,
+                }
+                if let Some(unfiled) = &mut unfiled {
+                    unfiled.groups.push(CommittedGroup {
+                        bytes: scanned.bytes,
+                        records: scanned.records,
+                    });
+                }
             }
             None => {
                 // A torn header: the file was being created when the process died. Nothing in it was
@@ -1127,7 +1181,7 @@ fn recover_wal(
         // write cannot continue: start a fresh file.
         _ => ActiveWal::create(wal_dir, options.wal_segment_bytes, next_seq)?,
     };
-    Ok((active, next_seq))
+    Ok((active, next_seq, unfiled))
 }
 
 /// While the replayer is held up by a full disk it keeps taking committed groups: they are durable in the
@@ -1251,11 +1305,13 @@ struct Retry {
 /// Checkpoints are made by a checkpointer thread of its own (replay.rs): the replayer takes a job under
 /// its lock, hands it over, goes on applying groups, and records the job's result when it comes back.
 /// One job at a time.
+/// `unfiled`: groups of the WAL a full disk kept the open from filing, filed first.
 fn run_replayer(
     shared: &Shared,
     groups: &Receiver<CommittedGroup>,
     recycle: Sender<Vec<u8>>,
     options: &Options,
+    unfiled: Vec<CommittedGroup>,
 ) -> Result<()> {
     std::thread::scope(|scope| {
         let (jobs, jobs_rx) = crossbeam_channel::bounded::<CheckpointJob>(1);
@@ -1271,7 +1327,7 @@ fn run_replayer(
                 }
             })
             .map_err(Error::io("thread"))?;
-        let result = replay_loop(shared, groups, recycle, options, &jobs, &done);
+        let result = replay_loop(shared, groups, recycle, options, &jobs, &done, unfiled);
         // The checkpointer finishes the job it has (the scope waits for it) and stops.
         drop(jobs);
         result
@@ -1330,9 +1386,13 @@ fn replay_loop(
     options: &Options,
     jobs: &Sender<CheckpointJob>,
     done: &Receiver<(CheckpointJob, Result<bool>)>,
+    unfiled: Vec<CommittedGroup>,
 ) -> Result<()> {
     let mut in_flight = false;
     let mut backlog = Backlog::default();
+    for group in unfiled {
+        backlog.push(group);
+    }
     let mut retry: Option<Retry> = None;
     // After a stall, a checkpoint at once rather than at the next interval: it deletes the WAL files
     // that piled up, which is space the disk is short of.

@@ -337,7 +337,16 @@ impl Store {
             });
         }
         remove_files(&doomed)?;
-        self.take_checkpoint().run()
+        match self.take_checkpoint().run() {
+            // The queues were synced; only the new checkpoint file found no room. The one before stays
+            // and is as true (it covers less): the next start reads more of the commit log, and a
+            // checkpoint later in this run stores the new end.
+            Err(e) if e.is_disk_full() => {
+                tracing::warn!(error = %e, "the broker's checkpoint could not be stored at the start for want of space; the next start reads more of its commit log");
+                Ok(())
+            }
+            stored => stored,
+        }
     }
 
     fn queue_mut(&mut self, topic: &str, queue: u32) -> Result<&mut Queue, BrokerError> {

@@ -424,3 +424,90 @@ fn below_the_reserve_new_messages_wait_while_deliveries_and_cancels_go_on() {
     assert_eq!(status.json["status"], "cancelled");
     drop(process);
 }
+
+/// A node stopped (kill -9) with its disk full starts on it all the same, with an MQ source: it
+/// answers, refuses new and keyed messages (507) while there is no room, its source says what it waits
+/// for, and everything heals without a restart once the operator makes room. (A source used to read the
+/// log back at the start and fail the whole start while the replayer waited for space.)
+#[test]
+fn a_node_with_a_source_starts_on_a_full_disk_and_heals() {
+    let fs = match SmallFs::mount(320) {
+        Ok(fs) => fs,
+        Err(why) => {
+            println!("skipped: cannot mount a small file system ({why})");
+            return;
+        }
+    };
+    let outside = tempfile::tempdir().unwrap();
+    let room = schedulelog::available_bytes(fs.path()).unwrap();
+    let spare = fs.path().join("spare");
+    let wal_files = 128 * MIB;
+    assert!(room > wal_files + 96 * MIB, "{room} bytes free");
+    ballast(&spare, room - wal_files - 16 * MIB);
+    // The source's MQ is not there (a closed port): what matters here is its start.
+    let closed = common::free_port();
+    let config = config_file(
+        outside.path(),
+        &format!(
+            "[broker]\nsegment_bytes = 1048576\n\n\
+             [sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:{closed}/\"\n\n\
+             [sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:{closed}/\"\n\
+             stream_key = \"in\"\nconsumer = \"node-1\"\nsink = \"out\"\n"
+        ),
+    );
+    let data = fs.path().join("data");
+    let args = ["--config", config.to_str().unwrap()];
+    let mut process = spawn(&data, &args);
+    // Due in an hour: they stay in their schedule segment, which the disk cannot hold.
+    let body = "f".repeat(512 << 10);
+    let mut acked = Vec::new();
+    loop {
+        assert!(acked.len() < 1_000, "the disk never filled");
+        let answer = post(
+            &process.base,
+            &json!({"topic": "full", "body": body, "delay": "1h"}),
+        );
+        match answer.status {
+            201 => acked.push(answer.json["id"].as_str().unwrap().to_string()),
+            507 => break,
+            other => panic!("a full disk answered {other}: {}", answer.json),
+        }
+    }
+    process.kill();
+    let process = spawn(&data, &args);
+    let base = process.base.clone();
+    let keyed = json!({"topic": "full", "body": "k", "delay": "1h", "key": "k-1", "dedup": true});
+    assert_eq!(post(&base, &keyed).status, 507);
+    let sources = request(&base, "GET", "/v1/sources", None, None);
+    let waits = &sources.json["sources"][0]["last_error"];
+    assert!(
+        waits
+            .as_str()
+            .is_some_and(|e| e.contains("waiting for the disk") && e.contains("No space left")),
+        "{}",
+        sources.json
+    );
+    std::fs::remove_file(&spare).unwrap();
+    wait_for(
+        "a keyed message to be accepted",
+        Duration::from_secs(60),
+        || post(&base, &keyed).status == 201,
+    );
+    // Accepted once: the index of keys holds it.
+    let again = post(&base, &keyed);
+    assert_eq!(again.status, 200, "{}", again.json);
+    wait_for(
+        "the source to have read back what it wrote and be connecting",
+        Duration::from_secs(30),
+        || {
+            let sources = request(&base, "GET", "/v1/sources", None, None);
+            sources.json["sources"][0]["last_error"]
+                .as_str()
+                .is_some_and(|e| !e.contains("waiting for the disk"))
+        },
+    );
+    for id in &acked {
+        let status = request(&base, "GET", &format!("/v1/messages/{id}"), None, None);
+        assert_eq!(status.json["status"], "scheduled", "{}", status.json);
+    }
+}

@@ -4,7 +4,7 @@
 //! a crash in between). A failed sync must still poison, naming its file.
 
 use super::*;
-use crate::fault::Fault;
+use crate::fault::{Fault, Faults};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -181,6 +181,47 @@ fn a_crash_while_the_disk_is_full_loses_and_doubles_nothing() {
         check_states(&log, &appended, &cancelled);
         log.crash();
     }
+}
+
+/// A node stopped while the disk was full opens on the full disk: the records the open cannot file go
+/// to the replayer, the log says it is held up, appends are acknowledged while the WAL has room, and
+/// once there is room everything is filed, once.
+#[test]
+fn an_open_on_a_full_disk_leaves_the_filing_to_the_replayer() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let mut appended: Vec<Appended> = (0..4)
+        .map(|i| append_one(&log, deliver_at(i), "checkpointed"))
+        .collect();
+    log.checkpoint().unwrap();
+    log.inject_fault(Fault::SegmentWritesFull(u32::MAX));
+    appended.extend((4..10).map(|i| append_one(&log, deliver_at(i), "in the WAL only")));
+    wait_disk_full_at(&log, "/schedule/");
+    log.crash();
+
+    let faults = Arc::new(Faults::default());
+    faults.arm(Fault::SegmentWritesFull(u32::MAX));
+    let full = Options {
+        faults: Some(faults.clone()),
+        ..options(&clock)
+    };
+    let log = ScheduleLog::open(dir.path(), full).unwrap();
+    let cause = log.disk_full().expect("held up from the open on");
+    assert!(cause.contains("/schedule/"), "{cause}");
+    assert!(matches!(
+        log.read(appended[5].location),
+        Err(Error::NotFiledYet { cause: Some(_) })
+    ));
+    // Acknowledged meanwhile: it is in the WAL.
+    appended.push(append_one(&log, deliver_at(10), "while full"));
+    faults.arm(Fault::SegmentWritesFull(0));
+    wait_until("the backlog is filed", || log.disk_full().is_none());
+    assert!(log.wait_replayed(appended[10].location.seq));
+    check_states(&log, &appended, &[]);
+    log.close().unwrap();
+    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    check_states(&log, &appended, &[]);
 }
 
 /// More committed groups than the replayer's backlog takes: past its bound the writer refuses new
