@@ -109,6 +109,7 @@ max_in_flight = 8
 kind = "redis"
 url = "redis://127.0.0.1:6398/"
 stream_key = "delayd:in"
+consumer = "bench"
 sink = "out"
 batch = 1024
 TOML

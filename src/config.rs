@@ -255,6 +255,11 @@ pub struct SinkConfig {
     /// AMQP: the exchange to publish to, with the target as the routing key; `""` (the default
     /// exchange) delivers to the queue the target names.
     pub exchange: Option<String>,
+    /// MQ sinks: glob patterns (`*`, `?`) of the targets a request may name; empty: any, but the MQ's
+    /// own names (`crate::mq::Targets`).
+    pub targets: Vec<String>,
+    /// AMQP: exchanges other than `exchange` a request may name in `delayd-exchange`.
+    pub exchanges: Vec<String>,
     pub max_attempts: u16,
     pub rate_per_sec: Option<f64>,
     pub burst: u32,
@@ -276,6 +281,8 @@ impl Default for SinkConfig {
             timeout: Millis(Duration::from_secs(10)),
             ca_file: None,
             exchange: None,
+            targets: Vec::new(),
+            exchanges: Vec::new(),
             max_attempts: 10,
             rate_per_sec: None,
             burst: 100,
@@ -299,6 +306,18 @@ impl SinkConfig {
     /// stream key may hold `:`, a NATS subject `.`-separated tokens), not topic names.
     pub fn is_mq(&self) -> bool {
         matches!(self.kind.as_str(), "redis" | "nats" | "amqp")
+    }
+
+    /// Where an MQ sink may publish; `None` for the broker and webhooks.
+    pub fn targets(&self) -> Option<crate::mq::Targets> {
+        let kind = crate::mq::MqKind::of(&self.kind)?;
+        let exchange = self.exchange.as_deref().unwrap_or("");
+        Some(crate::mq::Targets::new(
+            kind,
+            &self.targets,
+            exchange,
+            &self.exchanges,
+        ))
     }
 }
 
@@ -325,10 +344,11 @@ pub struct SourceConfig {
     pub topics: Vec<String>,
     /// The consumer group (Redis, Kafka); the durable pull consumer's name (NATS).
     pub group: String,
-    /// Redis: this node's consumer name in the group: its unacknowledged requests are read again after
-    /// a restart under the same name. Kafka: this node's `group.instance.id` (static membership: a
-    /// restarted node gets its partitions back at once); each node sharing a group needs its own.
-    pub consumer: String,
+    /// This node's name in the group, its own among the nodes sharing the group (required for Redis
+    /// and Kafka). Redis: its unacknowledged requests are read again after a restart under this name
+    /// (two nodes under one name would each read the other's again: deliveries twice). Kafka: its
+    /// `group.instance.id` (static membership: a restarted node gets its partitions back at once).
+    pub consumer: Option<String>,
     /// NATS: how long JetStream waits for an ack before delivering a request again.
     pub ack_wait: Millis,
     /// Requests per batch, made durable in one group commit (AMQP: the prefetch, `basic.qos`, is twice it).
@@ -347,7 +367,7 @@ impl Default for SourceConfig {
             queue: None,
             topics: Vec::new(),
             group: "delayd".into(),
-            consumer: "delayd".into(),
+            consumer: None,
             ack_wait: Millis(crate::source::nats::DEFAULT_ACK_WAIT),
             batch: 256,
         }
@@ -752,6 +772,34 @@ impl Config {
                     "only an amqp sink has an exchange",
                 ));
             }
+            if sink.kind != "amqp" && !sink.exchanges.is_empty() {
+                return Err(invalid(
+                    &format!("{key}.exchanges"),
+                    "only an amqp sink has exchanges",
+                ));
+            }
+            if let Some(bad) = sink.exchanges.iter().find(|e| !valid_exchange(e)) {
+                return Err(invalid(
+                    &format!("{key}.exchanges"),
+                    format!("{bad:?}: an exchange name has at most 255 bytes of [A-Za-z0-9._:-]"),
+                ));
+            }
+            if sink.targets().is_none() && !sink.targets.is_empty() {
+                return Err(invalid(
+                    &format!("{key}.targets"),
+                    "only an MQ sink (nats, amqp, redis, kafka) has targets",
+                ));
+            }
+            if let Some(bad) = sink
+                .targets
+                .iter()
+                .find(|t| !crate::format::valid_target(t))
+            {
+                return Err(invalid(
+                    &format!("{key}.targets"),
+                    format!("{bad:?}: a pattern has 1 to 255 bytes and no whitespace or control characters"),
+                ));
+            }
         }
         // The built-in broker sink always exists; a [sinks.broker] table only tunes it.
         self.sinks.entry("broker".into()).or_default();
@@ -817,6 +865,23 @@ impl Config {
                 {
                     redis::Client::open(url.as_str())
                         .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
+                    // Two nodes under one consumer name read each other's pending entries again on
+                    // every reconnect: no shared default.
+                    match source.consumer.as_deref() {
+                        Some(consumer) if kafka_name(consumer) => {}
+                        Some(_) => {
+                            return Err(invalid(
+                                &format!("{key}.consumer"),
+                                "a consumer name is 1 to 249 [A-Za-z0-9._-]",
+                            ))
+                        }
+                        None => {
+                            return Err(invalid(
+                                &format!("{key}.consumer"),
+                                "a redis source needs consumer: this node's name in the group, its own among the nodes sharing the group (say its host name)",
+                            ))
+                        }
+                    }
                 }
                 ("redis", _, _) => {
                     return Err(invalid(
@@ -868,13 +933,13 @@ impl Config {
                         ));
                     }
                     // Two nodes under one group.instance.id fence each other: no shared default.
-                    if source.consumer == SourceConfig::default().consumer {
+                    let Some(consumer) = source.consumer.as_deref() else {
                         return Err(invalid(
                             &format!("{key}.consumer"),
                             "a kafka source needs consumer: this node's group.instance.id, its own among the nodes sharing the group (say its host name)",
                         ));
-                    }
-                    if !kafka_name(&source.group) || !kafka_name(&source.consumer) {
+                    };
+                    if !kafka_name(&source.group) || !kafka_name(consumer) {
                         return Err(invalid(
                             &key,
                             "group and consumer are 1 to 249 [A-Za-z0-9._-]",
@@ -1339,6 +1404,39 @@ mod tests {
         }
         let err = load("[sinks.out]\nkind = \"webhook\"\nurl = \"http://x/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nexchange = \"e\"\n").unwrap_err();
         assert!(err.to_string().starts_with("sinks.out.exchange"), "{err}");
+    }
+
+    /// Nodes sharing a Redis group each need a consumer name of their own: no default.
+    #[test]
+    fn a_redis_source_names_this_nodes_consumer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("redis.toml");
+        let load = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            Config::load(Some(&path), Vec::new(), &Flags::default())
+        };
+        let good = "[sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379/\"\n\n\
+                    [sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379/\"\nstream_key = \"in\"\nsink = \"out\"\nconsumer = \"node-1\"\n";
+        assert_eq!(
+            load(good).unwrap().sources["in"].consumer.as_deref(),
+            Some("node-1")
+        );
+        for (bad, why) in [
+            (
+                good.replace("consumer = \"node-1\"\n", ""),
+                "needs consumer",
+            ),
+            (
+                good.replace("consumer = \"node-1\"", "consumer = \"a b\""),
+                "a consumer name",
+            ),
+        ] {
+            let err = load(&bad).unwrap_err().to_string();
+            assert!(
+                err.starts_with("sources.in.consumer") && err.contains(why),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -83,6 +83,8 @@ pub async fn run_with_ready(
     })
     .await??;
 
+    // Where an MQ sink may publish (every MQ sink has that).
+    let targets = |sink: &config::SinkConfig| sink.targets().context("an MQ sink's targets");
     let mut sinks = SinkRegistry::new();
     let mut sink_links = Vec::new();
     for (name, sink) in &config.sinks {
@@ -109,12 +111,22 @@ pub async fn run_with_ready(
             ("redis", Some(url), _) => {
                 let link = link::Link::new("sink", name, &sink.kind);
                 sink_links.push(link.clone());
-                Arc::new(sink::redis::RedisSink::new(url, link, clock.clone())?)
+                Arc::new(sink::redis::RedisSink::new(
+                    url,
+                    targets(sink)?,
+                    link,
+                    clock.clone(),
+                )?)
             }
             ("nats", Some(url), _) => {
                 let link = link::Link::new("sink", name, &sink.kind);
                 sink_links.push(link.clone());
-                Arc::new(sink::nats::NatsSink::new(url, link, clock.clone()))
+                Arc::new(sink::nats::NatsSink::new(
+                    url,
+                    targets(sink)?,
+                    link,
+                    clock.clone(),
+                ))
             }
             ("amqp", Some(url), _) => {
                 let link = link::Link::new("sink", name, &sink.kind);
@@ -122,6 +134,7 @@ pub async fn run_with_ready(
                 Arc::new(sink::amqp::AmqpSink::new(
                     url,
                     sink.exchange.as_deref().unwrap_or(""),
+                    targets(sink)?,
                     sink.max_in_flight,
                     link,
                     clock.clone(),
@@ -133,6 +146,7 @@ pub async fn run_with_ready(
                 Arc::new(sink::kafka::KafkaSink::new(
                     url,
                     config.limits.max_message_bytes,
+                    targets(sink)?,
                     link,
                     clock.clone(),
                 )?)
@@ -257,7 +271,7 @@ async fn start_sources(
                         url,
                         stream_key,
                         &source.group,
-                        &source.consumer,
+                        source.consumer.as_deref().unwrap_or_default(),
                     )
                     .with_context(|| format!("sources.{name}"))?,
                 ),
@@ -266,7 +280,7 @@ async fn start_sources(
                         url,
                         &source.topics,
                         &source.group,
-                        &source.consumer,
+                        source.consumer.as_deref().unwrap_or_default(),
                         &config
                             .data_dir
                             .join("sources")

@@ -1,6 +1,7 @@
 //! Connections to the message queues delayd sits beside (DESIGN.md §11), made the same way for a
 //! source (source/) and a sink (sink/) of the same MQ: timeouts, credentials, what an `amqp://` URL may
-//! be. Sources and sinks are siblings; what they share about an MQ lives here, below both.
+//! be, and which targets a sink may publish to. Sources and sinks are siblings; what they share about
+//! an MQ lives here, below both.
 
 /// An MQ that could not be reached, or refused: what it said.
 #[derive(Debug, thiserror::Error)]
@@ -10,6 +11,126 @@ pub struct MqError(pub String);
 /// A request's header kept with its message for the AMQP sink: the exchange to publish to instead of
 /// the sink's own (`delayd-*` headers are never passed on).
 pub const EXCHANGE_HEADER: &str = "delayd-exchange";
+
+/// The field of a Redis stream entry that holds the body (a source reads it, a sink writes it): a
+/// header of that name is refused for a Redis sink rather than written as a second `body` field.
+pub const REDIS_BODY: &str = "body";
+
+/// The MQs an MQ sink publishes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MqKind {
+    Nats,
+    Amqp,
+    Redis,
+    Kafka,
+}
+
+impl MqKind {
+    /// The kind of a sink's `kind`, when it is an MQ's.
+    pub fn of(kind: &str) -> Option<MqKind> {
+        match kind {
+            "nats" => Some(MqKind::Nats),
+            "amqp" => Some(MqKind::Amqp),
+            "redis" => Some(MqKind::Redis),
+            "kafka" => Some(MqKind::Kafka),
+            _ => None,
+        }
+    }
+
+    /// Prefixes of the names an MQ keeps for itself: its API, its internal streams and topics, reply
+    /// inboxes. A message published there would act with delayd's rights (a NATS `$JS.API.STREAM.
+    /// DELETE.X` deletes a stream), so no sink publishes there, whatever `targets` says.
+    fn internal_prefixes(self) -> &'static [&'static str] {
+        match self {
+            MqKind::Nats => &["$JS.", "$KV.", "$O.", "$SYS.", "_INBOX."],
+            // Kafka's own topics: __consumer_offsets, __transaction_state, ...
+            MqKind::Kafka => &["__"],
+            MqKind::Amqp | MqKind::Redis => &[],
+        }
+    }
+}
+
+/// Where an MQ sink may publish (DESIGN.md §11): targets matching one of its `targets` patterns (any
+/// target when there are none), never one of the MQ's internal names, and for AMQP only to the sink's
+/// own `exchange` or one listed in its `exchanges`. Checked when a request is taken (HTTP 400, a
+/// source's dead letter, code `forbidden_target`) and again when it is published (a message taken
+/// before the configuration changed is dead).
+#[derive(Debug, Clone)]
+pub struct Targets {
+    kind: MqKind,
+    patterns: Vec<String>,
+    exchange: String,
+    exchanges: Vec<String>,
+}
+
+impl Targets {
+    pub fn new(kind: MqKind, patterns: &[String], exchange: &str, exchanges: &[String]) -> Targets {
+        Targets {
+            kind,
+            patterns: patterns.to_vec(),
+            exchange: exchange.to_string(),
+            exchanges: exchanges.to_vec(),
+        }
+    }
+
+    /// Whether a message may go to `target` (on AMQP, through `exchange` when its request named one);
+    /// if not, why.
+    pub fn check(&self, target: &str, exchange: Option<&str>) -> Result<(), String> {
+        if let Some(prefix) =
+            (self.kind.internal_prefixes().iter()).find(|p| target.starts_with(**p))
+        {
+            return Err(format!(
+                "{target:?} is one of the MQ's own names ({prefix}...): delayd never publishes there"
+            ));
+        }
+        if !self.patterns.is_empty() && !self.patterns.iter().any(|p| glob(p, target)) {
+            return Err(format!(
+                "{target:?} matches none of the sink's targets ({})",
+                self.patterns.join(", ")
+            ));
+        }
+        if let Some(exchange) = exchange {
+            if exchange != self.exchange && !self.exchanges.iter().any(|e| e == exchange) {
+                return Err(format!(
+                    "the exchange {exchange:?} is neither the sink's ({:?}) nor one of its exchanges",
+                    self.exchange
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `text` matches the glob `pattern`: `*` stands for any run of characters (dots too), `?`
+/// for one character, anything else for itself.
+pub fn glob(pattern: &str, text: &str) -> bool {
+    let (pattern, text): (Vec<char>, Vec<char>) =
+        (pattern.chars().collect(), text.chars().collect());
+    // The classic two-pointer match: on a mismatch, let the last `*` take one more character.
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        match pattern.get(p) {
+            Some('*') => {
+                star = Some((p, t));
+                p += 1;
+            }
+            Some(&c) if c == '?' || c == text[t] => {
+                p += 1;
+                t += 1;
+            }
+            _ => match star {
+                Some((star_p, star_t)) => {
+                    star = Some((star_p, star_t + 1));
+                    p = star_p + 1;
+                    t = star_t + 1;
+                }
+                None => return false,
+            },
+        }
+    }
+    pattern[p..].iter().all(|&c| c == '*')
+}
 
 pub mod redis {
     use super::MqError;
@@ -133,5 +254,61 @@ pub mod kafka {
             .set("reconnect.backoff.max.ms", "5000")
             .set("log_level", "3");
         Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_match_as_shells_do() {
+        assert!(glob("orders.*", "orders.created"));
+        assert!(glob("orders.*", "orders.eu.created"));
+        assert!(!glob("orders.*", "orders"));
+        assert!(glob("*", ""));
+        assert!(glob("a?c", "abc"));
+        assert!(!glob("a?c", "ac"));
+        assert!(glob("*.out", "billing.out"));
+        assert!(glob("a*b*c", "aXbYbZc"));
+        assert!(!glob("a*b*c", "aXbYbZ"));
+        assert!(glob("exact", "exact"));
+        assert!(!glob("exact", "exactly"));
+    }
+
+    #[test]
+    fn internal_names_are_refused_whatever_the_patterns_say() {
+        let any = Targets::new(MqKind::Nats, &[], "", &[]);
+        assert!(any.check("orders.out", None).is_ok());
+        for internal in [
+            "$JS.API.STREAM.DELETE.ORDERS",
+            "$KV.config.x",
+            "$O.bucket.x",
+            "$SYS.REQ.SERVER.PING",
+            "_INBOX.abc",
+        ] {
+            assert!(any.check(internal, None).is_err(), "{internal}");
+        }
+        let everything = Targets::new(MqKind::Nats, &["*".into()], "", &[]);
+        assert!(everything.check("$JS.API.INFO", None).is_err());
+        let kafka = Targets::new(MqKind::Kafka, &[], "", &[]);
+        assert!(kafka.check("__consumer_offsets", None).is_err());
+        assert!(kafka.check("orders", None).is_ok());
+        let listed = Targets::new(MqKind::Redis, &["orders:*".into()], "", &[]);
+        assert!(listed.check("orders:out", None).is_ok());
+        assert!(listed.check("sessions", None).is_err());
+    }
+
+    #[test]
+    fn an_amqp_request_names_only_the_sinks_exchange_or_a_listed_one() {
+        let targets = Targets::new(MqKind::Amqp, &[], "orders", &["audit".into()]);
+        assert!(targets.check("created", None).is_ok());
+        assert!(targets.check("created", Some("orders")).is_ok());
+        assert!(targets.check("created", Some("audit")).is_ok());
+        assert!(targets.check("created", Some("amq.rabbitmq.log")).is_err());
+        assert!(
+            targets.check("created", Some("")).is_err(),
+            "the default exchange is not this sink's"
+        );
     }
 }

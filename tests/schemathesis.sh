@@ -68,6 +68,7 @@ url = "redis://127.0.0.1:1/"
 kind = "redis"
 url = "redis://127.0.0.1:1/"
 stream_key = "in"
+consumer = "schemathesis"
 sink = "redis-out"
 EOF
 "$BIN" serve --config "$WORK/delayd.toml" >"$WORK/server.log" 2>&1 &

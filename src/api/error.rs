@@ -24,6 +24,7 @@ pub const PROBLEM_CODES: &[&str] = &[
     "delay_too_long",
     "delivery_in_flight",
     "disk_full",
+    "forbidden_target",
     "internal",
     "invalid_body",
     "invalid_cursor",

@@ -18,6 +18,7 @@ mod keys;
 use crate::config::Config;
 use crate::disk::DiskWatch;
 use crate::format::{parse_rfc3339, valid_name, valid_target};
+use crate::mq::{EXCHANGE_HEADER, REDIS_BODY};
 use crate::scheduler::{FinishedKey, Scheduler};
 use keys::{KeyHash, KeyIndex, KeyIndexBuilder};
 use schedulelog::{
@@ -104,7 +105,8 @@ pub struct Draft<'a> {
 impl Draft<'_> {
     /// Every check but the delivery time's parsing (the caller's, as its format differs).
     pub fn check(&self, config: &Config, now_ms: i64) -> Result<(), Rejection> {
-        let mq = config.sinks.get(self.sink).is_some_and(|s| s.is_mq());
+        let sink = config.sinks.get(self.sink);
+        let mq = sink.is_some_and(|s| s.is_mq());
         if mq && !valid_target(self.topic) {
             return Err(Rejection::new(
                 "invalid_target",
@@ -168,11 +170,29 @@ impl Draft<'_> {
         if self.dedup && self.key.is_none() {
             return Err(Rejection::new("invalid_key", "dedup needs a key"));
         }
-        if !config.sinks.contains_key(self.sink) {
+        let Some(sink) = sink else {
             return Err(Rejection::new(
                 "unknown_sink",
                 format!("no sink named {:?} is configured", self.sink),
             ));
+        };
+        if let Some(targets) = sink.targets() {
+            let exchange = self
+                .headers
+                .iter()
+                .find(|(name, _)| name.eq_ignore_ascii_case(EXCHANGE_HEADER))
+                .map(|(_, value)| *value);
+            targets
+                .check(self.topic, exchange)
+                .map_err(|why| Rejection::new("forbidden_target", why))?;
+        }
+        if sink.kind == "redis" {
+            if let Some((name, _)) = self.headers.iter().find(|(name, _)| *name == REDIS_BODY) {
+                return Err(Rejection::new(
+                    "invalid_header",
+                    format!("a header named {name:?} would overwrite the Redis entry's body field"),
+                ));
+            }
         }
         Ok(())
     }

@@ -14,7 +14,7 @@
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
 use crate::mq::amqp::{close, connect, CONNECT_TIMEOUT};
-use crate::mq::EXCHANGE_HEADER;
+use crate::mq::{Targets, EXCHANGE_HEADER};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
@@ -31,6 +31,7 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct AmqpSink {
     url: String,
     exchange: String,
+    targets: Targets,
     connection: Mutex<Option<Connection>>,
     /// Confirming channels, each held from a batch's first publish to its last confirm: lapin hands a
     /// `basic.return` to whichever confirm it resolves next on the channel, not to its own publish, so
@@ -63,6 +64,7 @@ impl AmqpSink {
     pub fn new(
         url: &str,
         exchange: &str,
+        targets: Targets,
         channels: usize,
         link: Link,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
@@ -70,6 +72,7 @@ impl AmqpSink {
         AmqpSink {
             url: url.to_string(),
             exchange: exchange.to_string(),
+            targets,
             connection: Mutex::new(None),
             channels: (0..channels.clamp(1, MAX_CHANNELS))
                 .map(|_| Mutex::new(None))
@@ -126,6 +129,11 @@ impl AmqpSink {
         let channel = self.channel(&mut held).await?;
         let mut confirms = Vec::with_capacity(batch.len());
         for delivery in batch {
+            let named = named_exchange(delivery);
+            if let Err(why) = self.targets.check(&delivery.message.topic, named) {
+                confirms.push(Err(super::forbidden(&why)));
+                continue;
+            }
             let published = match self.publish(&channel, delivery).await {
                 Ok(confirm) => Ok(confirm),
                 Err(Unpublishable::Message(reason)) => Err(SinkOutcome::Dead { reason }),
@@ -202,12 +210,7 @@ impl AmqpSink {
     }
 
     fn exchange_of<'a>(&'a self, delivery: &'a Delivery) -> &'a str {
-        delivery
-            .message
-            .headers
-            .iter()
-            .find(|(name, _)| name == EXCHANGE_HEADER)
-            .map_or(self.exchange.as_str(), |(_, value)| value.as_str())
+        named_exchange(delivery).unwrap_or(self.exchange.as_str())
     }
 
     async fn publish(
@@ -253,6 +256,16 @@ impl AmqpSink {
             .await
             .map_err(|e| Unpublishable::Connection(format!("amqp: publish: {e}")))
     }
+}
+
+/// The exchange a message's request named (`delayd-exchange`), if it named one.
+fn named_exchange(delivery: &Delivery) -> Option<&str> {
+    delivery
+        .message
+        .headers
+        .iter()
+        .find(|(name, _)| name == EXCHANGE_HEADER)
+        .map(|(_, value)| value.as_str())
 }
 
 fn retry(reason: String) -> SinkOutcome {

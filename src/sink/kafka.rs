@@ -11,7 +11,7 @@
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
 use crate::mq::kafka::client_config;
-use crate::mq::MqError;
+use crate::mq::{MqError, Targets};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -23,6 +23,7 @@ const QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub struct KafkaSink {
     config: rdkafka::ClientConfig,
+    targets: Targets,
     /// Made anew after a fatal error (an idempotent producer's sequence lost): until then every send
     /// fails.
     producer: std::sync::Mutex<FutureProducer>,
@@ -44,6 +45,7 @@ impl KafkaSink {
     pub fn new(
         url: &str,
         max_message_bytes: usize,
+        targets: Targets,
         link: Link,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
     ) -> Result<KafkaSink, MqError> {
@@ -64,6 +66,7 @@ impl KafkaSink {
             .map_err(|e| MqError(format!("creating the producer: {e}")))?;
         Ok(KafkaSink {
             config,
+            targets,
             producer: std::sync::Mutex::new(producer),
             link,
             clock,
@@ -137,9 +140,13 @@ impl Sink for KafkaSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
             let producer = self.producer();
+            let refusals: Vec<Option<SinkOutcome>> = (batch.iter())
+                .map(|d| self.targets.check(&d.message.topic, None).err())
+                .map(|why| why.map(|why| super::forbidden(&why)))
+                .collect();
+            let sent = batch.iter().zip(&refusals).filter(|(_, r)| r.is_none());
             let results =
-                futures_util::future::join_all(batch.iter().map(|d| self.produce(&producer, d)))
-                    .await;
+                futures_util::future::join_all(sent.map(|(d, _)| self.produce(&producer, d))).await;
             // Down when no broker answered (a record timed out, no broker is reachable), up when
             // one did, whatever it said of a record.
             let unanswered = |e: &KafkaError| {
@@ -157,13 +164,21 @@ impl Sink for KafkaSink {
                 Some(error) if results.iter().all(|r| r.as_ref().is_err_and(unanswered)) => {
                     self.link.down(self.clock.now_ms(), &error.to_string())
                 }
-                _ => self.link.up(),
+                _ if !results.is_empty() => self.link.up(),
+                _ => {}
             }
-            results
-                .iter()
-                .map(|r| match r {
-                    Ok(()) => SinkOutcome::Delivered,
-                    Err(error) => outcome(error),
+            let mut results = results.iter();
+            refusals
+                .into_iter()
+                .map(|refusal| {
+                    refusal.unwrap_or_else(|| match results.next() {
+                        Some(Ok(())) => SinkOutcome::Delivered,
+                        Some(Err(error)) => outcome(error),
+                        None => SinkOutcome::Retry {
+                            after: None,
+                            reason: "kafka: no delivery report".into(),
+                        },
+                    })
                 })
                 .collect()
         })

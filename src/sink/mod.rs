@@ -73,6 +73,14 @@ pub trait Sink: Send + Sync + fmt::Debug + 'static {
     }
 }
 
+/// A message whose target the sink may not publish to (`crate::mq::Targets`): dead, with the code
+/// `forbidden_target` a request gets for it.
+pub fn forbidden(why: &str) -> SinkOutcome {
+    SinkOutcome::Dead {
+        reason: format!("forbidden_target: {why}"),
+    }
+}
+
 /// The same retry for every delivery of a batch (the destination could not be reached at all).
 pub fn retry_all(batch: &[Delivery], reason: &str) -> Vec<SinkOutcome> {
     batch

@@ -10,9 +10,10 @@
 //! or an empty token, a header NATS cannot carry or a message over the server's `max_payload` is dead at
 //! once: no retry can fix it.
 
-use super::{BoxFuture, Delivery, Sink, SinkOutcome};
+use super::{forbidden, BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
 use crate::mq::nats::connect;
+use crate::mq::Targets;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use std::str::FromStr;
@@ -21,6 +22,7 @@ use tokio::sync::Mutex;
 #[derive(Debug)]
 pub struct NatsSink {
     url: String,
+    targets: Targets,
     connection: Mutex<Option<(async_nats::Client, async_nats::jetstream::Context)>>,
     link: Link,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
@@ -64,9 +66,15 @@ fn publishable(subject: &str) -> bool {
 }
 
 impl NatsSink {
-    pub fn new(url: &str, link: Link, clock: std::sync::Arc<dyn schedulelog::Clock>) -> NatsSink {
+    pub fn new(
+        url: &str,
+        targets: Targets,
+        link: Link,
+        clock: std::sync::Arc<dyn schedulelog::Clock>,
+    ) -> NatsSink {
         NatsSink {
             url: url.to_string(),
+            targets,
             connection: Mutex::new(None),
             link,
             clock,
@@ -95,6 +103,10 @@ impl NatsSink {
         let mut published: Vec<Result<PublishAckFuture, SinkOutcome>> = Vec::new();
         for delivery in batch {
             let message = &delivery.message;
+            if let Err(why) = self.targets.check(&message.topic, None) {
+                published.push(Err(forbidden(&why)));
+                continue;
+            }
             if !publishable(&message.topic) {
                 published.push(Err(SinkOutcome::Dead {
                     reason: format!(

@@ -4,11 +4,15 @@
 //!
 //! A batch is one pipeline, one round trip. An entry counts as delivered only on Redis's reply (the entry
 //! id); a connection failure retries the batch with the sink's backoff, and a `WRONGTYPE` (the key holds
-//! something other than a stream) makes that message dead: no retry can fix it.
+//! something other than a stream) makes that message dead: no retry can fix it. So does a target the
+//! sink may not publish to (`targets`, `crate::mq::Targets`), and a header named `body` (it would be a
+//! second `body` field; the intake refuses both, this catches messages taken before the configuration
+//! changed).
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
 use crate::mq::redis::connect;
+use crate::mq::{Targets, REDIS_BODY};
 use redis::aio::MultiplexedConnection;
 use redis::Value;
 use tokio::sync::Mutex;
@@ -16,6 +20,7 @@ use tokio::sync::Mutex;
 #[derive(Debug)]
 pub struct RedisSink {
     client: redis::Client,
+    targets: Targets,
     connection: Mutex<Option<MultiplexedConnection>>,
     link: Link,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
@@ -24,34 +29,45 @@ pub struct RedisSink {
 impl RedisSink {
     pub fn new(
         url: &str,
+        targets: Targets,
         link: Link,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
     ) -> Result<RedisSink, redis::RedisError> {
         Ok(RedisSink {
             client: redis::Client::open(url)?,
+            targets,
             connection: Mutex::new(None),
             link,
             clock,
         })
     }
 
+    /// Why a message cannot be published, if it cannot: no retry would change that.
+    fn refusal(&self, message: &schedulelog::Message) -> Option<SinkOutcome> {
+        if let Err(why) = self.targets.check(&message.topic, None) {
+            return Some(super::forbidden(&why));
+        }
+        message
+            .headers
+            .iter()
+            .any(|(name, _)| name == REDIS_BODY)
+            .then(|| SinkOutcome::Dead {
+                reason: "a header named \"body\" would overwrite the entry's body field".into(),
+            })
+    }
+
     async fn send(&self, batch: &[Delivery]) -> Result<Vec<SinkOutcome>, String> {
-        // A multiplexed connection is shared by clones: the lock guards only making it.
-        let mut connection = {
-            let mut held = self.connection.lock().await;
-            if held.is_none() {
-                *held = Some(connect(&self.client).await.map_err(|e| e.0)?);
-            }
-            held.clone().ok_or("not connected")?
-        };
+        let refusals: Vec<Option<SinkOutcome>> =
+            batch.iter().map(|d| self.refusal(&d.message)).collect();
         let mut pipe = redis::pipe();
-        for delivery in batch {
+        let mut commands = 0;
+        for (delivery, _) in batch.iter().zip(&refusals).filter(|(_, r)| r.is_none()) {
             let message = &delivery.message;
             let command = pipe
                 .cmd("XADD")
                 .arg(&message.topic)
                 .arg("*")
-                .arg("body")
+                .arg(REDIS_BODY)
                 .arg(&message.body[..])
                 .arg("delayd-id")
                 .arg(delivery.id.to_string());
@@ -60,32 +76,46 @@ impl RedisSink {
                     command.arg(name).arg(value);
                 }
             }
+            commands += 1;
         }
-        let answers: Vec<redis::RedisResult<Value>> =
-            match pipe.ignore_errors().query_async(&mut connection).await {
-                Ok(answers) => answers,
-                Err(e) => {
-                    *self.connection.lock().await = None; // made again on the next call
-                    return Err(e.to_string());
+        let answers: Vec<redis::RedisResult<Value>> = match commands {
+            0 => Vec::new(),
+            _ => {
+                // A multiplexed connection is shared by clones: the lock guards only making it.
+                let mut connection = {
+                    let mut held = self.connection.lock().await;
+                    if held.is_none() {
+                        *held = Some(connect(&self.client).await.map_err(|e| e.0)?);
+                    }
+                    held.clone().ok_or("not connected")?
+                };
+                match pipe.ignore_errors().query_async(&mut connection).await {
+                    Ok(answers) => answers,
+                    Err(e) => {
+                        *self.connection.lock().await = None; // made again on the next call
+                        return Err(e.to_string());
+                    }
                 }
-            };
-        Ok(batch
-            .iter()
-            .enumerate()
-            .map(|(i, _)| match answers.get(i) {
-                Some(Ok(_)) => SinkOutcome::Delivered,
-                Some(Err(e)) if e.code() == Some("WRONGTYPE") => SinkOutcome::Dead {
-                    reason: format!("XADD: {e}"),
-                },
-                Some(Err(e)) => SinkOutcome::Retry {
-                    after: None,
-                    reason: format!("XADD: {e}"),
-                },
-                None => SinkOutcome::Retry {
-                    after: None,
-                    reason: "no reply for this XADD".into(),
-                },
-            })
+            }
+        };
+        let mut answers = answers.into_iter();
+        let answered = |answer: Option<redis::RedisResult<Value>>| match answer {
+            Some(Ok(_)) => SinkOutcome::Delivered,
+            Some(Err(e)) if e.code() == Some("WRONGTYPE") => SinkOutcome::Dead {
+                reason: format!("XADD: {e}"),
+            },
+            Some(Err(e)) => SinkOutcome::Retry {
+                after: None,
+                reason: format!("XADD: {e}"),
+            },
+            None => SinkOutcome::Retry {
+                after: None,
+                reason: "no reply for this XADD".into(),
+            },
+        };
+        Ok(refusals
+            .into_iter()
+            .map(|refusal| refusal.unwrap_or_else(|| answered(answers.next())))
             .collect())
     }
 }

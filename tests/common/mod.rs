@@ -314,19 +314,26 @@ pub fn spawn_with_ulimit(
     start(delayd_with_ulimit(ulimit), data_dir, extra_args, env)
 }
 
-/// Runs `delayd serve` under `ulimit` (as [`spawn_with_ulimit`]) expecting it to exit by itself within
-/// `within`: its exit status (None: it was still running, and is killed) and its stderr.
+/// Runs `delayd serve --data-dir DATA_DIR EXTRA_ARGS...` under `ulimit` (as [`spawn_with_ulimit`];
+/// `""` for none) expecting it to exit by itself within `within`: its exit status (None: it was still
+/// running, and is killed) and its stderr.
 pub fn serve_until_exit(
     data_dir: &Path,
+    extra_args: &[&str],
     env: &[(&str, &str)],
     ulimit: &str,
     within: Duration,
 ) -> (Option<ExitStatus>, String) {
     let logs = tempfile::tempdir().unwrap();
     let stderr_path = logs.path().join("stderr.log");
-    let mut child = delayd_with_ulimit(ulimit)
+    let mut command = match ulimit {
+        "" => delayd(),
+        ulimit => delayd_with_ulimit(ulimit),
+    };
+    let mut child = command
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir)
+        .args(extra_args)
         .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&stderr_path).unwrap())

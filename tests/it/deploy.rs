@@ -72,7 +72,7 @@ fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
         &config,
         format!(
             "[sinks.out]\nkind = \"redis\"\nurl = \"{nothing}\"\n\n\
-             [sources.in]\nkind = \"redis\"\nurl = \"{nothing}\"\nstream_key = \"in\"\nsink = \"out\"\n"
+             [sources.in]\nkind = \"redis\"\nurl = \"{nothing}\"\nstream_key = \"in\"\nconsumer = \"node-a\"\nsink = \"out\"\n"
         ),
     )
     .unwrap();

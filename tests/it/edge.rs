@@ -411,6 +411,7 @@ fn a_start_with_too_few_file_descriptors_is_refused_clearly() {
     let dir = tempfile::tempdir().unwrap();
     let (status, stderr) = serve_until_exit(
         dir.path(),
+        &[],
         &[("DELAYD_MIN_FREE_DISK_BYTES", "0")],
         "-n 128",
         seconds(30.0),

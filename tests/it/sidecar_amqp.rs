@@ -655,6 +655,15 @@ fn bad_amqp_requests_are_dead_letters_and_cancels_by_key_hold() {
             ],
             "invalid_header",
         ),
+        // An exchange that is neither the sink's nor one of its `exchanges`.
+        (
+            vec![
+                ("delayd-target", text("t")),
+                ("delayd-delay", text("1s")),
+                ("delayd-exchange", text("amq.topic")),
+            ],
+            "forbidden_target",
+        ),
     ];
     for (headers, _) in &bad {
         client.publish("", in_queue, headers, "bad", None);
@@ -680,6 +689,30 @@ fn bad_amqp_requests_are_dead_letters_and_cancels_by_key_hold() {
         ],
         "",
         None,
+    );
+    // AMQP message ids are the publisher's names, not an order: a cancel under "100" cancels the
+    // message requested under "900".
+    client.publish(
+        "",
+        in_queue,
+        &[
+            ("delayd-delay", text("2s")),
+            ("delayd-target", text(out_queue)),
+            ("delayd-key", text("o-2")),
+        ],
+        "cancel me too",
+        Some("900"),
+    );
+    client.publish(
+        "",
+        in_queue,
+        &[
+            ("delayd-target", text(out_queue)),
+            ("delayd-key", text("o-2")),
+            ("delayd-cancel", AMQPValue::Boolean(true)),
+        ],
+        "",
+        Some("100"),
     );
     client.publish(
         "",
@@ -707,7 +740,7 @@ fn bad_amqp_requests_are_dead_letters_and_cancels_by_key_hold() {
     };
     assert_eq!(
         (count("dead"), count("cancelled"), count("scheduled")),
-        (bad.len() as f64, 1.0, 2.0)
+        (bad.len() as f64, 2.0, 3.0)
     );
 }
 

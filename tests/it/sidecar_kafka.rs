@@ -133,6 +133,37 @@ impl Tansu {
         }
     }
 
+    /// Deletes a topic and makes it again, with tansu's own command, and a new producer: a librdkafka
+    /// client (2.x) that knew the topic crashes on tansu's metadata answer for the deleted topic
+    /// (SIGSEGV in `rd_kafka_metadata_cache_find`), so none may be running.
+    fn make_again(&mut self, topic: &str, partitions: u32) {
+        self.producer = None;
+        let broker = format!("tcp://127.0.0.1:{}", self.port);
+        let partitions = partitions.to_string();
+        for args in [
+            vec!["topic", "delete", "--broker", &broker, topic],
+            vec![
+                "topic",
+                "create",
+                "--broker",
+                &broker,
+                "--partitions",
+                &partitions,
+                topic,
+            ],
+        ] {
+            let output = Command::new("tansu").args(&args).output().unwrap();
+            assert!(output.status.success(), "tansu {args:?}: {output:?}");
+        }
+        self.producer = Some(
+            self.config()
+                .set("acks", "all")
+                .set("enable.idempotence", "true")
+                .create()
+                .unwrap(),
+        );
+    }
+
     /// Produces a request and waits for its delivery report.
     fn produce(&self, topic: &str, key: Option<&str>, headers: &[(&str, &str)], body: &str) {
         let mut owned = OwnedHeaders::new();
@@ -748,4 +779,82 @@ fn a_node_killed_and_restarted_gets_its_partitions_back_at_once() {
         took < Duration::from_secs(40),
         "{took:?}: the session timeout held the partitions"
     );
+}
+
+/// A topic deleted and made again starts its offsets at 0 again (here while delayd is stopped: delayd's
+/// librdkafka would crash on tansu's answers about a deleted topic, see `Tansu::make_again`). Its
+/// records are new requests, in a new order: a cancel at offset 0 of the new topic cancels the message a
+/// request at offset 4 of the old one gave its key (ordered by offset alone, it looked older and was
+/// skipped), and its requests are scheduled, not taken for the old topic's.
+#[test]
+fn a_topic_made_again_starts_a_new_order_of_positions() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut tansu) = Tansu::start(dir.path()) else {
+        return;
+    };
+    // The target is made after the topic is made again: tansu answers Unknown topic for topics made
+    // before a deletion.
+    tansu.create_topics(&[("delayd-in", 1)]);
+    let data = dir.path().join("data");
+    let config = config(dir.path(), &tansu, "a");
+    let mut delayd = start_delayd(&data, &config);
+    wait_until_consuming(&tansu, &delayd.base);
+    // Due after the restart (a consumer takes seconds to join); the keyed one later still.
+    for i in 0..3 {
+        tansu.produce(
+            "delayd-in",
+            None,
+            &[("delayd-delay", "20s"), ("delayd-target", "orders-out")],
+            &format!("old {i}"),
+        );
+    }
+    tansu.produce(
+        "delayd-in",
+        Some("k"),
+        &[("delayd-delay", "60s"), ("delayd-target", "orders-out")],
+        "old keyed",
+    );
+    wait_for("the old requests", Duration::from_secs(30), || {
+        count(&delayd.base, "scheduled") == 4.0
+    });
+    // delayd committed in the partition (the warm-up, at least): a group without a committed offset
+    // for it after the restart means the topic was made again.
+    wait_for("a commit", Duration::from_secs(30), || {
+        std::fs::read_to_string(data.join("sources/in.kafka-epochs"))
+            .is_ok_and(|epochs| epochs.contains("\"committed\":true"))
+    });
+    delayd.kill();
+    tansu.make_again("delayd-in", 1);
+    tansu.create_topics(&[("orders-out", 1)]);
+    tansu.produce(
+        "delayd-in",
+        Some("k"),
+        &[("delayd-target", "orders-out"), ("delayd-cancel", "true")],
+        "",
+    );
+    for i in 0..3 {
+        tansu.produce(
+            "delayd-in",
+            None,
+            &[("delayd-delay", "1s"), ("delayd-target", "orders-out")],
+            &format!("new {i}"),
+        );
+    }
+    let delayd = start_delayd(&data, &config);
+    wait_for("the cancel", Duration::from_secs(120), || {
+        count(&delayd.base, "cancelled") == 1.0
+    });
+    // Read through delayd's listing: a new reader of the target does not join its group on tansu
+    // after a topic was made again.
+    let listed = |status: &str| {
+        let path = format!("/v1/messages?topic=orders-out&status={status}");
+        let answer = request(&delayd.base, "GET", &path, None, None);
+        answer.json["messages"].as_array().unwrap().len()
+    };
+    wait_for("every request delivered", Duration::from_secs(60), || {
+        listed("delivered") == 6
+    });
+    assert_eq!(listed("cancelled"), 1, "the old keyed one");
+    assert_eq!(count(&delayd.base, "scheduled"), 3.0);
+    assert_eq!(count(&delayd.base, "duplicate"), 0.0);
 }

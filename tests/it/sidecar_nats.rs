@@ -193,6 +193,17 @@ impl NatsServer {
         })
     }
 
+    /// Whether JetStream has a stream of this name.
+    fn stream_exists(&self, name: &str) -> bool {
+        let js = self.jetstream();
+        self.runtime.block_on(js.get_stream(name)).is_ok()
+    }
+
+    fn delete_stream(&self, name: &str) {
+        let js = self.jetstream();
+        self.runtime.block_on(js.delete_stream(name)).unwrap();
+    }
+
     /// The source stream as delayd creates it, for requests published before delayd first runs.
     fn create_source_stream(&self) {
         let js = self.jetstream();
@@ -403,8 +414,16 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
         &dir.path().join("data"),
         &config(dir.path(), &nats, "delayd", "60s"),
     );
-    let bad: [(&[(&str, &str)], &str); 5] = [
+    let bad: [(&[(&str, &str)], &str); 6] = [
         (&[("delayd-delay", "1s")], "missing_target"),
+        // Published with delayd's rights, it would delete the source's own stream.
+        (
+            &[
+                ("delayd-delay", "1s"),
+                ("delayd-target", "$JS.API.STREAM.DELETE.DELAYS"),
+            ],
+            "forbidden_target",
+        ),
         (&[("delayd-target", "orders.out")], "missing_deliver_time"),
         (
             &[("delayd-target", "orders.out"), ("delayd-delay", "soon")],
@@ -465,6 +484,26 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
     assert_eq!(
         (count("dead"), count("cancelled"), count("scheduled")),
         (bad.len() as f64, 1.0, 2.0)
+    );
+    // The same through HTTP: refused.
+    let sent = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages",
+        Some(
+            r#"{"topic": "$JS.API.STREAM.DELETE.DELAYS", "sink": "out", "body": "b", "delay": 0}"#,
+        ),
+        None,
+    );
+    assert_eq!(
+        (sent.status, sent.json["code"].as_str()),
+        (400, Some("forbidden_target")),
+        "{}",
+        sent.json
+    );
+    assert!(
+        nats.stream_exists("DELAYS"),
+        "the source's stream is still there"
     );
     // A subject no stream captures has no responders: retried, and the reason says why.
     let sent = request(
@@ -554,6 +593,82 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
     bodies.dedup();
     assert_eq!(bodies.len(), count as usize);
     assert_eq!(source_count(&delayd, "scheduled"), Some(0.0));
+}
+
+/// A stream deleted and made again starts its sequences at 1 again. Its requests are new ones: neither
+/// taken for redeliveries of the old stream's requests still unacknowledged (here durable in delayd,
+/// never acknowledged, delayd killed, and the stream made again meanwhile) nor ordered against them (a
+/// cancel in the new stream cancels the message an old request gave its key).
+#[test]
+fn a_stream_made_again_starts_a_new_order_of_positions() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(nats) = NatsServer::start(dir.path()) else {
+        return;
+    };
+    nats.create_target_stream();
+    nats.create_source_stream();
+    let data = dir.path().join("data");
+    // Due after the restart (the failed acks take seconds), the keyed one first.
+    for i in 0..3 {
+        nats.publish(
+            &[("delayd-delay", "15s"), ("delayd-target", "orders.out")],
+            &format!("old {i}"),
+        );
+    }
+    nats.publish(
+        &[
+            ("delayd-delay", "14s"),
+            ("delayd-target", "orders.out"),
+            ("delayd-key", "k"),
+        ],
+        "old keyed",
+    );
+    let mut delayd = start_delayd(&data, &config(dir.path(), &nats, "noack", "2s"));
+    wait_for(
+        "the requests to be scheduled",
+        Duration::from_secs(30),
+        || source_count(&delayd, "scheduled") == Some(4.0),
+    );
+    wait_for("the failed ack", Duration::from_secs(30), || {
+        let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
+        sources.json["sources"][0]["last_error"].as_str().is_some()
+    });
+    delayd.kill();
+    nats.delete_stream("DELAYS");
+    nats.create_source_stream();
+    // Sequences 1 to 4 again: the cancel, then three new requests.
+    nats.publish(
+        &[
+            ("delayd-target", "orders.out"),
+            ("delayd-key", "k"),
+            ("delayd-cancel", "true"),
+        ],
+        "",
+    );
+    for i in 0..3 {
+        nats.publish(
+            &[("delayd-delay", "1s"), ("delayd-target", "orders.out")],
+            &format!("new {i}"),
+        );
+    }
+    let delayd = start_delayd(&data, &config(dir.path(), &nats, "delayd", "2s"));
+    let got = nats.read_target(6, Duration::from_secs(60));
+    let mut bodies: Vec<_> = got.iter().map(|g| g.body.clone()).collect();
+    bodies.sort();
+    // (The cancelled one was due a second before the old ones.)
+    assert_eq!(
+        bodies,
+        ["new 0", "new 1", "new 2", "old 0", "old 1", "old 2"]
+    );
+    assert_eq!(nats.read_target(7, Duration::from_millis(500)).len(), 6);
+    assert_eq!(
+        (
+            source_count(&delayd, "scheduled"),
+            source_count(&delayd, "cancelled"),
+            source_count(&delayd, "duplicate")
+        ),
+        (Some(3.0), Some(1.0), Some(0.0))
+    );
 }
 
 /// nats-server going away mid-run: delayd keeps serving HTTP and says the source and sink are down; once

@@ -6,8 +6,8 @@
 //! Without `redis-server` a test prints why it is skipped, and fails under `CI=true`.
 
 use super::common::{
-    assert_dead_letters, assert_none_early, free_port, now_ms, request, scrape, server_installed,
-    spawn, wait_for, Process,
+    assert_dead_letters, assert_none_early, free_port, now_ms, request, scrape, serve_until_exit,
+    server_installed, spawn, wait_for, Process,
 };
 use redis::Value;
 use serde_json::json;
@@ -111,8 +111,9 @@ fn config(dir: &Path, redis: &RedisServer) -> PathBuf {
     std::fs::write(
         &path,
         format!(
-            "[sinks.out]\nkind = \"redis\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
-             [sources.in]\nkind = \"redis\"\nurl = \"{url}\"\nstream_key = \"delayd:in\"\nsink = \"out\"\n",
+            "[sinks.out]\nkind = \"redis\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\
+             targets = [\"orders:*\", \"orders\"]\n\n\
+             [sources.in]\nkind = \"redis\"\nurl = \"{url}\"\nstream_key = \"delayd:in\"\nconsumer = \"node-a\"\nsink = \"out\"\n",
             url = redis.url()
         ),
     )
@@ -590,5 +591,160 @@ fn a_cancel_and_a_new_message_with_its_key_in_one_batch_keep_their_order() {
     assert_eq!(
         (count("scheduled"), count("cancelled"), count("duplicate")),
         (3.0, 1.0, 0.0)
+    );
+}
+
+/// An idempotency key is its sink's: an HTTP message to the built-in broker with topic `orders` and key
+/// `42`, and a Redis request for the target `orders` with key `42`, are two messages, and a cancel
+/// through the source cancels its own only. The sink's `targets` and a header named `body` (a second
+/// `body` field) are refused, through the source and through HTTP.
+#[test]
+fn keys_belong_to_their_sink_and_targets_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
+    let mut connection = redis.connection();
+    let post = |body: serde_json::Value| {
+        request(
+            &delayd.base,
+            "POST",
+            "/v1/messages",
+            Some(&body.to_string()),
+            None,
+        )
+    };
+    let http =
+        post(json!({"topic": "orders", "key": "42", "dedup": true, "body": "http", "delay": "2s"}));
+    assert_eq!(http.status, 201, "{}", http.json);
+    let http = http.json["id"].as_str().unwrap().to_string();
+    publish(
+        &mut connection,
+        &[
+            ("delayd-delay", "2s"),
+            ("delayd-target", "orders"),
+            ("delayd-key", "42"),
+        ],
+        "from redis",
+    );
+    let count = |outcome: &str| {
+        scrape(&delayd.base)
+            .get(&format!(
+                r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#
+            ))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    wait_for("the request to be taken", Duration::from_secs(10), || {
+        count("scheduled") + count("duplicate") == 1.0
+    });
+    assert_eq!(
+        count("scheduled"),
+        1.0,
+        "not a duplicate of another sink's key"
+    );
+    publish(
+        &mut connection,
+        &[
+            ("delayd-target", "orders"),
+            ("delayd-key", "42"),
+            ("delayd-cancel", "true"),
+        ],
+        "",
+    );
+    // Refused: outside the sink's targets.
+    publish(
+        &mut connection,
+        &[("delayd-delay", "1s"), ("delayd-target", "sessions:x")],
+        "bad",
+    );
+    wait_for(
+        "the cancel and the refusal",
+        Duration::from_secs(10),
+        || count("cancelled") == 1.0 && count("dead") == 1.0,
+    );
+    assert_dead_letters(&delayd.base, "bad", &["forbidden_target"]);
+    // The HTTP message is delivered; the cancelled Redis one never reaches its stream.
+    wait_for("the HTTP message", Duration::from_secs(10), || {
+        request(
+            &delayd.base,
+            "GET",
+            &format!("/v1/messages/{http}"),
+            None,
+            None,
+        )
+        .json["status"]
+            == "delivered"
+    });
+    assert!(read_target(&mut connection, "orders", 1, Duration::from_millis(500)).is_empty());
+    for (body, code) in [
+        (
+            json!({"sink": "out", "topic": "sessions", "body": "b", "delay": 0}),
+            "forbidden_target",
+        ),
+        (
+            json!({"sink": "out", "topic": "orders:out", "body": "b", "delay": 0, "headers": {"body": "x"}}),
+            "invalid_header",
+        ),
+    ] {
+        let refused = post(body);
+        assert_eq!(
+            (refused.status, refused.json["code"].as_str()),
+            (400, Some(code)),
+            "{}",
+            refused.json
+        );
+    }
+}
+
+/// A source's start reads back only what it has not acknowledged: while it has nothing unacknowledged,
+/// its mark follows the log's end however many messages others add (here through HTTP), so a restart
+/// reads little whatever the store holds. A mark that cannot be read stops the start with an error
+/// naming its file, rather than a read of the whole store.
+#[test]
+fn an_idle_sources_mark_follows_the_log_and_a_damaged_one_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let data = dir.path().join("data");
+    let config = config(dir.path(), &redis);
+    let mut delayd = start_delayd(&data, &config);
+    let messages: Vec<_> = (0..500)
+        .map(|i| json!({"topic": "http", "body": format!("m{i}"), "delay": "1h"}))
+        .collect();
+    let batch = request(
+        &delayd.base,
+        "POST",
+        "/v1/messages/batch",
+        Some(&json!({ "messages": messages }).to_string()),
+        None,
+    );
+    assert_eq!(batch.status, 200, "{}", batch.json);
+    let mark = data.join("sources/in");
+    let below = || {
+        let text = std::fs::read_to_string(&mark).unwrap_or_default();
+        serde_json::from_str::<serde_json::Value>(&text).ok()?["below"].as_u64()
+    };
+    // Saved when the log's end moved and the last save is 10 s old.
+    wait_for(
+        "the mark to follow the log",
+        Duration::from_secs(40),
+        || below().is_some_and(|below| below >= 500),
+    );
+    delayd.kill();
+    std::fs::write(&mark, "not a mark").unwrap();
+    let (status, stderr) = serve_until_exit(
+        &data,
+        &["--config", config.to_str().unwrap()],
+        &[("DELAYD_MIN_FREE_DISK_BYTES", "0")],
+        "",
+        Duration::from_secs(60),
+    );
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&mark.display().to_string()) && stderr.contains("unreadable"),
+        "{stderr}"
     );
 }
