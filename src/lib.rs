@@ -87,6 +87,7 @@ pub async fn run_with_ready(
     let targets = |sink: &config::SinkConfig| sink.targets().context("an MQ sink's targets");
     let mut sinks = SinkRegistry::new();
     let mut sink_links = Vec::new();
+    let mut probes = Vec::new();
     for (name, sink) in &config.sinks {
         let policy = SinkPolicy {
             max_in_flight: sink.max_in_flight,
@@ -100,59 +101,68 @@ pub async fn run_with_ready(
                 cap: sink.backoff_cap.0,
             },
         };
-        let target: Arc<dyn sink::Sink> = match (sink.kind.as_str(), &sink.url, &sink.secret) {
-            ("webhook", Some(url), Some(secret)) => Arc::new(sink::webhook::WebhookSink::new(
-                url,
-                secret,
-                sink.timeout.0,
-                sink.ca_file.as_deref(),
-                clock.clone(),
-            )?),
-            ("redis", Some(url), _) => {
-                let link = link::Link::new("sink", name, &sink.kind);
-                sink_links.push(link.clone());
-                Arc::new(sink::redis::RedisSink::new(
-                    url,
-                    targets(sink)?,
-                    link,
-                    clock.clone(),
-                )?)
-            }
-            ("nats", Some(url), _) => {
-                let link = link::Link::new("sink", name, &sink.kind);
-                sink_links.push(link.clone());
-                Arc::new(sink::nats::NatsSink::new(
-                    url,
-                    targets(sink)?,
-                    link,
-                    clock.clone(),
-                ))
-            }
-            ("amqp", Some(url), _) => {
-                let link = link::Link::new("sink", name, &sink.kind);
-                sink_links.push(link.clone());
-                Arc::new(sink::amqp::AmqpSink::new(
-                    url,
-                    sink.exchange.as_deref().unwrap_or(""),
-                    targets(sink)?,
-                    sink.max_in_flight,
-                    link,
-                    clock.clone(),
-                ))
-            }
-            ("kafka", Some(url), _) => {
-                let link = link::Link::new("sink", name, &sink.kind);
-                sink_links.push(link.clone());
-                Arc::new(sink::kafka::KafkaSink::new(
-                    url,
-                    config.limits.max_message_bytes,
-                    targets(sink)?,
-                    link,
-                    clock.clone(),
-                )?)
-            }
-            _ => Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
-        };
+        // An MQ sink keeps a connection, which its link shows (`GET /v1/sinks`).
+        let link = || link::Link::new("sink", name, &sink.kind);
+        let (target, link): (Arc<dyn sink::Sink>, Option<link::Link>) =
+            match (sink.kind.as_str(), &sink.url, &sink.secret) {
+                ("webhook", Some(url), Some(secret)) => {
+                    let webhook = sink::webhook::WebhookSink::new(
+                        url,
+                        secret,
+                        sink.timeout.0,
+                        sink.ca_file.as_deref(),
+                        clock.clone(),
+                    )?;
+                    (Arc::new(webhook), None)
+                }
+                ("redis", Some(url), _) => {
+                    let link = link();
+                    let redis = sink::redis::RedisSink::new(
+                        url,
+                        targets(sink)?,
+                        link.clone(),
+                        clock.clone(),
+                    )?;
+                    (Arc::new(redis), Some(link))
+                }
+                ("nats", Some(url), _) => {
+                    let link = link();
+                    let nats =
+                        sink::nats::NatsSink::new(url, targets(sink)?, link.clone(), clock.clone());
+                    (Arc::new(nats), Some(link))
+                }
+                ("amqp", Some(url), _) => {
+                    let link = link();
+                    let amqp = sink::amqp::AmqpSink::new(
+                        url,
+                        sink.exchange.as_deref().unwrap_or(""),
+                        targets(sink)?,
+                        sink.max_in_flight,
+                        link.clone(),
+                        clock.clone(),
+                    );
+                    (Arc::new(amqp), Some(link))
+                }
+                ("kafka", Some(url), _) => {
+                    let link = link();
+                    let kafka = sink::kafka::KafkaSink::new(
+                        url,
+                        config.limits.max_message_bytes,
+                        targets(sink)?,
+                        link.clone(),
+                        clock.clone(),
+                    )?;
+                    (Arc::new(kafka), Some(link))
+                }
+                _ => (
+                    Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
+                    None,
+                ),
+            };
+        if let Some(link) = link {
+            sink_links.push(link.clone());
+            probes.push((target.clone(), link));
+        }
         sinks.register(name, target, policy)?;
     }
     metrics::register_series(config.sinks.keys().map(String::as_str));
@@ -174,6 +184,7 @@ pub async fn run_with_ready(
         config.limits.min_free_disk_bytes,
     ));
     disk.check(&[log.disk_full(), broker.disk_full()]);
+    let probing = tokio::spawn(sink::probe(probes));
     let housekeeping = tokio::spawn(housekeeping(
         log.clone(),
         broker.clone(),
@@ -224,6 +235,7 @@ pub async fn run_with_ready(
         tracing::info!("shutting down: no new requests; finishing deliveries in flight");
     }
     housekeeping.abort();
+    probing.abort();
     // Sources first: what they took is acknowledged or left to the MQ before the log closes.
     let _ = stop_sources.send(true);
     for (_, task) in sources {

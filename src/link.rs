@@ -17,6 +17,10 @@ struct State {
     failures: u64,
     /// A source's requests by outcome since the start (`scheduled`, `duplicate`, ...).
     handled: std::collections::BTreeMap<&'static str, u64>,
+    /// A sink's deliveries put off since the start because its MQ could not be reached.
+    postponed: u64,
+    /// When the connection was last found up or down.
+    checked_at: Option<std::time::Instant>,
 }
 
 /// One connection's state; cheap to clone (shared).
@@ -58,6 +62,7 @@ impl Link {
     /// The connection works (a command succeeded).
     pub fn up(&self) {
         let mut state = self.state();
+        state.checked_at = Some(std::time::Instant::now());
         if !state.connected {
             if state.failures > 0 {
                 tracing::info!(role = self.role, name = %self.name, kind = %self.kind, failures = state.failures, "connected again");
@@ -75,6 +80,7 @@ impl Link {
     /// otherwise.
     pub fn down(&self, now_ms: i64, error: &str) {
         let mut state = self.state();
+        state.checked_at = Some(std::time::Instant::now());
         state.failures += 1;
         state.last_error = Some((now_ms, error.to_string()));
         if state.connected || !state.reported {
@@ -83,6 +89,13 @@ impl Link {
             state.reported = true;
             self.gauge(false);
         }
+    }
+
+    /// A sink could not reach its MQ for `count` deliveries (they wait, no attempt used): the
+    /// connection is down, and they are counted.
+    pub fn unreachable(&self, now_ms: i64, error: &str, count: usize) {
+        self.down(now_ms, error);
+        self.state().postponed += count as u64;
     }
 
     /// A source handled a request so.
@@ -94,6 +107,11 @@ impl Link {
         self.state().connected
     }
 
+    /// How long ago the connection was last found up or down; `None` if never.
+    pub fn checked_ago(&self) -> Option<std::time::Duration> {
+        self.state().checked_at.map(|at| at.elapsed())
+    }
+
     /// What `GET /v1/sources` and `/v1/sinks` show.
     pub fn describe(&self) -> Value {
         let state = self.state();
@@ -102,8 +120,9 @@ impl Link {
             "kind": self.kind,
             "connected": state.connected,
         });
-        if self.role == "source" {
-            value["requests"] = json!(state.handled);
+        match self.role {
+            "source" => value["requests"] = json!(state.handled),
+            _ => value["postponed"] = json!(state.postponed),
         }
         if let Some((at_ms, error)) = &state.last_error {
             value["last_error"] = json!(error);

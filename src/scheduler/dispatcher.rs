@@ -10,7 +10,10 @@
 //!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead;
 //! - postpone (delayd's own trouble, not the destination's: the broker's disk is full or its files fail,
 //!   or a sink delivering in place panicked) → the entry goes back to the wheel, nothing written, no
-//!   attempt used.
+//!   attempt used;
+//! - unreachable (an MQ refused the connection, was not connected, or timed out before it answered) →
+//!   the same, after the sink's backoff for the batches in a row that found it away (at most 30 s): an
+//!   MQ outage of any length spends no attempt and writes nothing per message.
 //!
 //! A sink's own delay (an HTTP `Retry-After`) is capped by the sink's `backoff_cap`, like the backoff
 //! itself (the configuration keeps that cap within `max_delay`): a receiver cannot park a message for
@@ -30,7 +33,9 @@
 use super::registry::Admission;
 use super::wheel::Entry;
 use super::{entry_bucket, Shared};
-use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry};
+use crate::sink::{
+    BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry, UNREACHABLE_WAIT_MAX,
+};
 use crossbeam_channel::Sender;
 use schedulelog::{Bucket, Location, MessageId, NewMessage, Outcome, OutcomeKind};
 use std::panic::AssertUnwindSafe;
@@ -53,6 +58,8 @@ pub(crate) struct Lane {
     delivered_retry: metrics::Counter,
     delivered_dead: metrics::Counter,
     postponed: metrics::Counter,
+    /// Batches in a row whose destination could not be reached: how long the next one waits.
+    unreachable_streak: std::sync::atomic::AtomicU32,
 }
 
 /// One lane per registered sink, in registry order, then the lane for messages naming an unknown sink.
@@ -97,6 +104,7 @@ impl Lane {
             delivered_retry: delivered("retry"),
             delivered_dead: delivered("dead"),
             postponed: metrics::counter!("delayd_messages_postponed_total", "sink" => name.to_string()),
+            unreachable_streak: Default::default(),
         }
     }
 
@@ -218,6 +226,7 @@ impl Lane {
         flight: InFlight,
     ) {
         let now = self.shared.clock.now_ms();
+        let unreachable_after_ms = self.unreachable_wait(&outcomes);
         let mut records: Vec<(Bucket, Outcome)> = Vec::new();
         let mut retries = Vec::new();
         let mut labels = Vec::with_capacity(deliveries.len());
@@ -250,6 +259,13 @@ impl Lane {
                     self.shared
                         .requeue_at(*entry, now.saturating_add(after_ms.max(1)));
                     tracing::debug!(sink = %self.name, %reason, "delivery postponed");
+                    "postponed"
+                }
+                SinkOutcome::Unreachable { reason } => {
+                    // As a postponement: nothing written, no attempt used (see SinkOutcome).
+                    self.shared
+                        .requeue_at(*entry, now.saturating_add(unreachable_after_ms));
+                    tracing::debug!(sink = %self.name, %reason, after_ms = unreachable_after_ms, "destination unreachable; delivery postponed");
                     "postponed"
                 }
                 SinkOutcome::Retry { .. }
@@ -468,6 +484,23 @@ impl Lane {
                 }
             }
         }
+    }
+
+    /// How long the unreachable deliveries of a batch wait (ms): the sink's backoff for the batches in a
+    /// row that found the destination away, at most `UNREACHABLE_WAIT_MAX`. A batch it answered for
+    /// ends the row.
+    fn unreachable_wait(&self, outcomes: &[SinkOutcome]) -> i64 {
+        let unreachable = |o: &SinkOutcome| matches!(o, SinkOutcome::Unreachable { .. });
+        if !outcomes.iter().any(unreachable) {
+            if !outcomes.is_empty() {
+                self.unreachable_streak.store(0, Ordering::Relaxed);
+            }
+            return 0;
+        }
+        let before = self.unreachable_streak.fetch_add(1, Ordering::Relaxed);
+        let step = u16::try_from(before).unwrap_or(u16::MAX);
+        let wait = (self.policy.backoff.delay(step, self.random_unit())).min(UNREACHABLE_WAIT_MAX);
+        i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1)
     }
 
     /// A uniform draw in [0, 1) for backoff jitter (splitmix64; no need for a cryptographic source).

@@ -1294,3 +1294,46 @@ fn finished_messages_with_an_idempotency_key_are_reported() {
     );
     assert!(finished.try_recv().is_err(), "nothing else");
 }
+
+/// A destination that cannot be reached uses no attempt however long it stays away: each delivery waits
+/// for it, after the sink's backoff for the batches in a row that found it away, with nothing written;
+/// an answer from it ends the row. (A sink of 2 attempts would have made the message dead after one
+/// failed retry.)
+#[test]
+fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
+    let mut h = Harness::manual();
+    let unreachable = SinkOutcome::Unreachable {
+        reason: "connection refused".into(),
+    };
+    h.script.insert("away".into(), vec![unreachable.clone(); 4]);
+    h.sinks = vec![(
+        "a",
+        SinkPolicy {
+            max_attempts: 2,
+            ..SinkPolicy::default()
+        },
+        None,
+    )];
+    let id = h.schedule("a", T0, "away");
+    h.start();
+    assert_eq!(h.recv().attempt, 0);
+    // Waits of 1 s, 2 s, 4 s and 8 s, each jittered to at least half.
+    let mut at = T0;
+    for wait_ms in [1_000, 2_000, 4_000, 8_000] {
+        assert_eq!(h.settle(1), vec![(id, "postponed")]);
+        h.set(at + wait_ms / 2 - 1);
+        assert!(h.received.try_recv().is_err(), "not before half the wait");
+        at += wait_ms;
+        h.set(at);
+        let r = h.recv();
+        assert_eq!((r.body.as_str(), r.attempt), ("away", 0), "no attempt used");
+    }
+    assert_eq!(h.settle(1), vec![(id, "ok")]);
+    let status = h.log().lookup(id).unwrap().unwrap();
+    assert!(matches!(status.state, MessageState::Delivered { .. }));
+    assert_eq!(
+        status.history.len(),
+        1,
+        "one attempt, nothing written for the waits"
+    );
+}

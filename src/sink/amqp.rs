@@ -7,9 +7,11 @@
 //! what consumers deduplicate on). The channel is in confirm mode; a message counts as delivered only on
 //! the broker's ack without a `basic.return` for it (returns are matched to messages by `message_id`,
 //! and one batch is in flight on a channel at a time: the sink holds one channel per batch it may have
-//! in flight, `max_in_flight`, on one connection). A returned message (no queue bound for its routing key) or
-//! a nack is retried with the sink's backoff, as is everything when the connection or channel fails (a
-//! publish to an exchange that does not exist closes the channel: it is opened again for the next call).
+//! in flight, `max_in_flight`, on one connection). A returned message (no queue bound for its routing key),
+//! a nack, or a channel the broker closed over a message (a publish to an exchange that does not exist:
+//! it is opened again for the next call) is a failed attempt, retried with the sink's backoff. A broker
+//! that cannot be reached (refused, the connection lost, no confirm within 30 s) said nothing about the
+//! messages: they wait for it without using an attempt (`SinkOutcome::Unreachable`).
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
@@ -53,10 +55,18 @@ impl std::fmt::Debug for AmqpSink {
     }
 }
 
-/// Why one message could not be published: the first retries, the second is dead.
+/// Why one message could not be published: the first waits for the connection, the second is dead.
 enum Unpublishable {
     Connection(String),
     Message(String),
+}
+
+/// Why a publish has no confirm.
+enum Unconfirmed {
+    /// Settled already (not published, or no confirm in time).
+    Outcome(SinkOutcome),
+    /// Its channel closed: by the broker over this message, or with the connection.
+    ChannelClosed(String),
 }
 
 impl AmqpSink {
@@ -115,9 +125,21 @@ impl AmqpSink {
         Ok(channel)
     }
 
-    /// One outcome per delivery, and the connection's failure if it failed on the way (what was
-    /// confirmed before stays delivered).
-    async fn send(&self, batch: &[Delivery]) -> Result<(Vec<SinkOutcome>, Option<String>), String> {
+    /// The connection, checked: made again when it is lost.
+    async fn ping(&self) -> Result<(), String> {
+        let mut open = self.connection.lock().await;
+        if open.as_ref().is_some_and(|c| c.status().connected()) {
+            return Ok(());
+        }
+        if let Some(lost) = open.take() {
+            close(&lost).await;
+        }
+        *open = Some(connect(&self.url).await.map_err(|e| e.0)?);
+        Ok(())
+    }
+
+    /// One outcome per delivery; `Err` when the MQ could not be reached at all.
+    async fn send(&self, batch: &[Delivery]) -> Result<Vec<SinkOutcome>, String> {
         // A free channel, else the next in turn (waiting for its batch).
         let first = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let slots = self.channels.len();
@@ -137,10 +159,7 @@ impl AmqpSink {
             let published = match self.publish(&channel, delivery).await {
                 Ok(confirm) => Ok(confirm),
                 Err(Unpublishable::Message(reason)) => Err(SinkOutcome::Dead { reason }),
-                Err(Unpublishable::Connection(reason)) => Err(SinkOutcome::Retry {
-                    after: None,
-                    reason,
-                }),
+                Err(Unpublishable::Connection(reason)) => Err(SinkOutcome::Unreachable { reason }),
             };
             confirms.push(published);
         }
@@ -149,20 +168,18 @@ impl AmqpSink {
         let deadline = tokio::time::Instant::now() + CONFIRM_TIMEOUT;
         let mut answers = Vec::with_capacity(batch.len());
         let mut returned = std::collections::HashMap::new();
-        let mut connection_failed = None;
         for confirm in confirms {
             let answer = match confirm {
-                Err(outcome) => Err(outcome),
+                Err(outcome) => Err(Unconfirmed::Outcome(outcome)),
                 Ok(confirm) => match tokio::time::timeout_at(deadline, confirm).await {
                     Err(_) => {
                         // A late confirm or return must not be taken for the next batch's.
                         *held = None;
-                        Err(retry("no publisher confirm within 30 s".into()))
+                        Err(Unconfirmed::Outcome(SinkOutcome::Unreachable {
+                            reason: "amqp: no publisher confirm within 30 s".into(),
+                        }))
                     }
-                    Ok(Err(e)) => {
-                        connection_failed = Some(e.to_string());
-                        Err(retry(format!("amqp: publish not confirmed: {e}")))
-                    }
+                    Ok(Err(e)) => Err(Unconfirmed::ChannelClosed(e.to_string())),
                     Ok(Ok(confirmation)) => Ok(confirmation),
                 },
             };
@@ -176,10 +193,27 @@ impl AmqpSink {
             }
             answers.push(answer);
         }
+        // A channel closed under a publish: by the broker over this message (a missing exchange), an
+        // answer about it, when the connection is still there; else the connection was lost.
+        let connected = match answers
+            .iter()
+            .any(|a| matches!(a, Err(Unconfirmed::ChannelClosed(_))))
+        {
+            true => (self.connection.lock().await.as_ref())
+                .is_some_and(|connection| connection.status().connected()),
+            false => true,
+        };
         let mut outcomes = Vec::with_capacity(batch.len());
         for (delivery, answer) in batch.iter().zip(answers) {
             let outcome = match (answer, returned.get(&delivery.id.to_string())) {
-                (Err(outcome), _) => outcome,
+                (Err(Unconfirmed::Outcome(outcome)), _) => outcome,
+                (Err(Unconfirmed::ChannelClosed(e)), _) => {
+                    let reason = format!("amqp: publish not confirmed: {e}");
+                    match connected {
+                        true => retry(reason),
+                        false => SinkOutcome::Unreachable { reason },
+                    }
+                }
                 (Ok(_), Some((code, text))) => retry(format!(
                     "amqp: returned unroutable ({code} {text}): no queue is bound to exchange {:?} with routing key {:?}",
                     self.exchange_of(delivery),
@@ -195,18 +229,7 @@ impl AmqpSink {
             };
             outcomes.push(outcome);
         }
-        if let Some(error) = connection_failed {
-            // The channel is gone (a missing exchange closes it; so does a lost connection): is the
-            // connection? The link says down only when it is.
-            let open = self.connection.lock().await;
-            if !open
-                .as_ref()
-                .is_some_and(|connection| connection.status().connected())
-            {
-                return Ok((outcomes, Some(error)));
-            }
-        }
-        Ok((outcomes, None))
+        Ok(outcomes)
     }
 
     fn exchange_of<'a>(&'a self, delivery: &'a Delivery) -> &'a str {
@@ -296,20 +319,22 @@ async fn confirming(connection: &Connection) -> Result<Channel, String> {
 impl Sink for AmqpSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
-            match self.send(batch).await {
-                Ok((outcomes, None)) => {
-                    self.link.up();
-                    outcomes
-                }
-                Ok((outcomes, Some(error))) => {
-                    self.link.down(self.clock.now_ms(), &error);
-                    outcomes
-                }
-                Err(error) => {
-                    self.link.down(self.clock.now_ms(), &error);
-                    let reason = format!("amqp: {error}");
-                    batch.iter().map(|_| retry(reason.clone())).collect()
-                }
+            let outcomes = match self.send(batch).await {
+                Ok(outcomes) => outcomes,
+                Err(error) => super::unreachable_all(batch, &format!("amqp: {error}")),
+            };
+            super::report(&self.link, self.clock.now_ms(), &outcomes);
+            outcomes
+        })
+    }
+
+    fn probe(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            match self.ping().await {
+                Ok(()) => self.link.up(),
+                Err(error) => self
+                    .link
+                    .down(self.clock.now_ms(), &format!("amqp: {error}")),
             }
         })
     }

@@ -4,9 +4,11 @@
 //! what consumers deduplicate on).
 //!
 //! The producer is idempotent (`enable.idempotence`) with `acks=all`: a record counts as delivered only
-//! on a delivery report without error, after every in-sync replica has it. Failures retry with the
-//! sink's backoff (a topic that does not exist yet among them), except a record the broker can never
-//! take (too large for it, a topic name Kafka refuses), which is dead at once.
+//! on a delivery report without error, after every in-sync replica has it. A broker's error about a
+//! record is a failed attempt, retried with the sink's backoff (a topic that does not exist yet among
+//! them), except a record the broker can never take (too large for it, a topic name Kafka refuses),
+//! which is dead at once. No broker answering (the record timed out in the producer, no broker
+//! reachable) uses no attempt: the record waits for one (`SinkOutcome::Unreachable`).
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
@@ -120,7 +122,9 @@ impl KafkaSink {
     }
 }
 
-/// What a failed produce means for the message.
+/// What a failed produce means for the message: no broker answered (the record timed out in the
+/// producer, no broker is reachable, the producer's queue is full of records waiting for one) said
+/// nothing about it.
 fn outcome(error: &KafkaError) -> SinkOutcome {
     let reason = format!("kafka: {error}");
     match error.rdkafka_error_code() {
@@ -129,6 +133,13 @@ fn outcome(error: &KafkaError) -> SinkOutcome {
             | RDKafkaErrorCode::InvalidMessageSize
             | RDKafkaErrorCode::InvalidTopic,
         ) => SinkOutcome::Dead { reason },
+        Some(
+            RDKafkaErrorCode::MessageTimedOut
+            | RDKafkaErrorCode::AllBrokersDown
+            | RDKafkaErrorCode::BrokerTransportFailure
+            | RDKafkaErrorCode::QueueFull
+            | RDKafkaErrorCode::Fatal,
+        ) => SinkOutcome::Unreachable { reason },
         _ => SinkOutcome::Retry {
             after: None,
             reason,
@@ -147,28 +158,8 @@ impl Sink for KafkaSink {
             let sent = batch.iter().zip(&refusals).filter(|(_, r)| r.is_none());
             let results =
                 futures_util::future::join_all(sent.map(|(d, _)| self.produce(&producer, d))).await;
-            // Down when no broker answered (a record timed out, no broker is reachable), up when
-            // one did, whatever it said of a record.
-            let unanswered = |e: &KafkaError| {
-                matches!(
-                    e.rdkafka_error_code(),
-                    Some(
-                        RDKafkaErrorCode::MessageTimedOut
-                            | RDKafkaErrorCode::AllBrokersDown
-                            | RDKafkaErrorCode::BrokerTransportFailure
-                            | RDKafkaErrorCode::Fatal
-                    )
-                )
-            };
-            match results.iter().find_map(|r| r.as_ref().err()) {
-                Some(error) if results.iter().all(|r| r.as_ref().is_err_and(unanswered)) => {
-                    self.link.down(self.clock.now_ms(), &error.to_string())
-                }
-                _ if !results.is_empty() => self.link.up(),
-                _ => {}
-            }
             let mut results = results.iter();
-            refusals
+            let outcomes: Vec<SinkOutcome> = refusals
                 .into_iter()
                 .map(|refusal| {
                     refusal.unwrap_or_else(|| match results.next() {
@@ -180,7 +171,30 @@ impl Sink for KafkaSink {
                         },
                     })
                 })
-                .collect()
+                .collect();
+            super::report(&self.link, self.clock.now_ms(), &outcomes);
+            outcomes
+        })
+    }
+
+    fn probe(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let producer = self.producer();
+            // The cluster's metadata: a round trip to a broker (blocking: off the async threads).
+            let answered = tokio::task::spawn_blocking(move || {
+                (producer.client())
+                    .fetch_metadata(None, Duration::from_secs(5))
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            })
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+            match answered {
+                Ok(()) => self.link.up(),
+                Err(error) => self
+                    .link
+                    .down(self.clock.now_ms(), &format!("kafka: {error}")),
+            }
         })
     }
 }
@@ -190,7 +204,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_record_the_broker_can_never_take_is_dead_and_the_rest_retry() {
+    fn a_record_the_broker_can_never_take_is_dead_an_unanswered_one_waits_the_rest_retry() {
         let produce = |code| KafkaError::MessageProduction(code);
         assert!(matches!(
             outcome(&produce(RDKafkaErrorCode::MessageSizeTooLarge)),
@@ -206,7 +220,11 @@ mod tests {
         ));
         assert!(matches!(
             outcome(&produce(RDKafkaErrorCode::MessageTimedOut)),
-            SinkOutcome::Retry { .. }
+            SinkOutcome::Unreachable { .. }
+        ));
+        assert!(matches!(
+            outcome(&produce(RDKafkaErrorCode::AllBrokersDown)),
+            SinkOutcome::Unreachable { .. }
         ));
     }
 }

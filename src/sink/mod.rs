@@ -54,7 +54,18 @@ pub enum SinkOutcome {
         after: Duration,
         reason: String,
     },
+    /// The destination could not be reached to ask it (an MQ refused the connection, was not connected,
+    /// or timed out before it answered): nothing was said about the message, so no attempt is used.
+    /// The message goes back to the wheel, as for `Postpone`, after a backoff the lane keeps per sink
+    /// (its `backoff`, at most [`UNREACHABLE_WAIT_MAX`]), growing while the destination stays away.
+    /// Only an answer about a message (a nack, an unroutable return, `WRONGTYPE`) is a failed attempt.
+    Unreachable {
+        reason: String,
+    },
 }
+
+/// The longest a message waits for an unreachable destination before it is tried again.
+pub const UNREACHABLE_WAIT_MAX: Duration = Duration::from_secs(30);
 
 /// A destination for due messages.
 pub trait Sink: Send + Sync + fmt::Debug + 'static {
@@ -71,6 +82,32 @@ pub trait Sink: Send + Sync + fmt::Debug + 'static {
     fn deliver_blocking(&self, _batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
         None
     }
+
+    /// Checks the connection to the destination when no delivery has lately (at the start, and every
+    /// few seconds while the sink is idle: [`probe`]), so that what the sink says of it is true: an MQ
+    /// sink connects, or makes a round trip on its connection, and marks its link up or down. Does
+    /// nothing by default (the broker and webhooks keep no connection).
+    fn probe(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+}
+
+/// How long a sink's link may go unchecked before [`probe`] checks it.
+pub const PROBE_IDLE: Duration = Duration::from_secs(2);
+
+/// Probes each MQ sink whose link nothing checked for [`PROBE_IDLE`] (at once at the start), together,
+/// a probe at most 10 s, until the task is dropped.
+pub async fn probe(sinks: Vec<(Arc<dyn Sink>, crate::link::Link)>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let due = sinks
+            .iter()
+            .filter(|(_, link)| link.checked_ago().is_none_or(|ago| ago >= PROBE_IDLE))
+            .map(|(sink, _)| tokio::time::timeout(Duration::from_secs(10), sink.probe()));
+        futures_util::future::join_all(due).await;
+    }
 }
 
 /// A message whose target the sink may not publish to (`crate::mq::Targets`): dead, with the code
@@ -81,15 +118,27 @@ pub fn forbidden(why: &str) -> SinkOutcome {
     }
 }
 
-/// The same retry for every delivery of a batch (the destination could not be reached at all).
-pub fn retry_all(batch: &[Delivery], reason: &str) -> Vec<SinkOutcome> {
-    batch
-        .iter()
-        .map(|_| SinkOutcome::Retry {
-            after: None,
-            reason: reason.to_string(),
-        })
-        .collect()
+/// Tells an MQ sink's link what a batch's outcomes say of the connection: down (and how many
+/// deliveries wait) when any found the MQ unreachable, up when the MQ answered for all the others.
+pub fn report(link: &crate::link::Link, now_ms: i64, outcomes: &[SinkOutcome]) {
+    let mut unreachable = outcomes.iter().filter_map(|o| match o {
+        SinkOutcome::Unreachable { reason } => Some(reason),
+        _ => None,
+    });
+    match unreachable.next() {
+        Some(reason) => link.unreachable(now_ms, reason, 1 + unreachable.count()),
+        None if !outcomes.is_empty() => link.up(),
+        None => {}
+    }
+}
+
+/// [`SinkOutcome::Unreachable`] for every delivery of a batch (the destination could not be reached at
+/// all).
+pub fn unreachable_all(batch: &[Delivery], reason: &str) -> Vec<SinkOutcome> {
+    let unreachable = SinkOutcome::Unreachable {
+        reason: reason.to_string(),
+    };
+    vec![unreachable; batch.len()]
 }
 
 /// Exponential backoff with jitter: attempt `n` (0-based) waits `initial * multiplier^n`, capped, then

@@ -4,7 +4,9 @@
 //! the stream's duplicate window, and consumers can deduplicate on it past that).
 //!
 //! A batch is published at once and its PubAcks awaited together. A message counts as delivered only on
-//! its PubAck (a duplicate's PubAck too: the first copy is stored). The target subject must be captured
+//! its PubAck (a duplicate's PubAck too: the first copy is stored). A server that cannot be reached (the
+//! connection refused or lost, no PubAck in time) said nothing about the messages: they wait for it
+//! without using an attempt (`SinkOutcome::Unreachable`). The target subject must be captured
 //! by some stream: a subject no stream captures has no responder, and the publish is retried with the
 //! sink's backoff (and dead after `max_attempts`), with the reason saying so. A subject with a wildcard
 //! or an empty token, a header NATS cannot carry or a message over the server's `max_payload` is dead at
@@ -12,7 +14,7 @@
 
 use super::{forbidden, BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::link::Link;
-use crate::mq::nats::connect;
+use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::Targets;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
@@ -81,24 +83,35 @@ impl NatsSink {
         }
     }
 
-    /// The current connection's JetStream context: made again when the connection is lost, so that a
-    /// server away fails at once rather than after a publish timeout.
-    async fn context(&self) -> Result<async_nats::jetstream::Context, String> {
+    /// The current connection and its JetStream context: made again when the connection is lost, so
+    /// that a server away fails at once rather than after a publish timeout.
+    async fn connection(
+        &self,
+    ) -> Result<(async_nats::Client, async_nats::jetstream::Context), String> {
         let mut held = self.connection.lock().await;
         if let Some((client, context)) = held.as_ref() {
             if client.connection_state() == async_nats::connection::State::Connected {
-                return Ok(context.clone());
+                return Ok((client.clone(), context.clone()));
             }
         }
         *held = None;
         let client = connect(&self.url).await.map_err(|e| e.0)?;
         let context = async_nats::jetstream::new(client.clone());
-        *held = Some((client, context.clone()));
-        Ok(context)
+        *held = Some((client.clone(), context.clone()));
+        Ok((client, context))
+    }
+
+    /// A round trip to the server (a flush waits for its PONG).
+    async fn ping(&self) -> Result<(), String> {
+        let (client, _) = self.connection().await?;
+        tokio::time::timeout(REQUEST_TIMEOUT, client.flush())
+            .await
+            .map_err(|_| format!("no answer within {REQUEST_TIMEOUT:?}"))?
+            .map_err(|e| e.to_string())
     }
 
     async fn send(&self, batch: &[Delivery]) -> Result<Vec<SinkOutcome>, String> {
-        let context = self.context().await?;
+        let (_, context) = self.connection().await?;
         // Publish all, then await every PubAck: one round trip's wait for the batch.
         let mut published: Vec<Result<PublishAckFuture, SinkOutcome>> = Vec::new();
         for delivery in batch {
@@ -129,35 +142,26 @@ impl NatsSink {
             published.push(sent.map_err(|e| outcome(&message.topic, e.kind(), &e)));
         }
         let mut outcomes = Vec::with_capacity(batch.len());
-        let mut lost = None;
         for (sent, delivery) in published.into_iter().zip(batch) {
             outcomes.push(match sent {
                 Ok(ack) => match ack.await {
                     Ok(_) => SinkOutcome::Delivered,
-                    Err(e) => {
-                        if matches!(
-                            e.kind(),
-                            PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
-                        ) {
-                            lost = Some(e.to_string());
-                        }
-                        outcome(&delivery.message.topic, e.kind(), &e)
-                    }
+                    Err(e) => outcome(&delivery.message.topic, e.kind(), &e),
                 },
                 Err(outcome) => outcome,
             });
-        }
-        match lost {
-            Some(error) => self.link.down(self.clock.now_ms(), &error),
-            None => self.link.up(),
         }
         Ok(outcomes)
     }
 }
 
-/// What a failed publish means for its message.
+/// What a failed publish means for its message: a server that did not answer (no PubAck in time, the
+/// connection gone) said nothing about it.
 fn outcome(subject: &str, kind: PublishErrorKind, error: &dyn std::fmt::Display) -> SinkOutcome {
     match kind {
+        PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe => SinkOutcome::Unreachable {
+            reason: format!("nats: {error}"),
+        },
         PublishErrorKind::StreamNotFound => SinkOutcome::Retry {
             after: None,
             reason: format!(
@@ -177,12 +181,22 @@ fn outcome(subject: &str, kind: PublishErrorKind, error: &dyn std::fmt::Display)
 impl Sink for NatsSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
-            match self.send(batch).await {
+            let outcomes = match self.send(batch).await {
                 Ok(outcomes) => outcomes,
-                Err(error) => {
-                    self.link.down(self.clock.now_ms(), &error);
-                    super::retry_all(batch, &format!("nats: {error}"))
-                }
+                Err(error) => super::unreachable_all(batch, &format!("nats: {error}")),
+            };
+            super::report(&self.link, self.clock.now_ms(), &outcomes);
+            outcomes
+        })
+    }
+
+    fn probe(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            match self.ping().await {
+                Ok(()) => self.link.up(),
+                Err(error) => self
+                    .link
+                    .down(self.clock.now_ms(), &format!("nats: {error}")),
             }
         })
     }

@@ -3,8 +3,9 @@
 //! plus `delayd-id` (the message id, the same on every attempt: what consumers deduplicate on).
 //!
 //! A batch is one pipeline, one round trip. An entry counts as delivered only on Redis's reply (the entry
-//! id); a connection failure retries the batch with the sink's backoff, and a `WRONGTYPE` (the key holds
-//! something other than a stream) makes that message dead: no retry can fix it. So does a target the
+//! id); a connection that fails (Redis away, refused, no reply within 15 s) makes the batch wait for it
+//! (`SinkOutcome::Unreachable`: no attempt used), an error reply is a failed attempt, and a `WRONGTYPE`
+//! (the key holds something other than a stream) makes that message dead: no retry can fix it. So does a target the
 //! sink may not publish to (`targets`, `crate::mq::Targets`), and a header named `body` (it would be a
 //! second `body` field; the intake refuses both, this catches messages taken before the configuration
 //! changed).
@@ -40,6 +41,28 @@ impl RedisSink {
             link,
             clock,
         })
+    }
+
+    /// The connection, made if there is none. A multiplexed connection is shared by clones: the lock
+    /// guards only making it.
+    async fn connection(&self) -> Result<MultiplexedConnection, String> {
+        let mut held = self.connection.lock().await;
+        if held.is_none() {
+            *held = Some(connect(&self.client).await.map_err(|e| e.0)?);
+        }
+        held.clone().ok_or_else(|| "not connected".into())
+    }
+
+    /// A round trip on the connection (`PING`).
+    async fn ping(&self) -> Result<(), String> {
+        let mut connection = self.connection().await?;
+        let pong: redis::RedisResult<String> =
+            redis::cmd("PING").query_async(&mut connection).await;
+        if let Err(e) = pong {
+            *self.connection.lock().await = None;
+            return Err(e.to_string());
+        }
+        Ok(())
     }
 
     /// Why a message cannot be published, if it cannot: no retry would change that.
@@ -81,14 +104,7 @@ impl RedisSink {
         let answers: Vec<redis::RedisResult<Value>> = match commands {
             0 => Vec::new(),
             _ => {
-                // A multiplexed connection is shared by clones: the lock guards only making it.
-                let mut connection = {
-                    let mut held = self.connection.lock().await;
-                    if held.is_none() {
-                        *held = Some(connect(&self.client).await.map_err(|e| e.0)?);
-                    }
-                    held.clone().ok_or("not connected")?
-                };
+                let mut connection = self.connection().await?;
                 match pipe.ignore_errors().query_async(&mut connection).await {
                     Ok(answers) => answers,
                     Err(e) => {
@@ -123,15 +139,22 @@ impl RedisSink {
 impl Sink for RedisSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
-            match self.send(batch).await {
-                Ok(outcomes) => {
-                    self.link.up();
-                    outcomes
-                }
-                Err(error) => {
-                    self.link.down(self.clock.now_ms(), &error);
-                    super::retry_all(batch, &format!("redis: {error}"))
-                }
+            let outcomes = match self.send(batch).await {
+                Ok(outcomes) => outcomes,
+                Err(error) => super::unreachable_all(batch, &format!("redis: {error}")),
+            };
+            super::report(&self.link, self.clock.now_ms(), &outcomes);
+            outcomes
+        })
+    }
+
+    fn probe(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            match self.ping().await {
+                Ok(()) => self.link.up(),
+                Err(error) => self
+                    .link
+                    .down(self.clock.now_ms(), &format!("redis: {error}")),
             }
         })
     }

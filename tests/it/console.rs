@@ -317,6 +317,17 @@ fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
     );
     assert_eq!(days, 2);
 
+    // The sinks say what they are: the broker is built in, a webhook has no connection to show.
+    let states = browser.wait(
+        "the sinks are listed",
+        "const rows = [...document.querySelectorAll('#sinks tbody tr')];
+         return rows.length == 2 ? rows.map(r => [r.dataset.name, r.querySelector('td.state').textContent]) : null",
+    );
+    assert_eq!(
+        states,
+        json!([["broker", "built-in"], ["hooks", "per request"]])
+    );
+
     // The dead letters, each with its buttons; requeue one from the page.
     let doomed_row = format!("tr.dead-row[data-id='{doomed}']");
     browser.wait(

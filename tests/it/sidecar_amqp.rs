@@ -471,7 +471,8 @@ fn config(dir: &Path, url: &str, in_queue: &str) -> PathBuf {
     std::fs::write(
         &path,
         format!(
-            "[sinks.out]\nkind = \"amqp\"\nurl = \"{url}\"\nexchange = \"\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
+            "[sinks.out]\nkind = \"amqp\"\nurl = \"{url}\"\nexchange = \"\"\nexchanges = [\"amq.direct\"]\n\
+             backoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
              [sources.in]\nkind = \"amqp\"\nurl = \"{url}\"\nqueue = \"{in_queue}\"\nsink = \"out\"\nbatch = 64\n"
         ),
     )

@@ -107,12 +107,17 @@ impl Drop for RedisServer {
 
 /// A config with a Redis source `in` (stream `delayd:in`) feeding a Redis sink `out`.
 fn config(dir: &Path, redis: &RedisServer) -> PathBuf {
+    config_with_sink(dir, redis, "")
+}
+
+/// [`config`] with more keys for the sink.
+fn config_with_sink(dir: &Path, redis: &RedisServer, sink_keys: &str) -> PathBuf {
     let path = dir.join("delayd.toml");
     std::fs::write(
         &path,
         format!(
             "[sinks.out]\nkind = \"redis\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\
-             targets = [\"orders:*\", \"orders\"]\n\n\
+             targets = [\"orders:*\", \"orders\"]\n{sink_keys}\n\
              [sources.in]\nkind = \"redis\"\nurl = \"{url}\"\nstream_key = \"delayd:in\"\nconsumer = \"node-a\"\nsink = \"out\"\n",
             url = redis.url()
         ),
@@ -746,5 +751,118 @@ fn an_idle_sources_mark_follows_the_log_and_a_damaged_one_is_named() {
     assert!(
         stderr.contains(&mark.display().to_string()) && stderr.contains("unreadable"),
         "{stderr}"
+    );
+}
+
+/// Redis away for longer than the sink's whole backoff series (3 attempts, 100 and 200 ms apart) kills
+/// nothing: the messages due meanwhile wait for it without spending attempts, and every one is delivered
+/// once it is back. `GET /v1/sinks` counts them as postponed.
+#[test]
+fn an_outage_longer_than_the_backoff_series_kills_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let config = config_with_sink(dir.path(), &redis, "max_attempts = 3\n");
+    let delayd = start_delayd(&dir.path().join("data"), &config);
+    let mut connection = redis.connection();
+    let count = 20;
+    for i in 0..count {
+        publish(
+            &mut connection,
+            &[("delayd-delay", "2s"), ("delayd-target", "orders:out")],
+            &format!("m{i}"),
+        );
+    }
+    wait_for("the requests", Duration::from_secs(10), || {
+        scrape(&delayd.base)
+            .get(r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#)
+            .copied()
+            == Some(count as f64)
+            && pending(&mut connection) == 0
+    });
+    redis.stop();
+    let sink = || {
+        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
+        let sinks = sinks.json["sinks"].as_array().unwrap().clone();
+        sinks.into_iter().find(|s| s["name"] == "out").unwrap()
+    };
+    // Due meanwhile: each waits, again and again, for longer than three attempts would take.
+    wait_for("every message to wait", Duration::from_secs(20), || {
+        sink()["postponed"].as_u64().is_some_and(|n| n >= 3 * count)
+    });
+    let away = sink();
+    assert_eq!(away["connected"], false, "{away}");
+    assert!(away["last_error"].as_str().is_some(), "{away}");
+    redis.restart(&[]);
+    let mut connection = redis.connection();
+    let got = read_target(
+        &mut connection,
+        "orders:out",
+        count as usize,
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        got.len(),
+        count as usize,
+        "every message delivered, none dead"
+    );
+    for entry in &got {
+        let id = &entry.fields["delayd-id"];
+        let status = request(
+            &delayd.base,
+            "GET",
+            &format!("/v1/messages/{id}"),
+            None,
+            None,
+        );
+        assert_eq!(status.json["status"], "delivered", "{}", status.json);
+        assert_eq!(
+            status.json["attempts"], 1,
+            "no attempt spent waiting: {}",
+            status.json
+        );
+    }
+    wait_for("the sink to be up", Duration::from_secs(10), || {
+        sink()["connected"] == true
+    });
+}
+
+/// What `GET /v1/sinks` says of the sink's connection is true without a delivery: connected once delayd
+/// checked Redis at its start, disconnected within seconds of Redis going away, connected again once it
+/// is back (delayd checks an idle sink every 2 s).
+#[test]
+fn the_sinks_state_follows_redis_without_deliveries() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
+    let connected = || {
+        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
+        let sinks = sinks.json["sinks"].as_array().unwrap().clone();
+        let out = sinks.into_iter().find(|s| s["name"] == "out").unwrap();
+        out["connected"].as_bool().unwrap()
+    };
+    wait_for(
+        "the sink to be connected",
+        Duration::from_secs(10),
+        connected,
+    );
+    redis.stop();
+    wait_for(
+        "the sink to be disconnected",
+        Duration::from_secs(10),
+        || !connected(),
+    );
+    redis.restart(&[]);
+    wait_for(
+        "the sink to be connected again",
+        Duration::from_secs(10),
+        connected,
+    );
+    assert_eq!(
+        scrape(&delayd.base)[r#"delayd_sink_connected{sink="out"}"#],
+        1.0
     );
 }
