@@ -208,7 +208,7 @@ pub async fn run_with_ready(
         )
     };
     intake.start_pruning();
-    let (stop_sources, sources) = start_sources(&config, &intake, &broker).await?;
+    let (stop_sources, sources) = start_sources(&config, &intake).await?;
     let state = Arc::new(api::Services {
         log: log.clone(),
         scheduler: scheduler.clone(),
@@ -262,7 +262,6 @@ pub async fn run_with_ready(
 async fn start_sources(
     config: &Config,
     intake: &Arc<intake::Intake>,
-    broker: &Arc<Broker>,
 ) -> anyhow::Result<(
     tokio::sync::watch::Sender<bool>,
     Vec<(link::Link, tokio::task::JoinHandle<()>)>,
@@ -317,9 +316,9 @@ async fn start_sources(
             data_dir: config.data_dir.clone(),
         };
         let link = link::Link::new("source", name, &source.kind);
-        let (intake, broker, runner_link) = (intake.clone(), broker.clone(), link.clone());
+        let (intake, runner_link) = (intake.clone(), link.clone());
         let runner = tokio::task::spawn_blocking(move || {
-            source::SourceRunner::open(settings, intake, broker, runner_link, transport)
+            source::SourceRunner::open(settings, intake, runner_link, transport)
         })
         .await?
         .with_context(|| format!("opening sources.{name}"))?;

@@ -313,16 +313,19 @@ fn validate<'a>(
             ))
         }
     };
-    // Where an MQ source's request was: a message over HTTP must not claim one (a redelivered request
-    // would be taken for it).
-    if request
-        .headers
-        .keys()
-        .any(|n| n.eq_ignore_ascii_case(crate::source::POSITION_HEADER))
+    // Where an MQ source's request was (a redelivered request would be taken for a message over HTTP
+    // that claims its position), and a request's refusal (the message would be dead at once): delayd's
+    // own.
+    let own = [
+        crate::source::POSITION_HEADER,
+        crate::scheduler::DEAD_ON_ARRIVAL_HEADER,
+    ];
+    if let Some(name) =
+        (request.headers.keys()).find(|n| own.iter().any(|o| n.eq_ignore_ascii_case(o)))
     {
         return Err(ApiError::bad_request(
             "invalid_header",
-            format!("{} is delayd's own header", crate::source::POSITION_HEADER),
+            format!("{name} is delayd's own header"),
         ));
     }
     let draft = Draft {

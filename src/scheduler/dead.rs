@@ -13,6 +13,8 @@
 //! - Both run one at a time, so that two requeues of one message cannot make two attempts: the second
 //!   looks it up after the first recorded its outcome, and finds it pending.
 //! - The new attempt carries no idempotency key claim (`dedup` off): the key was let go when it died.
+//! - A source's request that was dead on arrival is requeued as a message like any other (its mark,
+//!   the `delayd-dead-on-arrival` header, is left behind), unless it named no target.
 
 use super::Shared;
 use schedulelog::{
@@ -30,6 +32,9 @@ pub enum DeadLetterError {
     NotDead(&'static str),
     #[error("the message has had as many attempts as an id can count")]
     TooManyAttempts,
+    /// A source's request that named no target: nothing to deliver it to.
+    #[error("the request named no target (delayd-target): there is nothing to deliver it to; publish it again with one")]
+    NoTarget,
     #[error("looking the message up failed: {0}")]
     Lookup(#[from] schedulelog::Error),
     #[error(transparent)]
@@ -94,11 +99,18 @@ pub(crate) async fn requeue(
         .attempt
         .checked_add(1)
         .ok_or(DeadLetterError::TooManyAttempts)?;
+    if m.topic.is_empty() {
+        return Err(DeadLetterError::NoTarget);
+    }
     let next = NewMessage {
         deliver_at_ms,
         topic: m.topic.clone(),
         key: m.key.clone(),
-        headers: m.headers.clone(),
+        // Requeued, a request that was dead on arrival is delivered like any message.
+        headers: (m.headers.iter())
+            .filter(|(name, _)| name != super::DEAD_ON_ARRIVAL_HEADER)
+            .cloned()
+            .collect(),
         sink: m.sink.clone(),
         body: m.body.clone(),
         retry_of: Some((id, attempt)),

@@ -154,10 +154,12 @@ impl Lane {
                 shared: lane.shared.clone(),
                 ids: deliveries.iter().map(|d| d.id).collect(),
             };
-            let outcomes = if deliveries.is_empty() {
-                None
-            } else {
-                lane.deliver_in_place(&deliveries)
+            // A batch with a message dead on arrival goes the other way, which answers for those.
+            let in_place =
+                !deliveries.is_empty() && !deliveries.iter().any(|d| dead_on_arrival(d).is_some());
+            let outcomes = match in_place {
+                true => lane.deliver_in_place(&deliveries),
+                false => None,
             };
             (entries, deliveries, flight, outcomes)
         })
@@ -176,7 +178,7 @@ impl Lane {
             Some(outcomes) => outcomes,
             None => {
                 self.record_lateness(&deliveries, self.shared.clock.now_ms());
-                self.sink.deliver(&deliveries).await
+                self.answer(&deliveries).await
             }
         };
         outcomes.resize(
@@ -187,6 +189,36 @@ impl Lane {
             },
         );
         self.settle(&entries, &deliveries, outcomes, flight).await;
+    }
+
+    /// The answers for a batch: dead for a message dead on arrival ([`DEAD_ON_ARRIVAL_HEADER`]), the
+    /// sink's for the others.
+    async fn answer(&self, deliveries: &[Delivery]) -> Vec<SinkOutcome> {
+        let arrived_dead: Vec<Option<&str>> = deliveries.iter().map(dead_on_arrival).collect();
+        if arrived_dead.iter().all(Option::is_none) {
+            return self.sink.deliver(deliveries).await;
+        }
+        let others: Vec<Delivery> = (deliveries.iter().zip(&arrived_dead))
+            .filter(|(_, dead)| dead.is_none())
+            .map(|(delivery, _)| delivery.clone())
+            .collect();
+        let mut answers = match others.is_empty() {
+            true => Vec::new(),
+            false => self.sink.deliver(&others).await,
+        }
+        .into_iter();
+        arrived_dead
+            .into_iter()
+            .map(|dead| match dead {
+                Some(reason) => SinkOutcome::Dead {
+                    reason: reason.to_string(),
+                },
+                None => answers.next().unwrap_or_else(|| SinkOutcome::Retry {
+                    after: None,
+                    reason: "the sink gave no answer for this message".into(),
+                }),
+            })
+            .collect()
     }
 
     /// The sink's answers if it delivers in place (on this thread, a blocking-pool one), else `None`.
@@ -518,6 +550,10 @@ impl Lane {
 /// A copy of a dead message for the `$dead` topic, with why it died and where it was going.
 fn dead_letter(delivery: &Delivery, reason: &str) -> Delivery {
     let mut copy = delivery.clone();
+    // (A request dead on arrival: `delayd-dead-reason` says it.)
+    copy.message
+        .headers
+        .retain(|(name, _)| name != DEAD_ON_ARRIVAL_HEADER);
     copy.message
         .headers
         .push(("delayd-dead-reason".into(), reason.to_string()));
@@ -533,6 +569,19 @@ fn dead_letter(delivery: &Delivery, reason: &str) -> Delivery {
 
 /// The broker topic that receives dead messages.
 pub const DEAD_TOPIC: &str = "$dead";
+
+/// The header of a message that was dead when it arrived: a request an MQ source could not take (no
+/// time, no target, a forbidden one...), stored as a message all the same so that it is listed, found
+/// by its id and requeued like every dead letter. Its value is the reason; the lane makes the message
+/// dead with it, without calling the sink (also after a crash between its append and that outcome).
+pub const DEAD_ON_ARRIVAL_HEADER: &str = "delayd-dead-on-arrival";
+
+/// Why a delivery's message was dead on arrival, if it was.
+fn dead_on_arrival(delivery: &Delivery) -> Option<&str> {
+    (delivery.message.headers.iter())
+        .find(|(name, _)| name == DEAD_ON_ARRIVAL_HEADER)
+        .map(|(_, reason)| reason.as_str())
+}
 
 /// Attempts a lane has admitted and not yet settled; released from the registry when dropped (also if
 /// the task that holds them ends early), so that a cancel is refused only while they really run.

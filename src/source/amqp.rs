@@ -152,10 +152,13 @@ impl AmqpTransport {
                 match text(value) {
                     Ok(value) => request.headers.push((name.as_str().to_string(), value)),
                     Err(kind) => {
-                        request.unreadable = Some(format!(
-                        "header {:?} is {kind}: delayd keeps text, number and boolean headers only",
-                        name.as_str()
-                    ))
+                        // Kept in the dead letter as its rendering.
+                        let rendered = format!("{value:?}");
+                        request.refuse(format!(
+                            "header {:?} is {kind}: delayd keeps text, number and boolean headers only (the dead letter keeps its rendering)",
+                            name.as_str()
+                        ));
+                        request.headers.push((name.as_str().to_string(), rendered));
                     }
                 }
             }

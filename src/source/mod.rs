@@ -30,15 +30,15 @@ pub(crate) mod mark;
 pub mod nats;
 pub mod redis;
 
-use crate::broker::{Broker, Incoming};
 use crate::intake::{delay_from_text, deliver_at_from_text, Draft, Intake, MessageKey, Rejection};
 use crate::link::Link;
 use crate::mq::{MqError, EXCHANGE_HEADER};
-use crate::scheduler::{CancelError, DEAD_TOPIC};
+use crate::scheduler::{CancelError, DEAD_ON_ARRIVAL_HEADER};
 use crate::sink::BoxFuture;
+use base64::Engine;
 use mark::Mark;
-use schedulelog::EncodedMessage;
-use std::collections::{BTreeMap, HashMap};
+use schedulelog::{EncodedMessage, MessageRef};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,6 +66,27 @@ pub struct Request {
     pub default_target: Option<String>,
     /// The key when no header gives one (Kafka: the record's key).
     pub default_key: Option<String>,
+}
+
+impl Request {
+    /// Makes the request a dead letter for `why` (added to any reason it has already).
+    pub fn refuse(&mut self, why: String) {
+        self.unreadable = Some(match self.unreadable.take() {
+            Some(before) => format!("{before}; {why}"),
+            None => why,
+        });
+    }
+
+    /// Keeps a header whose value is not text (not UTF-8) as `NAME.base64`, its bytes in standard
+    /// base64, and makes the request a dead letter that says so: delayd carries text headers only.
+    pub fn keep_binary_header(&mut self, name: &str, value: &[u8]) {
+        let kept = format!("{name}.base64");
+        let encoded = base64::engine::general_purpose::STANDARD.encode(value);
+        self.refuse(format!(
+            "header {name:?} is not UTF-8 (the dead letter keeps it as {kept})"
+        ));
+        self.headers.push((kept, encoded));
+    }
 }
 
 /// A transport's failure: the connection is dropped and made again, with backoff.
@@ -141,22 +162,30 @@ fn consumed(name: &str) -> bool {
         )
 }
 
+/// A request's header, by a name matched without regard to case, trimmed.
+fn header<'r>(request: &'r Request, name: &str) -> Option<&'r str> {
+    request
+        .headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim())
+}
+
+/// Where a request wants its message delivered (empty: nowhere).
+fn target_of(request: &Request) -> Option<&str> {
+    header(request, "delayd-target")
+        .or_else(|| header(request, "Nats-Schedule-Target"))
+        .or_else(|| header(request, "scheduler-target-topic"))
+        .or(request.default_target.as_deref())
+}
+
 /// Reads a request's headers (DESIGN.md §11): when, where, key, cancel. `now_ms` anchors delays.
 fn classify(request: &Request, now_ms: i64) -> Action {
     if let Some(why) = &request.unreadable {
         return Action::Dead(Rejection::new("invalid_header", why.clone()));
     }
-    let get = |name: &str| {
-        request
-            .headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.trim())
-    };
-    let target = get("delayd-target")
-        .or_else(|| get("Nats-Schedule-Target"))
-        .or_else(|| get("scheduler-target-topic"))
-        .or(request.default_target.as_deref());
+    let get = |name: &str| header(request, name);
+    let target = target_of(request);
     let key = get("delayd-key")
         .or_else(|| get("scheduler-target-key"))
         .or(request.default_key.as_deref());
@@ -324,7 +353,6 @@ pub struct SourceRunner {
 struct Writer {
     settings: SourceSettings,
     intake: Arc<Intake>,
-    broker: Arc<Broker>,
     link: Link,
     /// Whether the MQ's positions are ordered ([`Transport::ordered_positions`]).
     ordered: bool,
@@ -354,7 +382,6 @@ impl SourceRunner {
     pub fn open(
         settings: SourceSettings,
         intake: Arc<Intake>,
-        broker: Arc<Broker>,
         link: Link,
         transport: Box<dyn Transport>,
     ) -> anyhow::Result<SourceRunner> {
@@ -388,7 +415,6 @@ impl SourceRunner {
             writer: Writer {
                 settings,
                 intake,
-                broker,
                 link,
                 ordered: transport.ordered_positions(),
                 last_written: unacked.values().map(|(seq, _)| seq + 1).max().unwrap_or(0),
@@ -709,17 +735,20 @@ impl Writer {
         }
         self.write_run(requests, run).await?;
         if !dead.is_empty() {
-            let letters: Vec<Incoming> = dead
+            // Messages like any, dead on arrival (the lane makes them dead without delivering them):
+            // listed, found by their ids and requeued like every dead letter.
+            let letters = dead
                 .iter()
                 .map(|(i, why)| self.dead_letter(&requests[*i], why, now))
                 .collect();
-            let broker = self.broker.clone();
-            tokio::task::spawn_blocking(move || broker.append(letters))
+            let appended = self
+                .intake
+                .schedule(letters)
                 .await
-                .map_err(|e| NotStored(e.to_string()))?
                 .map_err(|e| NotStored(format!("storing dead letters: {e}")))?;
-            for (i, why) in &dead {
-                tracing::debug!(source = %self.settings.name, receipt = %requests[*i].receipt, reason = %why, "request made a dead letter");
+            for ((i, why), one) in dead.iter().zip(appended) {
+                tracing::debug!(source = %self.settings.name, receipt = %requests[*i].receipt, id = %one.id, reason = %why, "request made a dead letter");
+                self.written(&requests[*i], one.location.seq);
                 self.count(Outcome::Dead, 1);
             }
         }
@@ -837,29 +866,66 @@ impl Writer {
         }
     }
 
-    fn dead_letter(&self, request: &Request, why: &Rejection, now_ms: i64) -> Incoming {
-        let mut headers: BTreeMap<String, String> = request
-            .headers
-            .iter()
-            .filter(|(n, v)| !n.is_empty() && !v.chars().any(char::is_control))
-            .cloned()
+    /// A request that cannot be scheduled as the message it asks for: a message due now, for this
+    /// source's sink, marked dead on arrival with the reason, keeping the request's target (as its
+    /// topic, when one fits), headers and body. A header value with control characters is kept with
+    /// them escaped (`\u{1b}`); one that is not text is kept by the transport (as `NAME.base64`, or
+    /// an AMQP table's rendering), and the reason names it. A body the log cannot hold is cut to
+    /// `limits.max_message_bytes`, its length in `delayd-body-bytes`.
+    fn dead_letter(&self, request: &Request, why: &Rejection, now_ms: i64) -> EncodedMessage {
+        let topic = target_of(request)
+            .filter(|t| t.len() <= 255)
+            .unwrap_or_default();
+        let mut escaped = false;
+        let mut headers: Vec<(String, String)> = (request.headers.iter())
+            .filter(|(name, _)| name != DEAD_ON_ARRIVAL_HEADER && name != POSITION_HEADER)
+            .map(|(name, value)| match value.chars().any(char::is_control) {
+                true => {
+                    escaped = true;
+                    (name.clone(), escape_controls(value))
+                }
+                false => (name.clone(), value.clone()),
+            })
             .collect();
-        headers.insert("delayd-reason".into(), why.to_string());
-        let position = request.position.as_ref().unwrap_or(&request.receipt);
-        headers.insert(
-            POSITION_HEADER.into(),
-            format!("{}/{position}", self.settings.name),
-        );
-        Incoming {
-            topic: DEAD_TOPIC.to_string(),
-            id: format!("{}/{position}", self.settings.name),
-            key: None,
-            headers,
-            deliver_at_ms: now_ms,
-            delivered_at_ms: now_ms,
-            attempt: 0,
-            body: request.body.clone(),
+        let reason = match escaped {
+            true => format!("{why} (header values with control characters are kept escaped)"),
+            false => why.to_string(),
+        };
+        if let Some(position) = &request.position {
+            headers.push((
+                POSITION_HEADER.to_string(),
+                format!("{}/{position}", self.settings.name),
+            ));
         }
+        headers.push((DEAD_ON_ARRIVAL_HEADER.to_string(), reason));
+        let encode = |headers: &[(String, String)], body: &[u8]| {
+            let headers: Vec<(&str, &str)> = (headers.iter())
+                .map(|(n, v)| (n.as_str(), v.as_str()))
+                .collect();
+            MessageRef {
+                deliver_at_ms: now_ms,
+                topic,
+                key: None,
+                headers: &headers,
+                sink: &self.settings.sink,
+                body,
+                retry_of: None,
+                dedup: false,
+            }
+            .encode()
+        };
+        encode(&headers, &request.body).unwrap_or_else(|_| {
+            // Too large for the log: the body cut, and if that is not enough, only delayd's headers.
+            let max = self.intake.config.limits.max_message_bytes;
+            let cut = &request.body[..request.body.len().min(max)];
+            headers.push(("delayd-body-bytes".into(), request.body.len().to_string()));
+            encode(&headers, cut).unwrap_or_else(|_| {
+                headers.retain(|(name, _)| name.starts_with("delayd-"));
+                encode(&headers, cut).expect(
+                    "a message of delayd's headers and a body within the limits fits the log",
+                )
+            })
+        })
     }
 
     /// Saves the mark (after an empty receive, a second after the last save, while the MQ is away,
@@ -898,6 +964,18 @@ impl Writer {
             }
         }
     }
+}
+
+/// A header value with its control characters escaped (`\u{1b}`): kept in a dead letter, where a
+/// header may not hold them.
+fn escape_controls(value: &str) -> String {
+    value
+        .chars()
+        .map(|c| match c.is_control() {
+            true => c.escape_unicode().to_string(),
+            false => c.to_string(),
+        })
+        .collect()
 }
 
 /// The position a record's request had in this source, from its header (`prefix`: `{source}/`).

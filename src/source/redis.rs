@@ -13,6 +13,7 @@
 
 use super::{Request, Transport, TransportError};
 use crate::mq::redis::connect;
+use crate::mq::REDIS_BODY;
 use crate::sink::BoxFuture;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
@@ -119,15 +120,12 @@ fn entries(answer: Value) -> Result<Vec<Request>, TransportError> {
                             request.unreadable = Some("a field name is not UTF-8".into());
                             continue;
                         };
-                        if name == "body" {
+                        if name == REDIS_BODY {
                             request.body = value;
                         } else {
                             match String::from_utf8(value) {
                                 Ok(value) => request.headers.push((name, value)),
-                                Err(_) => {
-                                    request.unreadable =
-                                        Some(format!("field {name:?} is not UTF-8"))
-                                }
+                                Err(e) => request.keep_binary_header(&name, e.as_bytes()),
                             }
                         }
                     }

@@ -44,22 +44,51 @@ pub fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> boo
     }
 }
 
-/// Asserts that the broker's `$dead` topic holds one dead letter per code in `codes`, each with `body`
-/// and a `delayd-reason` starting with its code (the MQ sources' dead letters).
+/// Asserts that the broker's `$dead` topic holds one dead letter per code in `codes` (waiting for them:
+/// the scheduler makes a source's dead letter dead a moment after it is stored), each with `body` and a
+/// `delayd-dead-reason` starting with its code, and that each is a dead message as any other: found by
+/// its id with that reason, and in `GET /v1/messages?status=dead` (the MQ sources' dead letters).
 pub fn assert_dead_letters(base: &str, body: &str, codes: &[&str]) {
-    let mut reasons = Vec::new();
-    let topic = request(base, "GET", "/v1/topics/$dead", None, None);
-    let queues = topic.json["queues"].as_array().unwrap().len();
-    for queue in 0..queues {
-        let path = format!("/v1/topics/$dead/queues/{queue}/messages?offset=0&max=100");
-        let pulled = request(base, "GET", &path, None, None);
-        for message in pulled.json["messages"].as_array().unwrap() {
-            assert_eq!(message["body"], body);
-            let reason = message["headers"]["delayd-reason"].as_str().unwrap();
-            reasons.push(reason.to_string());
+    let pull = || {
+        let mut letters = Vec::new();
+        let topic = request(base, "GET", "/v1/topics/$dead", None, None);
+        let queues = topic.json["queues"].as_array().map_or(0, Vec::len);
+        for queue in 0..queues {
+            let path = format!("/v1/topics/$dead/queues/{queue}/messages?offset=0&max=100");
+            let pulled = request(base, "GET", &path, None, None);
+            letters.extend(pulled.json["messages"].as_array().unwrap().iter().cloned());
         }
+        letters
+    };
+    wait_for("the dead letters", Duration::from_secs(30), || {
+        pull().len() >= codes.len()
+    });
+    let letters = pull();
+    assert_eq!(letters.len(), codes.len(), "{letters:?}");
+    let listed = request(
+        base,
+        "GET",
+        "/v1/messages?status=dead&limit=1000",
+        None,
+        None,
+    );
+    let listed: Vec<&str> = listed.json["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    let mut reasons = Vec::new();
+    for letter in &letters {
+        assert_eq!(letter["body"], body);
+        let reason = letter["headers"]["delayd-dead-reason"].as_str().unwrap();
+        let id = letter["id"].as_str().unwrap();
+        let status = request(base, "GET", &format!("/v1/messages/{id}"), None, None);
+        assert_eq!(status.json["status"], "dead", "{}", status.json);
+        assert_eq!(status.json["reason"], reason, "{}", status.json);
+        assert!(listed.contains(&id), "{id} listed as dead");
+        reasons.push(reason.to_string());
     }
-    assert_eq!(reasons.len(), codes.len(), "{reasons:?}");
     for code in codes {
         assert!(
             reasons.iter().any(|r| r.starts_with(code)),

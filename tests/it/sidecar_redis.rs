@@ -866,3 +866,78 @@ fn the_sinks_state_follows_redis_without_deliveries() {
         1.0
     );
 }
+
+/// A request that cannot be scheduled is a dead letter where every other one is: a dead message with an
+/// id the API finds and lists, requeued once fixed (here: a missing delivery time, which a requeue
+/// supplies), with its headers kept: one with a control character escaped, one that is not UTF-8
+/// base64-encoded as `NAME.base64`, the reason naming both. One without a target cannot be requeued.
+#[test]
+fn a_sources_dead_letter_is_found_listed_and_requeued() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(redis) = RedisServer::start(dir.path()) else {
+        return;
+    };
+    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
+    let mut connection = redis.connection();
+    let _: String = redis::cmd("XADD")
+        .arg("delayd:in")
+        .arg("*")
+        .arg("delayd-target")
+        .arg("orders:out")
+        .arg("trace")
+        .arg("a\u{1b}b")
+        .arg("bin")
+        .arg(&[0xffu8, 0x00][..])
+        .arg("body")
+        .arg("no time")
+        .query(&mut connection)
+        .unwrap();
+    publish(&mut connection, &[("delayd-delay", "1s")], "no target");
+    // Listed as dead, by their targets.
+    let dead = |topic: &str| {
+        let listed = request(&delayd.base, "GET", "/v1/messages?status=dead", None, None);
+        let messages = listed.json["messages"].as_array().unwrap().clone();
+        messages.into_iter().find(|m| m["topic"] == topic)
+    };
+    wait_for("both dead letters listed", Duration::from_secs(10), || {
+        dead("orders:out").is_some() && dead("").is_some()
+    });
+    let no_time = dead("orders:out").unwrap();
+    let reason = no_time["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("invalid_header")
+            && reason.contains("bin.base64")
+            && reason.contains("escaped"),
+        "{reason}"
+    );
+    let id = no_time["id"].as_str().unwrap();
+    let requeued = request(
+        &delayd.base,
+        "POST",
+        &format!("/v1/messages/{id}/requeue"),
+        Some("{}"),
+        None,
+    );
+    assert_eq!(requeued.status, 200, "{}", requeued.json);
+    let got = read_target(&mut connection, "orders:out", 1, Duration::from_secs(10));
+    assert_eq!(got.len(), 1);
+    let fields = &got[0].fields;
+    assert_eq!(fields["body"], "no time");
+    assert_eq!(fields["trace"], "a\\u{1b}b");
+    assert_eq!(fields["bin.base64"], "/wA=");
+    assert_eq!(fields["delayd-id"], id);
+    let no_target = dead("").unwrap();
+    let refused = request(
+        &delayd.base,
+        "POST",
+        &format!("/v1/messages/{}/requeue", no_target["id"].as_str().unwrap()),
+        Some("{}"),
+        None,
+    );
+    assert_eq!(
+        (refused.status, refused.json["code"].as_str()),
+        (409, Some("no_target")),
+        "{}",
+        refused.json
+    );
+}

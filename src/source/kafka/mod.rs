@@ -4,7 +4,8 @@
 //! - A request's headers are the record's headers (values as UTF-8 text; a null value is empty), its
 //!   body the record's value; the record's key is its key when no `delayd-key` (or
 //!   `scheduler-target-key`) header gives one (DESIGN.md §11). A header value, or a key needed as the
-//!   key, that is not UTF-8 makes the request a dead letter.
+//!   key, that is not UTF-8 makes the request a dead letter, which keeps it base64-encoded
+//!   (`NAME.base64`, `record-key.base64`).
 //! - Its receipt: `{topic}/{partition}/{offset}`. An acknowledgement commits, per partition, the
 //!   batch's highest offset + 1, synchronously (the group coordinator answered).
 //! - Its position (what a redelivery is recognised by): `{topic}/{partition}@{epoch}/{offset}`, or the
@@ -27,6 +28,7 @@ mod epochs;
 use super::{Request, Transport, TransportError};
 use crate::mq::kafka::client_config;
 use crate::sink::BoxFuture;
+use base64::Engine;
 use epochs::Epochs;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
@@ -249,24 +251,24 @@ fn request(message: &BorrowedMessage<'_>) -> Request {
     };
     if let Some(headers) = message.headers() {
         for header in headers.iter() {
-            match std::str::from_utf8(header.value.unwrap_or_default()) {
+            let value = header.value.unwrap_or_default();
+            match std::str::from_utf8(value) {
                 Ok(value) => request
                     .headers
                     .push((header.key.to_string(), value.to_string())),
-                Err(_) => {
-                    request.unreadable = Some(format!("header {:?} is not UTF-8", header.key))
-                }
+                Err(_) => request.keep_binary_header(header.key, value),
             }
         }
     }
     let keyed = request.headers.iter().any(|(name, _)| {
         name.eq_ignore_ascii_case("delayd-key") || name.eq_ignore_ascii_case("scheduler-target-key")
     });
-    match message.key().map(std::str::from_utf8) {
-        Some(Ok(key)) if !key.is_empty() => request.default_key = Some(key.to_string()),
-        Some(Err(_)) if !keyed => {
-            request.unreadable =
-                Some("the record key is not UTF-8 (give delayd-key instead)".into())
+    match message.key().map(|key| (key, std::str::from_utf8(key))) {
+        Some((_, Ok(key))) if !key.is_empty() => request.default_key = Some(key.to_string()),
+        Some((key, Err(_))) if !keyed => {
+            let encoded = base64::engine::general_purpose::STANDARD.encode(key);
+            request.refuse("the record key is not UTF-8 (give delayd-key instead; the dead letter keeps it as record-key.base64)".into());
+            request.headers.push(("record-key.base64".into(), encoded));
         }
         _ => {}
     }
