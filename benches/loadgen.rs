@@ -22,6 +22,9 @@
 //! RabbitMQ queue, Kafka topic) as an
 //! application would, counted as ingested once delayd has acknowledged them to the MQ (after its
 //! fsync), and read from a target stream or queue on that MQ when due. `benches/sidecar.sh` runs them.
+//! With `--straight` the same messages are published to the target itself and read there, no delayd
+//! involved: the MQ's own pass. `pass_s` (the first request sent to the last message read) of a
+//! sidecar run with every message due at once, against that of a straight run, is the sidecar's cost.
 //!
 //! Peers, as a competent team would build them:
 //! - Redis (`appendonly yes`, `appendfsync always`): the payload in a hash field, the due time in a
@@ -98,6 +101,10 @@ struct Args {
     /// once the MQ confirmed them (the MQ's own ceiling for the sidecar's requests); no consumer
     #[arg(long)]
     publish_only: bool,
+    /// A sidecar target with no delayd: publish the messages straight to the target (no delay headers)
+    /// and consume them there: the MQ's own pass, which `pass_s` times against the sidecar's
+    #[arg(long)]
+    straight: bool,
     /// The target's process id, for its peak RSS and the bytes it writes to disk
     #[arg(long)]
     pid: Option<u32>,
@@ -365,6 +372,8 @@ impl Target for Redis {
 /// acknowledged every entry.
 struct Sidecar {
     connection: redis::aio::MultiplexedConnection,
+    /// Publish to the target itself (`--straight`).
+    straight: bool,
     /// The last target entry read (one consumer reads the target stream).
     last: tokio::sync::Mutex<String>,
     produced: AtomicU64,
@@ -377,16 +386,18 @@ impl Target for Sidecar {
     async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
         let mut pipe = redis::pipe();
         for job in &jobs {
-            pipe.cmd("XADD")
-                .arg(SIDECAR_IN)
-                .arg("*")
-                .arg("delayd-deliver-at")
-                .arg(job.due_ms)
-                .arg("delayd-target")
-                .arg(SIDECAR_OUT)
-                .arg("body")
-                .arg(&job.body)
-                .ignore();
+            if self.straight {
+                pipe.cmd("XADD").arg(SIDECAR_OUT).arg("*");
+            } else {
+                pipe.cmd("XADD")
+                    .arg(SIDECAR_IN)
+                    .arg("*")
+                    .arg("delayd-deliver-at")
+                    .arg(job.due_ms)
+                    .arg("delayd-target")
+                    .arg(SIDECAR_OUT);
+            }
+            pipe.arg("body").arg(&job.body).ignore();
         }
         let mut connection = self.connection.clone();
         let () = pipe.query_async(&mut connection).await?;
@@ -484,6 +495,8 @@ impl Target for Sidecar {
 /// request published and has acknowledged each (it acks after its fsync).
 struct NatsSidecar {
     js: async_nats::jetstream::Context,
+    /// Publish to the target itself (`--straight`).
+    straight: bool,
     /// The target stream's reader (one consumer task reads it).
     reader: tokio::sync::Mutex<async_nats::jetstream::consumer::pull::Stream>,
     /// The highest stream sequence a PubAck gave.
@@ -501,7 +514,7 @@ const NATS_OUT_STREAM: &str = "LOADGEN_OUT";
 const NATS_OUT: &str = "loadgen.out";
 
 impl NatsSidecar {
-    async fn connect(url: &str, in_flight: usize) -> anyhow::Result<NatsSidecar> {
+    async fn connect(url: &str, in_flight: usize, straight: bool) -> anyhow::Result<NatsSidecar> {
         use async_nats::jetstream::{self, consumer, stream};
         let client = async_nats::connect(url).await?;
         // Each producer holds a batch of PubAck futures before awaiting them, and the client lets no
@@ -542,6 +555,7 @@ impl NatsSidecar {
             .await?;
         Ok(NatsSidecar {
             js,
+            straight,
             reader: tokio::sync::Mutex::new(reader),
             last_seq: AtomicU64::new(0),
         })
@@ -552,14 +566,16 @@ impl Target for NatsSidecar {
     async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
         let mut acks = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert("delayd-deliver-at", job.due_ms.to_string().as_str());
-            headers.insert("delayd-target", NATS_OUT);
-            acks.push(
-                self.js
-                    .publish_with_headers(NATS_IN, headers, job.body.clone().into())
-                    .await?,
-            );
+            let body = job.body.clone().into();
+            acks.push(match self.straight {
+                true => self.js.publish(NATS_OUT, body).await?,
+                false => {
+                    let mut headers = async_nats::HeaderMap::new();
+                    headers.insert("delayd-deliver-at", job.due_ms.to_string().as_str());
+                    headers.insert("delayd-target", NATS_OUT);
+                    self.js.publish_with_headers(NATS_IN, headers, body).await?
+                }
+            });
         }
         let mut last = 0;
         for ack in acks {
@@ -633,6 +649,8 @@ impl Target for NatsSidecar {
 /// from its fsync, just before its `basic.ack`) reaches the number published.
 struct AmqpSidecar {
     _connection: lapin::Connection,
+    /// Publish to the target itself (`--straight`).
+    straight: bool,
     /// Confirming channels, taken in turn by the producers.
     channels: Vec<lapin::Channel>,
     next: AtomicU64,
@@ -647,7 +665,12 @@ const AMQP_IN: &str = "delayd.in";
 const AMQP_OUT: &str = "loadgen.out";
 
 impl AmqpSidecar {
-    async fn connect(url: &str, delayd: &str, channels: usize) -> anyhow::Result<AmqpSidecar> {
+    async fn connect(
+        url: &str,
+        delayd: &str,
+        channels: usize,
+        straight: bool,
+    ) -> anyhow::Result<AmqpSidecar> {
         use lapin::options::{BasicConsumeOptions, ConfirmSelectOptions, QueuePurgeOptions};
         use lapin::types::FieldTable;
         let connection =
@@ -688,6 +711,7 @@ impl AmqpSidecar {
             .await?;
         Ok(AmqpSidecar {
             _connection: connection,
+            straight,
             channels: opened,
             next: AtomicU64::new(0),
             reader: tokio::sync::Mutex::new(reader),
@@ -730,11 +754,15 @@ impl Target for AmqpSidecar {
                 .with_delivery_mode(2)
                 .with_message_id(job.id.to_string().as_str().into())
                 .with_headers(headers);
+            let (queue, properties) = match self.straight {
+                true => (AMQP_OUT, properties.with_headers(FieldTable::default())),
+                false => (AMQP_IN, properties),
+            };
             confirms.push(
                 channel
                     .basic_publish(
                         "".into(),
-                        AMQP_IN.into(),
+                        queue.into(),
                         lapin::options::BasicPublishOptions::default(),
                         job.body.as_bytes(),
                         properties,
@@ -799,6 +827,8 @@ impl Target for AmqpSidecar {
 /// before it commits the offset.
 struct KafkaSidecar {
     producer: rdkafka::producer::FutureProducer,
+    /// Publish to the target itself (`--straight`).
+    straight: bool,
     reader: rdkafka::consumer::StreamConsumer,
     produced: AtomicU64,
     http: Http,
@@ -809,7 +839,7 @@ const KAFKA_IN: &str = "delayd-in";
 const KAFKA_OUT: &str = "loadgen-out";
 
 impl KafkaSidecar {
-    async fn connect(brokers: &str, delayd: &str) -> anyhow::Result<KafkaSidecar> {
+    async fn connect(brokers: &str, delayd: &str, straight: bool) -> anyhow::Result<KafkaSidecar> {
         use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
         use rdkafka::consumer::Consumer;
         let config = |extra: &[(&str, &str)]| {
@@ -854,10 +884,26 @@ impl KafkaSidecar {
         reader.subscribe(&[KAFKA_OUT])?;
         Ok(KafkaSidecar {
             producer,
+            straight,
             reader,
             produced: AtomicU64::new(0),
             http: Http::new(delayd)?,
         })
+    }
+
+    /// Waits until the reader has joined its group (tansu takes seconds to answer a join), so that a
+    /// straight pass times the MQ, not the join.
+    async fn join_reader(&self) -> anyhow::Result<()> {
+        use rdkafka::consumer::Consumer;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while self.reader.assignment()?.count() == 0 {
+            let _ = tokio::time::timeout(Duration::from_millis(100), self.reader.recv()).await;
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the reader did not join within 120 s"
+            );
+        }
+        Ok(())
     }
 
     /// Waits until delayd's consumer and this reader have joined their groups (tansu takes seconds to
@@ -917,10 +963,12 @@ impl Target for KafkaSidecar {
                     key: "delayd-target",
                     value: Some(KAFKA_OUT),
                 });
-            let record = rdkafka::producer::FutureRecord::<(), _>::to(KAFKA_IN)
-                .payload(job.body.as_str())
-                .headers(headers);
-            self.producer.send(record, Duration::from_secs(60))
+            let record = match self.straight {
+                true => rdkafka::producer::FutureRecord::<(), _>::to(KAFKA_OUT),
+                false => rdkafka::producer::FutureRecord::to(KAFKA_IN).headers(headers),
+            };
+            self.producer
+                .send(record.payload(job.body.as_str()), Duration::from_secs(60))
         });
         for sent in futures_util::future::join_all(sends).await {
             sent.map_err(|(e, _)| e)?;
@@ -1114,6 +1162,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     );
     let written_before = settled_write_bytes(args.pid).await;
     let started = Instant::now();
+    let started_ms = now_ms();
     let producers: Vec<_> = (0..args.concurrency)
         .map(|_| {
             let (target, next_request, latencies, due, jobs) = (
@@ -1173,6 +1222,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
         .collect();
     // Consumers run during ingest, as in production.
     let delivered: Arc<Mutex<Vec<(u64, i64, i64)>>> = Arc::default();
+    // (A straight pass has no delayd to wait for: its consumers read what was published.)
     let consume = !args.no_consume && !args.publish_only;
     let consuming = Arc::new(std::sync::atomic::AtomicBool::new(consume));
     // One consumer per delayd queue (each holds a long poll); one reader of a sidecar's target (two
@@ -1201,7 +1251,7 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     for producer in producers {
         producer.await.unwrap();
     }
-    if !args.publish_only {
+    if !args.publish_only && !args.straight {
         target.settled().await.unwrap();
     }
     let ingest_s = started.elapsed().as_secs_f64();
@@ -1250,6 +1300,11 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
         result["early"] = json!(early);
         result["duplicates"] = json!(duplicates);
         result["lost"] = json!(lost);
+        // From the first request sent to the last message consumed, when every message came.
+        let last = delivered.iter().map(|(_, _, at)| *at).max();
+        result["pass_s"] = json!(last
+            .filter(|_| lost == 0)
+            .map(|at| (at - started_ms) as f64 / 1000.0));
     }
     let mut latencies = latencies.lock().unwrap().clone();
     latencies.sort_by(f64::total_cmp);
@@ -1334,6 +1389,7 @@ fn main() -> anyhow::Result<()> {
                     .await?;
                 let target = Sidecar {
                     connection,
+                    straight: args.straight,
                     last: tokio::sync::Mutex::new("0".into()),
                     produced: AtomicU64::new(0),
                 };
@@ -1341,19 +1397,23 @@ fn main() -> anyhow::Result<()> {
             }
             "delayd-nats" => {
                 let per_request = if args.mode == "batch" { args.batch } else { 1 };
-                let target =
-                    NatsSidecar::connect(&args.nats_url, args.concurrency * per_request).await?;
+                let in_flight = args.concurrency * per_request;
+                let target = NatsSidecar::connect(&args.nats_url, in_flight, args.straight).await?;
                 run(Arc::new(target), args.clone()).await
             }
             "delayd-amqp" => {
+                let channels = args.concurrency.min(16);
                 let target =
-                    AmqpSidecar::connect(&args.amqp_url, &args.url, args.concurrency.min(16))
+                    AmqpSidecar::connect(&args.amqp_url, &args.url, channels, args.straight)
                         .await?;
                 run(Arc::new(target), args.clone()).await
             }
             "delayd-kafka" => {
-                let target = KafkaSidecar::connect(&args.kafka_brokers, &args.url).await?;
-                if !args.publish_only {
+                let target =
+                    KafkaSidecar::connect(&args.kafka_brokers, &args.url, args.straight).await?;
+                if args.straight {
+                    target.join_reader().await?;
+                } else if !args.publish_only {
                     target.warm_up().await?;
                 }
                 run(Arc::new(target), args.clone()).await

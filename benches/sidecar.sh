@@ -42,12 +42,20 @@
 #                    the MQ's own ceiling: the same requests published the same way to an MQ with no
 #                    delayd, counted once the MQ confirmed them (XADD answered, PubAck, confirm,
 #                    delivery report).
+#   MQ-straight, MQ-pass (MQ = redis, nats, amqp, kafka)
+#                    N_PASS (20,000) messages due at once, in batches of 100 from 8 producers: a
+#                    straight pass publishes them to the target and reads them there (the MQ's own
+#                    pass, no delayd); a sidecar pass publishes them to delayd's source and reads them
+#                    from the target. `pass_s` is the first request to the last message read; the
+#                    script ends with one `MQ-ratio` line per MQ: sidecar pass / straight pass (the goal:
+#                    at most 2).
 # Redis is durable (appendonly yes, appendfsync always). Bodies are BODY_BYTES (1 KiB) and due 1-10 s
 # after sending. Prints one JSON line per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-100000}
-RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k kafka-publish kafka-500}
+N_PASS=${N_PASS:-20000}
+RUNS=${RUNS:-http-batch redis-publish sidecar sidecar-10k nats-publish nats nats-10k amqp-publish amqp amqp-10k amqp-5k kafka-publish kafka-500 redis-straight redis-pass nats-straight nats-pass amqp-straight amqp-pass kafka-straight kafka-pass}
 BODY_BYTES=${BODY_BYTES:-1024}
 RABBIT=/usr/lib/rabbitmq/bin/rabbitmq-server
 # RabbitMQ's AMQP, Erlang distribution and epmd ports (below the ephemeral range, so the tests' free
@@ -211,17 +219,21 @@ start() {
 }
 common=(--url http://127.0.0.1:7398 --redis-url redis://127.0.0.1:6398/ --nats-url nats://127.0.0.1:4298
   --amqp-url "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f" --kafka-brokers 127.0.0.1:9498
-  --body-bytes "$BODY_BYTES"
-  --delay-min-ms 1000 --delay-max-ms 10000)
-fast=(--mode batch --batch 1000 --concurrency 8 --messages "$N")
-paced=(--mode batch --batch 100 --concurrency 8 --messages 100000 --rate 10000)
+  --body-bytes "$BODY_BYTES")
+spread=(--delay-min-ms 1000 --delay-max-ms 10000)
+fast=(--mode batch --batch 1000 --concurrency 8 --messages "$N" "${spread[@]}")
+paced=(--mode batch --batch 100 --concurrency 8 --messages 100000 --rate 10000 "${spread[@]}")
+# The passes: N_PASS messages due at once, published as fast as the MQ takes them; a straight pass
+# publishes them to the target itself (no delayd) and reads them there.
+pass=(--mode batch --batch 100 --concurrency 8 --messages "$N_PASS" --delay-min-ms 0 --delay-max-ms 1)
+RESULTS=$WORK/results.jsonl
 run() { # run LABEL MQ TARGET WORKLOAD...: one run, when RUNS names it
   local label=$1 mq=$2 target=$3 alone=
   shift 3
   [[ " $RUNS " == *" $label "* ]] || return 0
-  [[ " $* " == *" --publish-only "* ]] && alone=alone
+  [[ " $* " == *" --publish-only "* || " $* " == *" --straight "* ]] && alone=alone
   start "$mq" $alone
-  "$LOADGEN" --target "$target" "$@" "${common[@]}" --label "$label"
+  "$LOADGEN" --target "$target" "$@" "${common[@]}" --label "$label" | tee -a "$RESULTS"
 }
 run http-batch redis delayd "${fast[@]}"
 run redis-publish redis delayd-redis "${fast[@]}" --publish-only
@@ -237,4 +249,23 @@ run amqp-5k amqp delayd-amqp --mode batch --batch 100 --concurrency 8 --messages
 run kafka-publish kafka delayd-kafka "${fast[@]}" --publish-only
 run kafka-500 kafka delayd-kafka --mode batch --batch 50 --concurrency 8 --messages 5000 --rate 500
 run kafka kafka delayd-kafka "${fast[@]}"
+for mq in redis nats amqp kafka; do
+  run "$mq-straight" "$mq" "delayd-$mq" "${pass[@]}" --straight
+  run "$mq-pass" "$mq" "delayd-$mq" "${pass[@]}"
+done
+# One line per MQ whose two passes ran: the sidecar's pass time over the MQ's own (the goal: at most 2).
+python3 - "$RESULTS" <<'PY'
+import json, sys
+runs = {}
+for line in open(sys.argv[1]):
+    if line.strip():
+        one = json.loads(line)
+        runs[one["label"]] = one
+for mq in ["redis", "nats", "amqp", "kafka"]:
+    straight, sidecar = runs.get(f"{mq}-straight"), runs.get(f"{mq}-pass")
+    if straight and sidecar and straight.get("pass_s") and sidecar.get("pass_s"):
+        print(json.dumps({"label": f"{mq}-ratio", "messages": sidecar["messages"],
+                          "straight_s": straight["pass_s"], "sidecar_s": sidecar["pass_s"],
+                          "ratio": round(sidecar["pass_s"] / straight["pass_s"], 2)}))
+PY
 run kafka-10k kafka delayd-kafka "${paced[@]}"

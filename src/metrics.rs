@@ -144,7 +144,7 @@ fn describe() {
     );
     describe_counter!(
         "delayd_messages_postponed_total",
-        "Deliveries put off for trouble of delayd's own (the broker's disk full or its files failing, a panic storing them), by sink: no attempt used"
+        "Deliveries put off without using an attempt, by sink: for trouble of delayd's own (the broker's disk full or its files failing, a panic storing them), or because the sink's MQ could not be reached"
     );
     describe_counter!(
         "delayd_messages_cancelled_total",

@@ -589,13 +589,16 @@ mod answers {
         sources: Vec<SourceState>,
     }
 
-    /// A sink; an MQ sink also shows its connection.
+    /// A sink; an MQ sink also shows its connection and how many deliveries waited for it.
     #[derive(ToSchema)]
     pub struct SinkState {
         name: String,
         kind: String,
         #[schema(nullable = false)]
         connected: Option<bool>,
+        /// Deliveries put off since the start because the MQ could not be reached (no attempt used).
+        #[schema(nullable = false)]
+        postponed: Option<u64>,
         #[schema(nullable = false)]
         last_error: Option<String>,
         #[schema(format = DateTime, nullable = false)]

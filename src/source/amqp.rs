@@ -283,10 +283,13 @@ impl Transport for AmqpTransport {
         })
     }
 
-    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn ack<'a>(
+        &'a mut self,
+        receipts: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>> {
         Box::pin(async move {
             if receipts.is_empty() {
-                return Ok(());
+                return Ok(Vec::new());
             }
             let open = self
                 .open
@@ -308,7 +311,7 @@ impl Transport for AmqpTransport {
             .await
             .map_err(|_| TransportError("no answer to basic.qos after basic.ack".into()))?
             .map_err(|e| failed("basic.qos after basic.ack", e))?;
-            Ok(())
+            Ok(receipts.to_vec())
         })
     }
 

@@ -111,8 +111,18 @@ pub trait Transport: Send + Sync + std::fmt::Debug + 'static {
         max: usize,
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>>;
-    /// Acknowledges requests to the MQ by their receipts: it will not deliver them again.
-    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>>;
+    /// Acknowledges requests to the MQ by their receipts: it will not deliver them again. Returns the
+    /// receipts acknowledged now: all of these, for a transport that acknowledges at once; a transport
+    /// whose acknowledgement is costly (Kafka's offset commit) may put some off and return them from
+    /// a later call, or from [`Transport::flush`].
+    fn ack<'a>(
+        &'a mut self,
+        receipts: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>>;
+    /// Acknowledges what `ack` put off, now (the source is idle, or stops); returns those receipts.
+    fn flush(&mut self) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
     /// After a failed write: the requests not acknowledged are to be received again.
     fn rewind(&mut self);
     /// How long after a (re)connect the MQ has delivered again everything delivered before and not
@@ -359,6 +369,9 @@ struct Writer {
     /// Positions written and not yet acknowledged, with the seq of their record and when they were
     /// written (or read back at the start).
     unacked: HashMap<String, (u64, Instant)>,
+    /// Receipts handed to the transport to acknowledge and not confirmed yet, with their requests'
+    /// positions (this connection's: cleared at a connect).
+    awaiting: HashMap<String, Option<String>>,
     /// The records of this source from this seq on are to be read back before the first connection
     /// (the mark's `below` at the start), `None` once they were.
     read_back_from: Option<u64>,
@@ -417,6 +430,7 @@ impl SourceRunner {
                 intake,
                 link,
                 ordered: transport.ordered_positions(),
+                awaiting: HashMap::new(),
                 last_written: unacked.values().map(|(seq, _)| seq + 1).max().unwrap_or(0),
                 unacked,
                 read_back_from,
@@ -442,6 +456,8 @@ impl SourceRunner {
                 connected = self.transport.connect() => match connected {
                     Ok(()) => {
                         self.connected_at = Some(Instant::now());
+                        // A receipt is the connection's; what it did not confirm comes again.
+                        self.writer.awaiting.clear();
                         self.serve(&mut stop).await
                     }
                     Err(e) => Err(e),
@@ -492,17 +508,25 @@ impl SourceRunner {
         self.pause = FIRST_PAUSE;
     }
 
-    /// Acknowledges a durable batch to the MQ, and forgets its positions: the MQ will not deliver it
-    /// again.
-    async fn acknowledge(&mut self, durable: &mut Vec<Request>) -> Result<(), TransportError> {
-        if durable.is_empty() {
-            return Ok(());
-        }
+    /// Acknowledges a durable batch to the MQ, and forgets the positions of what the MQ confirmed: it
+    /// will not deliver those again. With `flush`, also what the transport put off.
+    async fn acknowledge(
+        &mut self,
+        durable: &mut Vec<Request>,
+        flush: bool,
+    ) -> Result<(), TransportError> {
         let began = Instant::now();
-        self.transport.ack(&receipts(durable)).await?;
-        tracing::trace!(source = %self.writer.settings.name, requests = durable.len(), acked_us = began.elapsed().as_micros() as u64, "batch acknowledged");
-        self.writer.acked(durable);
-        durable.clear();
+        if !durable.is_empty() {
+            self.writer.awaiting(durable);
+            let confirmed = self.transport.ack(&receipts(durable)).await?;
+            self.writer.acked(&confirmed);
+            durable.clear();
+        }
+        if flush && !self.writer.awaiting.is_empty() {
+            let confirmed = self.transport.flush().await?;
+            self.writer.acked(&confirmed);
+        }
+        tracing::trace!(source = %self.writer.settings.name, acked_us = began.elapsed().as_micros() as u64, "acknowledged");
         Ok(())
     }
 
@@ -526,17 +550,19 @@ impl SourceRunner {
                         }
                     }
                 }
-                return self.acknowledge(&mut durable).await;
+                return self.acknowledge(&mut durable, true).await;
             }
             if received.is_empty() {
                 // Nothing to do meanwhile: acknowledge, then wait for requests.
-                self.acknowledge(&mut durable).await?;
+                self.acknowledge(&mut durable, false).await?;
                 let receive_began = Instant::now();
                 received = tokio::select! {
                     received = self.transport.receive(self.writer.settings.batch, Duration::from_secs(1)) => received?,
                     _ = stop.changed() => return Ok(()),
                 };
                 if received.is_empty() {
+                    // Idle: what the transport put off is acknowledged now.
+                    self.acknowledge(&mut durable, true).await?;
                     self.healthy();
                     self.forget_redelivered_window(receive_began);
                     self.writer.save_mark().await;
@@ -547,17 +573,17 @@ impl SourceRunner {
             let began = Instant::now();
             let max = self.writer.settings.batch;
             let transport = &mut self.transport;
+            self.writer.awaiting(&durable);
             let (handled, (acked, next)) = tokio::join!(self.writer.handle(&batch), async {
                 if durable.is_empty() {
-                    return (Ok(()), transport.receive(max, Duration::ZERO).await);
+                    return (Ok(Vec::new()), transport.receive(max, Duration::ZERO).await);
                 }
                 match transport.ack(&receipts(&durable)).await {
-                    Ok(()) => (Ok(()), transport.receive(max, Duration::ZERO).await),
+                    Ok(confirmed) => (Ok(confirmed), transport.receive(max, Duration::ZERO).await),
                     Err(e) => (Err(e), Ok(Vec::new())),
                 }
             });
-            acked?;
-            self.writer.acked(&durable);
+            self.writer.acked(&acked?);
             durable.clear();
             match handled {
                 Ok(()) => {
@@ -591,10 +617,20 @@ fn receipts(batch: &[Request]) -> Vec<String> {
 }
 
 impl Writer {
-    /// A batch was acknowledged: the MQ will not deliver its requests again.
-    fn acked(&mut self, batch: &[Request]) {
-        for position in batch.iter().filter_map(|r| r.position.as_ref()) {
-            self.unsaved |= self.unacked.remove(position).is_some();
+    /// A durable batch is being acknowledged: which position each receipt stands for.
+    fn awaiting(&mut self, batch: &[Request]) {
+        for request in batch {
+            self.awaiting
+                .insert(request.receipt.clone(), request.position.clone());
+        }
+    }
+
+    /// The MQ confirmed these receipts: it will not deliver their requests again.
+    fn acked(&mut self, receipts: &[String]) {
+        for receipt in receipts {
+            if let Some(Some(position)) = self.awaiting.remove(receipt) {
+                self.unsaved |= self.unacked.remove(&position).is_some();
+            }
         }
     }
 

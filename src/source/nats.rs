@@ -246,7 +246,10 @@ impl Transport for NatsTransport {
         })
     }
 
-    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn ack<'a>(
+        &'a mut self,
+        receipts: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>> {
         Box::pin(async move {
             let (client, _) = self.connected()?;
             let acks = receipts.iter().filter(|r| !r.is_empty()).map(|receipt| {
@@ -259,7 +262,7 @@ impl Transport for NatsTransport {
             }
             let acked: std::collections::HashSet<&String> = receipts.iter().collect();
             self.held.retain(|held| !acked.contains(held));
-            Ok(())
+            Ok(receipts.to_vec())
         })
     }
 

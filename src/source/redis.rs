@@ -209,10 +209,13 @@ impl Transport for RedisTransport {
         })
     }
 
-    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn ack<'a>(
+        &'a mut self,
+        receipts: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>> {
         Box::pin(async move {
             if receipts.is_empty() {
-                return Ok(());
+                return Ok(Vec::new());
             }
             let connection = self
                 .connection
@@ -239,7 +242,7 @@ impl Transport for RedisTransport {
             if let Some(next) = answers.into_iter().next() {
                 self.prefetched = entries(next)?;
             }
-            Ok(())
+            Ok(receipts.to_vec())
         })
     }
 

@@ -6,15 +6,21 @@
 //!   `scheduler-target-key`) header gives one (DESIGN.md §11). A header value, or a key needed as the
 //!   key, that is not UTF-8 makes the request a dead letter, which keeps it base64-encoded
 //!   (`NAME.base64`, `record-key.base64`).
-//! - Its receipt: `{topic}/{partition}/{offset}`. An acknowledgement commits, per partition, the
-//!   batch's highest offset + 1, synchronously (the group coordinator answered).
+//! - Its receipt: `{topic}/{partition}/{offset}`. An acknowledgement commits, per partition, the highest
+//!   offset + 1, synchronously (the group coordinator answered). A commit is a round trip to the
+//!   coordinator (100 ms to a second on a busy tansu), so it is put off, and made in the background
+//!   while requests keep coming: the durable requests' offsets are committed once the oldest of them
+//!   waited a second, when the source is idle or stops (then waited for), and at a revocation (in the
+//!   rebalance callback, before the partitions' next owner reads from their committed offset, with
+//!   those of a background commit under way). Until a commit is confirmed its requests' positions stay
+//!   unacknowledged: after a crash they are read again and recognised.
 //! - Its position (what a redelivery is recognised by): `{topic}/{partition}@{epoch}/{offset}`, or the
 //!   receipt in epoch 0. A topic deleted and made again starts its offsets at 0 again: the partition's
 //!   epoch (epochs.rs) tells its requests from the old topic's.
 //! - No read-ahead: a receive asked not to wait returns nothing, so the consumer is polled (and
-//!   librdkafka runs a rebalance only inside a poll) only when every durable request was committed and
-//!   none is being written. Partitions revoked by a rebalance therefore carry nothing durable and
-//!   uncommitted, and nothing is committed for them afterwards. A rebalance during a receive drops
+//!   librdkafka runs a rebalance only inside a poll) only when no request is being written: every one
+//!   read before is durable, and the revocation commits it. Partitions revoked by a rebalance therefore
+//!   carry nothing durable and uncommitted, and nothing is committed for them afterwards. A rebalance during a receive drops
 //!   what that receive had collected (nothing of it is durable): the partitions' next owner, or this
 //!   consumer again, reads it from the committed offset.
 //! - Static membership: `group.instance.id` is the source's `consumer` name, so a restarted node gets
@@ -41,13 +47,40 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What librdkafka reports from inside a poll: revocations.
+/// What librdkafka reports from inside a poll (revocations), and the acknowledgements put off, which a
+/// revocation commits.
 #[derive(Default)]
 struct Events {
     revoked: AtomicU64,
+    deferred: std::sync::Mutex<Deferred>,
+}
+
+/// Receipts of durable requests whose offsets are not committed yet (see the module doc).
+#[derive(Default)]
+struct Deferred {
+    receipts: Vec<String>,
+    /// When the oldest of them was put off.
+    since: Option<std::time::Instant>,
+    /// Being committed in the background.
+    committing: Vec<String>,
+    /// Committed by a revocation, to be reported by the next `ack` or `flush`.
+    committed: Vec<String>,
+}
+
+impl Events {
+    fn deferred(&self) -> std::sync::MutexGuard<'_, Deferred> {
+        self.deferred.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl ClientContext for Events {}
+
+/// A commit in the background: the receipts it commits, once done.
+type Commit = tokio::task::JoinHandle<Result<Vec<String>, TransportError>>;
+
+/// How long a durable request's offset may wait to be committed (a commit is a round trip to the group
+/// coordinator; tansu's take 100 ms to a second).
+const COMMIT_EVERY: Duration = Duration::from_secs(1);
 
 /// How long an offset commit may take.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -80,13 +113,39 @@ fn consumption_error(error: KafkaError) -> Result<(), TransportError> {
 }
 
 impl ConsumerContext for Events {
-    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(partitions) = rebalance {
             self.revoked.fetch_add(1, Ordering::SeqCst);
             tracing::info!(
                 partitions = partitions.count(),
                 "kafka: partitions revoked by a rebalance"
             );
+            // Every request read before this poll is durable (no read-ahead): its offset is committed
+            // now, before the partitions' next owner reads from the committed offset.
+            let mut deferred = self.deferred();
+            if deferred.receipts.is_empty() && deferred.committing.is_empty() {
+                return;
+            }
+            // Those being committed too: their commit may come too late (a second one is harmless).
+            let all: Vec<String> = (deferred.receipts.iter())
+                .chain(&deferred.committing)
+                .cloned()
+                .collect();
+            let committed = commits(&all).and_then(|list| {
+                consumer
+                    .commit(&list, CommitMode::Sync)
+                    .map_err(|e| failed("committing offsets at a revocation", e))
+            });
+            match committed {
+                Ok(()) => {
+                    let done = std::mem::take(&mut deferred.receipts);
+                    deferred.committed.extend(done);
+                    deferred.since = None;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "kafka: durable requests of revoked partitions are not committed; their next owner may schedule them again")
+                }
+            }
         }
     }
 }
@@ -101,6 +160,8 @@ pub struct KafkaTransport {
     consumer: Option<Arc<KafkaConsumer>>,
     /// The next receive makes the consumer anew first (after a rewind).
     reopen: bool,
+    /// The commit under way in the background, and when it started.
+    committing: Option<(Commit, std::time::Instant)>,
     /// By topic and partition.
     partitions: HashMap<(String, i32), Partition>,
     epochs: Epochs,
@@ -139,6 +200,7 @@ impl KafkaTransport {
             instance: instance.to_string(),
             consumer: None,
             reopen: false,
+            committing: None,
             partitions: HashMap::new(),
             epochs: Epochs::open(epochs)?,
             revocations_seen: 0,
@@ -199,6 +261,72 @@ impl KafkaTransport {
             request.position = Some(position(topic, partition, epoch, offset));
         }
         Ok(())
+    }
+
+    /// Starts committing the offsets put off, in the background, unless a commit is under way.
+    fn start_commit(&mut self, consumer: &Arc<KafkaConsumer>) -> Result<(), TransportError> {
+        if self.committing.is_some() {
+            return Ok(());
+        }
+        let receipts = {
+            let mut deferred = consumer.context().deferred();
+            deferred.since = None;
+            let receipts = std::mem::take(&mut deferred.receipts);
+            deferred.committing.clone_from(&receipts);
+            receipts
+        };
+        if receipts.is_empty() {
+            return Ok(());
+        }
+        let list = commits(&receipts)?;
+        let consumer = consumer.clone();
+        // A synchronous commit: the coordinator answered (on a blocking thread: it waits as long as
+        // librdkafka lets it; `harvest` stops waiting after COMMIT_TIMEOUT).
+        let started = std::time::Instant::now();
+        let task = tokio::task::spawn_blocking(move || {
+            consumer
+                .commit(&list, CommitMode::Sync)
+                .map(|()| receipts)
+                .map_err(|e| failed("committing offsets", e))
+        });
+        self.committing = Some((task, started));
+        Ok(())
+    }
+
+    /// The receipts committed since the last call: by a background commit that ended (waiting for it
+    /// with `wait`), and by a revocation.
+    async fn harvest(
+        &mut self,
+        consumer: &Arc<KafkaConsumer>,
+        wait: bool,
+    ) -> Result<Vec<String>, TransportError> {
+        let mut confirmed = Vec::new();
+        let ended = self
+            .committing
+            .as_ref()
+            .is_some_and(|(task, _)| task.is_finished());
+        if let Some((task, started)) = self.committing.take_if(|_| ended || wait) {
+            let left = COMMIT_TIMEOUT.saturating_sub(started.elapsed());
+            let receipts = tokio::time::timeout(left, task)
+                .await
+                .map_err(|_| TransportError("committing offsets: no answer".into()))?
+                .map_err(|e| failed("committing offsets", e))??;
+            consumer.context().deferred().committing.clear();
+            let partitions: Vec<(String, i32)> = (commits(&receipts)?.elements().iter())
+                .map(|e| (e.topic().to_string(), e.partition()))
+                .collect();
+            self.epochs
+                .committed(&partitions)
+                .await
+                .map_err(|e| failed("saving the partitions' epochs", e))?;
+            confirmed = receipts;
+        } else if let Some((_, started)) = &self.committing {
+            if started.elapsed() >= COMMIT_TIMEOUT {
+                return Err(TransportError("committing offsets: no answer".into()));
+            }
+        }
+        confirmed.append(&mut consumer.context().deferred().committed);
+        Ok(confirmed)
     }
 
     /// Closes the consumer off the async threads (a close may wait for the broker).
@@ -313,6 +441,8 @@ impl Transport for KafkaTransport {
         Box::pin(async move {
             self.close();
             self.reopen = false;
+            // The old consumer's commit is not this connection's (the runner forgets its receipts).
+            self.committing = None;
             let mut config = client_config(&self.url)?;
             config
                 .set("group.id", &self.group)
@@ -392,29 +522,35 @@ impl Transport for KafkaTransport {
         })
     }
 
-    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> BoxFuture<'a, Result<(), TransportError>> {
+    /// Puts the commit off (see the module doc) until the oldest request waiting is `COMMIT_EVERY` old,
+    /// then commits in the background.
+    fn ack<'a>(
+        &'a mut self,
+        receipts: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>> {
         Box::pin(async move {
-            if receipts.is_empty() {
-                return Ok(());
-            }
-            let list = commits(receipts)?;
-            let partitions: Vec<(String, i32)> = (list.elements().iter())
-                .map(|e| (e.topic().to_string(), e.partition()))
-                .collect();
             let consumer = self.consumer()?;
-            // A synchronous commit waits for the coordinator as long as librdkafka lets it; a stop
-            // must not. A commit that lands after the timeout is of durable requests: harmless.
-            let committed =
-                tokio::task::spawn_blocking(move || consumer.commit(&list, CommitMode::Sync));
-            tokio::time::timeout(COMMIT_TIMEOUT, committed)
-                .await
-                .map_err(|_| TransportError("committing offsets: no answer".into()))?
-                .map_err(|e| failed("committing offsets", e))?
-                .map_err(|e| failed("committing offsets", e))?;
-            self.epochs
-                .committed(&partitions)
-                .await
-                .map_err(|e| failed("saving the partitions' epochs", e))
+            let due = {
+                let mut deferred = consumer.context().deferred();
+                deferred.receipts.extend_from_slice(receipts);
+                let since = *deferred.since.get_or_insert_with(std::time::Instant::now);
+                since.elapsed() >= COMMIT_EVERY
+            };
+            let confirmed = self.harvest(&consumer, false).await?;
+            if due {
+                self.start_commit(&consumer)?;
+            }
+            Ok(confirmed)
+        })
+    }
+
+    fn flush(&mut self) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        Box::pin(async move {
+            let consumer = self.consumer()?;
+            let mut confirmed = self.harvest(&consumer, true).await?;
+            self.start_commit(&consumer)?;
+            confirmed.extend(self.harvest(&consumer, true).await?);
+            Ok(confirmed)
         })
     }
 
