@@ -105,6 +105,17 @@ struct Args {
     /// and consume them there: the MQ's own pass, which `pass_s` times against the sidecar's
     #[arg(long)]
     straight: bool,
+    /// With --straight, Kafka only: the messages carry the two headers a request does (a broker may
+    /// store headers at a cost of its own: tansu's is tenfold)
+    #[arg(long)]
+    with_headers: bool,
+    /// delayd over HTTP: each message with an idempotency key of its own (`"key"`, `"dedup": true`);
+    /// one message a request
+    #[arg(long)]
+    keyed: bool,
+    /// How long after the last due time deliveries are waited for before the missing ones count as lost
+    #[arg(long, default_value_t = 5000)]
+    grace_ms: u64,
     /// The target's process id, for its peak RSS and the bytes it writes to disk
     #[arg(long)]
     pid: Option<u32>,
@@ -152,6 +163,8 @@ trait Target: Send + Sync + 'static {
 struct Delayd {
     http: Http,
     batch: bool,
+    /// Each message with an idempotency key of its own (`--keyed`; single mode only).
+    keyed: bool,
     /// Consume-queue offsets; consumer task `i` long-polls queue `i`, so every queue always has a long
     /// poll open (taking turns over the queues could leave one unpolled until a task came round to it).
     offsets: Vec<AtomicU64>,
@@ -241,11 +254,15 @@ impl Target for Delayd {
     async fn schedule(&self, jobs: Vec<Job>) -> anyhow::Result<()> {
         // The JSON is written directly (bodies are digits, ':' and 'x', nothing to escape): the generator
         // shares the CPU with the server, and building `Value` trees would bill it for the client's work.
-        let message = |j: &Job| {
-            format!(
+        let message = |j: &Job| match self.keyed {
+            false => format!(
                 r#"{{"topic":"loadgen","body":"{}","deliver_at":{}}}"#,
                 j.body, j.due_ms
-            )
+            ),
+            true => format!(
+                r#"{{"topic":"loadgen","body":"{}","deliver_at":{},"key":"k{}","dedup":true}}"#,
+                j.body, j.due_ms, j.id
+            ),
         };
         let (path, body) = if self.batch {
             let messages: Vec<String> = jobs.iter().map(message).collect();
@@ -829,6 +846,8 @@ struct KafkaSidecar {
     producer: rdkafka::producer::FutureProducer,
     /// Publish to the target itself (`--straight`).
     straight: bool,
+    /// Straight, with a request's headers (`--with-headers`).
+    with_headers: bool,
     reader: rdkafka::consumer::StreamConsumer,
     produced: AtomicU64,
     http: Http,
@@ -839,7 +858,12 @@ const KAFKA_IN: &str = "delayd-in";
 const KAFKA_OUT: &str = "loadgen-out";
 
 impl KafkaSidecar {
-    async fn connect(brokers: &str, delayd: &str, straight: bool) -> anyhow::Result<KafkaSidecar> {
+    async fn connect(
+        brokers: &str,
+        delayd: &str,
+        straight: bool,
+        with_headers: bool,
+    ) -> anyhow::Result<KafkaSidecar> {
         use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
         use rdkafka::consumer::Consumer;
         let config = |extra: &[(&str, &str)]| {
@@ -885,6 +909,7 @@ impl KafkaSidecar {
         Ok(KafkaSidecar {
             producer,
             straight,
+            with_headers,
             reader,
             produced: AtomicU64::new(0),
             http: Http::new(delayd)?,
@@ -963,9 +988,10 @@ impl Target for KafkaSidecar {
                     key: "delayd-target",
                     value: Some(KAFKA_OUT),
                 });
-            let record = match self.straight {
-                true => rdkafka::producer::FutureRecord::<(), _>::to(KAFKA_OUT),
-                false => rdkafka::producer::FutureRecord::to(KAFKA_IN).headers(headers),
+            let record = match (self.straight, self.with_headers) {
+                (true, false) => rdkafka::producer::FutureRecord::<(), _>::to(KAFKA_OUT),
+                (true, true) => rdkafka::producer::FutureRecord::to(KAFKA_OUT).headers(headers),
+                (false, _) => rdkafka::producer::FutureRecord::to(KAFKA_IN).headers(headers),
             };
             self.producer
                 .send(record.payload(job.body.as_str()), Duration::from_secs(60))
@@ -1259,10 +1285,10 @@ async fn run<T: Target>(target: Arc<T>, args: Args) -> Value {
     eprintln!();
     let mut result = json!({});
     if consume {
-        // Wait for everything to come due and out (plus five seconds of grace).
+        // Wait for everything to come due and out (plus the grace).
         let last_due = due.lock().unwrap().values().copied().max().unwrap_or(0);
-        let deadline =
-            Instant::now() + Duration::from_millis((last_due - now_ms()).max(0) as u64 + 5_000);
+        let deadline = Instant::now()
+            + Duration::from_millis((last_due - now_ms()).max(0) as u64 + args.grace_ms);
         while Instant::now() < deadline && delivered.lock().unwrap().len() < args.messages as usize
         {
             tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -1354,9 +1380,14 @@ fn main() -> anyhow::Result<()> {
     let result = runtime.block_on(async {
         anyhow::Ok(match args.target.as_str() {
             "delayd" => {
+                anyhow::ensure!(
+                    !(args.keyed && args.mode == "batch"),
+                    "--keyed needs --mode single (delayd takes dedup messages one at a time)"
+                );
                 let target = Delayd {
                     http: Http::new(&args.url)?,
                     batch: args.mode == "batch",
+                    keyed: args.keyed,
                     offsets: (0..4).map(|_| AtomicU64::new(0)).collect(),
                 };
                 run(Arc::new(target), args.clone()).await
@@ -1409,8 +1440,9 @@ fn main() -> anyhow::Result<()> {
                 run(Arc::new(target), args.clone()).await
             }
             "delayd-kafka" => {
+                let (brokers, url) = (&args.kafka_brokers, &args.url);
                 let target =
-                    KafkaSidecar::connect(&args.kafka_brokers, &args.url, args.straight).await?;
+                    KafkaSidecar::connect(brokers, url, args.straight, args.with_headers).await?;
                 if args.straight {
                     target.join_reader().await?;
                 } else if !args.publish_only {

@@ -13,9 +13,10 @@
 //!   highest tag when its tags are contiguous, else tag by tag. `multiple` is safe: every batch is
 //!   either acknowledged whole or rewound, in order, so no lower tag is outstanding on the channel.
 //!   AMQP does not answer a `basic.ack`; a `basic.qos` after it does (`qos-ok`), and the broker handles
-//!   a channel's methods in order, so once it answered the acknowledgements were taken. Until then the
-//!   runner keeps the batch's positions: a connection lost with the acks unsent redelivers the batch,
-//!   which is recognised and not scheduled twice.
+//!   a channel's methods in order, so once it answered the acknowledgements were taken. One such round
+//!   trip confirms the acknowledgements sent in the last 100 ms (and at idle and at a stop), not one per
+//!   batch. Until then the runner keeps the batches' positions: a connection lost with the acks unsent
+//!   or unconfirmed redelivers them, and they are recognised and not scheduled twice.
 //! - Rewind (a batch that could not be stored) reopens the channel: the broker requeues what the old
 //!   one had unacknowledged and delivers it again. A `basic.reject requeue` per tag would do too, but
 //!   deliveries the client prefetched and buffered meanwhile would then be acknowledged under tags the
@@ -42,7 +43,14 @@ pub struct AmqpTransport {
     open: Option<Open>,
     /// The next receive opens a new channel first (after a rewind).
     reopen: bool,
+    /// Receipts whose `basic.ack` was sent and not yet confirmed, and when the first of them was.
+    sent: Vec<String>,
+    sent_since: Option<std::time::Instant>,
 }
+
+/// How long a sent `basic.ack` may wait to be confirmed (by a `basic.qos` round trip): one round trip
+/// per batch held the source's loop as long again as its fsync.
+const CONFIRM_EVERY: Duration = Duration::from_millis(100);
 
 struct Open {
     connection: Connection,
@@ -71,7 +79,31 @@ impl AmqpTransport {
             prefetch: u16::try_from(batch.saturating_mul(2)).unwrap_or(u16::MAX),
             open: None,
             reopen: false,
+            sent: Vec::new(),
+            sent_since: None,
         }
+    }
+
+    /// Confirms the acknowledgements sent: the broker answers a `basic.qos` after it took them (a
+    /// channel's methods are handled in order). Returns their receipts.
+    async fn confirm(&mut self) -> Result<Vec<String>, TransportError> {
+        if self.sent.is_empty() {
+            return Ok(Vec::new());
+        }
+        let open = self
+            .open
+            .as_ref()
+            .ok_or_else(|| TransportError("not connected".into()))?;
+        tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            open.channel
+                .basic_qos(self.prefetch, BasicQosOptions::default()),
+        )
+        .await
+        .map_err(|_| TransportError("no answer to basic.qos after basic.ack".into()))?
+        .map_err(|e| failed("basic.qos after basic.ack", e))?;
+        self.sent_since = None;
+        Ok(std::mem::take(&mut self.sent))
     }
 
     /// A channel consuming the queue, on `connection`.
@@ -128,6 +160,9 @@ impl AmqpTransport {
             consumer,
         });
         self.reopen = false;
+        // Their channel is gone: unconfirmed, they come again (and are recognised).
+        self.sent.clear();
+        self.sent_since = None;
         Ok(())
     }
 
@@ -243,6 +278,8 @@ impl Transport for AmqpTransport {
                 consumer,
             });
             self.reopen = false;
+            self.sent.clear();
+            self.sent_since = None;
             Ok(())
         })
     }
@@ -302,17 +339,17 @@ impl Transport for AmqpTransport {
                     .await
                     .map_err(|e| failed("basic.ack", e))?;
             }
-            // The broker's answer to this comes after it took the acknowledgements.
-            tokio::time::timeout(
-                CONNECT_TIMEOUT,
-                open.channel
-                    .basic_qos(self.prefetch, BasicQosOptions::default()),
-            )
-            .await
-            .map_err(|_| TransportError("no answer to basic.qos after basic.ack".into()))?
-            .map_err(|e| failed("basic.qos after basic.ack", e))?;
-            Ok(receipts.to_vec())
+            self.sent.extend_from_slice(receipts);
+            let since = *self.sent_since.get_or_insert_with(std::time::Instant::now);
+            match since.elapsed() >= CONFIRM_EVERY {
+                true => self.confirm().await,
+                false => Ok(Vec::new()),
+            }
         })
+    }
+
+    fn flush(&mut self) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+        Box::pin(self.confirm())
     }
 
     fn redelivery_window(&self) -> Duration {
