@@ -1090,18 +1090,16 @@ fn check_wal_reaches(data_dir: &Path, checkpoint: &Checkpoint) -> Result<()> {
     ))
 }
 
-/// Scans the WAL from the checkpoint, replays what it finds, cuts a torn tail and returns the file to
-/// append to and the next seq.
 /// What a full disk kept an open from filing: why, and the WAL's groups from there on.
 struct Unfiled {
     cause: String,
     groups: Vec<CommittedGroup>,
 }
 
-/// Scans the WAL from the checkpoint and files its records. A full disk stops the filing, not the
-/// open: what is left comes back (the scan goes on, for the seqs and the tail), for the replayer to
-/// file once there is room. It is held in memory until then: at most the WAL written since the last
-/// checkpoint (`checkpoint_bytes`).
+/// Scans the WAL from the checkpoint, files what it finds, cuts a torn tail and returns the file to
+/// append to and the next seq. A full disk stops the filing, not the open: what is left comes back
+/// (the scan goes on, for the seqs and the tail), for the replayer to file once there is room. It is
+/// held in memory until then: at most the WAL written since the last checkpoint (`checkpoint_bytes`).
 fn recover_wal(
     wal_dir: &Path,
     options: &Options,
@@ -1390,10 +1388,15 @@ fn replay_loop(
 ) -> Result<()> {
     let mut in_flight = false;
     let mut backlog = Backlog::default();
+    // The open marked the disk full for what it left unfiled: filing it is this loop's first retry, and
+    // the one that clears the mark once it works.
+    let mut retry = (!unfiled.is_empty()).then(|| Retry {
+        at: Instant::now(),
+        wait: RETRY_FIRST,
+    });
     for group in unfiled {
         backlog.push(group);
     }
-    let mut retry: Option<Retry> = None;
     // After a stall, a checkpoint at once rather than at the next interval: it deletes the WAL files
     // that piled up, which is space the disk is short of.
     let mut checkpoint_soon = false;

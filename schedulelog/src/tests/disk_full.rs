@@ -224,6 +224,36 @@ fn an_open_on_a_full_disk_leaves_the_filing_to_the_replayer() {
     check_states(&log, &appended, &[]);
 }
 
+/// The room comes back between the open that found the disk full and the replayer's first try: that
+/// try files everything, and the log is no longer held up.
+#[test]
+fn an_open_on_a_full_disk_heals_at_the_replayers_first_try() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    log.checkpoint().unwrap();
+    log.inject_fault(Fault::SegmentWritesFull(u32::MAX));
+    let appended: Vec<Appended> = (0..4)
+        .map(|i| append_one(&log, deliver_at(i), "in the WAL only"))
+        .collect();
+    wait_disk_full_at(&log, "/schedule/");
+    log.crash();
+    // One strike: the open's filing fails, the replayer's first try does not.
+    let faults = Arc::new(Faults::default());
+    faults.arm(Fault::SegmentWritesFull(1));
+    let log = ScheduleLog::open(
+        dir.path(),
+        Options {
+            faults: Some(faults),
+            ..options(&clock)
+        },
+    )
+    .unwrap();
+    wait_until("the log is no longer held up", || log.disk_full().is_none());
+    assert!(log.wait_replayed(appended[3].location.seq));
+    check_states(&log, &appended, &[]);
+}
+
 /// More committed groups than the replayer's backlog takes: past its bound the writer refuses new
 /// requests with `DiskFull` instead of blocking (every request is answered while the disk is full), and
 /// everything it acknowledged lands once after the fault clears, also across a crash.
