@@ -42,9 +42,9 @@ pub const PROBLEM_CODES: &[&str] = &[
     "invalid_topic",
     "method_not_allowed",
     "missing_deliver_time",
-    "no_target",
     "not_dead",
     "not_found",
+    "not_requeueable",
     "overloaded",
     "payload_too_large",
     "request_timeout",
@@ -238,9 +238,6 @@ impl From<crate::scheduler::DeadLetterError> for ApiError {
             DeadLetterError::NotFound => ApiError::not_found(error.to_string()),
             DeadLetterError::TooManyAttempts => {
                 ApiError::new(StatusCode::CONFLICT, "too_many_attempts", error.to_string())
-            }
-            DeadLetterError::NoTarget => {
-                ApiError::new(StatusCode::CONFLICT, "no_target", error.to_string())
             }
             DeadLetterError::NotDead(_) => {
                 ApiError::new(StatusCode::CONFLICT, "not_dead", error.to_string())

@@ -851,6 +851,9 @@ pub async fn requeue(
     // A requeue writes the message again: refused like a new one while the disk is short of space
     // (counted as large as a message may be: its size is known only once it is read).
     check_disk(&state, state.config.limits.max_message_bytes)?;
+    if let Some(status) = state.intake.lookup(id).await? {
+        requeueable(&state, &status.message, deliver_at_ms, now)?;
+    }
     let requeued = state.scheduler.requeue_dead(id, deliver_at_ms).await?;
     Ok(Json(json!({
         "id": id.to_string(),
@@ -859,6 +862,52 @@ pub async fn requeue(
         "attempts": requeued.attempt,
     }))
     .into_response())
+}
+
+/// Whether a dead message may go out as it is. A message taken over HTTP was checked when it was; a
+/// source's request that was dead on arrival (`delayd-dead-on-arrival`) never was: it must pass the
+/// checks of a new message now (its target, under the sink's current `targets`; its body's size; its
+/// headers), name a target, and have its whole body (one cut to fit the log, `delayd-body-bytes`,
+/// never goes out). 409 `not_requeueable` says why not.
+fn requeueable(
+    state: &AppState,
+    message: &schedulelog::Message,
+    deliver_at_ms: i64,
+    now_ms: i64,
+) -> Result<(), ApiError> {
+    let header = |name: &str| message.headers.iter().any(|(n, _)| n == name);
+    if !header(crate::scheduler::DEAD_ON_ARRIVAL_HEADER) {
+        return Ok(());
+    }
+    let refuse = |why: String| {
+        Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "not_requeueable",
+            format!("this request of an MQ source cannot go out as it is: {why}; publish it again"),
+        ))
+    };
+    if message.topic.is_empty() {
+        return refuse("it named no target (delayd-target)".into());
+    }
+    if header("delayd-body-bytes") {
+        return refuse("its body was cut to fit the log".into());
+    }
+    let draft = Draft {
+        deliver_at_ms,
+        topic: &message.topic,
+        key: message.key.as_deref(),
+        headers: (message.headers.iter())
+            .filter(|(name, _)| name != crate::scheduler::DEAD_ON_ARRIVAL_HEADER)
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect(),
+        sink: &message.sink,
+        body: Cow::Borrowed(&message.body),
+        dedup: false,
+    };
+    match draft.check(&state.config, now_ms) {
+        Ok(()) => Ok(()),
+        Err(rejection) => refuse(rejection.to_string()),
+    }
 }
 
 /// Discards a dead message.

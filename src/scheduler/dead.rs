@@ -14,7 +14,8 @@
 //!   looks it up after the first recorded its outcome, and finds it pending.
 //! - The new attempt carries no idempotency key claim (`dedup` off): the key was let go when it died.
 //! - A source's request that was dead on arrival is requeued as a message like any other (its mark,
-//!   the `delayd-dead-on-arrival` header, is left behind), unless it named no target.
+//!   the `delayd-dead-on-arrival` header, is left behind); the HTTP edge first checks that it would be
+//!   taken now (api/messages.rs).
 
 use super::Shared;
 use schedulelog::{
@@ -32,9 +33,6 @@ pub enum DeadLetterError {
     NotDead(&'static str),
     #[error("the message has had as many attempts as an id can count")]
     TooManyAttempts,
-    /// A source's request that named no target: nothing to deliver it to.
-    #[error("the request named no target (delayd-target): there is nothing to deliver it to; publish it again with one")]
-    NoTarget,
     #[error("looking the message up failed: {0}")]
     Lookup(#[from] schedulelog::Error),
     #[error(transparent)]
@@ -99,9 +97,6 @@ pub(crate) async fn requeue(
         .attempt
         .checked_add(1)
         .ok_or(DeadLetterError::TooManyAttempts)?;
-    if m.topic.is_empty() {
-        return Err(DeadLetterError::NoTarget);
-    }
     let next = NewMessage {
         deliver_at_ms,
         topic: m.topic.clone(),

@@ -870,7 +870,8 @@ fn the_sinks_state_follows_redis_without_deliveries() {
 /// A request that cannot be scheduled is a dead letter where every other one is: a dead message with an
 /// id the API finds and lists, requeued once fixed (here: a missing delivery time, which a requeue
 /// supplies), with its headers kept: one with a control character escaped, one that is not UTF-8
-/// base64-encoded as `NAME.base64`, the reason naming both. One without a target cannot be requeued.
+/// base64-encoded as `NAME.base64`, the reason naming both. One without a target cannot be requeued
+/// (409 `not_requeueable`).
 #[test]
 fn a_sources_dead_letter_is_found_listed_and_requeued() {
     let dir = tempfile::tempdir().unwrap();
@@ -936,7 +937,7 @@ fn a_sources_dead_letter_is_found_listed_and_requeued() {
     );
     assert_eq!(
         (refused.status, refused.json["code"].as_str()),
-        (409, Some("no_target")),
+        (409, Some("not_requeueable")),
         "{}",
         refused.json
     );
