@@ -12,8 +12,9 @@
 //!   or a sink delivering in place panicked) → the entry goes back to the wheel, nothing written, no
 //!   attempt used;
 //! - unreachable (an MQ refused the connection, was not connected, or timed out before it answered) →
-//!   the same, after the sink's backoff for the batches in a row that found it away (at most 30 s): an
-//!   MQ outage of any length spends no attempt and writes nothing per message.
+//!   the same, after the sink's backoff for the batches in a row that found it away (at most 30 s), and
+//!   the lane holds what comes due meanwhile, unread, until then: an MQ outage of any length spends no
+//!   attempt, writes nothing and reads one batch per wait.
 //!
 //! A sink's own delay (an HTTP `Retry-After`) is capped by the sink's `backoff_cap`, like the backoff
 //! itself (the configuration keeps that cap within `max_delay`): a receiver cannot park a message for
@@ -60,6 +61,8 @@ pub(crate) struct Lane {
     postponed: metrics::Counter,
     /// Batches in a row whose destination could not be reached: how long the next one waits.
     unreachable_streak: std::sync::atomic::AtomicU32,
+    /// Until when (clock ms) the lane holds its batches, the destination having been found away.
+    unreachable_until: std::sync::atomic::AtomicI64,
 }
 
 /// One lane per registered sink, in registry order, then the lane for messages naming an unknown sink.
@@ -105,6 +108,7 @@ impl Lane {
             delivered_dead: delivered("dead"),
             postponed: metrics::counter!("delayd_messages_postponed_total", "sink" => name.to_string()),
             unreachable_streak: Default::default(),
+            unreachable_until: Default::default(),
         }
     }
 
@@ -145,6 +149,15 @@ impl Lane {
     }
 
     async fn deliver(self: Arc<Self>, batch: Vec<Entry>) {
+        // The destination was found away: until the wait is over the batch goes back to the wheel as
+        // it is, unread, so that an outage costs no disk reads for the messages that wait.
+        let held_until = self.unreachable_until.load(Ordering::Relaxed);
+        if held_until > self.shared.clock.now_ms() {
+            for entry in batch {
+                self.shared.requeue_at(entry, held_until);
+            }
+            return;
+        }
         let lane = self.clone();
         // A sink that delivers in place does so on the thread that read the batch (Sink::deliver_blocking).
         let read = tokio::task::spawn_blocking(move || {
@@ -521,18 +534,30 @@ impl Lane {
     /// How long the unreachable deliveries of a batch wait (ms): the sink's backoff for the batches in a
     /// row that found the destination away, at most `UNREACHABLE_WAIT_MAX`. A batch it answered for
     /// ends the row.
+    /// The lane holds the batches that come due meanwhile (see `deliver`). A batch the destination
+    /// answered for (a message it took or refused) ends the row.
     fn unreachable_wait(&self, outcomes: &[SinkOutcome]) -> i64 {
         let unreachable = |o: &SinkOutcome| matches!(o, SinkOutcome::Unreachable { .. });
+        let answered = |o: &SinkOutcome| {
+            matches!(
+                o,
+                SinkOutcome::Delivered | SinkOutcome::Retry { .. } | SinkOutcome::Dead { .. }
+            )
+        };
         if !outcomes.iter().any(unreachable) {
-            if !outcomes.is_empty() {
+            if outcomes.iter().any(answered) {
                 self.unreachable_streak.store(0, Ordering::Relaxed);
+                self.unreachable_until.store(0, Ordering::Relaxed);
             }
             return 0;
         }
         let before = self.unreachable_streak.fetch_add(1, Ordering::Relaxed);
         let step = u16::try_from(before).unwrap_or(u16::MAX);
         let wait = (self.policy.backoff.delay(step, self.random_unit())).min(UNREACHABLE_WAIT_MAX);
-        i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1)
+        let wait_ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
+        let until = self.shared.clock.now_ms().saturating_add(wait_ms);
+        self.unreachable_until.fetch_max(until, Ordering::Relaxed);
+        wait_ms
     }
 
     /// A uniform draw in [0, 1) for backoff jitter (splitmix64; no need for a cryptographic source).

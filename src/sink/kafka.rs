@@ -75,6 +75,19 @@ impl KafkaSink {
         })
     }
 
+    /// The cluster's metadata: a round trip to a broker (blocking: off the async threads).
+    async fn metadata(&self) -> Result<(), String> {
+        let producer = self.producer();
+        tokio::task::spawn_blocking(move || {
+            (producer.client())
+                .fetch_metadata(None, Duration::from_secs(5))
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()))
+    }
+
     /// The producer; a new one if the last had a fatal error.
     fn producer(&self) -> FutureProducer {
         let mut producer = self.producer.lock().unwrap_or_else(|e| e.into_inner());
@@ -158,13 +171,29 @@ impl Sink for KafkaSink {
             let sent = batch.iter().zip(&refusals).filter(|(_, r)| r.is_none());
             let results =
                 futures_util::future::join_all(sent.map(|(d, _)| self.produce(&producer, d))).await;
+            // A record that timed out while a broker answers (a partition without a leader, too few
+            // in-sync replicas) was refused by the cluster: a failed attempt, not an outage.
+            let timed_out = results.iter().any(|r| {
+                r.as_ref().is_err_and(|e| {
+                    e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut)
+                })
+            });
+            let answers = timed_out && self.metadata().await.is_ok();
             let mut results = results.iter();
             let outcomes: Vec<SinkOutcome> = refusals
                 .into_iter()
                 .map(|refusal| {
                     refusal.unwrap_or_else(|| match results.next() {
                         Some(Ok(())) => SinkOutcome::Delivered,
-                        Some(Err(error)) => outcome(error),
+                        Some(Err(error)) => match outcome(error) {
+                            SinkOutcome::Unreachable { reason } if answers => SinkOutcome::Retry {
+                                after: None,
+                                reason: format!(
+                                    "{reason} (a broker answers: the cluster did not take it)"
+                                ),
+                            },
+                            other => other,
+                        },
                         None => SinkOutcome::Retry {
                             after: None,
                             reason: "kafka: no delivery report".into(),
@@ -179,17 +208,7 @@ impl Sink for KafkaSink {
 
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            let producer = self.producer();
-            // The cluster's metadata: a round trip to a broker (blocking: off the async threads).
-            let answered = tokio::task::spawn_blocking(move || {
-                (producer.client())
-                    .fetch_metadata(None, Duration::from_secs(5))
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            })
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()));
-            match answered {
+            match self.metadata().await {
                 Ok(()) => self.link.up(),
                 Err(error) => self
                     .link
