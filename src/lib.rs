@@ -292,10 +292,7 @@ async fn start_sources(
                         &source.topics,
                         &source.group,
                         source.consumer.as_deref().unwrap_or_default(),
-                        &config
-                            .data_dir
-                            .join("sources")
-                            .join(format!("{name}.kafka-epochs")),
+                        &source::mark::beside(&config.data_dir, name, "kafka-epochs"),
                     )
                     .with_context(|| format!("sources.{name}"))?,
                 ),

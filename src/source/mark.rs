@@ -36,6 +36,12 @@ pub fn path(data_dir: &Path, source: &str) -> PathBuf {
     data_dir.join("sources").join(source)
 }
 
+/// Where a source keeps another file of its state, `what` (`kafka-epochs`): `sources/{name}~{what}`,
+/// a name no source's mark can have (no source name holds `~`).
+pub fn beside(data_dir: &Path, source: &str, what: &str) -> PathBuf {
+    data_dir.join("sources").join(format!("{source}~{what}"))
+}
+
 /// Reads a mark; `None` when there is none (the source never ran).
 pub fn read(path: &Path) -> anyhow::Result<Option<Mark>> {
     let text = match std::fs::read_to_string(path) {
@@ -68,7 +74,11 @@ pub fn write(path: &Path, mark: &Mark) -> std::io::Result<()> {
 pub fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let tmp = path.with_extension("tmp~");
+    // Appended, not put in the place of an extension: `a.b` and `a.c` must not share `a.tmp~`. (No
+    // source name holds `~`.)
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp~");
+    let tmp = PathBuf::from(tmp);
     std::fs::write(&tmp, bytes)?;
     std::fs::File::open(&tmp)?.sync_all()?;
     std::fs::rename(&tmp, path)?;
@@ -98,6 +108,11 @@ mod tests {
                 unacked: Vec::new()
             })
         );
+        // Two sources whose names differ after a dot do not share a temporary file.
+        let other = path(dir.path(), "orders-in.eu");
+        write(&other, &Mark::default()).unwrap();
+        assert_eq!(read(&other).unwrap(), Some(Mark::default()));
+        assert!(beside(dir.path(), "orders-in", "kafka-epochs") != other);
         for damaged in ["", "97x", "{\"below\": -1}", "{\"unacked\": []}"] {
             std::fs::write(&at, damaged).unwrap();
             let error = read(&at).unwrap_err().to_string();

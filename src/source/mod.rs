@@ -375,6 +375,8 @@ struct Writer {
     /// The records of this source from this seq on are to be read back before the first connection
     /// (the mark's `below` at the start), `None` once they were.
     read_back_from: Option<u64>,
+    /// The mark's `below` stays here: a read-back failed, and the next start must try it again.
+    below_floor: Option<u64>,
     /// The mark is to be written at the next save: `unacked` changed since it was last written (or a
     /// stop wants the last state kept).
     unsaved: bool,
@@ -434,6 +436,7 @@ impl SourceRunner {
                 last_written: unacked.values().map(|(seq, _)| seq + 1).max().unwrap_or(0),
                 unacked,
                 read_back_from,
+                below_floor: None,
                 unsaved: false,
                 saved_below: saved.below,
                 mark_written_at: now,
@@ -558,7 +561,8 @@ impl SourceRunner {
                 let receive_began = Instant::now();
                 received = tokio::select! {
                     received = self.transport.receive(self.writer.settings.batch, Duration::from_secs(1)) => received?,
-                    _ = stop.changed() => return Ok(()),
+                    // What the transport put off is acknowledged before the stop.
+                    _ = stop.changed() => return self.acknowledge(&mut durable, true).await,
                 };
                 if received.is_empty() {
                     // Idle: what the transport put off is acknowledged now.
@@ -776,7 +780,7 @@ impl Writer {
             let letters = dead
                 .iter()
                 .map(|(i, why)| self.dead_letter(&requests[*i], why, now))
-                .collect();
+                .collect::<Result<_, _>>()?;
             let appended = self
                 .intake
                 .schedule(letters)
@@ -834,8 +838,11 @@ impl Writer {
         }
     }
 
-    fn read_back_failed(&self, error: &dyn std::fmt::Display) {
+    /// The read-back failed (not for want of room): the source goes on without those positions, and
+    /// its mark stays where it was, so that the next start tries again.
+    fn read_back_failed(&mut self, error: &dyn std::fmt::Display) {
         tracing::error!(source = %self.settings.name, %error, "reading back what this source wrote before the restart failed; requests the MQ delivers again may be scheduled twice");
+        self.below_floor = self.read_back_from;
     }
 
     fn written(&mut self, request: &Request, seq: u64) {
@@ -908,7 +915,12 @@ impl Writer {
     /// them escaped (`\u{1b}`); one that is not text is kept by the transport (as `NAME.base64`, or
     /// an AMQP table's rendering), and the reason names it. A body the log cannot hold is cut to
     /// `limits.max_message_bytes`, its length in `delayd-body-bytes`.
-    fn dead_letter(&self, request: &Request, why: &Rejection, now_ms: i64) -> EncodedMessage {
+    fn dead_letter(
+        &self,
+        request: &Request,
+        why: &Rejection,
+        now_ms: i64,
+    ) -> Result<EncodedMessage, NotStored> {
         let topic = target_of(request)
             .filter(|t| t.len() <= 255)
             .unwrap_or_default();
@@ -950,18 +962,36 @@ impl Writer {
             }
             .encode()
         };
-        encode(&headers, &request.body).unwrap_or_else(|_| {
-            // Too large for the log: the body cut, and if that is not enough, only delayd's headers.
-            let max = self.intake.config.limits.max_message_bytes;
-            let cut = &request.body[..request.body.len().min(max)];
-            headers.push(("delayd-body-bytes".into(), request.body.len().to_string()));
-            encode(&headers, cut).unwrap_or_else(|_| {
-                headers.retain(|(name, _)| name.starts_with("delayd-"));
-                encode(&headers, cut).expect(
-                    "a message of delayd's headers and a body within the limits fits the log",
-                )
-            })
-        })
+        if let Ok(encoded) = encode(&headers, &request.body) {
+            return Ok(encoded);
+        }
+        // Too large for the log: the body cut; then, if the headers are what is too large, only the
+        // position and the reason, each cut to 1 KiB; then no body (a few KiB: always fits).
+        let max = self.intake.config.limits.max_message_bytes;
+        let cut = &request.body[..request.body.len().min(max)];
+        let body_bytes = (
+            "delayd-body-bytes".to_string(),
+            request.body.len().to_string(),
+        );
+        headers.push(body_bytes.clone());
+        if let Ok(encoded) = encode(&headers, cut) {
+            return Ok(encoded);
+        }
+        let short = |value: &str| {
+            let end = (0..=value.len().min(1024))
+                .rev()
+                .find(|&i| value.is_char_boundary(i))
+                .unwrap_or(0);
+            value[..end].to_string()
+        };
+        let minimal: Vec<(String, String)> = (headers.iter())
+            .filter(|(name, _)| name == POSITION_HEADER || name == DEAD_ON_ARRIVAL_HEADER)
+            .map(|(name, value)| (name.clone(), short(value)))
+            .chain([body_bytes])
+            .collect();
+        encode(&minimal, cut)
+            .or_else(|_| encode(&minimal, &[]))
+            .map_err(|e| NotStored(format!("a dead letter does not fit the log: {e}")))
     }
 
     /// Saves the mark (after an empty receive, a second after the last save, while the MQ is away,
@@ -972,7 +1002,10 @@ impl Writer {
         if self.read_back_from.is_some() {
             return; // the positions since the mark are not known yet
         }
-        let below = self.last_written.max(self.intake.log.filed_below());
+        let below = match self.below_floor {
+            Some(floor) => floor,
+            None => self.last_written.max(self.intake.log.filed_below()),
+        };
         let moved =
             below != self.saved_below && self.mark_written_at.elapsed() >= Duration::from_secs(10);
         if !self.unsaved && !moved {

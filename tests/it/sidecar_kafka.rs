@@ -820,7 +820,7 @@ fn a_topic_made_again_starts_a_new_order_of_positions() {
     // delayd committed in the partition (the warm-up, at least): a group without a committed offset
     // for it after the restart means the topic was made again.
     wait_for("a commit", Duration::from_secs(30), || {
-        std::fs::read_to_string(data.join("sources/in.kafka-epochs"))
+        std::fs::read_to_string(data.join("sources/in~kafka-epochs"))
             .is_ok_and(|epochs| epochs.contains("\"committed\":true"))
     });
     delayd.kill();

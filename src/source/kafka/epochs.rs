@@ -4,7 +4,7 @@
 //! request (never applied). A position carries its partition's epoch; a new epoch starts a new order.
 //!
 //! ```text
-//! sources/{name}.kafka-epochs   {"delayd-in/0": {"epoch": 0, "committed": true}, ...}
+//! sources/{name}~kafka-epochs   {"delayd-in/0": {"epoch": 0, "committed": true}, ...}
 //! ```
 //!
 //! - A partition starts in epoch 0 (its positions are then those of delayd before epochs:
@@ -133,7 +133,7 @@ mod tests {
             .build()
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("in.kafka-epochs");
+        let path = dir.path().join("in~kafka-epochs");
         let mut epochs = Epochs::open(&path).unwrap();
         runtime.block_on(async {
             // A new group: nothing committed anywhere, epoch 0 (positions as before epochs).

@@ -238,16 +238,25 @@ impl KafkaTransport {
             let epoch = match known {
                 Some(epoch) => epoch,
                 None => {
-                    let (consumer, asked) = (consumer.clone(), topic.to_string());
+                    let before = self.partitions.get(&key).map(|p| p.epoch);
+                    let (asking, asked) = (consumer.clone(), topic.to_string());
                     let has_commit = tokio::task::spawn_blocking(move || {
-                        has_committed_offset(&consumer, &asked, partition)
+                        has_committed_offset(&asking, &asked, partition)
                     })
                     .await
                     .map_err(|e| failed("looking up the committed offset", e))??;
-                    self.epochs
+                    let epoch = self
+                        .epochs
                         .resolve(topic, partition, has_commit)
                         .await
-                        .map_err(|e| failed("saving the partitions' epochs", e))?
+                        .map_err(|e| failed("saving the partitions' epochs", e))?;
+                    if before.is_some_and(|before| before != epoch) {
+                        // Offsets of the old topic must not be committed to the new one.
+                        let old = format!("{topic}/{partition}/");
+                        let mut deferred = consumer.context().deferred();
+                        deferred.receipts.retain(|r| !r.starts_with(&old));
+                    }
+                    epoch
                 }
             };
             self.partitions.insert(
@@ -312,13 +321,6 @@ impl KafkaTransport {
                 .map_err(|_| TransportError("committing offsets: no answer".into()))?
                 .map_err(|e| failed("committing offsets", e))??;
             consumer.context().deferred().committing.clear();
-            let partitions: Vec<(String, i32)> = (commits(&receipts)?.elements().iter())
-                .map(|e| (e.topic().to_string(), e.partition()))
-                .collect();
-            self.epochs
-                .committed(&partitions)
-                .await
-                .map_err(|e| failed("saving the partitions' epochs", e))?;
             confirmed = receipts;
         } else if let Some((_, started)) = &self.committing {
             if started.elapsed() >= COMMIT_TIMEOUT {
@@ -326,6 +328,15 @@ impl KafkaTransport {
             }
         }
         confirmed.append(&mut consumer.context().deferred().committed);
+        if !confirmed.is_empty() {
+            let partitions: Vec<(String, i32)> = (commits(&confirmed)?.elements().iter())
+                .map(|e| (e.topic().to_string(), e.partition()))
+                .collect();
+            self.epochs
+                .committed(&partitions)
+                .await
+                .map_err(|e| failed("saving the partitions' epochs", e))?;
+        }
         Ok(confirmed)
     }
 
@@ -357,6 +368,9 @@ fn has_committed_offset(
         .committed_offsets(asked, EPOCH_TIMEOUT)
         .map_err(|e| failed("looking up the committed offset", e))?;
     let elem = committed.find_partition(topic, partition);
+    if let Some(error) = elem.as_ref().and_then(|e| e.error().err()) {
+        return Err(failed("looking up the committed offset", error));
+    }
     Ok(elem.is_some_and(|e| matches!(e.offset(), Offset::Offset(_))))
 }
 
