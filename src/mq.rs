@@ -42,7 +42,11 @@ impl MqKind {
     /// DELETE.X` deletes a stream), so no sink publishes there, whatever `targets` says.
     fn internal_prefixes(self) -> &'static [&'static str] {
         match self {
-            MqKind::Nats => &["$JS.", "$KV.", "$O.", "$SYS.", "_INBOX."],
+            // `$JSC.` JetStream's cluster traffic, `$NRG.` its Raft groups, `$MQTT.` the MQTT
+            // gateway's state, `$SRV.` the services API.
+            MqKind::Nats => &[
+                "$JS.", "$JSC.", "$KV.", "$O.", "$NRG.", "$MQTT.", "$SRV.", "$SYS.", "_INBOX.",
+            ],
             // Kafka's own topics: __consumer_offsets, __transaction_state, ...
             MqKind::Kafka => &["__"],
             MqKind::Amqp | MqKind::Redis => &[],
@@ -285,6 +289,10 @@ mod tests {
             "$KV.config.x",
             "$O.bucket.x",
             "$SYS.REQ.SERVER.PING",
+            "$JSC.R.abc",
+            "$NRG.AE.group",
+            "$MQTT.sess.x",
+            "$SRV.PING",
             "_INBOX.abc",
         ] {
             assert!(any.check(internal, None).is_err(), "{internal}");
