@@ -72,6 +72,8 @@ pub struct KeyIndex {
     bulk: Vec<Slot>,
     tombstones: usize,
     recent: BTreeSet<Slot>,
+    #[cfg(test)]
+    collide: bool,
 }
 
 impl Default for KeyIndex {
@@ -87,11 +89,26 @@ impl KeyIndex {
             bulk: Vec::new(),
             tombstones: 0,
             recent: BTreeSet::new(),
+            #[cfg(test)]
+            collide: false,
+        }
+    }
+
+    /// An index that files every key under one hash: every lookup meets a collision.
+    #[cfg(test)]
+    pub fn colliding() -> KeyIndex {
+        KeyIndex {
+            collide: true,
+            ..KeyIndex::new()
         }
     }
 
     /// The hash a key is filed under.
     pub fn hash(&self, sink: &str, topic: &str, key: &str) -> KeyHash {
+        #[cfg(test)]
+        if self.collide {
+            return KeyHash(7);
+        }
         // (A `str` hashes with a terminator, so ("ab", "c") and ("a", "bc") differ.)
         let full = self.hasher.hash_one((sink, topic, key));
         KeyHash((full >> 32) as u32)

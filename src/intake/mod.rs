@@ -581,6 +581,100 @@ mod tests {
         assert_eq!(keys.index.len(), 3);
     }
 
+    /// Two keys under one hash (a collision, forced here): each finds its own pending message and never
+    /// the other's, and a candidate of the other key is kept, not pruned.
+    #[test]
+    fn keys_that_share_a_hash_stay_apart() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let log = Arc::new(ScheduleLog::open(dir.path(), schedulelog::Options::default()).unwrap());
+        let now = 1_796_117_400_000;
+        let clock: Arc<dyn Clock> = Arc::new(schedulelog::ManualClock::new(now));
+        let scheduler = Scheduler::start(
+            log.clone(),
+            &crate::sink::SinkRegistry::new(),
+            crate::scheduler::SchedulerConfig::default(),
+            clock.clone(),
+            runtime.handle(),
+        )
+        .unwrap();
+        let intake = Intake {
+            log,
+            scheduler: Arc::new(scheduler),
+            config: Arc::new(Config::default()),
+            clock,
+            disk: Arc::new(DiskWatch::new(dir.path().into(), 0)),
+            keys: Arc::new(tokio::sync::Mutex::new(Keys {
+                index: KeyIndex::colliding(),
+                complete: true,
+            })),
+        };
+        let key = |key: &str| MessageKey {
+            sink: "s".into(),
+            topic: "t".into(),
+            key: key.into(),
+        };
+        // Due in an hour: pending all through the test (the clock does not move).
+        let message = |key: &str| {
+            MessageRef {
+                deliver_at_ms: now + 3_600_000,
+                topic: "t",
+                key: Some(key),
+                sink: "s",
+                body: key.as_bytes(),
+                dedup: true,
+                ..Default::default()
+            }
+            .encode()
+            .unwrap()
+        };
+        runtime.block_on(async {
+            let scheduled = |keyed| match keyed {
+                Keyed::Scheduled(appended) => appended.id,
+                Keyed::Pending(id, _) => panic!("taken for the pending {id}"),
+            };
+            let a = scheduled(
+                intake
+                    .schedule_keyed(&key("a"), message("a"))
+                    .await
+                    .unwrap(),
+            );
+            let b = scheduled(
+                intake
+                    .schedule_keyed(&key("b"), message("b"))
+                    .await
+                    .unwrap(),
+            );
+            assert_ne!(a, b);
+            match intake
+                .schedule_keyed(&key("a"), message("a"))
+                .await
+                .unwrap()
+            {
+                Keyed::Pending(id, _) => assert_eq!(id, a),
+                Keyed::Scheduled(_) => panic!("a second message for key a"),
+            }
+            assert_eq!(intake.pending_with_key(&key("b")).await.unwrap(), Some(b));
+            assert_eq!(intake.pending_with_key(&key("c")).await.unwrap(), None);
+            let all = intake
+                .schedule_all(vec![
+                    (Some(key("b")), message("b")),
+                    (Some(key("c")), message("c")),
+                    (Some(key("c")), message("c")),
+                ])
+                .await
+                .unwrap();
+            assert!(all[0].is_none(), "b is pending");
+            assert!(all[1].is_some(), "c is new, though its hash is a's and b's");
+            assert!(all[2].is_none(), "c twice in one call");
+            assert_eq!(intake.keys.lock().await.index.len(), 3);
+        });
+    }
+
     #[test]
     fn times_and_delays_as_text() {
         assert_eq!(deliver_at_from_text("1796117400123"), Ok(1_796_117_400_123));
