@@ -799,6 +799,12 @@ fn a_topic_made_again_starts_a_new_order_of_positions() {
     let config = config(dir.path(), &tansu, "a");
     let mut delayd = start_delayd(&data, &config);
     wait_until_consuming(&tansu, &delayd.base);
+    // delayd committed in the partition (the warm-up): a group without a committed offset for it after
+    // the restart means the topic was made again.
+    wait_for("a commit", Duration::from_secs(30), || {
+        std::fs::read_to_string(data.join("sources/in~kafka-epochs"))
+            .is_ok_and(|epochs| epochs.contains("\"committed\":true"))
+    });
     // Due after the restart (a consumer takes seconds to join); the keyed one later still.
     for i in 0..3 {
         tansu.produce(
@@ -817,12 +823,9 @@ fn a_topic_made_again_starts_a_new_order_of_positions() {
     wait_for("the old requests", Duration::from_secs(30), || {
         count(&delayd.base, "scheduled") == 4.0
     });
-    // delayd committed in the partition (the warm-up, at least): a group without a committed offset
-    // for it after the restart means the topic was made again.
-    wait_for("a commit", Duration::from_secs(30), || {
-        std::fs::read_to_string(data.join("sources/in~kafka-epochs"))
-            .is_ok_and(|epochs| epochs.contains("\"committed\":true"))
-    });
+    // Killed at once: their offsets are committed in the background, so the old requests' positions are
+    // most likely still unacknowledged in the source's mark, where the new topic's offsets 0..3 must not
+    // be taken for them.
     delayd.kill();
     tansu.make_again("delayd-in", 1);
     tansu.create_topics(&[("orders-out", 1)]);
