@@ -532,10 +532,9 @@ impl Lane {
     }
 
     /// How long the unreachable deliveries of a batch wait (ms): the sink's backoff for the batches in a
-    /// row that found the destination away, at most `UNREACHABLE_WAIT_MAX`. A batch it answered for
-    /// ends the row.
-    /// The lane holds the batches that come due meanwhile (see `deliver`). A batch the destination
-    /// answered for (a message it took or refused) ends the row.
+    /// row that found the destination away, at most `UNREACHABLE_WAIT_MAX`. The lane holds the batches
+    /// that come due meanwhile (see `deliver`). A batch the destination answered for (a message it took
+    /// or refused) ends the row.
     fn unreachable_wait(&self, outcomes: &[SinkOutcome]) -> i64 {
         let unreachable = |o: &SinkOutcome| matches!(o, SinkOutcome::Unreachable { .. });
         let answered = |o: &SinkOutcome| {

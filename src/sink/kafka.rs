@@ -55,8 +55,9 @@ impl KafkaSink {
         config
             .set("acks", "all")
             .set("enable.idempotence", "true")
-            // A report within 30 s, so that a broker away shows as failed attempts (retried with the
-            // sink's backoff) rather than as deliveries stuck for librdkafka's default 5 minutes.
+            // A report within 30 s rather than librdkafka's default 5 minutes: a cluster away shows
+            // as postponed deliveries, a cluster that answers but does not take the record as a
+            // failed attempt (see `deliver`).
             .set("message.timeout.ms", "30000")
             .set("linger.ms", "2")
             .set(

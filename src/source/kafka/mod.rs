@@ -20,9 +20,9 @@
 //! - No read-ahead: a receive asked not to wait returns nothing, so the consumer is polled (and
 //!   librdkafka runs a rebalance only inside a poll) only when no request is being written: every one
 //!   read before is durable, and the revocation commits it. Partitions revoked by a rebalance therefore
-//!   carry nothing durable and uncommitted, and nothing is committed for them afterwards. A rebalance during a receive drops
-//!   what that receive had collected (nothing of it is durable): the partitions' next owner, or this
-//!   consumer again, reads it from the committed offset.
+//!   carry nothing durable and uncommitted, and nothing is committed for them afterwards. A rebalance
+//!   during a receive drops what that receive had collected (nothing of it is durable): the
+//!   partitions' next owner, or this consumer again, reads it from the committed offset.
 //! - Static membership: `group.instance.id` is the source's `consumer` name, so a restarted node gets
 //!   its partitions back at once instead of after the session timeout. Each node sharing a group needs
 //!   its own.
