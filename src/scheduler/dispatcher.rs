@@ -13,8 +13,11 @@
 //!   attempt used;
 //! - unreachable (an MQ refused the connection, was not connected, or timed out before it answered) →
 //!   the same, after the sink's backoff for the batches in a row that found it away (at most 30 s), and
-//!   the lane holds what comes due meanwhile, unread, until then: an MQ outage of any length spends no
-//!   attempt, writes nothing and reads one batch per wait.
+//!   the lane holds what comes due meanwhile, unread, until then. After the wait one batch goes out,
+//!   alone: what comes due while it is out waits, unread, for its answer (released at once if the
+//!   destination answered, held on if not). An MQ outage of any length spends no attempt, writes
+//!   nothing and reads one batch per wait. Held entries count as postponed
+//!   (`delayd_messages_postponed_total`).
 //!
 //! A sink's own delay (an HTTP `Retry-After`) is capped by the sink's `backoff_cap`, like the backoff
 //! itself (the configuration keeps that cap within `max_delay`): a receiver cannot park a message for
@@ -61,8 +64,28 @@ pub(crate) struct Lane {
     postponed: metrics::Counter,
     /// Batches in a row whose destination could not be reached: how long the next one waits.
     unreachable_streak: std::sync::atomic::AtomicU32,
-    /// Until when (clock ms) the lane holds its batches, the destination having been found away.
+    /// Until when (clock ms) the lane holds its batches, the destination having been found away; 0
+    /// once it answered again.
     unreachable_until: std::sync::atomic::AtomicI64,
+    /// The batch sent after a wait, alone, and what came due while it was out.
+    probe: std::sync::Mutex<Probe>,
+}
+
+/// After a wait for an unreachable destination, the one batch that tries it (see the module doc).
+#[derive(Debug, Default)]
+struct Probe {
+    out: bool,
+    held: Vec<Entry>,
+}
+
+/// The probe out: dropped once its outcomes are settled (or the delivery ended early), which releases
+/// what was held meanwhile.
+struct ProbeOut(Arc<Lane>);
+
+impl Drop for ProbeOut {
+    fn drop(&mut self) {
+        self.0.probe_done();
+    }
 }
 
 /// One lane per registered sink, in registry order, then the lane for messages naming an unknown sink.
@@ -109,6 +132,51 @@ impl Lane {
             postponed: metrics::counter!("delayd_messages_postponed_total", "sink" => name.to_string()),
             unreachable_streak: Default::default(),
             unreachable_until: Default::default(),
+            probe: Default::default(),
+        }
+    }
+
+    fn probe(&self) -> std::sync::MutexGuard<'_, Probe> {
+        self.probe.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `batch` if it may go to the sink now, with whether it is the probe after a wait (whose answer
+    /// [`ProbeOut`] reports); else `None`: it is held (back to the wheel until the wait is over, or kept
+    /// until the probe is answered) and counted as postponed.
+    fn may_go(self: &Arc<Self>, batch: Vec<Entry>) -> Option<(Vec<Entry>, Option<ProbeOut>)> {
+        let until = self.unreachable_until.load(Ordering::SeqCst);
+        if until == 0 {
+            return Some((batch, None));
+        }
+        let count = batch.len() as u64;
+        if until > self.shared.clock.now_ms() {
+            for entry in batch {
+                self.shared.requeue_at(entry, until);
+            }
+            self.postponed.increment(count);
+            return None;
+        }
+        let mut probe = self.probe();
+        if probe.out {
+            probe.held.extend(batch);
+            self.postponed.increment(count);
+            return None;
+        }
+        probe.out = true;
+        Some((batch, Some(ProbeOut(self.clone()))))
+    }
+
+    /// The probe was answered (or dropped): what was held meanwhile goes back to the wheel, due now if
+    /// the destination answered, at the end of the next wait if it did not.
+    fn probe_done(&self) {
+        let held = {
+            let mut probe = self.probe();
+            probe.out = false;
+            std::mem::take(&mut probe.held)
+        };
+        let at = (self.unreachable_until.load(Ordering::SeqCst)).max(self.shared.clock.now_ms());
+        for entry in held {
+            self.shared.requeue_at(entry, at);
         }
     }
 
@@ -149,15 +217,11 @@ impl Lane {
     }
 
     async fn deliver(self: Arc<Self>, batch: Vec<Entry>) {
-        // The destination was found away: until the wait is over the batch goes back to the wheel as
-        // it is, unread, so that an outage costs no disk reads for the messages that wait.
-        let held_until = self.unreachable_until.load(Ordering::Relaxed);
-        if held_until > self.shared.clock.now_ms() {
-            for entry in batch {
-                self.shared.requeue_at(entry, held_until);
-            }
+        // The destination was found away: the batch is held, unread, so that an outage costs no disk
+        // reads for the messages that wait.
+        let Some((batch, _probe)) = self.may_go(batch) else {
             return;
-        }
+        };
         let lane = self.clone();
         // A sink that delivers in place does so on the thread that read the batch (Sink::deliver_blocking).
         let read = tokio::task::spawn_blocking(move || {
@@ -271,7 +335,12 @@ impl Lane {
         flight: InFlight,
     ) {
         let now = self.shared.clock.now_ms();
-        let unreachable_after_ms = self.unreachable_wait(&outcomes);
+        // The destination's answers only: a message dead on arrival never went to it.
+        let sent: Vec<&SinkOutcome> = (deliveries.iter().zip(&outcomes))
+            .filter(|(delivery, _)| dead_on_arrival(delivery).is_none())
+            .map(|(_, outcome)| outcome)
+            .collect();
+        let unreachable_after_ms = self.unreachable_wait(&sent);
         let mut records: Vec<(Bucket, Outcome)> = Vec::new();
         let mut retries = Vec::new();
         let mut labels = Vec::with_capacity(deliveries.len());
@@ -535,9 +604,9 @@ impl Lane {
     /// row that found the destination away, at most `UNREACHABLE_WAIT_MAX`. The lane holds the batches
     /// that come due meanwhile (see `deliver`). A batch the destination answered for (a message it took
     /// or refused) ends the row.
-    fn unreachable_wait(&self, outcomes: &[SinkOutcome]) -> i64 {
-        let unreachable = |o: &SinkOutcome| matches!(o, SinkOutcome::Unreachable { .. });
-        let answered = |o: &SinkOutcome| {
+    fn unreachable_wait(&self, outcomes: &[&SinkOutcome]) -> i64 {
+        let unreachable = |o: &&SinkOutcome| matches!(o, SinkOutcome::Unreachable { .. });
+        let answered = |o: &&SinkOutcome| {
             matches!(
                 o,
                 SinkOutcome::Delivered | SinkOutcome::Retry { .. } | SinkOutcome::Dead { .. }
@@ -545,8 +614,8 @@ impl Lane {
         };
         if !outcomes.iter().any(unreachable) {
             if outcomes.iter().any(answered) {
-                self.unreachable_streak.store(0, Ordering::Relaxed);
-                self.unreachable_until.store(0, Ordering::Relaxed);
+                self.unreachable_streak.store(0, Ordering::SeqCst);
+                self.unreachable_until.store(0, Ordering::SeqCst);
             }
             return 0;
         }
@@ -555,7 +624,7 @@ impl Lane {
         let wait = (self.policy.backoff.delay(step, self.random_unit())).min(UNREACHABLE_WAIT_MAX);
         let wait_ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
         let until = self.shared.clock.now_ms().saturating_add(wait_ms);
-        self.unreachable_until.fetch_max(until, Ordering::Relaxed);
+        self.unreachable_until.fetch_max(until, Ordering::SeqCst);
         wait_ms
     }
 

@@ -1337,3 +1337,61 @@ fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
         "one attempt, nothing written for the waits"
     );
 }
+
+/// While the lane waits for an unreachable destination, what comes due is held, unread (never handed to
+/// the sink); after the wait one batch goes out alone, and the rest follow once it is answered.
+#[test]
+fn batches_wait_unread_for_an_unreachable_destination_and_one_tries_it() {
+    let mut h = Harness::manual();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    h.script.insert(
+        "A".into(),
+        vec![SinkOutcome::Unreachable {
+            reason: "connection refused".into(),
+        }],
+    );
+    let policy = SinkPolicy {
+        max_batch: 1,
+        max_in_flight: 4,
+        ..SinkPolicy::default()
+    };
+    h.sinks = vec![("a", policy, Some(gate.clone()))];
+    let a = h.schedule("a", T0, "A");
+    h.schedule("a", T0 + 100, "B");
+    h.schedule("a", T0 + 100, "C");
+    gate.add_permits(1);
+    h.start();
+    assert_eq!(h.recv().body, "A");
+    assert_eq!(h.settle(1), vec![(a, "postponed")]);
+    gate.forget_permits(1);
+    h.entered.recv_timeout(WAIT).unwrap();
+    // B and C come due during the wait (500 ms to 1 s): held, not handed to the sink.
+    h.set(T0 + 100);
+    let quiet = Duration::from_millis(300);
+    assert!(
+        h.entered.recv_timeout(quiet).is_err(),
+        "a call during the wait"
+    );
+    // After it, one batch tries the destination (held at the gate); the others wait for its answer.
+    h.set(T0 + 1_000);
+    h.entered
+        .recv_timeout(WAIT)
+        .expect("the batch after the wait");
+    assert!(
+        h.entered.recv_timeout(quiet).is_err(),
+        "a second batch went out before the first was answered"
+    );
+    gate.add_permits(1);
+    let mut got: Vec<Received> = h.recv_n(3);
+    got.sort_by(|x, y| x.body.cmp(&y.body));
+    assert_eq!(
+        got.iter().map(|r| r.body.as_str()).collect::<Vec<_>>(),
+        ["A", "B", "C"]
+    );
+    assert!(got.iter().all(|r| r.at_ms == T0 + 1_000 && r.attempt == 0));
+    let settled = h.settle(3);
+    assert!(
+        settled.iter().all(|(_, label)| *label == "ok"),
+        "{settled:?}"
+    );
+}

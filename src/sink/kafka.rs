@@ -55,9 +55,8 @@ impl KafkaSink {
         config
             .set("acks", "all")
             .set("enable.idempotence", "true")
-            // A report within 30 s rather than librdkafka's default 5 minutes: a cluster away shows
-            // as postponed deliveries, a cluster that answers but does not take the record as a
-            // failed attempt (see `deliver`).
+            // A report within 30 s rather than librdkafka's default 5 minutes: a cluster away (or a
+            // partition without a leader) shows as postponed deliveries within that.
             .set("message.timeout.ms", "30000")
             .set("linger.ms", "2")
             .set(
@@ -172,29 +171,13 @@ impl Sink for KafkaSink {
             let sent = batch.iter().zip(&refusals).filter(|(_, r)| r.is_none());
             let results =
                 futures_util::future::join_all(sent.map(|(d, _)| self.produce(&producer, d))).await;
-            // A record that timed out while a broker answers (a partition without a leader, too few
-            // in-sync replicas) was refused by the cluster: a failed attempt, not an outage.
-            let timed_out = results.iter().any(|r| {
-                r.as_ref().is_err_and(|e| {
-                    e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut)
-                })
-            });
-            let answers = timed_out && self.metadata().await.is_ok();
             let mut results = results.iter();
             let outcomes: Vec<SinkOutcome> = refusals
                 .into_iter()
                 .map(|refusal| {
                     refusal.unwrap_or_else(|| match results.next() {
                         Some(Ok(())) => SinkOutcome::Delivered,
-                        Some(Err(error)) => match outcome(error) {
-                            SinkOutcome::Unreachable { reason } if answers => SinkOutcome::Retry {
-                                after: None,
-                                reason: format!(
-                                    "{reason} (a broker answers: the cluster did not take it)"
-                                ),
-                            },
-                            other => other,
-                        },
+                        Some(Err(error)) => outcome(error),
                         None => SinkOutcome::Retry {
                             after: None,
                             reason: "kafka: no delivery report".into(),

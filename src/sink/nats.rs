@@ -142,30 +142,14 @@ impl NatsSink {
             published.push(sent.map_err(|e| outcome(&message.topic, e.kind(), &e)));
         }
         let mut outcomes = Vec::with_capacity(batch.len());
-        let mut timed_out = false;
         for (sent, delivery) in published.into_iter().zip(batch) {
             outcomes.push(match sent {
                 Ok(ack) => match ack.await {
                     Ok(_) => SinkOutcome::Delivered,
-                    Err(e) => {
-                        timed_out |= e.kind() == PublishErrorKind::TimedOut;
-                        outcome(&delivery.message.topic, e.kind(), &e)
-                    }
+                    Err(e) => outcome(&delivery.message.topic, e.kind(), &e),
                 },
                 Err(outcome) => outcome,
             });
-        }
-        // A PubAck that did not come while the server answers us (a stream without its quorum, say) is
-        // its answer about those messages: a failed attempt, not an outage.
-        if timed_out && self.ping().await.is_ok() {
-            for outcome in &mut outcomes {
-                if let SinkOutcome::Unreachable { reason } = outcome {
-                    *outcome = SinkOutcome::Retry {
-                        after: None,
-                        reason: format!("{reason} (the server answers: its stream did not)"),
-                    };
-                }
-            }
         }
         Ok(outcomes)
     }
