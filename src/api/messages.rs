@@ -806,7 +806,10 @@ pub struct RequeueRequest<'a> {
         (status = 408, description = "`request_timeout`", body = Problem,
             content_type = "application/problem+json"),
         (status = 409, description = "`not_dead`: the message is not a dead letter; \
-            `too_many_attempts`: it has had as many attempts as an id can count", body = Problem,
+            `too_many_attempts`: it has had as many attempts as an id can count; \
+            `not_requeueable`: an MQ source's request that was dead on arrival cannot go out as it \
+            is (no target, cut to fit the log, a cancel, a migration schedule header, or it fails \
+            the checks of a new message)", body = Problem,
             content_type = "application/problem+json"),
         (status = 413, description = "`payload_too_large`", body = Problem,
             content_type = "application/problem+json"),
@@ -867,16 +870,21 @@ pub async fn requeue(
 /// Whether a dead message may go out as it is. A message taken over HTTP was checked when it was; a
 /// source's request that was dead on arrival (`delayd-dead-on-arrival`) never was: it must pass the
 /// checks of a new message now (its target, under the sink's current `targets`; its body's size; its
-/// headers), name a target, and have its whole body (one cut to fit the log, `delayd-body-bytes`,
-/// never goes out). 409 `not_requeueable` says why not.
+/// headers), name a target, have been stored whole (one cut to fit the log, `delayd-body-bytes`, never
+/// goes out), not be a cancel, and carry no migration header its target would read as a schedule
+/// (`x-delay`, `Nats-Schedule`, `scheduler-*`). 409 `not_requeueable` says why not.
 fn requeueable(
     state: &AppState,
     message: &schedulelog::Message,
     deliver_at_ms: i64,
     now_ms: i64,
 ) -> Result<(), ApiError> {
-    let header = |name: &str| message.headers.iter().any(|(n, _)| n == name);
-    if !header(crate::scheduler::DEAD_ON_ARRIVAL_HEADER) {
+    let value = |name: &str| {
+        (message.headers.iter())
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.trim())
+    };
+    if value(crate::scheduler::DEAD_ON_ARRIVAL_HEADER).is_none() {
         return Ok(());
     }
     let refuse = |why: String| {
@@ -889,8 +897,26 @@ fn requeueable(
     if message.topic.is_empty() {
         return refuse("it named no target (delayd-target)".into());
     }
-    if header("delayd-body-bytes") {
-        return refuse("its body was cut to fit the log".into());
+    if value(crate::scheduler::BODY_BYTES_HEADER).is_some() {
+        return refuse("it was cut to fit the log".into());
+    }
+    if value("delayd-cancel").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return refuse("it is a cancel, not a message".into());
+    }
+    // Taken, the request would have had these read and removed; sent on, its target would read them
+    // again (a delayed-message exchange would delay it once more).
+    let scheduling = [
+        "x-delay",
+        "Nats-Schedule",
+        "Nats-Schedule-Target",
+        "scheduler-epoch",
+        "scheduler-target-topic",
+        "scheduler-target-key",
+    ];
+    if let Some(name) = scheduling.into_iter().find(|name| value(name).is_some()) {
+        return refuse(format!(
+            "it carries {name}, which its target would read again"
+        ));
     }
     let draft = Draft {
         deliver_at_ms,

@@ -669,6 +669,10 @@ pub const DEAD_TOPIC: &str = "$dead";
 /// dead with it, without calling the sink (also after a crash between its append and that outcome).
 pub const DEAD_ON_ARRIVAL_HEADER: &str = "delayd-dead-on-arrival";
 
+/// The header of a message dead on arrival stored without all of its request: the body's length when
+/// the body (or the headers) had to be cut to fit the log. Such a message is never requeued.
+pub const BODY_BYTES_HEADER: &str = "delayd-body-bytes";
+
 /// Why a delivery's message was dead on arrival, if it was.
 fn dead_on_arrival(delivery: &Delivery) -> Option<&str> {
     (delivery.message.headers.iter())

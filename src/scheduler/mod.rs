@@ -49,7 +49,7 @@ use std::time::Duration;
 use wheel::{Entry, Wheel};
 
 pub use dead::{DeadLetterError, Requeued};
-pub use dispatcher::{DEAD_ON_ARRIVAL_HEADER, DEAD_TOPIC};
+pub use dispatcher::{BODY_BYTES_HEADER, DEAD_ON_ARRIVAL_HEADER, DEAD_TOPIC};
 pub use registry::{CancelError, Cancelled};
 pub use schedulelog::{ManualClock, SystemClock};
 

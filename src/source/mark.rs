@@ -74,15 +74,19 @@ pub fn write(path: &Path, mark: &Mark) -> std::io::Result<()> {
 pub fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    // Appended, not put in the place of an extension: `a.b` and `a.c` must not share `a.tmp~`. (No
-    // source name holds `~`.)
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp~");
-    let tmp = PathBuf::from(tmp);
+    let tmp = temporary(path);
     std::fs::write(&tmp, bytes)?;
     std::fs::File::open(&tmp)?.sync_all()?;
     std::fs::rename(&tmp, path)?;
     std::fs::File::open(dir)?.sync_all()
+}
+
+/// The temporary file `path` is written as. Appended, not put in the place of an extension: `a.b` and
+/// `a.c` (sources `a.b` and `a.c`, written at once) must not share `a.tmp~`. (No source name holds `~`.)
+fn temporary(path: &Path) -> PathBuf {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp~");
+    PathBuf::from(tmp)
 }
 
 #[cfg(test)]
@@ -108,11 +112,14 @@ mod tests {
                 unacked: Vec::new()
             })
         );
-        // Two sources whose names differ after a dot do not share a temporary file.
-        let other = path(dir.path(), "orders-in.eu");
-        write(&other, &Mark::default()).unwrap();
-        assert_eq!(read(&other).unwrap(), Some(Mark::default()));
-        assert!(beside(dir.path(), "orders-in", "kafka-epochs") != other);
+        // Sources whose names differ after a dot do not share a temporary file, nor a file beside.
+        let eu = path(dir.path(), "orders-in.eu");
+        let us = path(dir.path(), "orders-in.us");
+        assert_ne!(temporary(&eu), temporary(&us));
+        assert_ne!(temporary(&at), temporary(&eu));
+        write(&eu, &Mark::default()).unwrap();
+        assert_eq!(read(&eu).unwrap(), Some(Mark::default()));
+        assert_ne!(beside(dir.path(), "orders-in", "kafka-epochs"), eu);
         for damaged in ["", "97x", "{\"below\": -1}", "{\"unacked\": []}"] {
             std::fs::write(&at, damaged).unwrap();
             let error = read(&at).unwrap_err().to_string();

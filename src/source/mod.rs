@@ -30,10 +30,12 @@ pub(crate) mod mark;
 pub mod nats;
 pub mod redis;
 
-use crate::intake::{delay_from_text, deliver_at_from_text, Draft, Intake, MessageKey, Rejection};
+use crate::intake::{
+    delay_from_text, deliver_at_from_text, Draft, Intake, MessageKey, Rejection, MAX_KEY_BYTES,
+};
 use crate::link::Link;
 use crate::mq::{MqError, EXCHANGE_HEADER};
-use crate::scheduler::{CancelError, DEAD_ON_ARRIVAL_HEADER};
+use crate::scheduler::{CancelError, BODY_BYTES_HEADER, DEAD_ON_ARRIVAL_HEADER};
 use crate::sink::BoxFuture;
 use base64::Engine;
 use mark::Mark;
@@ -924,15 +926,31 @@ impl Writer {
         let topic = target_of(request)
             .filter(|t| t.len() <= 255)
             .unwrap_or_default();
+        // The key the request would have had: a requeued dead letter goes out with it.
+        let key = (header(request, "delayd-key"))
+            .or_else(|| header(request, "scheduler-target-key"))
+            .or(request.default_key.as_deref())
+            .filter(|key| !key.is_empty() && key.len() <= MAX_KEY_BYTES);
         let mut escaped = false;
         let mut headers: Vec<(String, String)> = (request.headers.iter())
-            .filter(|(name, _)| name != DEAD_ON_ARRIVAL_HEADER && name != POSITION_HEADER)
-            .map(|(name, value)| match value.chars().any(char::is_control) {
-                true => {
-                    escaped = true;
-                    (name.clone(), escape_controls(value))
+            .filter(|(name, _)| {
+                ![DEAD_ON_ARRIVAL_HEADER, POSITION_HEADER, BODY_BYTES_HEADER]
+                    .iter()
+                    .any(|ours| name.eq_ignore_ascii_case(ours))
+            })
+            .map(|(name, value)| {
+                // Named as the sinks look for it, as for a request taken (`classify`).
+                let name = match name.eq_ignore_ascii_case(EXCHANGE_HEADER) {
+                    true => EXCHANGE_HEADER.to_string(),
+                    false => name.clone(),
+                };
+                match value.chars().any(char::is_control) {
+                    true => {
+                        escaped = true;
+                        (name, escape_controls(value))
+                    }
+                    false => (name, value.clone()),
                 }
-                false => (name.clone(), value.clone()),
             })
             .collect();
         let reason = match escaped {
@@ -953,7 +971,7 @@ impl Writer {
             MessageRef {
                 deliver_at_ms: now_ms,
                 topic,
-                key: None,
+                key,
                 headers: &headers,
                 sink: &self.settings.sink,
                 body,
@@ -970,12 +988,14 @@ impl Writer {
         let max = self.intake.config.limits.max_message_bytes;
         let cut = &request.body[..request.body.len().min(max)];
         let body_bytes = (
-            "delayd-body-bytes".to_string(),
+            BODY_BYTES_HEADER.to_string(),
             request.body.len().to_string(),
         );
-        headers.push(body_bytes.clone());
-        if let Ok(encoded) = encode(&headers, cut) {
-            return Ok(encoded);
+        if cut.len() < request.body.len() {
+            headers.push(body_bytes.clone());
+            if let Ok(encoded) = encode(&headers, cut) {
+                return Ok(encoded);
+            }
         }
         let short = |value: &str| {
             let end = (0..=value.len().min(1024))

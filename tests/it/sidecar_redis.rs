@@ -870,8 +870,10 @@ fn the_sinks_state_follows_redis_without_deliveries() {
 /// A request that cannot be scheduled is a dead letter where every other one is: a dead message with an
 /// id the API finds and lists, requeued once fixed (here: a missing delivery time, which a requeue
 /// supplies), with its headers kept: one with a control character escaped, one that is not UTF-8
-/// base64-encoded as `NAME.base64`, the reason naming both. One without a target cannot be requeued
-/// (409 `not_requeueable`).
+/// base64-encoded as `NAME.base64`, the reason naming both, and with the key it gave. What cannot go
+/// out as it is cannot be requeued (409 `not_requeueable`): one without a target, a cancel, one with a
+/// migration schedule header its target would read again, one cut to fit the log, one whose header a
+/// new message may not have.
 #[test]
 fn a_sources_dead_letter_is_found_listed_and_requeued() {
     let dir = tempfile::tempdir().unwrap();
@@ -885,6 +887,8 @@ fn a_sources_dead_letter_is_found_listed_and_requeued() {
         .arg("*")
         .arg("delayd-target")
         .arg("orders:out")
+        .arg("delayd-key")
+        .arg("k-1")
         .arg("trace")
         .arg("a\u{1b}b")
         .arg("bin")
@@ -894,16 +898,47 @@ fn a_sources_dead_letter_is_found_listed_and_requeued() {
         .query(&mut connection)
         .unwrap();
     publish(&mut connection, &[("delayd-delay", "1s")], "no target");
+    let refused_targets = ["orders:cancel", "orders:x", "orders:big", "orders:name"];
+    publish(
+        &mut connection,
+        &[
+            ("delayd-target", "orders:cancel"),
+            ("delayd-cancel", "true"),
+        ],
+        "",
+    );
+    publish(
+        &mut connection,
+        &[("delayd-target", "orders:x"), ("x-delay", "soon")],
+        "x",
+    );
+    publish(
+        &mut connection,
+        &[("delayd-target", "orders:big"), ("delayd-delay", "1s")],
+        &"b".repeat((1 << 20) + 1),
+    );
+    publish(
+        &mut connection,
+        &[
+            ("delayd-target", "orders:name"),
+            ("delayd-delay", "1s"),
+            ("bad name", "v"),
+        ],
+        "n",
+    );
     // Listed as dead, by their targets.
     let dead = |topic: &str| {
         let listed = request(&delayd.base, "GET", "/v1/messages?status=dead", None, None);
         let messages = listed.json["messages"].as_array().unwrap().clone();
         messages.into_iter().find(|m| m["topic"] == topic)
     };
-    wait_for("both dead letters listed", Duration::from_secs(10), || {
-        dead("orders:out").is_some() && dead("").is_some()
+    wait_for("the dead letters listed", Duration::from_secs(10), || {
+        dead("orders:out").is_some()
+            && dead("").is_some()
+            && refused_targets.iter().all(|t| dead(t).is_some())
     });
     let no_time = dead("orders:out").unwrap();
+    assert_eq!(no_time["key"], "k-1");
     let reason = no_time["reason"].as_str().unwrap();
     assert!(
         reason.starts_with("invalid_header")
@@ -927,18 +962,21 @@ fn a_sources_dead_letter_is_found_listed_and_requeued() {
     assert_eq!(fields["trace"], "a\\u{1b}b");
     assert_eq!(fields["bin.base64"], "/wA=");
     assert_eq!(fields["delayd-id"], id);
-    let no_target = dead("").unwrap();
-    let refused = request(
-        &delayd.base,
-        "POST",
-        &format!("/v1/messages/{}/requeue", no_target["id"].as_str().unwrap()),
-        Some("{}"),
-        None,
-    );
-    assert_eq!(
-        (refused.status, refused.json["code"].as_str()),
-        (409, Some("not_requeueable")),
-        "{}",
-        refused.json
-    );
+    for topic in [""].iter().chain(&refused_targets) {
+        let letter = dead(topic).unwrap();
+        let refused = request(
+            &delayd.base,
+            "POST",
+            &format!("/v1/messages/{}/requeue", letter["id"].as_str().unwrap()),
+            Some("{}"),
+            None,
+        );
+        assert_eq!(
+            (refused.status, refused.json["code"].as_str()),
+            (409, Some("not_requeueable")),
+            "{topic}: {}",
+            refused.json
+        );
+        assert_eq!(dead(topic).unwrap()["id"], letter["id"], "still dead");
+    }
 }
