@@ -749,8 +749,10 @@ impl ScheduleLog {
     /// the start of the flagged records ([`SegmentReader::read_meta`]), one at a time.
     ///
     /// Waits until everything committed is filed; `NotFiledYet` while the replayer is held up by a full
-    /// disk (the caller tries again later: a record not filed yet would be missed).
-    pub fn pending_keyed(&self, mut f: impl FnMut(MessageMeta)) -> Result<()> {
+    /// disk (the caller tries again later: a record not filed yet would be missed). A record whose start
+    /// is corrupt is handed over as its [`Error::Corrupt`] (naming the file and offset), and the rest are
+    /// read all the same: it can be neither delivered nor known, and must not hide the others.
+    pub fn pending_keyed(&self, mut f: impl FnMut(Result<MessageMeta>)) -> Result<()> {
         self.replayed_all()?;
         for bucket in self.buckets() {
             let Some(reader) = self.reader(bucket)? else {
@@ -767,7 +769,7 @@ impl ScheduleLog {
             }
             let finished: HashSet<u64> = self.outcomes(bucket)?.iter().map(|o| o.seq).collect();
             for entry in flagged.iter().filter(|e| !finished.contains(&e.seq)) {
-                f(reader.read_meta(entry)?);
+                f(corrupt_apart(reader.read_meta(entry))?);
             }
         }
         Ok(())
@@ -780,12 +782,12 @@ impl ScheduleLog {
     /// index entry has the sink's tag are read, and only their start.
     ///
     /// Waits until everything committed is filed; `NotFiledYet` while the replayer is held up by a full
-    /// disk.
+    /// disk. A corrupt record is handed over as its error, as by [`ScheduleLog::pending_keyed`].
     pub fn records_since(
         &self,
         seq: u64,
         sink: &str,
-        mut f: impl FnMut(MessageMeta),
+        mut f: impl FnMut(Result<MessageMeta>),
     ) -> Result<()> {
         self.replayed_all()?;
         let tag = crate::record::sink_tag(sink);
@@ -808,10 +810,10 @@ impl ScheduleLog {
                 }
             })?;
             for entry in &tagged {
-                let meta = reader.read_meta(entry)?;
-                // Two sink names may share a tag.
-                if meta.sink == sink {
-                    f(meta);
+                match corrupt_apart(reader.read_meta(entry))? {
+                    // Two sink names may share a tag.
+                    Ok(meta) if meta.sink != sink => {}
+                    read => f(read),
                 }
             }
         }
@@ -1088,6 +1090,16 @@ fn check_wal_reaches(data_dir: &Path, checkpoint: &Checkpoint) -> Result<()> {
         0,
         format!("{reason}; replaying would cut the schedule segments, so nothing was changed (restore the data dir from a consistent backup)"),
     ))
+}
+
+/// A record's read with a corrupt record set apart: `Ok(Err(corrupt))` for the caller to report and
+/// pass over, `Err` for an error that ends the whole read (I/O).
+fn corrupt_apart<T>(read: Result<T>) -> Result<Result<T>> {
+    match read {
+        Err(e @ Error::Corrupt { .. }) => Ok(Err(e)),
+        Err(e) => Err(e),
+        Ok(value) => Ok(Ok(value)),
+    }
 }
 
 /// What a full disk kept an open from filing: why, and the WAL's groups from there on.

@@ -465,10 +465,17 @@ impl Intake {
 /// bodies). `NotFiledYet` while a full disk holds the replayer up.
 fn rebuild_keys(log: &ScheduleLog) -> Result<KeyIndex, schedulelog::Error> {
     let mut builder = KeyIndexBuilder::default();
-    log.pending_keyed(|meta| {
-        if let Some(key) = &meta.key {
-            let hash = builder.hash(&meta.sink, &meta.topic, key);
-            builder.add(hash, meta.id);
+    log.pending_keyed(|meta| match meta {
+        Ok(meta) => {
+            if let Some(key) = &meta.key {
+                let hash = builder.hash(&meta.sink, &meta.topic, key);
+                builder.add(hash, meta.id);
+            }
+        }
+        // It cannot be delivered either (the lanes count it in delayd_unreadable_messages): a new
+        // message with its key is taken.
+        Err(error) => {
+            tracing::error!(%error, "a pending keyed message is unreadable; its key is left out of the index")
         }
     })?;
     let index = builder.build();

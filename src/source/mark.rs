@@ -10,7 +10,8 @@
 //!   MQ, but for those listed in `unacked`. Records at or above it are read back at a start (their
 //!   positions only: `ScheduleLog::records_since`); it follows the log's end while the source has
 //!   nothing unacknowledged, so that read covers the last second or so of the log, whatever the store
-//!   holds.
+//!   holds. A read-back that fails (an I/O error; a corrupt record is reported and passed over) keeps
+//!   `below` where it was until a start reads back in full.
 //! - `unacked`: the position and seq of each record below `below` whose request was not
 //!   acknowledged yet.
 //!

@@ -654,12 +654,21 @@ impl Writer {
                 self.settings.sink.clone(),
                 prefix.clone(),
             );
+            let source = self.settings.name.clone();
             let read = tokio::task::spawn_blocking(move || {
                 let mut found = Vec::new();
-                log.records_since(from, &sink, |meta| {
-                    if let (Some(position), 0) = (position_of(&meta.headers, &prefix), meta.attempt)
-                    {
-                        found.push((position.to_string(), meta.seq));
+                log.records_since(from, &sink, |meta| match meta {
+                    Ok(meta) => {
+                        if let (Some(position), 0) =
+                            (position_of(&meta.headers, &prefix), meta.attempt)
+                        {
+                            found.push((position.to_string(), meta.seq));
+                        }
+                    }
+                    // Its request, delivered again, is scheduled again: the record cannot be
+                    // delivered either (delayd_unreadable_messages counts it).
+                    Err(error) => {
+                        tracing::error!(%source, %error, "a record this source may have written is unreadable; its request, if the MQ delivers it again, is scheduled again")
                     }
                 })
                 .map(|()| found)

@@ -908,7 +908,7 @@ fn pending_keyed_messages_and_a_sinks_records_since_a_seq_are_read_without_bodie
     log.record_outcomes(&[delivered(a.bucket, a.seq)]).unwrap();
     let full = all_messages(&log);
     let mut keyed = Vec::new();
-    log.pending_keyed(|meta| keyed.push(meta)).unwrap();
+    log.pending_keyed(|meta| keyed.push(meta.unwrap())).unwrap();
     keyed.sort_by_key(|m| m.seq);
     let keys: Vec<_> = keyed.iter().map(|m| m.key.as_deref().unwrap()).collect();
     assert_eq!(keys, ["b", "c", "d"]);
@@ -917,12 +917,45 @@ fn pending_keyed_messages_and_a_sinks_records_since_a_seq_are_read_without_bodie
     }
     // The records of "out" from the second on, whichever bucket they are in.
     let mut since = Vec::new();
-    log.records_since(appended[1].location.seq, "out", |meta| since.push(meta.seq))
-        .unwrap();
+    log.records_since(appended[1].location.seq, "out", |meta| {
+        since.push(meta.unwrap().seq)
+    })
+    .unwrap();
     since.sort();
     assert_eq!(
         since,
         [appended[1].location.seq, appended[4].location.seq],
         "only the sink's records at or after the seq"
     );
+    // A record whose start is damaged is handed over as its error (naming the file and offset), and
+    // does not hide the others.
+    let c = appended[2].location;
+    let entry = log
+        .reader(c.bucket)
+        .unwrap()
+        .unwrap()
+        .find(c.seq)
+        .unwrap()
+        .unwrap();
+    let path = dir.path().join(format!("schedule/{}.log", c.bucket));
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &[0xff; 24], entry.offset).unwrap();
+    let (mut read, mut damaged) = (Vec::new(), Vec::new());
+    log.pending_keyed(|meta| match meta {
+        Ok(meta) => read.push(meta.seq),
+        Err(e) => damaged.push(e.to_string()),
+    })
+    .unwrap();
+    read.sort();
+    assert_eq!(read, [appended[1].location.seq, appended[4].location.seq]);
+    assert_eq!(damaged.len(), 1);
+    assert!(
+        damaged[0].contains(&format!("{}", path.display()))
+            && damaged[0].contains(&format!("offset {}", entry.offset)),
+        "{damaged:?}"
+    );
+    let mut other = Vec::new();
+    log.records_since(0, "other", |meta| other.push(meta.is_err()))
+        .unwrap();
+    assert_eq!(other, [true]);
 }
