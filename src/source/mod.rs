@@ -393,6 +393,10 @@ struct Writer {
 
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
 
+/// How long a stop waits for the MQ to confirm the last acknowledgements (a Kafka commit, an AMQP
+/// confirmation): well within the 60 s a service manager gives the whole stop.
+const STOP_ACK_WAIT: Duration = Duration::from_secs(5);
+
 impl SourceRunner {
     /// Loads the source's mark (blocking: call it off the async threads). A mark that cannot be read
     /// is an error naming its file.
@@ -473,6 +477,9 @@ impl SourceRunner {
                 self.writer
                     .link
                     .down(self.writer.intake.clock.now_ms(), &e.0);
+                if *stop.borrow() {
+                    break;
+                }
                 // The mark follows the log while the MQ is away, so that a restart reads back little.
                 if self.writer.mark_checked_at.elapsed() >= Duration::from_secs(1) {
                     self.writer.save_mark().await;
@@ -535,6 +542,22 @@ impl SourceRunner {
         Ok(())
     }
 
+    /// At a stop: acknowledges what is durable, and what the transport put off, within
+    /// [`STOP_ACK_WAIT`]. A stop does not wait for an MQ that is away: what it did not confirm is
+    /// delivered again after the restart, and recognised.
+    async fn acknowledge_at_stop(
+        &mut self,
+        durable: &mut Vec<Request>,
+    ) -> Result<(), TransportError> {
+        match tokio::time::timeout(STOP_ACK_WAIT, self.acknowledge(durable, true)).await {
+            Ok(acknowledged) => acknowledged,
+            Err(_) => {
+                tracing::warn!(source = %self.writer.settings.name, "the MQ did not confirm the acknowledgements within {STOP_ACK_WAIT:?} of the stop; what it did not confirm is delivered again after the restart, and recognised");
+                Ok(())
+            }
+        }
+    }
+
     /// Receives and handles batches until the connection fails or `stop` says so.
     async fn serve(
         &mut self,
@@ -555,7 +578,7 @@ impl SourceRunner {
                         }
                     }
                 }
-                return self.acknowledge(&mut durable, true).await;
+                return self.acknowledge_at_stop(&mut durable).await;
             }
             if received.is_empty() {
                 // Nothing to do meanwhile: acknowledge, then wait for requests.
@@ -564,7 +587,7 @@ impl SourceRunner {
                 received = tokio::select! {
                     received = self.transport.receive(self.writer.settings.batch, Duration::from_secs(1)) => received?,
                     // What the transport put off is acknowledged before the stop.
-                    _ = stop.changed() => return self.acknowledge(&mut durable, true).await,
+                    _ = stop.changed() => return self.acknowledge_at_stop(&mut durable).await,
                 };
                 if received.is_empty() {
                     // Idle: what the transport put off is acknowledged now.
