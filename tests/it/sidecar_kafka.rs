@@ -823,9 +823,9 @@ fn a_topic_made_again_starts_a_new_order_of_positions() {
     wait_for("the old requests", Duration::from_secs(30), || {
         count(&delayd.base, "scheduled") == 4.0
     });
-    // Killed at once: their offsets are committed in the background, so the old requests' positions are
-    // most likely still unacknowledged in the source's mark, where the new topic's offsets 0..3 must not
-    // be taken for them.
+    // Killed at once: their offsets are committed once the source has been idle for a receive (1 s),
+    // so the old requests' positions are still unacknowledged (read back from the log at the start),
+    // where the new topic's offsets 0..3 must not be taken for them.
     delayd.kill();
     tansu.make_again("delayd-in", 1);
     tansu.create_topics(&[("orders-out", 1)]);
