@@ -319,23 +319,15 @@ async fn confirming(connection: &Connection) -> Result<Channel, String> {
 impl Sink for AmqpSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
-            let outcomes = match self.send(batch).await {
-                Ok(outcomes) => outcomes,
-                Err(error) => super::unreachable_all(batch, &format!("amqp: {error}")),
-            };
-            super::report(&self.link, self.clock.now_ms(), &outcomes);
-            outcomes
+            let sent = self.send(batch).await;
+            super::reported(&self.link, self.clock.now_ms(), "amqp", batch, sent)
         })
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            match self.ping().await {
-                Ok(()) => self.link.up(),
-                Err(error) => self
-                    .link
-                    .down(self.clock.now_ms(), &format!("amqp: {error}")),
-            }
+            let answered = self.ping().await;
+            super::probed(&self.link, self.clock.now_ms(), "amqp", answered);
         })
     }
 }

@@ -192,12 +192,8 @@ impl Sink for KafkaSink {
 
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            match self.metadata().await {
-                Ok(()) => self.link.up(),
-                Err(error) => self
-                    .link
-                    .down(self.clock.now_ms(), &format!("kafka: {error}")),
-            }
+            let answered = self.metadata().await;
+            super::probed(&self.link, self.clock.now_ms(), "kafka", answered);
         })
     }
 }

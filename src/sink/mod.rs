@@ -132,13 +132,32 @@ pub fn report(link: &crate::link::Link, now_ms: i64, outcomes: &[SinkOutcome]) {
     }
 }
 
-/// [`SinkOutcome::Unreachable`] for every delivery of a batch (the destination could not be reached at
-/// all).
-pub fn unreachable_all(batch: &[Delivery], reason: &str) -> Vec<SinkOutcome> {
-    let unreachable = SinkOutcome::Unreachable {
-        reason: reason.to_string(),
-    };
-    vec![unreachable; batch.len()]
+/// An MQ sink's outcomes for a batch, reported to its link: those `sent` gives, or, when the MQ could
+/// not be reached at all (`Err`), [`SinkOutcome::Unreachable`] for every delivery. `kind` prefixes the
+/// reason (`redis: ...`).
+pub fn reported(
+    link: &crate::link::Link,
+    now_ms: i64,
+    kind: &str,
+    batch: &[Delivery],
+    sent: Result<Vec<SinkOutcome>, String>,
+) -> Vec<SinkOutcome> {
+    let outcomes = sent.unwrap_or_else(|error| {
+        let unreachable = SinkOutcome::Unreachable {
+            reason: format!("{kind}: {error}"),
+        };
+        vec![unreachable; batch.len()]
+    });
+    report(link, now_ms, &outcomes);
+    outcomes
+}
+
+/// What an MQ sink's probe of its MQ found, told to its link.
+pub fn probed(link: &crate::link::Link, now_ms: i64, kind: &str, answered: Result<(), String>) {
+    match answered {
+        Ok(()) => link.up(),
+        Err(error) => link.down(now_ms, &format!("{kind}: {error}")),
+    }
 }
 
 /// Exponential backoff with jitter: attempt `n` (0-based) waits `initial * multiplier^n`, capped, then

@@ -181,23 +181,15 @@ fn outcome(subject: &str, kind: PublishErrorKind, error: &dyn std::fmt::Display)
 impl Sink for NatsSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
-            let outcomes = match self.send(batch).await {
-                Ok(outcomes) => outcomes,
-                Err(error) => super::unreachable_all(batch, &format!("nats: {error}")),
-            };
-            super::report(&self.link, self.clock.now_ms(), &outcomes);
-            outcomes
+            let sent = self.send(batch).await;
+            super::reported(&self.link, self.clock.now_ms(), "nats", batch, sent)
         })
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            match self.ping().await {
-                Ok(()) => self.link.up(),
-                Err(error) => self
-                    .link
-                    .down(self.clock.now_ms(), &format!("nats: {error}")),
-            }
+            let answered = self.ping().await;
+            super::probed(&self.link, self.clock.now_ms(), "nats", answered);
         })
     }
 }

@@ -139,23 +139,15 @@ impl RedisSink {
 impl Sink for RedisSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
-            let outcomes = match self.send(batch).await {
-                Ok(outcomes) => outcomes,
-                Err(error) => super::unreachable_all(batch, &format!("redis: {error}")),
-            };
-            super::report(&self.link, self.clock.now_ms(), &outcomes);
-            outcomes
+            let sent = self.send(batch).await;
+            super::reported(&self.link, self.clock.now_ms(), "redis", batch, sent)
         })
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            match self.ping().await {
-                Ok(()) => self.link.up(),
-                Err(error) => self
-                    .link
-                    .down(self.clock.now_ms(), &format!("redis: {error}")),
-            }
+            let answered = self.ping().await;
+            super::probed(&self.link, self.clock.now_ms(), "redis", answered);
         })
     }
 }
