@@ -904,16 +904,12 @@ fn requeueable(
         return refuse("it is a cancel, not a message".into());
     }
     // Taken, the request would have had these read and removed; sent on, its target would read them
-    // again (a delayed-message exchange would delay it once more).
-    let scheduling = [
-        "x-delay",
-        "Nats-Schedule",
-        "Nats-Schedule-Target",
-        "scheduler-epoch",
-        "scheduler-target-topic",
-        "scheduler-target-key",
-    ];
-    if let Some(name) = scheduling.into_iter().find(|name| value(name).is_some()) {
+    // again (a delayed-message exchange would delay it once more). (`delayd-*` never goes out.)
+    let scheduling = |name: &str| {
+        let lower = name.to_ascii_lowercase();
+        lower == "x-delay" || lower.starts_with("nats-schedule") || lower.starts_with("scheduler-")
+    };
+    if let Some((name, _)) = message.headers.iter().find(|(name, _)| scheduling(name)) {
         return refuse(format!(
             "it carries {name}, which its target would read again"
         ));

@@ -287,8 +287,8 @@ fn named_exchange(delivery: &Delivery) -> Option<&str> {
         .message
         .headers
         .iter()
-        .find(|(name, _)| name == EXCHANGE_HEADER)
-        .map(|(_, value)| value.as_str())
+        .find(|(name, _)| name.eq_ignore_ascii_case(EXCHANGE_HEADER))
+        .map(|(_, value)| value.trim())
 }
 
 fn retry(reason: String) -> SinkOutcome {

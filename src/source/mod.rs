@@ -971,17 +971,17 @@ impl Writer {
                     .any(|ours| name.eq_ignore_ascii_case(ours))
             })
             .map(|(name, value)| {
-                // Named as the sinks look for it, as for a request taken (`classify`).
-                let name = match name.eq_ignore_ascii_case(EXCHANGE_HEADER) {
-                    true => EXCHANGE_HEADER.to_string(),
-                    false => name.clone(),
+                // Named and trimmed as the sinks look for it, as for a request taken (`classify`).
+                let (name, value) = match name.eq_ignore_ascii_case(EXCHANGE_HEADER) {
+                    true => (EXCHANGE_HEADER.to_string(), value.trim()),
+                    false => (name.clone(), value.as_str()),
                 };
                 match value.chars().any(char::is_control) {
                     true => {
                         escaped = true;
                         (name, escape_controls(value))
                     }
-                    false => (name, value.clone()),
+                    false => (name, value.to_string()),
                 }
             })
             .collect();
