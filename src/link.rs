@@ -95,6 +95,12 @@ impl Link {
     /// connection is down, and they are counted.
     pub fn unreachable(&self, now_ms: i64, error: &str, count: usize) {
         self.down(now_ms, error);
+        self.postponed(count);
+    }
+
+    /// `count` deliveries found no answer from a sink's MQ that answered for others (they wait, no
+    /// attempt used): counted, the connection unchanged.
+    pub fn postponed(&self, count: usize) {
         self.state().postponed += count as u64;
     }
 

@@ -13,11 +13,12 @@
 //!   attempt used;
 //! - unreachable (an MQ refused the connection, was not connected, or timed out before it answered) →
 //!   the same, after the sink's backoff for the batches in a row that found it away (at most 30 s), and
-//!   the lane holds what comes due meanwhile, unread, until then. After the wait one batch goes out,
-//!   alone: what comes due while it is out waits, unread, for its answer (released at once if the
-//!   destination answered, held on if not). An MQ outage of any length spends no attempt, writes
-//!   nothing and reads one batch per wait. Held entries count as postponed
-//!   (`delayd_messages_postponed_total`).
+//!   the lane holds what comes due meanwhile, unread, until then (counted as postponed,
+//!   `delayd_messages_postponed_total`). After the wait one batch goes out, alone: the batches that
+//!   come due while it is out wait, unread and holding their delivery slots, for its answer (they go
+//!   if the destination answered, back to the wheel until the next wait's end if not). An MQ outage of
+//!   any length spends no attempt, writes nothing and reads one batch per wait. A batch the
+//!   destination took in part is no outage: what it did not answer for waits on its own.
 //!
 //! A sink's own delay (an HTTP `Retry-After`) is capped by the sink's `backoff_cap`, like the backoff
 //! itself (the configuration keeps that cap within `max_delay`): a receiver cannot park a message for
@@ -67,24 +68,20 @@ pub(crate) struct Lane {
     /// Until when (clock ms) the lane holds its batches, the destination having been found away; 0
     /// once it answered again.
     unreachable_until: std::sync::atomic::AtomicI64,
-    /// The batch sent after a wait, alone, and what came due while it was out.
-    probe: std::sync::Mutex<Probe>,
+    /// Whether the batch sent after a wait, alone, is out (see the module doc).
+    probe_out: std::sync::Mutex<bool>,
+    /// Wakes the batches that wait for the probe's answer.
+    probe_answered: tokio::sync::Notify,
 }
 
-/// After a wait for an unreachable destination, the one batch that tries it (see the module doc).
-#[derive(Debug, Default)]
-struct Probe {
-    out: bool,
-    held: Vec<Entry>,
-}
-
-/// The probe out: dropped once its outcomes are settled (or the delivery ended early), which releases
-/// what was held meanwhile.
+/// The probe out: dropped once the destination's answer to it is known (or the delivery ended early),
+/// which wakes the batches waiting for it.
 struct ProbeOut(Arc<Lane>);
 
 impl Drop for ProbeOut {
     fn drop(&mut self) {
-        self.0.probe_done();
+        *self.0.probe_out() = false;
+        self.0.probe_answered.notify_waiters();
     }
 }
 
@@ -132,51 +129,50 @@ impl Lane {
             postponed: metrics::counter!("delayd_messages_postponed_total", "sink" => name.to_string()),
             unreachable_streak: Default::default(),
             unreachable_until: Default::default(),
-            probe: Default::default(),
+            probe_out: Default::default(),
+            probe_answered: tokio::sync::Notify::new(),
         }
     }
 
-    fn probe(&self) -> std::sync::MutexGuard<'_, Probe> {
-        self.probe.lock().unwrap_or_else(|p| p.into_inner())
+    fn probe_out(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.probe_out.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `batch` if it may go to the sink now, with whether it is the probe after a wait (whose answer
-    /// [`ProbeOut`] reports); else `None`: it is held (back to the wheel until the wait is over, or kept
-    /// until the probe is answered) and counted as postponed.
-    fn may_go(self: &Arc<Self>, batch: Vec<Entry>) -> Option<(Vec<Entry>, Option<ProbeOut>)> {
-        let until = self.unreachable_until.load(Ordering::SeqCst);
-        if until == 0 {
-            return Some((batch, None));
-        }
-        let count = batch.len() as u64;
-        if until > self.shared.clock.now_ms() {
-            for entry in batch {
-                self.shared.requeue_at(entry, until);
+    /// Whether `batch` may go to the sink, once it may: `Some(probe)` (`probe`: it is the batch that
+    /// tries the destination after a wait), or `None`: the wait for the destination is not over, and
+    /// the batch went back to the wheel until then, unread, counted as postponed. While a probe is
+    /// out the batch waits for its answer here, holding its delivery slot (so that what comes due
+    /// meanwhile stays in the wheel's backlog, counted and held back as usual).
+    async fn may_go(self: &Arc<Self>, batch: &mut Vec<Entry>) -> Option<Option<ProbeOut>> {
+        loop {
+            let answered = self.probe_answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            {
+                // Read under the lock that `ProbeOut` clears: a probe answered just now has moved
+                // `until` on before it let go.
+                let mut out = self.probe_out();
+                let until = self.unreachable_until.load(Ordering::SeqCst);
+                if until == 0 {
+                    return Some(None);
+                }
+                if until > self.shared.clock.now_ms() {
+                    self.postponed.increment(batch.len() as u64);
+                    for entry in batch.drain(..) {
+                        self.shared.requeue_at(entry, until);
+                    }
+                    return None;
+                }
+                if !*out {
+                    *out = true;
+                    return Some(Some(ProbeOut(self.clone())));
+                }
             }
-            self.postponed.increment(count);
-            return None;
-        }
-        let mut probe = self.probe();
-        if probe.out {
-            probe.held.extend(batch);
-            self.postponed.increment(count);
-            return None;
-        }
-        probe.out = true;
-        Some((batch, Some(ProbeOut(self.clone()))))
-    }
-
-    /// The probe was answered (or dropped): what was held meanwhile goes back to the wheel, due now if
-    /// the destination answered, at the end of the next wait if it did not.
-    fn probe_done(&self) {
-        let held = {
-            let mut probe = self.probe();
-            probe.out = false;
-            std::mem::take(&mut probe.held)
-        };
-        let at = (self.unreachable_until.load(Ordering::SeqCst)).max(self.shared.clock.now_ms());
-        for entry in held {
-            self.shared.requeue_at(entry, at);
+            answered.await;
+            if self.shared.stopping.load(Ordering::SeqCst) {
+                batch.clear(); // pending on disk: the next start loads them
+                return None;
+            }
         }
     }
 
@@ -216,10 +212,10 @@ impl Lane {
         while running.join_next().await.is_some() {}
     }
 
-    async fn deliver(self: Arc<Self>, batch: Vec<Entry>) {
+    async fn deliver(self: Arc<Self>, mut batch: Vec<Entry>) {
         // The destination was found away: the batch is held, unread, so that an outage costs no disk
         // reads for the messages that wait.
-        let Some((batch, _probe)) = self.may_go(batch) else {
+        let Some(probe) = self.may_go(&mut batch).await else {
             return;
         };
         let lane = self.clone();
@@ -265,7 +261,8 @@ impl Lane {
                 reason: "the sink gave no answer for this message".into(),
             },
         );
-        self.settle(&entries, &deliveries, outcomes, flight).await;
+        self.settle(&entries, &deliveries, outcomes, flight, probe)
+            .await;
     }
 
     /// The answers for a batch: dead for a message dead on arrival ([`DEAD_ON_ARRIVAL_HEADER`]), the
@@ -333,6 +330,7 @@ impl Lane {
         deliveries: &[Delivery],
         outcomes: Vec<SinkOutcome>,
         flight: InFlight,
+        probe: Option<ProbeOut>,
     ) {
         let now = self.shared.clock.now_ms();
         // The destination's answers only: a message dead on arrival never went to it.
@@ -341,6 +339,9 @@ impl Lane {
             .map(|(_, outcome)| outcome)
             .collect();
         let unreachable_after_ms = self.unreachable_wait(&sent);
+        // The answer is known: the batches waiting for it go (or wait on) at once, not after this
+        // batch's outcomes are written.
+        drop(probe);
         let mut records: Vec<(Bucket, Outcome)> = Vec::new();
         let mut retries = Vec::new();
         let mut labels = Vec::with_capacity(deliveries.len());
@@ -603,7 +604,9 @@ impl Lane {
     /// How long the unreachable deliveries of a batch wait (ms): the sink's backoff for the batches in a
     /// row that found the destination away, at most `UNREACHABLE_WAIT_MAX`. The lane holds the batches
     /// that come due meanwhile (see `deliver`). A batch the destination answered for (a message it took
-    /// or refused) ends the row.
+    /// or refused) ends the row. One in which it took some messages and did not answer for others (a
+    /// partition without a leader, a stream without its quorum, beside healthy ones) ends it too: the
+    /// others wait the backoff's first step on their own, and the lane goes on.
     fn unreachable_wait(&self, outcomes: &[&SinkOutcome]) -> i64 {
         let unreachable = |o: &&SinkOutcome| matches!(o, SinkOutcome::Unreachable { .. });
         let answered = |o: &&SinkOutcome| {
@@ -612,12 +615,18 @@ impl Lane {
                 SinkOutcome::Delivered | SinkOutcome::Retry { .. } | SinkOutcome::Dead { .. }
             )
         };
-        if !outcomes.iter().any(unreachable) {
+        let took_some = outcomes.iter().any(|o| matches!(o, SinkOutcome::Delivered));
+        let any_unreachable = outcomes.iter().any(unreachable);
+        if !any_unreachable || took_some {
             if outcomes.iter().any(answered) {
                 self.unreachable_streak.store(0, Ordering::SeqCst);
                 self.unreachable_until.store(0, Ordering::SeqCst);
             }
-            return 0;
+            if !any_unreachable {
+                return 0;
+            }
+            let wait = (self.policy.backoff.delay(0, self.random_unit())).min(UNREACHABLE_WAIT_MAX);
+            return i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
         }
         let before = self.unreachable_streak.fetch_add(1, Ordering::Relaxed);
         let step = u16::try_from(before).unwrap_or(u16::MAX);

@@ -1338,6 +1338,59 @@ fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
     );
 }
 
+/// A batch the destination took in part (one message delivered, another not answered: a partition
+/// without a leader beside a healthy one) is no outage: the lane goes on at once, and the unanswered
+/// message waits on its own, using no attempt.
+#[test]
+fn a_destination_that_answers_for_some_keeps_the_lane_going() {
+    let mut h = Harness::manual();
+    h.script.insert(
+        "stuck".into(),
+        vec![SinkOutcome::Unreachable {
+            reason: "message timed out".into(),
+        }],
+    );
+    // One slot, held by a first call until both are due: they then make one batch.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let policy = SinkPolicy {
+        max_in_flight: 1,
+        ..SinkPolicy::default()
+    };
+    h.sinks = vec![("a", policy, Some(gate.clone()))];
+    let block = h.schedule("a", T0, "block");
+    let stuck = h.schedule("a", T0 + 5, "stuck");
+    let fine = h.schedule("a", T0 + 5, "fine");
+    let later = h.schedule("a", T0 + 10, "later");
+    h.start();
+    h.entered.recv_timeout(WAIT).unwrap();
+    h.set(T0 + 5);
+    gate.add_permits(1);
+    assert_eq!(h.recv().body, "block");
+    assert_eq!(h.settle(1), vec![(block, "ok")]);
+    let mut first = h.recv_n(2);
+    first.sort_by(|x, y| x.body.cmp(&y.body));
+    assert_eq!(
+        (first[0].body.as_str(), first[1].body.as_str()),
+        ("fine", "stuck")
+    );
+    let mut settled = h.settle(2);
+    settled.sort();
+    let mut expected = vec![(stuck, "postponed"), (fine, "ok")];
+    expected.sort();
+    assert_eq!(settled, expected);
+    assert_eq!(first[0].at_ms, first[1].at_ms, "one batch");
+    // Not held: due 5 ms later, it goes at once.
+    h.set(T0 + 10);
+    let r = h.recv();
+    assert_eq!((r.body.as_str(), r.at_ms), ("later", T0 + 10));
+    assert_eq!(h.settle(1), vec![(later, "ok")]);
+    // The unanswered one comes round after the backoff's first step (0.5 to 1 s), attempt 0 still.
+    h.set(T0 + 1_000);
+    let r = h.recv();
+    assert_eq!((r.body.as_str(), r.attempt), ("stuck", 0));
+    assert_eq!(h.settle(1), vec![(stuck, "ok")]);
+}
+
 /// While the lane waits for an unreachable destination, what comes due is held, unread (never handed to
 /// the sink); after the wait one batch goes out alone, and the rest follow once it is answered.
 #[test]

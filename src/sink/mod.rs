@@ -119,14 +119,20 @@ pub fn forbidden(why: &str) -> SinkOutcome {
 }
 
 /// Tells an MQ sink's link what a batch's outcomes say of the connection: down (and how many
-/// deliveries wait) when any found the MQ unreachable, up when the MQ answered for all the others.
+/// deliveries wait) when some found the MQ unreachable and it took none; up when it answered for all,
+/// or took some (those it did not answer for are counted as waiting).
 pub fn report(link: &crate::link::Link, now_ms: i64, outcomes: &[SinkOutcome]) {
     let mut unreachable = outcomes.iter().filter_map(|o| match o {
         SinkOutcome::Unreachable { reason } => Some(reason),
         _ => None,
     });
+    let took_some = outcomes.iter().any(|o| matches!(o, SinkOutcome::Delivered));
     match unreachable.next() {
-        Some(reason) => link.unreachable(now_ms, reason, 1 + unreachable.count()),
+        Some(reason) if !took_some => link.unreachable(now_ms, reason, 1 + unreachable.count()),
+        Some(_) => {
+            link.up();
+            link.postponed(1 + unreachable.count());
+        }
         None if !outcomes.is_empty() => link.up(),
         None => {}
     }
