@@ -145,6 +145,9 @@ impl Lane {
     /// meanwhile stays in the wheel's backlog, counted and held back as usual).
     async fn may_go(self: &Arc<Self>, batch: &mut Vec<Entry>) -> Option<Option<ProbeOut>> {
         loop {
+            if self.unreachable_until.load(Ordering::SeqCst) == 0 {
+                return Some(None); // the usual case: no outage
+            }
             let answered = self.probe_answered.notified();
             tokio::pin!(answered);
             answered.as_mut().enable();
