@@ -604,19 +604,21 @@ impl Lane {
         }
     }
 
-    /// How long the unreachable deliveries of a batch wait (ms): the sink's backoff for the batches in a
-    /// row that found the destination away, at most `UNREACHABLE_WAIT_MAX`. The lane holds the batches
-    /// that come due meanwhile (see `deliver`). A batch the destination answered for (a message it took
-    /// or refused) ends the row. One in which it took some messages and did not answer for others (a
-    /// partition without a leader, a stream without its quorum, beside healthy ones) ends it too: the
-    /// others wait the backoff's first step on their own, and the lane goes on.
+    /// How long the unreachable deliveries of a batch wait (ms): the sink's backoff for the waits in a
+    /// row that ended with the destination still away, at most `UNREACHABLE_WAIT_MAX`. The lane holds
+    /// the batches that come due meanwhile (see `deliver`); a batch that was already out when the wait
+    /// began and comes back unanswered joins it, adding no step (else the batches in flight at an MQ's
+    /// blip would each lengthen the wait). A batch the destination answered for in full (each message
+    /// taken or refused by the MQ; a target the sink refuses itself tells nothing of the MQ) ends the
+    /// row. One in which it took some messages and did not answer for others (a partition without a
+    /// leader, a stream without its quorum, beside healthy ones) ends it too: the others wait the
+    /// backoff's first step on their own, and the lane goes on.
     fn unreachable_wait(&self, outcomes: &[&SinkOutcome]) -> i64 {
         let unreachable = |o: &&SinkOutcome| matches!(o, SinkOutcome::Unreachable { .. });
-        let answered = |o: &&SinkOutcome| {
-            matches!(
-                o,
-                SinkOutcome::Delivered | SinkOutcome::Retry { .. } | SinkOutcome::Dead { .. }
-            )
+        let answered = |o: &&SinkOutcome| match o {
+            SinkOutcome::Delivered | SinkOutcome::Retry { .. } => true,
+            SinkOutcome::Dead { .. } => !crate::sink::is_forbidden(o),
+            SinkOutcome::Postpone { .. } | SinkOutcome::Unreachable { .. } => false,
         };
         let took_some = outcomes.iter().any(|o| matches!(o, SinkOutcome::Delivered));
         let any_unreachable = outcomes.iter().any(unreachable);
@@ -631,12 +633,19 @@ impl Lane {
             let wait = (self.policy.backoff.delay(0, self.random_unit())).min(UNREACHABLE_WAIT_MAX);
             return i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
         }
+        // Under the lock `may_go` reads `until` with, so that two batches back at once add one step.
+        let _out = self.probe_out();
+        let now = self.shared.clock.now_ms();
+        let until = self.unreachable_until.load(Ordering::SeqCst);
+        if until > now {
+            return until - now;
+        }
         let before = self.unreachable_streak.fetch_add(1, Ordering::Relaxed);
         let step = u16::try_from(before).unwrap_or(u16::MAX);
         let wait = (self.policy.backoff.delay(step, self.random_unit())).min(UNREACHABLE_WAIT_MAX);
         let wait_ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX).max(1);
-        let until = self.shared.clock.now_ms().saturating_add(wait_ms);
-        self.unreachable_until.fetch_max(until, Ordering::SeqCst);
+        self.unreachable_until
+            .store(now.saturating_add(wait_ms), Ordering::SeqCst);
         wait_ms
     }
 

@@ -1391,6 +1391,171 @@ fn a_destination_that_answers_for_some_keeps_the_lane_going() {
     assert_eq!(h.settle(1), vec![(stuck, "ok")]);
 }
 
+/// The batches out together when the destination goes away come back unanswered together: the wait
+/// they start is the backoff's first step, not one step more for each of them.
+#[test]
+fn batches_out_at_an_outage_start_one_wait() {
+    let mut h = Harness::manual();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let away = SinkOutcome::Unreachable {
+        reason: "connection refused".into(),
+    };
+    let bodies = ["A", "B", "C", "D"];
+    for body in bodies {
+        h.script.insert(body.into(), vec![away.clone()]);
+    }
+    let policy = SinkPolicy {
+        max_batch: 1,
+        max_in_flight: 4,
+        ..SinkPolicy::default()
+    };
+    h.sinks = vec![("a", policy, Some(gate.clone()))];
+    for body in bodies {
+        h.schedule("a", T0, body);
+    }
+    h.start();
+    for _ in bodies {
+        h.entered
+            .recv_timeout(WAIT)
+            .expect("four batches out at once");
+    }
+    gate.add_permits(1);
+    assert_eq!(h.recv_n(4).len(), 4);
+    assert!(h.settle(4).iter().all(|(_, label)| *label == "postponed"));
+    // The first step is 0.5 to 1 s; four steps in a row would be 4 to 8 s.
+    h.set(T0 + 1_000);
+    let mut got = h.recv_n(4);
+    got.sort_by(|x, y| x.body.cmp(&y.body));
+    assert_eq!(
+        got.iter().map(|r| r.body.as_str()).collect::<Vec<_>>(),
+        bodies
+    );
+    assert!(got.iter().all(|r| r.at_ms == T0 + 1_000 && r.attempt == 0));
+    assert!(h.settle(4).iter().all(|(_, label)| *label == "ok"));
+}
+
+/// A target the sink refuses itself (`forbidden_target`) is no answer from the destination: a probe
+/// that holds only such a message leaves the outage on, so the next one found away waits a longer step.
+#[test]
+fn a_refused_target_does_not_end_an_outage() {
+    let mut h = Harness::manual();
+    let away = SinkOutcome::Unreachable {
+        reason: "connection refused".into(),
+    };
+    h.script.insert("A".into(), vec![away.clone(), away]);
+    let refuse = crate::sink::forbidden("not in targets");
+    h.script.insert("refused".into(), vec![refuse]);
+    // One at a time, in order: at the same due time, the one written first goes first.
+    let policy = SinkPolicy {
+        max_batch: 1,
+        max_in_flight: 1,
+        ..SinkPolicy::default()
+    };
+    h.sinks = vec![("a", policy, None)];
+    let refused = h.schedule("a", T0 + 400, "refused");
+    let a = h.schedule("a", T0, "A");
+    h.start();
+    assert_eq!(h.recv().body, "A");
+    assert_eq!(h.settle(1), vec![(a, "postponed")]);
+    // Due during the wait (0.5 to 1 s): held, then first when it ends.
+    h.set(T0 + 400);
+    h.set(T0 + 1_000);
+    let got = h.recv_n(2);
+    assert_eq!(
+        (got[0].body.as_str(), got[1].body.as_str()),
+        ("refused", "A")
+    );
+    let mut settled = h.settle(2);
+    settled.sort();
+    let mut expected = vec![(refused, "dead"), (a, "postponed")];
+    expected.sort();
+    assert_eq!(settled, expected);
+    // A second wait in a row: 1 to 2 s (a first step again would be over by T0 + 2 s).
+    h.set(T0 + 1_999);
+    let quiet = Duration::from_millis(300);
+    assert!(
+        h.received.recv_timeout(quiet).is_err(),
+        "tried again too soon"
+    );
+    h.set(T0 + 3_000);
+    let r = h.recv();
+    assert_eq!((r.body.as_str(), r.attempt), ("A", 0));
+    assert_eq!(h.settle(1), vec![(a, "ok")]);
+}
+
+/// A stop while batches wait for a probe's answer ends once the probe is answered: the waiting ones
+/// are left pending on disk, and the next start delivers them (the probe's message not again).
+#[test]
+fn a_stop_during_a_probe_leaves_the_waiting_batches_pending() {
+    let mut h = Harness::manual();
+    let gate = Arc::new(tokio::sync::Semaphore::new(1));
+    h.script.insert(
+        "A".into(),
+        vec![SinkOutcome::Unreachable {
+            reason: "connection refused".into(),
+        }],
+    );
+    let policy = SinkPolicy {
+        max_batch: 1,
+        max_in_flight: 4,
+        ..SinkPolicy::default()
+    };
+    h.sinks = vec![("a", policy, Some(gate.clone()))];
+    let a = h.schedule("a", T0, "A");
+    let b = h.schedule("a", T0 + 1_000, "B");
+    h.start();
+    assert_eq!(h.recv().body, "A");
+    assert_eq!(h.settle(1), vec![(a, "postponed")]);
+    gate.forget_permits(1);
+    h.entered.recv_timeout(WAIT).unwrap();
+    // Both due: one is the probe (held at the gate), the other waits for its answer.
+    h.set(T0 + 1_000);
+    h.entered.recv_timeout(WAIT).expect("the probe");
+    let shared = h.scheduler.as_ref().unwrap().shared.clone();
+    let (received, settled) = (h.received.clone(), h.settled.clone());
+    let probe = std::thread::scope(|scope| {
+        let stopping = scope.spawn(|| h.stop());
+        let deadline = std::time::Instant::now() + WAIT;
+        while !shared.stopping.load(Ordering::SeqCst) {
+            assert!(std::time::Instant::now() < deadline, "no stop");
+            std::thread::yield_now();
+        }
+        drop(shared);
+        gate.add_permits(1);
+        let probe = received.recv_timeout(WAIT).expect("the probe").body;
+        assert_eq!(settled.recv_timeout(WAIT).unwrap()[0].1, "ok");
+        stopping.join().unwrap();
+        assert!(
+            received.try_recv().is_err(),
+            "a waiting batch went out at the stop"
+        );
+        probe
+    });
+    let waiting = match probe.as_str() {
+        "A" => ("B", b),
+        _ => ("A", a),
+    };
+    h.script.clear(); // the destination is back
+    h.open_log();
+    h.start();
+    // Due: delivered at the start; then one due later, behind which a second copy could not hide.
+    let mut got = vec![h.recv()];
+    h.schedule("a", T0 + 2_000, "last");
+    h.set(T0 + 2_000);
+    got.push(h.recv());
+    assert_eq!(
+        got.iter().map(|r| r.body.as_str()).collect::<Vec<_>>(),
+        [waiting.0, "last"],
+        "the waiting one once, the probe's not again"
+    );
+    assert_eq!(got[0].attempt, 0);
+    let settled = h.settle(2);
+    assert!(
+        settled.contains(&(waiting.1, "ok")),
+        "{settled:?} {waiting:?}"
+    );
+}
+
 /// While the lane waits for an unreachable destination, what comes due is held, unread (never handed to
 /// the sink); after the wait one batch goes out alone, and the rest follow once it is answered.
 #[test]

@@ -110,12 +110,21 @@ pub async fn probe(sinks: Vec<(Arc<dyn Sink>, crate::link::Link)>) {
     }
 }
 
+/// The code of a refused target, first in a [`forbidden`] outcome's reason.
+const FORBIDDEN_TARGET: &str = "forbidden_target";
+
 /// A message whose target the sink may not publish to (`crate::mq::Targets`): dead, with the code
 /// `forbidden_target` a request gets for it.
 pub fn forbidden(why: &str) -> SinkOutcome {
     SinkOutcome::Dead {
-        reason: format!("forbidden_target: {why}"),
+        reason: format!("{FORBIDDEN_TARGET}: {why}"),
     }
+}
+
+/// Whether an outcome is the sink's own refusal of a target ([`forbidden`]): given before anything is
+/// sent, it says nothing of whether the MQ answers.
+pub fn is_forbidden(outcome: &SinkOutcome) -> bool {
+    matches!(outcome, SinkOutcome::Dead { reason } if reason.starts_with(FORBIDDEN_TARGET))
 }
 
 /// Tells an MQ sink's link what a batch's outcomes say of the connection: down (and how many
@@ -133,7 +142,7 @@ pub fn report(link: &crate::link::Link, now_ms: i64, outcomes: &[SinkOutcome]) {
             link.up();
             link.postponed(1 + unreachable.count());
         }
-        None if !outcomes.is_empty() => link.up(),
+        None if !outcomes.iter().all(is_forbidden) => link.up(),
         None => {}
     }
 }
@@ -330,6 +339,27 @@ mod tests {
         fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
             Box::pin(async move { vec![SinkOutcome::Delivered; batch.len()] })
         }
+    }
+
+    /// What a batch's outcomes tell a link: a refusal the sink made itself tells nothing of the MQ.
+    #[test]
+    fn report_reads_the_mq_from_its_answers_only() {
+        let link = crate::link::Link::new("sink", "n", "nats");
+        let away = SinkOutcome::Unreachable {
+            reason: "nats: connection refused".into(),
+        };
+        report(&link, 1, &[away.clone(), forbidden("$JS.API.x")]);
+        assert!(!link.is_up());
+        report(&link, 2, &[forbidden("$JS.API.x")]);
+        assert!(!link.is_up(), "a refused target is no answer");
+        report(&link, 3, &[SinkOutcome::Delivered, away]);
+        assert!(link.is_up(), "it took one");
+        assert_eq!(link.describe()["postponed"], 2);
+        assert!(is_forbidden(&forbidden("x")));
+        let nack = SinkOutcome::Dead {
+            reason: "nack".into(),
+        };
+        assert!(!is_forbidden(&nack));
     }
 
     #[test]

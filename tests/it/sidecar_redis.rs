@@ -794,6 +794,15 @@ fn an_outage_longer_than_the_backoff_series_kills_nothing() {
     let away = sink();
     assert_eq!(away["connected"], false, "{away}");
     assert!(away["last_error"].as_str().is_some(), "{away}");
+    // The metric counts those, and the messages held unread meanwhile.
+    let metric = scrape(&delayd.base)
+        .get(r#"delayd_messages_postponed_total{sink="out"}"#)
+        .copied();
+    let counted = away["postponed"].as_u64().unwrap() as f64;
+    assert!(
+        metric.is_some_and(|n| n >= counted),
+        "{metric:?} < {counted}"
+    );
     redis.restart(&[]);
     let mut connection = redis.connection();
     let got = read_target(
