@@ -517,15 +517,20 @@ fn a_node_with_a_source_starts_on_a_full_disk_and_heals() {
     let base = process.base.clone();
     let keyed = json!({"topic": "full", "body": "k", "delay": "1h", "key": "k-1", "dedup": true});
     assert_eq!(post(&base, &keyed).status, 507);
-    let sources = request(&base, "GET", "/v1/sources", None, None);
-    let waits = &sources.json["sources"][0]["last_error"];
-    assert!(
-        waits
+    // The source starts beside the API: it says so once its start reached the disk.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let sources = request(&base, "GET", "/v1/sources", None, None);
+        let waits = sources.json["sources"][0]["last_error"]
             .as_str()
-            .is_some_and(|e| e.contains("waiting for the disk") && e.contains("No space left")),
-        "{}",
-        sources.json
-    );
+            .map(str::to_owned);
+        if waits.is_some_and(|e| e.contains("waiting for the disk") && e.contains("No space left"))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", sources.json);
+        std::thread::sleep(Duration::from_millis(50));
+    }
     std::fs::remove_file(&spare).unwrap();
     wait_for(
         "a keyed message to be accepted",
