@@ -2,7 +2,7 @@
 //! is durable.
 //!
 //! ```text
-//! checkpoint   (replaced atomically: checkpoint.tmp, fsync, rename, directory fsync)
+//! checkpoint   (replaced atomically: checkpoint.tmp~, fsync, rename, directory fsync)
 //! 0    8   magic            b"DLYDCKPT"
 //! 8    2   version          u16, FORMAT_VERSION
 //! 10   2   segment_minutes  u16

@@ -1,5 +1,6 @@
 //! The 32-byte header at the start of every file the engine writes, and the small file-system helpers
-//! every writer shares (directory fsync, atomic replace).
+//! every writer shares, in this crate and above it (durable directories, directory fsync, atomic
+//! replace): one set, so that each gets the same temporary names, cleanup and slow-disk seam.
 //!
 //! ```text
 //! offset  size  field
@@ -16,7 +17,7 @@
 use crate::error::{Error, Result};
 use std::fs::{self, File};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub const HEADER_LEN: usize = 32;
 pub const FORMAT_VERSION: u16 = 1;
@@ -113,16 +114,39 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
     dir_file.sync_all().map_err(Error::sync(dir))
 }
 
+/// Ends the name of the temporary file an atomic replace writes through. Appended to the name, not put
+/// in the place of an extension: `a.b` and `a.c` written at once must not share `a.tmp`, nor may `a` write
+/// through the file of something named `a.tmp`. `~` is in no name delayd gives a file (topics, groups,
+/// sources), so a leftover is never taken for another file after a crash.
+pub const TEMP_SUFFIX: &str = ".tmp~";
+
+/// The temporary file [`write_atomically`] writes `path` through.
+pub fn temp_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(TEMP_SUFFIX);
+    PathBuf::from(name)
+}
+
 /// Replaces `path` with `bytes` atomically: write a temporary file, fsync it, rename it over `path`,
-/// fsync the directory. A crash leaves either the old file or the new one, never a mix.
+/// fsync the directory. A crash leaves either the old file or the new one, never a mix; a failure
+/// leaves no temporary file behind.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut file = File::create(&tmp).map_err(Error::io(&tmp))?;
-    file.write_all(bytes).map_err(Error::io(&tmp))?;
-    crate::slow_disk::sync();
-    file.sync_all().map_err(Error::sync(&tmp))?;
-    drop(file);
-    fs::rename(&tmp, path).map_err(Error::io(path))?;
+    let tmp = temp_path(path);
+    let written = File::create(&tmp)
+        .and_then(|mut file| {
+            file.write_all(bytes)?;
+            Ok(file)
+        })
+        .map_err(Error::io(&tmp))
+        .and_then(|file| {
+            crate::slow_disk::sync();
+            file.sync_all().map_err(Error::sync(&tmp))
+        })
+        .and_then(|()| fs::rename(&tmp, path).map_err(Error::io(path)));
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
 
@@ -181,5 +205,32 @@ mod tests {
         let crc = crc32c::crc32c(&bytes[..28]);
         bytes[28..32].copy_from_slice(&crc.to_le_bytes());
         assert_eq!(FileHeader::decode(&bytes, SEGMENT_MAGIC), unknown);
+    }
+
+    /// An atomic replace writes through `{name}.tmp~` (names differing after a dot do not share one)
+    /// and leaves nothing behind when it fails.
+    #[test]
+    fn an_atomic_replace_replaces_and_a_failed_one_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.b");
+        assert_eq!(temp_path(&path), dir.path().join("a.b.tmp~"));
+        assert_ne!(temp_path(&path), temp_path(&dir.path().join("a.c")));
+        write_atomically(&path, b"one").unwrap();
+        write_atomically(&path, b"two").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"two");
+        // A directory in the way: the rename fails.
+        let blocked = dir.path().join("blocked");
+        fs::create_dir(&blocked).unwrap();
+        fs::write(blocked.join("inside"), b"").unwrap();
+        assert!(matches!(
+            write_atomically(&blocked, b"x"),
+            Err(Error::Io { .. })
+        ));
+        assert!(!temp_path(&blocked).exists());
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
     }
 }

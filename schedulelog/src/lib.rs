@@ -40,6 +40,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use commit::{Ack, AckFuture, Appended, FsyncPolicy};
 pub use error::{AppendError, Error, Result};
 pub use group::Group;
+pub use header::{create_dir_durably, sync_dir, temp_path, write_atomically, TEMP_SUFFIX};
 pub use id::{InvalidId, Location, MessageId};
 pub use inspect::inspect;
 pub use listing::{

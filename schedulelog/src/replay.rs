@@ -225,7 +225,7 @@ impl CheckpointJob {
         #[cfg(test)]
         self.faults.disk_full_at(
             crate::fault::Point::CheckpointWrite,
-            &self.checkpoint_path.with_extension("tmp"),
+            &crate::header::temp_path(&self.checkpoint_path),
         )?;
         self.checkpoint.store(&self.checkpoint_path, self.width)?;
         metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")

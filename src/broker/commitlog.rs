@@ -28,8 +28,9 @@
 //!   crash in the middle of it leaves none); a gap is corruption, named with its file, except an empty
 //!   newest segment past it (started by a failed append whose undo could not delete it), which goes.
 
-use super::{io_err, make_dir, sync_dir, BrokerError};
+use super::{io_err, BrokerError};
 use schedulelog::frame::{self, Kind, Next, UNSYNCED_LIMIT};
+use schedulelog::{create_dir_durably, sync_dir};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -111,7 +112,7 @@ impl CommitLog {
     /// Opens the log in `dir`, creating it if needed. The last segment's length is its file's length
     /// until [`CommitLog::scan_from`] has checked its tail: call it before appending.
     pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<CommitLog, BrokerError> {
-        make_dir(dir)?;
+        create_dir_durably(dir)?;
         let mut bases = Vec::new();
         for entry in fs::read_dir(dir).map_err(io_err(dir))? {
             let name = entry.map_err(io_err(dir))?.file_name();
@@ -233,7 +234,7 @@ impl CommitLog {
             .write_all_at(&header(base), 0)
             .and_then(|()| file.sync_data())
             .map_err(io_err(&path))
-            .and_then(|()| sync_dir(&self.dir));
+            .and_then(|()| sync_dir(&self.dir).map_err(BrokerError::from));
         if let Err(e) = made {
             let _ = fs::remove_file(&path);
             return Err(e);
@@ -466,7 +467,7 @@ impl CommitLog {
             }
         }
         if !created.is_empty() {
-            result = result.and(sync_dir(&self.dir));
+            result = result.and(sync_dir(&self.dir).map_err(BrokerError::from));
         }
         if let Some(segment) = self.segments.get_mut(&base) {
             // Whole frames left past the end would come back on the next open as records nobody
@@ -603,6 +604,6 @@ pub(crate) fn remove(dir: &Path, segments: &[Segment]) -> Result<(), BrokerError
     if segments.is_empty() {
         Ok(())
     } else {
-        sync_dir(dir)
+        Ok(sync_dir(dir)?)
     }
 }

@@ -13,7 +13,8 @@
 //! - Group names match `[A-Za-z0-9._-]{1,200}` and are not all dots: safe as file names. At most
 //!   `max_groups` groups: a commit for one more is refused.
 
-use super::{io_err, make_dir, sync_dir, write_atomically, BrokerError, TEMP_SUFFIX};
+use super::{io_err, BrokerError};
+use schedulelog::{create_dir_durably, sync_dir, write_atomically, TEMP_SUFFIX};
 use std::collections::BTreeMap;
 use std::fs;
 use std::io;
@@ -42,7 +43,7 @@ impl Offsets {
     /// Loads the offsets kept under `broker_dir`, moving a legacy `offsets` file apart first.
     pub(crate) fn open(broker_dir: &Path) -> Result<Offsets, BrokerError> {
         let dir = broker_dir.join("groups");
-        make_dir(&dir)?;
+        create_dir_durably(&dir)?;
         let mut offsets = Offsets {
             dir,
             groups: BTreeMap::new(),
@@ -93,7 +94,7 @@ impl Offsets {
 
     fn store(&self, group: &str, topics: &GroupOffsets) -> Result<(), BrokerError> {
         let bytes = serde_json::to_vec(topics).unwrap_or_default();
-        write_atomically(&self.dir.join(group), &bytes)
+        Ok(write_atomically(&self.dir.join(group), &bytes)?)
     }
 
     /// Stores a group's offset for one queue, durably, then makes it visible.

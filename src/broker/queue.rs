@@ -24,7 +24,8 @@
 //! - Before the queues were segmented a queue was one file, `consumequeue/{topic}/{queue}`; opening one
 //!   moves it to `{queue}/00000000000000000000` by way of `{queue}.migrating/`, crash-safely.
 
-use super::{io_err, make_dir, sync_dir, BrokerError};
+use super::{io_err, BrokerError};
+use schedulelog::{create_dir_durably, sync_dir};
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -130,7 +131,7 @@ impl Queue {
     ) -> Result<Queue, BrokerError> {
         let dir = topic_dir.join(index.to_string());
         migrate_legacy(topic_dir, index)?;
-        make_dir(&dir)?;
+        create_dir_durably(&dir)?;
         let mut files = BTreeSet::new();
         for entry in fs::read_dir(&dir).map_err(io_err(&dir))? {
             let name = entry.map_err(io_err(&dir))?.file_name();

@@ -34,10 +34,9 @@
 
 use super::commitlog::{CommitLog, Segment, HEADER_LEN};
 use super::queue::{Queue, Unit};
-use super::{
-    decode_payload, encode_record, io_err, make_dir, sync_dir, valid_topic, write_atomically,
-    BrokerError, Incoming, StoredMeta,
-};
+use super::record::{decode_payload, encode_record};
+use super::{io_err, valid_topic, BrokerError, Incoming, StoredMeta};
+use schedulelog::{create_dir_durably, sync_dir, write_atomically};
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -179,7 +178,7 @@ impl CheckpointJob {
         let mut bytes = self.end.to_le_bytes().to_vec();
         let crc = crc32c::crc32c(&bytes);
         bytes.extend_from_slice(&crc.to_le_bytes());
-        write_atomically(&self.dir.join("checkpoint"), &bytes)
+        Ok(write_atomically(&self.dir.join("checkpoint"), &bytes)?)
     }
 }
 
@@ -199,7 +198,7 @@ impl Store {
     ) -> Result<Store, BrokerError> {
         let log = CommitLog::open(&dir.join("commitlog"), segment_bytes)?;
         let queues_dir = dir.join("consumequeue");
-        make_dir(&queues_dir)?;
+        create_dir_durably(&queues_dir)?;
         let mut store = Store {
             dir: dir.to_path_buf(),
             log,
@@ -724,7 +723,7 @@ fn create_topic(
         });
     }
     let topic_dir = dir.join("consumequeue").join(topic);
-    make_dir(&topic_dir)?;
+    create_dir_durably(&topic_dir)?;
     let mut state = Topic::default();
     for queue in 0..queues {
         state

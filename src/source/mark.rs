@@ -70,24 +70,13 @@ pub fn write(path: &Path, mark: &Mark) -> std::io::Result<()> {
     write_durably(path, &serde_json::to_vec(mark)?)
 }
 
-/// Replaces a file of a source's state durably: a temporary file beside it, fsync, rename, directory
-/// fsync.
+/// Replaces a file of a source's state durably (the engine's atomic replace: a temporary file beside
+/// it, fsync, rename, directory fsync), its directory made first if need be.
 pub fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = temporary(path);
-    std::fs::write(&tmp, bytes)?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
-}
-
-/// The temporary file `path` is written as. Appended, not put in the place of an extension: `a.b` and
-/// `a.c` (sources `a.b` and `a.c`, written at once) must not share `a.tmp~`. (No source name holds `~`.)
-fn temporary(path: &Path) -> PathBuf {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp~");
-    PathBuf::from(tmp)
+    schedulelog::create_dir_durably(dir)
+        .and_then(|()| schedulelog::write_atomically(path, bytes))
+        .map_err(std::io::Error::other)
 }
 
 #[cfg(test)]
@@ -116,8 +105,8 @@ mod tests {
         // Sources whose names differ after a dot do not share a temporary file, nor a file beside.
         let eu = path(dir.path(), "orders-in.eu");
         let us = path(dir.path(), "orders-in.us");
-        assert_ne!(temporary(&eu), temporary(&us));
-        assert_ne!(temporary(&at), temporary(&eu));
+        assert_ne!(schedulelog::temp_path(&eu), schedulelog::temp_path(&us));
+        assert_ne!(schedulelog::temp_path(&at), schedulelog::temp_path(&eu));
         write(&eu, &Mark::default()).unwrap();
         assert_eq!(read(&eu).unwrap(), Some(Mark::default()));
         assert_ne!(beside(dir.path(), "orders-in", "kafka-epochs"), eu);

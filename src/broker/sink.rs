@@ -1,0 +1,94 @@
+//! The `broker` sink: the lane's deliveries, stored in the broker.
+
+use super::{lock, Broker, BrokerError, Incoming};
+use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome};
+use std::io;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The `broker` sink: stores each delivery in the broker, durably, before answering.
+#[derive(Debug)]
+pub struct BrokerSink {
+    broker: Arc<Broker>,
+    clock: Arc<dyn schedulelog::Clock>,
+    /// When a failure was last logged: at most one line every 10 s while they go on.
+    last_report: Mutex<Option<std::time::Instant>>,
+}
+
+impl BrokerSink {
+    pub fn new(broker: Arc<Broker>, clock: Arc<dyn schedulelog::Clock>) -> BrokerSink {
+        BrokerSink {
+            broker,
+            clock,
+            last_report: Mutex::new(None),
+        }
+    }
+
+    fn report(&self, reason: &str) {
+        let mut last = lock(&self.last_report);
+        if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+            *last = Some(std::time::Instant::now());
+            tracing::error!(%reason, "storing deliveries in the broker failed; they are postponed (delayd_messages_postponed_total) and tried again");
+        }
+    }
+
+    /// A batch as the broker stores it, stamped as delivered now.
+    fn incoming(&self, batch: &[Delivery]) -> Vec<Incoming> {
+        let now = self.clock.now_ms();
+        batch
+            .iter()
+            .map(|d| Incoming {
+                topic: d.message.topic.clone(),
+                id: d.id.to_string(),
+                key: d.message.key.clone(),
+                headers: d.message.headers.iter().cloned().collect(),
+                deliver_at_ms: d.message.deliver_at_ms,
+                delivered_at_ms: now,
+                attempt: d.message.attempt,
+                body: d.message.body.clone(),
+            })
+            .collect()
+    }
+
+    /// The answer for each of `count` deliveries stored together (or not). Trouble with delayd's own
+    /// storage is not the message's fault: postponed, using up no attempt (a retry would also copy the
+    /// message through the WAL into a segment again, and a few minutes of trouble would make every due
+    /// message dead).
+    fn answer<T>(&self, count: usize, stored: Result<T, BrokerError>) -> Vec<SinkOutcome> {
+        let (reason, disk_full) = match stored {
+            Ok(_) => return vec![SinkOutcome::Delivered; count],
+            Err(e) => (e.to_string(), e.is_disk_full()),
+        };
+        let after = if disk_full {
+            // Reported once by the disk watch, not for every batch while it lasts.
+            tracing::debug!(%reason, "storing deliveries in the broker failed");
+            Duration::from_secs(1)
+        } else {
+            self.report(&reason);
+            Duration::from_secs(5)
+        };
+        vec![SinkOutcome::Postpone { after, reason }; count]
+    }
+}
+
+impl Sink for BrokerSink {
+    fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
+        Box::pin(async move {
+            let (broker, incoming) = (self.broker.clone(), self.incoming(batch));
+            let stored = tokio::task::spawn_blocking(move || broker.append(incoming))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(BrokerError::Io {
+                        path: PathBuf::from("broker"),
+                        source: io::Error::other(e.to_string()),
+                    })
+                });
+            self.answer(batch.len(), stored)
+        })
+    }
+
+    fn deliver_blocking(&self, batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
+        Some(self.answer(batch.len(), self.broker.append(self.incoming(batch))))
+    }
+}
