@@ -37,7 +37,7 @@
 
 use super::registry::Admission;
 use super::wheel::Entry;
-use super::{entry_bucket, Shared};
+use super::{entry_bucket, Settled, Shared};
 use crate::sink::{
     BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry, UNREACHABLE_WAIT_MAX,
 };
@@ -360,7 +360,7 @@ impl Lane {
             let label = match outcome {
                 SinkOutcome::Delivered => {
                     records.push((delivery.location.bucket, record(OutcomeKind::Delivered)));
-                    "ok"
+                    Settled::Delivered
                 }
                 SinkOutcome::Dead { reason } => {
                     dead.push((*entry, dead_letter(delivery, &reason)));
@@ -368,7 +368,7 @@ impl Lane {
                         delivery.location.bucket,
                         record(OutcomeKind::Dead { reason }),
                     ));
-                    "dead"
+                    Settled::Dead
                 }
                 SinkOutcome::Postpone { after, reason } => {
                     // Nothing is written: the record stays pending, and its entry comes round again
@@ -377,14 +377,14 @@ impl Lane {
                     self.shared
                         .requeue_at(*entry, now.saturating_add(after_ms.max(1)));
                     tracing::debug!(sink = %self.name, %reason, "delivery postponed");
-                    "postponed"
+                    Settled::Postponed
                 }
                 SinkOutcome::Unreachable { reason } => {
                     // As a postponement: nothing written, no attempt used (see SinkOutcome).
                     self.shared
                         .requeue_at(*entry, now.saturating_add(unreachable_after_ms));
                     tracing::debug!(sink = %self.name, %reason, after_ms = unreachable_after_ms, "destination unreachable; delivery postponed");
-                    "postponed"
+                    Settled::Postponed
                 }
                 SinkOutcome::Retry { .. }
                     if self.shared.registry().take_cancelled(&delivery.location) =>
@@ -392,7 +392,7 @@ impl Lane {
                     // Cancelled while the sink was answering, by a tombstone the replayer reported (a
                     // cancel through the scheduler is refused while an attempt is in flight): no next
                     // attempt (the tombstone records it).
-                    "cancelled"
+                    Settled::Cancelled
                 }
                 SinkOutcome::Retry { after, reason } => {
                     let next_attempt = attempt.saturating_add(1);
@@ -403,7 +403,7 @@ impl Lane {
                             delivery.location.bucket,
                             record(OutcomeKind::Dead { reason }),
                         ));
-                        "dead"
+                        Settled::Dead
                     } else {
                         // The sink's own delay is capped like the backoff (see the module doc).
                         let delay = match after {
@@ -418,17 +418,17 @@ impl Lane {
                             now.saturating_add(delay_ms),
                             reason,
                         ));
-                        "retry"
+                        Settled::Retried
                     }
                 }
             };
             // A retry answered for a cancelled attempt counts as the retry it was.
             match label {
-                "ok" => self.delivered_ok.increment(1),
-                "dead" => self.delivered_dead.increment(1),
+                Settled::Delivered => self.delivered_ok.increment(1),
+                Settled::Dead => self.delivered_dead.increment(1),
                 // Not an attempt: counted apart, so that retries stay what receivers answered.
-                "postponed" => self.postponed.increment(1),
-                _ => self.delivered_retry.increment(1),
+                Settled::Postponed => self.postponed.increment(1),
+                Settled::Retried | Settled::Cancelled => self.delivered_retry.increment(1),
             }
             labels.push((delivery.id, label));
         }
@@ -450,7 +450,10 @@ impl Lane {
             self.record_outcomes(records).await;
         }
         for (delivery, (_, label)) in deliveries.iter().zip(&labels) {
-            if matches!(*label, "ok" | "dead" | "cancelled") {
+            if matches!(
+                label,
+                Settled::Delivered | Settled::Dead | Settled::Cancelled
+            ) {
                 self.shared.finished_key(&delivery.message, delivery.id);
             }
         }
@@ -810,7 +813,7 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     for message in dropped {
         shared.finished_key(&message, message.id);
         if let Some(settled) = &shared.settled {
-            let _ = settled.send(vec![(message.id, "cancelled")]);
+            let _ = settled.send(vec![(message.id, Settled::Cancelled)]);
         }
     }
     (entries, deliveries)

@@ -74,11 +74,26 @@ pub struct SchedulerConfig {
     pub lane_queue: usize,
     /// How often finished buckets past their retention are deleted.
     pub retire_every: Duration,
-    /// Receives, for every batch, each message's id and outcome label (`ok`, `retry`, `dead`,
-    /// `cancelled`, `postponed`) once the outcomes are durable. For tests and embedding; `None` in the service.
-    pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
+    /// Receives, for every batch, each message's id and what became of its attempt once the outcomes
+    /// are durable. For tests and embedding; `None` in the service.
+    pub settled: Option<Sender<Vec<(MessageId, Settled)>>>,
     /// Where dead messages are copied, under the topic `$dead` (the service uses the broker).
     pub dead_letters: Option<Arc<dyn Sink>>,
+}
+
+/// What became of a delivery attempt a lane settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Settled {
+    /// The sink took it.
+    Delivered,
+    /// Refused; a next attempt is written.
+    Retried,
+    /// Dead: refused for good, out of attempts, or dead on arrival.
+    Dead,
+    /// Put off without using an attempt (delayd's own storage, or the sink's MQ away).
+    Postponed,
+    /// Cancelled while the sink answered.
+    Cancelled,
 }
 
 impl std::fmt::Debug for SchedulerConfig {
@@ -119,7 +134,7 @@ pub(crate) struct Shared {
     pub unreadable: Mutex<HashMap<(u32, u64), u32>>,
     /// Where finished messages with an idempotency key are reported.
     finished_keys: tokio::sync::mpsc::UnboundedSender<FinishedKey>,
-    pub settled: Option<Sender<Vec<(MessageId, &'static str)>>>,
+    pub settled: Option<Sender<Vec<(MessageId, Settled)>>>,
     pub dead_letters: Option<Arc<dyn Sink>>,
     /// Records in buckets not loaded yet (set by the loader; part of `delayd_pending_messages`).
     pub unloaded_records: AtomicU64,

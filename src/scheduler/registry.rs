@@ -254,7 +254,7 @@ impl Drop for Intent {
                 || self.cancelled_before == Some(location);
             if cancelled {
                 if let Some(settled) = &self.shared.settled {
-                    let _ = settled.send(vec![(self.id, "cancelled")]);
+                    let _ = settled.send(vec![(self.id, super::Settled::Cancelled)]);
                 }
             } else {
                 // Not cancelled after all (a tombstone failed, or the message was finished): due

@@ -186,8 +186,8 @@ struct Harness {
     scheduler: Option<Scheduler>,
     received: Receiver<Received>,
     received_tx: Sender<Received>,
-    settled: Receiver<Vec<(MessageId, &'static str)>>,
-    settled_tx: Sender<Vec<(MessageId, &'static str)>>,
+    settled: Receiver<Vec<(MessageId, Settled)>>,
+    settled_tx: Sender<Vec<(MessageId, Settled)>>,
     sinks: Vec<(
         &'static str,
         SinkPolicy,
@@ -322,7 +322,7 @@ impl Harness {
     }
 
     /// Waits until the outcomes of `n` messages are durable.
-    fn settle(&self, n: usize) -> Vec<(MessageId, &'static str)> {
+    fn settle(&self, n: usize) -> Vec<(MessageId, Settled)> {
         let mut all = Vec::new();
         while all.len() < n {
             all.extend(self.settled.recv_timeout(WAIT).expect("settled outcomes"));
@@ -529,7 +529,7 @@ fn cancels_before_and_after_loading() {
         "a second cancel answers the same"
     );
     h.set(T0 + 10 * MINUTE);
-    assert_eq!(h.settle(1), vec![(after, "cancelled")]);
+    assert_eq!(h.settle(1), vec![(after, Settled::Cancelled)]);
     h.set(T0 + 2 * HOUR + 1);
     assert_eq!(h.recv().body, "kept");
     assert!(
@@ -636,7 +636,7 @@ fn a_message_for_an_unknown_sink_is_dead_with_the_reason() {
     let mut h = Harness::manual();
     let id = h.schedule("nowhere", T0, "lost");
     h.start();
-    assert_eq!(h.settle(1), vec![(id, "dead")]);
+    assert_eq!(h.settle(1), vec![(id, Settled::Dead)]);
     match h.log().lookup(id).unwrap().unwrap().state {
         MessageState::Dead { reason, .. } => {
             assert_eq!(reason, "no sink named \"nowhere\" is configured")
@@ -759,7 +759,7 @@ fn a_cancel_while_an_attempt_is_in_flight_is_refused_not_contradicted() {
     );
     gate.add_permits(1);
     assert_eq!(h.recv().body, "in flight");
-    assert_eq!(h.settle(1), vec![(id, "ok")]);
+    assert_eq!(h.settle(1), vec![(id, Settled::Delivered)]);
     assert!(matches!(
         h.runtime.block_on(scheduler.cancel(id)),
         Err(CancelError::AlreadyDelivered)
@@ -800,7 +800,7 @@ fn a_cancel_between_a_written_retry_and_its_outcome_waits_then_stops_the_series(
         Err(CancelError::InFlight)
     ));
     outcome_gate.add_permits(1);
-    assert_eq!(h.settle(1), vec![(id, "retry")]);
+    assert_eq!(h.settle(1), vec![(id, Settled::Retried)]);
     assert_eq!(
         h.runtime.block_on(scheduler.cancel(id)).unwrap(),
         Cancelled::Now
@@ -842,7 +842,7 @@ fn a_message_due_during_its_cancel_is_held_then_dropped() {
         lookup_gate.add_permits(1);
         assert_eq!(cancel.join().unwrap().unwrap(), Cancelled::Now);
     });
-    assert_eq!(h.settle(1), vec![(id, "cancelled")]);
+    assert_eq!(h.settle(1), vec![(id, Settled::Cancelled)]);
     h.schedule("a", T0 + 2_000, "sentinel");
     h.set(T0 + 2_000);
     assert_eq!(h.recv().body, "sentinel");
@@ -885,9 +885,8 @@ fn a_tombstone_reported_before_its_cancel_ends_leaves_nothing_behind() {
         written_gate.add_permits(1);
         assert_eq!(cancel.join().unwrap().unwrap(), Cancelled::Now);
     });
-    let mut settled = h.settle(2);
-    settled.sort_by_key(|(_, label)| *label);
-    assert_eq!(settled[0], (id, "cancelled"));
+    let settled = h.settle(2);
+    assert!(settled.contains(&(id, Settled::Cancelled)), "{settled:?}");
     assert!(h.received.try_recv().is_err());
     assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
 }
@@ -928,7 +927,7 @@ fn far_future_cancels_stay_on_disk_loaded_ones_in_memory_until_met() {
         );
     }
     h.set(T0 + 10 * MINUTE);
-    assert_eq!(h.settle(1), vec![(near, "cancelled")]);
+    assert_eq!(h.settle(1), vec![(near, Settled::Cancelled)]);
     assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
     // A month later the far bucket is loaded: its snapshot leaves the cancelled messages out.
     h.set(far_at + 100);
@@ -993,9 +992,9 @@ fn a_cancel_racing_the_load_of_its_bucket_is_honoured() {
     let mut cancelled = Vec::new();
     while cancelled.is_empty() {
         let batch = h.settled.recv_timeout(WAIT).expect("settled outcomes");
-        cancelled.extend(batch.into_iter().filter(|(_, l)| *l == "cancelled"));
+        cancelled.extend(batch.into_iter().filter(|(_, l)| *l == Settled::Cancelled));
     }
-    assert_eq!(cancelled, vec![(second, "cancelled")]);
+    assert_eq!(cancelled, vec![(second, Settled::Cancelled)]);
     h.schedule("a", due + HOUR, "second sentinel");
     h.set(due + HOUR);
     assert_eq!(h.recv().body, "second sentinel");
@@ -1020,7 +1019,7 @@ fn a_sink_that_delivers_in_place_is_called_on_the_lanes_thread_and_a_panic_there
     );
     let id = h.schedule("a", T0, "flaky");
     h.start();
-    assert_eq!(h.settle(1), vec![(id, "postponed")]);
+    assert_eq!(h.settle(1), vec![(id, Settled::Postponed)]);
     let in_flight = |h: &Harness| {
         h.scheduler
             .as_ref()
@@ -1046,7 +1045,7 @@ fn a_sink_that_delivers_in_place_is_called_on_the_lanes_thread_and_a_panic_there
     settled.sort_by_key(|(_, label)| *label);
     assert_eq!(
         settled.iter().map(|(_, l)| *l).collect::<Vec<_>>(),
-        ["ok", "retry"]
+        [Settled::Delivered, Settled::Retried]
     );
     h.set(T0 + 7_000);
     let second = h.recv();
@@ -1054,7 +1053,7 @@ fn a_sink_that_delivers_in_place_is_called_on_the_lanes_thread_and_a_panic_there
         (second.body.as_str(), second.attempt, second.in_place),
         ("flaky", 1, true)
     );
-    assert_eq!(h.settle(1)[0].1, "ok");
+    assert_eq!(h.settle(1)[0].1, Settled::Delivered);
     // Each attempt once: a message due after the last comes next.
     h.schedule("a", T0 + 8_000, "last");
     h.set(T0 + 8_000);
@@ -1110,7 +1109,7 @@ fn a_dead_letter_that_cannot_be_stored_at_once_is_stored_later_not_delivered_aga
     assert_eq!(h.recv().attempt, 0);
     // The dead letter could not be stored the first time: it is stored again (not the message delivered
     // again, which would repeat the receiver's 400), then the outcome is written.
-    assert_eq!(h.settle(1), vec![(id, "dead")]);
+    assert_eq!(h.settle(1), vec![(id, Settled::Dead)]);
     assert!(matches!(
         h.log().lookup(id).unwrap().unwrap().state,
         MessageState::Dead { .. }
@@ -1177,7 +1176,7 @@ fn an_unreadable_due_message_is_handed_back_not_forgotten() {
     h.set(T0 + MINUTE + 1_000);
     let r = h.recv();
     assert_eq!((r.body.as_str(), r.at_ms), ("fragile", T0 + MINUTE + 1_000));
-    assert_eq!(h.settle(1), vec![(fragile, "ok")]);
+    assert_eq!(h.settle(1), vec![(fragile, Settled::Delivered)]);
     assert!(scheduler.shared.unreadable().is_empty(), "read at last");
 
     // A corrupt record: tried again every 10 minutes, delivered once repaired.
@@ -1229,7 +1228,7 @@ fn a_sinks_retry_delay_is_capped_by_the_backoff_cap() {
     let id = h.schedule("a", T0, "patient");
     h.start();
     assert_eq!(h.recv().attempt, 0);
-    assert_eq!(h.settle(1), vec![(id, "retry")]);
+    assert_eq!(h.settle(1), vec![(id, Settled::Retried)]);
     assert_eq!(
         h.log().lookup(id).unwrap().unwrap().message.deliver_at_ms,
         T0 + 60_000
@@ -1320,7 +1319,7 @@ fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
     // Waits of 1 s, 2 s, 4 s and 8 s, each jittered to at least half.
     let mut at = T0;
     for wait_ms in [1_000, 2_000, 4_000, 8_000] {
-        assert_eq!(h.settle(1), vec![(id, "postponed")]);
+        assert_eq!(h.settle(1), vec![(id, Settled::Postponed)]);
         h.set(at + wait_ms / 2 - 1);
         assert!(h.received.try_recv().is_err(), "not before half the wait");
         at += wait_ms;
@@ -1328,7 +1327,7 @@ fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
         let r = h.recv();
         assert_eq!((r.body.as_str(), r.attempt), ("away", 0), "no attempt used");
     }
-    assert_eq!(h.settle(1), vec![(id, "ok")]);
+    assert_eq!(h.settle(1), vec![(id, Settled::Delivered)]);
     let status = h.log().lookup(id).unwrap().unwrap();
     assert!(matches!(status.state, MessageState::Delivered { .. }));
     assert_eq!(
@@ -1366,7 +1365,7 @@ fn a_destination_that_answers_for_some_keeps_the_lane_going() {
     h.set(T0 + 5);
     gate.add_permits(1);
     assert_eq!(h.recv().body, "block");
-    assert_eq!(h.settle(1), vec![(block, "ok")]);
+    assert_eq!(h.settle(1), vec![(block, Settled::Delivered)]);
     let mut first = h.recv_n(2);
     first.sort_by(|x, y| x.body.cmp(&y.body));
     assert_eq!(
@@ -1375,7 +1374,7 @@ fn a_destination_that_answers_for_some_keeps_the_lane_going() {
     );
     let mut settled = h.settle(2);
     settled.sort();
-    let mut expected = vec![(stuck, "postponed"), (fine, "ok")];
+    let mut expected = vec![(stuck, Settled::Postponed), (fine, Settled::Delivered)];
     expected.sort();
     assert_eq!(settled, expected);
     assert_eq!(first[0].at_ms, first[1].at_ms, "one batch");
@@ -1383,12 +1382,12 @@ fn a_destination_that_answers_for_some_keeps_the_lane_going() {
     h.set(T0 + 10);
     let r = h.recv();
     assert_eq!((r.body.as_str(), r.at_ms), ("later", T0 + 10));
-    assert_eq!(h.settle(1), vec![(later, "ok")]);
+    assert_eq!(h.settle(1), vec![(later, Settled::Delivered)]);
     // The unanswered one comes round after the backoff's first step (0.5 to 1 s), attempt 0 still.
     h.set(T0 + 1_000);
     let r = h.recv();
     assert_eq!((r.body.as_str(), r.attempt), ("stuck", 0));
-    assert_eq!(h.settle(1), vec![(stuck, "ok")]);
+    assert_eq!(h.settle(1), vec![(stuck, Settled::Delivered)]);
 }
 
 /// The batches out together when the destination goes away come back unanswered together: the wait
@@ -1421,7 +1420,10 @@ fn batches_out_at_an_outage_start_one_wait() {
     }
     gate.add_permits(1);
     assert_eq!(h.recv_n(4).len(), 4);
-    assert!(h.settle(4).iter().all(|(_, label)| *label == "postponed"));
+    assert!(h
+        .settle(4)
+        .iter()
+        .all(|(_, label)| *label == Settled::Postponed));
     // The first step is 0.5 to 1 s; four steps in a row would be 4 to 8 s.
     h.set(T0 + 1_000);
     let mut got = h.recv_n(4);
@@ -1431,7 +1433,10 @@ fn batches_out_at_an_outage_start_one_wait() {
         bodies
     );
     assert!(got.iter().all(|r| r.at_ms == T0 + 1_000 && r.attempt == 0));
-    assert!(h.settle(4).iter().all(|(_, label)| *label == "ok"));
+    assert!(h
+        .settle(4)
+        .iter()
+        .all(|(_, label)| *label == Settled::Delivered));
 }
 
 /// A target the sink refuses itself (`forbidden_target`) is no answer from the destination: a probe
@@ -1456,7 +1461,7 @@ fn a_refused_target_does_not_end_an_outage() {
     let a = h.schedule("a", T0, "A");
     h.start();
     assert_eq!(h.recv().body, "A");
-    assert_eq!(h.settle(1), vec![(a, "postponed")]);
+    assert_eq!(h.settle(1), vec![(a, Settled::Postponed)]);
     // Due during the wait (0.5 to 1 s): held, then first when it ends.
     h.set(T0 + 400);
     h.set(T0 + 1_000);
@@ -1467,7 +1472,7 @@ fn a_refused_target_does_not_end_an_outage() {
     );
     let mut settled = h.settle(2);
     settled.sort();
-    let mut expected = vec![(refused, "dead"), (a, "postponed")];
+    let mut expected = vec![(refused, Settled::Dead), (a, Settled::Postponed)];
     expected.sort();
     assert_eq!(settled, expected);
     // A second wait in a row: 1 to 2 s (a first step again would be over by T0 + 2 s).
@@ -1480,7 +1485,7 @@ fn a_refused_target_does_not_end_an_outage() {
     h.set(T0 + 3_000);
     let r = h.recv();
     assert_eq!((r.body.as_str(), r.attempt), ("A", 0));
-    assert_eq!(h.settle(1), vec![(a, "ok")]);
+    assert_eq!(h.settle(1), vec![(a, Settled::Delivered)]);
 }
 
 /// A stop while batches wait for a probe's answer ends once the probe is answered: the waiting ones
@@ -1505,7 +1510,7 @@ fn a_stop_during_a_probe_leaves_the_waiting_batches_pending() {
     let b = h.schedule("a", T0 + 1_000, "B");
     h.start();
     assert_eq!(h.recv().body, "A");
-    assert_eq!(h.settle(1), vec![(a, "postponed")]);
+    assert_eq!(h.settle(1), vec![(a, Settled::Postponed)]);
     gate.forget_permits(1);
     h.entered.recv_timeout(WAIT).unwrap();
     // Both due: one is the probe (held at the gate), the other waits for its answer.
@@ -1523,7 +1528,7 @@ fn a_stop_during_a_probe_leaves_the_waiting_batches_pending() {
         drop(shared);
         gate.add_permits(1);
         let probe = received.recv_timeout(WAIT).expect("the probe").body;
-        assert_eq!(settled.recv_timeout(WAIT).unwrap()[0].1, "ok");
+        assert_eq!(settled.recv_timeout(WAIT).unwrap()[0].1, Settled::Delivered);
         stopping.join().unwrap();
         assert!(
             received.try_recv().is_err(),
@@ -1551,7 +1556,7 @@ fn a_stop_during_a_probe_leaves_the_waiting_batches_pending() {
     assert_eq!(got[0].attempt, 0);
     let settled = h.settle(2);
     assert!(
-        settled.contains(&(waiting.1, "ok")),
+        settled.contains(&(waiting.1, Settled::Delivered)),
         "{settled:?} {waiting:?}"
     );
 }
@@ -1580,7 +1585,7 @@ fn batches_wait_unread_for_an_unreachable_destination_and_one_tries_it() {
     gate.add_permits(1);
     h.start();
     assert_eq!(h.recv().body, "A");
-    assert_eq!(h.settle(1), vec![(a, "postponed")]);
+    assert_eq!(h.settle(1), vec![(a, Settled::Postponed)]);
     gate.forget_permits(1);
     h.entered.recv_timeout(WAIT).unwrap();
     // B and C come due during the wait (500 ms to 1 s): held, not handed to the sink.
@@ -1609,7 +1614,9 @@ fn batches_wait_unread_for_an_unreachable_destination_and_one_tries_it() {
     assert!(got.iter().all(|r| r.at_ms == T0 + 1_000 && r.attempt == 0));
     let settled = h.settle(3);
     assert!(
-        settled.iter().all(|(_, label)| *label == "ok"),
+        settled
+            .iter()
+            .all(|(_, label)| *label == Settled::Delivered),
         "{settled:?}"
     );
 }
