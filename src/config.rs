@@ -80,32 +80,52 @@ fn kubernetes_service_link(key: &str, value: &str) -> bool {
         || (key.ends_with("_PORT") && url)
 }
 
-/// Parses `"1500ms"`, `"30s"`, `"30m"`, `"2h"`, `"7d"` (a whole number and a unit).
+/// Parses a duration: whole numbers with units, `ms`, `s`, `m`, `h` or `d`, alone (`"1500ms"`, `"30s"`,
+/// `"7d"`) or in a row, largest first (`"1m30s"`, `"2h45m"`, `"1d12h"`), as people write them.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number.parse().map_err(|_| {
-        format!("{text:?} is not a duration such as \"30s\", \"5m\", \"2h\" or \"7d\"")
-    })?;
-    let unit_ms: u64 = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => {
+    let not_a_duration =
+        || format!("{text:?} is not a duration such as \"30s\", \"5m\", \"1m30s\" or \"7d\"");
+    let mut rest = text;
+    let mut total: u64 = 0;
+    let mut last_unit_ms = u64::MAX;
+    loop {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let number: u64 = rest[..digits].parse().map_err(|_| not_a_duration())?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit_ms: u64 = match &rest[..unit_len] {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            "" => {
+                return Err(format!(
+                    "{text:?} has no unit: use ms, s, m, h or d (\"30s\", \"5m\", \"1m30s\")"
+                ))
+            }
+            _ => return Err(not_a_duration()),
+        };
+        if unit_ms >= last_unit_ms {
             return Err(format!(
-                "{text:?} has no unit: use ms, s, m, h or d (\"30s\", \"5m\")"
-            ))
+                "{text:?}: give the units largest first, each once (\"1h30m\")"
+            ));
         }
-    };
-    number
-        .checked_mul(unit_ms)
-        .map(Duration::from_millis)
-        .ok_or_else(|| format!("{text:?} is too long"))
+        last_unit_ms = unit_ms;
+        rest = &rest[unit_len..];
+        total = number
+            .checked_mul(unit_ms)
+            .and_then(|ms| total.checked_add(ms))
+            .ok_or_else(|| format!("{text:?} is too long"))?;
+        if rest.is_empty() {
+            return Ok(Duration::from_millis(total));
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for Millis {
@@ -1057,6 +1077,23 @@ mod tests {
         assert!(parse_duration("30").is_err());
         assert!(parse_duration("1.5s").is_err());
         assert!(parse_duration("s").is_err());
+        // In a row, largest first, as people write them.
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1d12h"), Ok(Duration::from_secs(36 * 3600)));
+        assert_eq!(
+            parse_duration("2h0m5s250ms"),
+            Ok(Duration::from_millis(7_205_250))
+        );
+        assert!(parse_duration("1m30").unwrap_err().contains("has no unit"));
+        assert!(parse_duration("30s1m")
+            .unwrap_err()
+            .contains("largest first"));
+        assert!(parse_duration("1m1m").is_err());
+        assert!(parse_duration("1m 30s").is_err());
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("213503982334d23h59m59s")
+            .unwrap_err()
+            .contains("too long"));
         assert!(parse_duration("99999999999999999999d").is_err());
     }
 

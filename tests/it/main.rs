@@ -166,6 +166,34 @@ fn a_message_is_invisible_before_deliver_at_and_visible_after() {
     );
 }
 
+/// A delay is read as people write it: `1m30s` is ninety seconds, also over HTTP.
+#[test]
+fn a_compound_delay_is_read_as_written() {
+    let server = Server::start(|_| {});
+    let before = now_ms();
+    let sent = server.call(
+        "POST",
+        "/v1/messages",
+        Some(json!({"topic": "t", "body": "x", "delay": "1m30s"})),
+    );
+    let after = now_ms();
+    assert_eq!(sent.status, 201, "{}", sent.json);
+    let deliver_at = parse(&sent.json["deliver_at"]);
+    assert!(
+        (before + 90_000..=after + 90_000).contains(&deliver_at),
+        "{before} {deliver_at} {after}"
+    );
+    let wrong = server.call(
+        "POST",
+        "/v1/messages",
+        Some(json!({"topic": "t", "body": "x", "delay": "30s1m"})),
+    );
+    assert_eq!(
+        (wrong.status, wrong.json["code"].as_str()),
+        (400, Some("invalid_delay"))
+    );
+}
+
 #[test]
 fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
     let server = Server::start(|_| {});
