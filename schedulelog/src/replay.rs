@@ -36,9 +36,9 @@
 //! - A checkpoint is made in two steps: [`Replay::start_checkpoint`] takes, under the replayer's lock, a
 //!   [`CheckpointJob`]: the marks every segment has now (all its records below `next_seq` are written)
 //!   and which segments need a sync. [`CheckpointJob::run`] syncs them and stores the checkpoint without
-//!   the lock, so the replayer goes on applying groups meanwhile (on a checkpointer thread, see log.rs):
-//!   syncing hundreds of segments takes long, and a replayer stopped for it stops the WAL writer behind
-//!   it. A sync covers the bytes written before it, so a segment written after the marks were taken is
+//!   the lock, so the replayer goes on applying groups meanwhile (on a checkpointer thread, see
+//!   log/replayer.rs): syncing hundreds of segments takes long, and a replayer stopped for it stops the
+//!   WAL writer behind it. A sync covers the bytes written before it, so a segment written after the marks were taken is
 //!   still synced up to them. [`Replay::finish_checkpoint`] then records what became durable.
 //! - Jobs are numbered in the order they were taken, and a job older than the last one stored stores
 //!   nothing (nor syncs anything): a checkpoint never goes back, and a segment removed after a newer
