@@ -280,8 +280,8 @@ fn sort_by_due(items: &mut Vec<u64>) {
 }
 
 /// What a record's outcomes (sorted by offset: in the order they happened) make of it, as a lookup
-/// reads them (log.rs `deciding`): a `retried` outcome wins (a later attempt is the current one), then a
-/// discard (it follows a `dead`), then the first outcome recorded.
+/// reads them (log/lookup.rs `deciding`): a `retried` outcome wins (a later attempt is the current
+/// one), then a discard (it follows a `dead`), then the first outcome recorded.
 fn effect(refs: &[OutcomeRef]) -> Option<Effect> {
     let has = |e: Effect| refs.iter().any(|r| r.kind == e);
     if has(Effect::Retried) {
