@@ -22,6 +22,12 @@
 //!   that need a new WAL file fail with [`AppendError::DiskFull`]). It clears by itself once the held-up
 //!   work succeeds. Nothing acknowledged is lost meanwhile: it is in the WAL, which is deleted only below
 //!   a checkpoint.
+//!
+//! Here: the handle, the state its threads and callers share, the write side (appends and cancels go
+//! to the WAL writer's queue, outcomes straight to the dispatch logs) and shutdown. The rest, by
+//! concern: `open` (locking, recovery, starting the threads), `replayer` (the replayer thread), `read`
+//! (single records and outcomes), `lookup` (a message's status by id), `scan` (whole buckets: the
+//! loader's watch, rebuild scans) and `retire` (retention).
 
 mod lookup;
 mod open;
