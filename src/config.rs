@@ -1,6 +1,6 @@
 //! Configuration: embedded defaults, then a TOML file (`--config`), then `DELAYD_*` environment
 //! variables, then command-line flags; each layer overrides the one before. Every key is documented in
-//! the README; unknown keys in the file are an error, not a silent no-op.
+//! docs/configuration.md; unknown keys in the file are an error, not a silent no-op.
 
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
@@ -571,7 +571,7 @@ impl Config {
             _ if key.starts_with("DELAYD_") => {
                 return Err(invalid(
                     key,
-                    "not a delayd setting (see the README for the list)",
+                    "not a delayd setting (see docs/configuration.md for the list)",
                 ))
             }
             _ => {}

@@ -10,8 +10,8 @@
 //! The broker runs with 1 MiB commit log segments, so that kills also land while it rolls over to a new
 //! segment or consume-queue file.
 //!
-//! `SOAK_KILLS` sets the number of kills (default 5, as in CI; the README's long form: 25), `SOAK_SEED`
-//! the seed of the kill points and due times.
+//! `SOAK_KILLS` sets the number of kills (default 5, as in CI; docs/testing.md's long form: 25),
+//! `SOAK_SEED` the seed of the kill points and due times.
 
 #![allow(clippy::unwrap_used, reason = "tests stop at the first failure")]
 

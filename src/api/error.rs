@@ -82,7 +82,7 @@ fn problem_code_schema() -> utoipa::openapi::Object {
         .schema_type(utoipa::openapi::schema::Type::String)
         .enum_values(Some(PROBLEM_CODES.iter().copied()))
         .description(Some(
-            "What went wrong, for programs: stable across versions (the README's HTTP API section \
+            "What went wrong, for programs: stable across versions (the Errors table of docs/api.md \
              says when each is answered)",
         ))
         .build()
