@@ -766,7 +766,7 @@ impl Target for AmqpSidecar {
                 "delayd-target".into(),
                 AMQPValue::LongString(LongString::from(AMQP_OUT)),
             );
-            // A message id on every request, as the README asks: what a redelivery is known by.
+            // A message id on every request, as docs/sidecar.md asks: what a redelivery is known by.
             let properties = lapin::BasicProperties::default()
                 .with_delivery_mode(2)
                 .with_message_id(job.id.to_string().as_str().into())

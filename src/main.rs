@@ -25,7 +25,8 @@ enum Command {
     Serve(ServeArgs),
     /// Schedule one message through the HTTP API
     Send(SendArgs),
-    /// Print the messages of a broker topic as they arrive, one JSON object per line
+    /// Print the messages of a broker topic as they arrive, one JSON object per line (the pulled
+    /// message, with its queue)
     Tail(TailArgs),
     /// Dump a data file (WAL, schedule segment or index, dispatch log) and verify its checksums
     Inspect {
@@ -42,8 +43,9 @@ struct ProbeArgs {
     /// The address the service listens on (a wildcard such as 0.0.0.0 is probed on loopback)
     #[arg(long, env = "DELAYD_LISTEN", default_value = "127.0.0.1:7070")]
     listen: String,
-    /// The URL to probe instead, e.g. https://delayd.internal:7070/readyz
-    #[arg(long)]
+    /// The service's URL instead, as for `send` and `tail` (e.g. https://delayd.internal:7070; its
+    /// /readyz is probed; a URL with a path is probed as it is)
+    #[arg(long, env = "DELAYD_URL")]
     url: Option<String>,
     /// How long to wait for the answer, e.g. 2s
     #[arg(long, default_value = "5s")]
@@ -260,7 +262,7 @@ async fn shutdown_signal() {
 /// GET /readyz once: Ok when it answers 200.
 fn probe(args: ProbeArgs) -> anyhow::Result<()> {
     let url = match args.url {
-        Some(url) => url,
+        Some(url) => readyz_url(&url)?,
         None => {
             let mut address: std::net::SocketAddr = args.listen.parse().with_context(|| {
                 format!("--listen {:?} is not an IP address and port", args.listen)
@@ -292,6 +294,15 @@ fn probe(args: ProbeArgs) -> anyhow::Result<()> {
     }
     println!("{}", body.trim());
     Ok(())
+}
+
+/// `/readyz` of the service at `url`; a URL that names a path already is taken as it is.
+fn readyz_url(url: &str) -> anyhow::Result<String> {
+    let parsed = reqwest::Url::parse(url).with_context(|| format!("--url {url:?} is not a URL"))?;
+    Ok(match parsed.path() {
+        "" | "/" => format!("{}/readyz", url.trim_end_matches('/')),
+        _ => url.to_string(),
+    })
 }
 
 /// The CLI's HTTP client: the webhooks' (reqwest), in its blocking form.
@@ -399,6 +410,10 @@ fn send(args: SendArgs) -> anyhow::Result<()> {
 
 fn tail(args: TailArgs) -> anyhow::Result<()> {
     let topic = &args.topic;
+    // A name no topic can have would be waited for for ever.
+    if !delayd::broker::valid_topic(topic) {
+        bail!("{topic:?} is not a topic name: 1 to 200 of A-Z a-z 0-9 . _ -, not all dots");
+    }
     let from = if args.from_beginning {
         Start::Beginning
     } else {
@@ -483,6 +498,9 @@ fn tail(args: TailArgs) -> anyhow::Result<()> {
                 );
             }
             for message in answer["messages"].as_array().into_iter().flatten() {
+                // Offsets count per queue: the queue tells two messages at one offset apart.
+                let mut message = message.clone();
+                message["queue"] = json!(queue);
                 println!("{message}");
                 printed += 1;
                 if args.count.is_some_and(|c| printed >= c) {

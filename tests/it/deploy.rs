@@ -182,7 +182,11 @@ fn systemd_hears_ready_after_recovery_and_stopping_at_sigterm() {
 
 fn probe(args: &[&str], listen: Option<&str>) -> (bool, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_delayd"));
-    command.arg("probe").args(args).env_remove("DELAYD_LISTEN");
+    command
+        .arg("probe")
+        .args(args)
+        .env_remove("DELAYD_LISTEN")
+        .env_remove("DELAYD_URL");
     if let Some(listen) = listen {
         command.env("DELAYD_LISTEN", listen);
     }
@@ -199,7 +203,8 @@ fn probe(args: &[&str], listen: Option<&str>) -> (bool, String) {
 
 /// The container health check: `delayd probe` succeeds against a ready service, found from
 /// `DELAYD_LISTEN` as the container sets it (a wildcard address probed on loopback), from `--listen`
-/// or from `--url`, and fails, saying why, where nothing listens.
+/// or from the service's URL (`--url` or `DELAYD_URL`, as for `send`), and fails, saying why, where
+/// nothing listens.
 #[test]
 fn the_probe_tells_a_ready_service_from_an_absent_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -211,6 +216,19 @@ fn the_probe_tells_a_ready_service_from_an_absent_one() {
     assert!(ok, "{said}");
     let (ok, said) = probe(&["--url", &format!("{}/readyz", process.base)], None);
     assert!(ok, "{said}");
+    // As `send` and `tail` take it: the service's URL, from the flag or DELAYD_URL.
+    let (ok, said) = probe(&["--url", &format!("{}/", process.base)], None);
+    assert!(ok, "{said}");
+    let output = Command::new(env!("CARGO_BIN_EXE_delayd"))
+        .arg("probe")
+        .env_remove("DELAYD_LISTEN")
+        .env("DELAYD_URL", &process.base)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stdout).contains("ready"));
+    let (ok, said) = probe(&["--url", "not a url"], None);
+    assert!(!ok && said.contains("not a URL"), "{said}");
     drop(process);
     let (ok, said) = probe(&["--listen", &format!("127.0.0.1:{port}")], None);
     assert!(!ok, "nothing listens on {port} any more: {said}");

@@ -785,8 +785,9 @@ fn the_cli_sends_tails_and_inspects() {
         (Some("hello from the shell"), sent["id"].as_str())
     );
     assert_eq!(message["headers"]["trace"], "abc");
-    // The group's offset was committed past the message.
+    // The group's offset was committed past the message, in the queue tail named.
     let queue = message_queue(&process.base, "cli");
+    assert_eq!(message["queue"], queue);
     let offsets = request(&process.base, "GET", "/v1/groups/g/offsets/cli", None, None);
     assert_eq!(
         offsets.json["queues"],
@@ -798,6 +799,9 @@ fn the_cli_sends_tails_and_inspects() {
     assert_eq!(again.lines().next(), tailed.lines().next());
     // A bad request is reported with the problem's code and a non-zero exit.
     let (ok, _) = cli(&["send", "--topic", "a/b", "--delay", "1s", "x"]);
+    assert!(!ok);
+    // A topic that can never exist is refused, not waited for.
+    let (ok, _) = cli(&["tail", "--topic", "a/b"]);
     assert!(!ok);
     // inspect verifies the files the server wrote.
     let segment = std::fs::read_dir(dir.path().join("schedule"))
