@@ -57,12 +57,9 @@ pub(crate) struct Lane {
     pub policy: SinkPolicy,
     shared: Arc<Shared>,
     seed: AtomicU64,
-    /// Metric handles, looked up once rather than per message.
-    lateness: metrics::Histogram,
-    delivered_ok: metrics::Counter,
-    delivered_retry: metrics::Counter,
-    delivered_dead: metrics::Counter,
-    postponed: metrics::Counter,
+    /// Metric handles, looked up once rather than per message; made at the start for a configured
+    /// sink (its series exist at 0 from then), at first use for messages naming an unknown one.
+    metrics: std::sync::OnceLock<LaneMetrics>,
     /// Batches in a row whose destination could not be reached: how long the next one waits.
     unreachable_streak: std::sync::atomic::AtomicU32,
     /// Until when (clock ms) the lane holds its batches, the destination having been found away; 0
@@ -72,6 +69,28 @@ pub(crate) struct Lane {
     probe_out: std::sync::Mutex<bool>,
     /// Wakes the batches that wait for the probe's answer.
     probe_answered: tokio::sync::Notify,
+}
+
+/// A lane's metric handles.
+struct LaneMetrics {
+    lateness: metrics::Histogram,
+    delivered_ok: metrics::Counter,
+    delivered_retry: metrics::Counter,
+    delivered_dead: metrics::Counter,
+    postponed: metrics::Counter,
+}
+
+impl LaneMetrics {
+    fn new(sink: &str) -> LaneMetrics {
+        let delivered = |outcome: &'static str| metrics::counter!("delayd_messages_delivered_total", "sink" => sink.to_string(), "outcome" => outcome);
+        LaneMetrics {
+            lateness: metrics::histogram!("delayd_delivery_lateness_seconds", "sink" => sink.to_string()),
+            delivered_ok: delivered("ok"),
+            delivered_retry: delivered("retry"),
+            delivered_dead: delivered("dead"),
+            postponed: metrics::counter!("delayd_messages_postponed_total", "sink" => sink.to_string()),
+        }
+    }
 }
 
 /// The probe out: dropped once the destination's answer to it is known (or the delivery ended early),
@@ -94,7 +113,9 @@ pub(crate) fn lanes(shared: &Arc<Shared>, sinks: &SinkRegistry) -> Vec<Lane> {
         .enumerate()
         .map(|(i, e)| {
             let seed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            Lane::new(&e.name, e.sink.clone(), e.policy.clone(), shared, seed)
+            let lane = Lane::new(&e.name, e.sink.clone(), e.policy.clone(), shared, seed);
+            lane.metrics();
+            lane
         })
         .collect();
     lanes.push(Lane::new(
@@ -115,23 +136,22 @@ impl Lane {
         shared: &Arc<Shared>,
         seed: u64,
     ) -> Lane {
-        let delivered = |outcome: &'static str| metrics::counter!("delayd_messages_delivered_total", "sink" => name.to_string(), "outcome" => outcome);
         Lane {
             name: name.to_string(),
             sink,
             policy,
             shared: shared.clone(),
             seed: AtomicU64::new(seed),
-            lateness: metrics::histogram!("delayd_delivery_lateness_seconds", "sink" => name.to_string()),
-            delivered_ok: delivered("ok"),
-            delivered_retry: delivered("retry"),
-            delivered_dead: delivered("dead"),
-            postponed: metrics::counter!("delayd_messages_postponed_total", "sink" => name.to_string()),
+            metrics: std::sync::OnceLock::new(),
             unreachable_streak: Default::default(),
             unreachable_until: Default::default(),
             probe_out: Default::default(),
             probe_answered: tokio::sync::Notify::new(),
         }
+    }
+
+    fn metrics(&self) -> &LaneMetrics {
+        self.metrics.get_or_init(|| LaneMetrics::new(&self.name))
     }
 
     fn probe_out(&self) -> std::sync::MutexGuard<'_, bool> {
@@ -160,7 +180,7 @@ impl Lane {
                     return Some(None);
                 }
                 if until > self.shared.clock.now_ms() {
-                    self.postponed.increment(batch.len() as u64);
+                    self.metrics().postponed.increment(batch.len() as u64);
                     for entry in batch.drain(..) {
                         self.shared.requeue_at(entry, until);
                     }
@@ -321,7 +341,7 @@ impl Lane {
     fn record_lateness(&self, deliveries: &[Delivery], now: i64) {
         for delivery in deliveries {
             let late_ms = (now - delivery.message.deliver_at_ms).max(0);
-            self.lateness.record(late_ms as f64 / 1000.0);
+            self.metrics().lateness.record(late_ms as f64 / 1000.0);
         }
     }
 
@@ -424,11 +444,13 @@ impl Lane {
             };
             // A retry answered for a cancelled attempt counts as the retry it was.
             match label {
-                Settled::Delivered => self.delivered_ok.increment(1),
-                Settled::Dead => self.delivered_dead.increment(1),
+                Settled::Delivered => self.metrics().delivered_ok.increment(1),
+                Settled::Dead => self.metrics().delivered_dead.increment(1),
                 // Not an attempt: counted apart, so that retries stay what receivers answered.
-                Settled::Postponed => self.postponed.increment(1),
-                Settled::Retried | Settled::Cancelled => self.delivered_retry.increment(1),
+                Settled::Postponed => self.metrics().postponed.increment(1),
+                Settled::Retried | Settled::Cancelled => {
+                    self.metrics().delivered_retry.increment(1)
+                }
             }
             labels.push((delivery.id, label));
         }
