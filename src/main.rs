@@ -28,7 +28,8 @@ enum Command {
     /// Print the messages of a broker topic as they arrive, one JSON object per line (the pulled
     /// message, with its queue)
     Tail(TailArgs),
-    /// Dump a data file (WAL, schedule segment or index, dispatch log) and verify its checksums
+    /// Dump a data file (WAL, schedule segment or index, dispatch log, checkpoint, meta; the broker's
+    /// commit log, consume queues, checkpoints, group offsets) and verify its checksums
     Inspect {
         /// The file to read
         path: PathBuf,
@@ -160,8 +161,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tail(args) => tail(args),
         Command::Probe(args) => probe(args),
         Command::Inspect { path } => {
-            let clean = schedulelog::inspect(&path, &mut std::io::stdout().lock())
-                .with_context(|| format!("reading {}", path.display()))?;
+            let out = &mut std::io::stdout().lock();
+            let clean = match delayd::broker::inspect(&path, out) {
+                Ok(Some(clean)) => Ok(clean),
+                Ok(None) => schedulelog::inspect(&path, out),
+                Err(e) => Err(e),
+            }
+            .with_context(|| format!("reading {}", path.display()))?;
             if !clean {
                 std::process::exit(1);
             }

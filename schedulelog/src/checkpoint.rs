@@ -26,7 +26,7 @@ use std::fs;
 use std::io;
 use std::path::Path;
 
-const MAGIC: [u8; 8] = *b"DLYDCKPT";
+pub(crate) const MAGIC: [u8; 8] = *b"DLYDCKPT";
 const FIXED_LEN: usize = 24;
 const SEGMENT_LEN: usize = 28;
 

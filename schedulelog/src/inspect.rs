@@ -1,10 +1,11 @@
 //! A human-readable dump of any file the engine writes, with every checksum verified: what
 //! `delayd inspect` prints.
 
-use crate::bucket::Bucket;
+use crate::bucket::{Bucket, SegmentMinutes};
+use crate::checkpoint::{self, Checkpoint};
 use crate::frame::{Frames, Kind, Stop, BLOCK};
 use crate::header::{
-    FileHeader, DISPATCH_MAGIC, HEADER_LEN, INDEX_MAGIC, SEGMENT_MAGIC, WAL_MAGIC,
+    FileHeader, DISPATCH_MAGIC, HEADER_LEN, INDEX_MAGIC, META_MAGIC, SEGMENT_MAGIC, WAL_MAGIC,
 };
 use crate::record::{Cancel, Message, Outcome};
 use crate::segment::{IndexEntry, INDEX_ENTRY_LEN};
@@ -25,6 +26,8 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
         SEGMENT_MAGIC => ("schedule segment", HEADER_LEN),
         DISPATCH_MAGIC => ("dispatch log", HEADER_LEN),
         INDEX_MAGIC => return inspect_index(&bytes, out),
+        META_MAGIC => return inspect_meta(&bytes, out),
+        checkpoint::MAGIC => return inspect_checkpoint(&bytes, out),
         _ => {
             writeln!(
                 out,
@@ -147,6 +150,56 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
         None => {}
     }
     Ok(ok)
+}
+
+/// The data dir's `meta`: the bucket width it was made with.
+fn inspect_meta(bytes: &[u8], out: &mut impl Write) -> io::Result<bool> {
+    match FileHeader::decode(bytes, META_MAGIC) {
+        Ok(meta) => {
+            writeln!(
+                out,
+                "data dir meta: buckets of {} minutes",
+                meta.segment_minutes
+            )?;
+            Ok(true)
+        }
+        Err(reason) => {
+            writeln!(out, "data dir meta: bad header: {reason}")?;
+            Ok(false)
+        }
+    }
+}
+
+/// The replayer's checkpoint: how far the WAL is filed, and each segment's durable length.
+fn inspect_checkpoint(bytes: &[u8], out: &mut impl Write) -> io::Result<bool> {
+    let width = bytes
+        .get(10..12)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .and_then(SegmentMinutes::new);
+    let decoded = width
+        .ok_or("bad bucket width")
+        .and_then(|width| Checkpoint::decode(bytes, width));
+    let checkpoint = match decoded {
+        Ok(checkpoint) => checkpoint,
+        Err(reason) => {
+            writeln!(out, "checkpoint: {reason}")?;
+            return Ok(false);
+        }
+    };
+    writeln!(
+        out,
+        "checkpoint: every WAL record below seq {} is filed; {} segments",
+        checkpoint.next_seq,
+        checkpoint.segments.len()
+    )?;
+    for (bucket, mark) in &checkpoint.segments {
+        writeln!(
+            out,
+            "{bucket}: log_len {} entries {} last_seq {}",
+            mark.log_len, mark.entries, mark.last_seq
+        )?;
+    }
+    Ok(true)
 }
 
 fn inspect_index(bytes: &[u8], out: &mut impl Write) -> io::Result<bool> {

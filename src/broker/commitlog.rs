@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 pub(crate) const HEADER_LEN: u64 = 32;
-const MAGIC: &[u8; 8] = b"DLYDBRK\0";
+pub(crate) const MAGIC: &[u8; 8] = b"DLYDBRK\0";
 
 pub(crate) fn header(base: u64) -> [u8; HEADER_LEN as usize] {
     let mut header = [0u8; HEADER_LEN as usize];

@@ -29,6 +29,7 @@
 mod append;
 mod commitlog;
 mod error;
+mod inspect;
 mod offsets;
 mod queue;
 mod record;
@@ -36,6 +37,7 @@ mod sink;
 mod store;
 
 pub use error::BrokerError;
+pub use inspect::inspect;
 pub use offsets::CommitError;
 pub use record::{Incoming, Pulled, Stored, StoredMeta};
 pub use sink::BrokerSink;

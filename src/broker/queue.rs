@@ -60,7 +60,7 @@ impl Unit {
         unit
     }
 
-    fn decode(bytes: &[u8]) -> Unit {
+    pub(crate) fn decode(bytes: &[u8]) -> Unit {
         let u64_at = |at: usize| {
             let mut b = [0u8; 8];
             b.copy_from_slice(&bytes[at..at + 8]);

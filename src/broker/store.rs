@@ -736,15 +736,18 @@ fn create_topic(
 }
 
 pub(crate) fn read_checkpoint(dir: &Path) -> u64 {
-    let Ok(bytes) = fs::read(dir.join("checkpoint")) else {
-        return 0;
-    };
-    if bytes.len() != 12 || crc32c::crc32c(&bytes[..8]).to_le_bytes() != bytes[8..12] {
-        return 0; // replaying from the start is always correct, only slower
-    }
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&bytes[..8]);
-    u64::from_le_bytes(b)
+    // Replaying from the start is always correct, only slower.
+    fs::read(dir.join("checkpoint"))
+        .ok()
+        .and_then(|bytes| decode_checkpoint(&bytes))
+        .unwrap_or(0)
+}
+
+/// The commit-log offset a store's checkpoint holds (`end` u64 LE, then its CRC-32C u32 LE), if it is
+/// whole.
+pub(crate) fn decode_checkpoint(bytes: &[u8]) -> Option<u64> {
+    let end: [u8; 8] = bytes.get(..8)?.try_into().ok()?;
+    (bytes.get(8..)? == crc32c::crc32c(&end).to_le_bytes()).then_some(u64::from_le_bytes(end))
 }
 
 /// Deletes files taken out of a store (missing ones are fine: a crash may have taken them already) and

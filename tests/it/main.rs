@@ -815,6 +815,26 @@ fn the_cli_sends_tails_and_inspects() {
         dump.contains("topic \"cli\"") && dump.contains("1 records; clean end"),
         "{dump}"
     );
+    // And the broker's: the commit log, the message's consume queue, a store's checkpoint, the group.
+    let broker = dir.path().join("broker");
+    let queue_file = broker.join(format!("consumequeue/cli/{queue}/{:020}", 0));
+    let expected = [
+        (
+            broker.join(format!("commitlog/{:020}", 0)),
+            "queue_offset 0 id",
+        ),
+        (queue_file, "1 units"),
+        (
+            broker.join("checkpoint"),
+            "a start reads the commit log from offset",
+        ),
+        (broker.join("groups/g"), r#"{"cli":{"#),
+        (dir.path().join("meta"), "buckets of 60 minutes"),
+    ];
+    for (path, says) in expected {
+        let (ok, dump) = cli(&["inspect", path.to_str().unwrap()]);
+        assert!(ok && dump.contains(says), "{}: {dump}", path.display());
+    }
 }
 
 /// The queue of a topic that holds its only message.

@@ -645,6 +645,35 @@ fn inspect_ends_a_reused_wal_file_at_its_own_records() {
     );
 }
 
+/// `delayd inspect` reads the data dir's own small files too: the meta and the checkpoint.
+#[test]
+fn inspect_reads_the_meta_and_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
+    let seq = append_one(&log, T0 + 1_000, "x").location.seq;
+    log.checkpoint().unwrap();
+    let dump = |name: &str| {
+        let mut out = Vec::new();
+        let clean = inspect(&dir.path().join(name), &mut out).unwrap();
+        (clean, String::from_utf8(out).unwrap())
+    };
+    let (clean, text) = dump("checkpoint");
+    let below = format!("below seq {}", seq + 1);
+    assert!(
+        clean && text.contains(&below) && text.contains("1 segments"),
+        "{text}"
+    );
+    let (clean, text) = dump("meta");
+    assert!(clean && text.contains("buckets of 60 minutes"), "{text}");
+    let mut damaged = fs::read(dir.path().join("checkpoint")).unwrap();
+    let last = damaged.len() - 1;
+    damaged[last] ^= 1;
+    fs::write(dir.path().join("checkpoint"), damaged).unwrap();
+    let (clean, text) = dump("checkpoint");
+    assert!(!clean, "{text}");
+}
+
 /// Spares nobody takes go back to the file system, one per checkpoint interval, once the node is idle.
 #[test]
 fn an_idle_node_sheds_its_wal_spares() {

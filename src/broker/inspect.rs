@@ -1,0 +1,135 @@
+//! What `delayd inspect` prints for the broker's own files, every checksum verified: a commit-log
+//! segment (each record's message), a store's checkpoint, a consume-queue file (each unit) and a
+//! consumer group's offsets. The engine's files are `schedulelog::inspect`'s.
+
+use super::commitlog::{self, HEADER_LEN};
+use super::queue::{Unit, UNIT_LEN};
+use super::record::decode_payload;
+use super::store::decode_checkpoint;
+use schedulelog::frame::{Frames, Kind, Stop};
+use std::io::{self, Write};
+use std::path::Path;
+
+/// Describes the broker file at `path` to `out`: `Some(clean)` for a broker file (`clean`: every
+/// record checked out and it ends cleanly), `None` for a file that is not the broker's.
+pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<Option<bool>> {
+    let bytes = std::fs::read(path)?;
+    let in_dir = |name: &str| path.ancestors().skip(1).any(|dir| dir.ends_with(name));
+    if bytes.starts_with(commitlog::MAGIC) {
+        return commit_log(&bytes, out).map(Some);
+    }
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    if name == "checkpoint" && in_dir("broker") {
+        return match decode_checkpoint(&bytes) {
+            Some(end) => writeln!(out, "broker store checkpoint: a start reads the commit log from offset {end}").map(|()| Some(true)),
+            None => writeln!(out, "broker store checkpoint: damaged (12 bytes with a CRC-32C expected; a start reads the whole commit log)").map(|()| Some(false)),
+        };
+    }
+    if in_dir("consumequeue") {
+        return consume_queue(name, &bytes, out).map(Some);
+    }
+    if in_dir("groups") && in_dir("broker") {
+        return match serde_json::from_slice::<serde_json::Value>(&bytes) {
+            Ok(offsets) => writeln!(
+                out,
+                "consumer group {name:?}: offsets by topic and queue {offsets}"
+            )
+            .map(|()| Some(true)),
+            Err(e) => writeln!(out, "consumer group {name:?}: not JSON: {e}").map(|()| Some(false)),
+        };
+    }
+    Ok(None)
+}
+
+fn commit_log(bytes: &[u8], out: &mut impl Write) -> io::Result<bool> {
+    let start = HEADER_LEN as usize;
+    let base = bytes
+        .get(16..24)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes);
+    writeln!(out, "broker commit log segment, base offset {base}")?;
+    let body = bytes.get(start..).unwrap_or_default();
+    let mut frames = Frames::new(body);
+    let (mut count, mut ok) = (0u64, true);
+    for (at, kind, payload) in frames.by_ref() {
+        let offset = base + (start + at) as u64;
+        let line = match (kind, decode_payload(payload)) {
+            (Kind::Broker, Some((meta, body))) => format!(
+                "topic {:?} queue {} queue_offset {} id {} attempt {} delivered_at_ms {} body {} bytes",
+                meta.topic,
+                meta.queue,
+                meta.queue_offset,
+                meta.id,
+                meta.attempt,
+                meta.delivered_at_ms,
+                body.len()
+            ),
+            (Kind::Padding, _) => continue,
+            (kind, _) => {
+                ok = false;
+                format!("not a broker record ({kind:?}, {} bytes)", payload.len())
+            }
+        };
+        count += 1;
+        writeln!(out, "{offset:>12}  {line}")?;
+    }
+    match frames.stop() {
+        Some(Stop::End { at }) if body[at..].iter().all(|&b| b == 0) => {
+            writeln!(
+                out,
+                "{count} records; clean end at offset {}",
+                base + (start + at) as u64
+            )?;
+        }
+        Some(Stop::End { at }) => {
+            ok = false;
+            writeln!(
+                out,
+                "{count} records; a zero header at offset {} is followed by data",
+                base + (start + at) as u64
+            )?;
+        }
+        Some(Stop::Invalid { at, reason }) => {
+            ok = false;
+            writeln!(
+                out,
+                "{count} records; invalid frame at offset {}: {reason}",
+                base + (start + at) as u64
+            )?;
+        }
+        None => {}
+    }
+    Ok(ok)
+}
+
+/// A consume-queue file, named for the queue offset of its first unit.
+fn consume_queue(name: &str, bytes: &[u8], out: &mut impl Write) -> io::Result<bool> {
+    let first: u64 = name.parse().unwrap_or(0);
+    writeln!(out, "consume queue file, units from queue offset {first}")?;
+    let mut units = bytes.chunks_exact(UNIT_LEN as usize);
+    for (i, chunk) in units.by_ref().enumerate() {
+        let unit = Unit::decode(chunk);
+        writeln!(
+            out,
+            "{:>12}  commit log offset {} frame {} bytes tag {:#x}",
+            first + i as u64,
+            unit.log_offset,
+            unit.len,
+            unit.tag
+        )?;
+    }
+    let rest = units.remainder().len();
+    if rest > 0 {
+        writeln!(
+            out,
+            "{} units and a torn one of {rest} bytes",
+            bytes.len() / UNIT_LEN as usize
+        )?;
+        return Ok(false);
+    }
+    writeln!(out, "{} units", bytes.len() / UNIT_LEN as usize)?;
+    Ok(true)
+}
