@@ -199,7 +199,7 @@ impl Lane {
         }
     }
 
-    pub(crate) async fn run(self, mut due: mpsc::Receiver<Entry>, room: Sender<()>) {
+    pub(crate) async fn run(self, mut due: mpsc::Receiver<Entry>, space: Sender<()>) {
         let lane = Arc::new(self);
         let permits = Arc::new(Semaphore::new(lane.policy.max_in_flight));
         let mut running = JoinSet::new();
@@ -223,8 +223,8 @@ impl Lane {
                     Err(_) => break,
                 }
             }
-            // The wheel may hold a backlog waiting for room in this queue.
-            let _ = room.try_send(());
+            // The wheel may hold a backlog waiting for space in this queue.
+            let _ = space.try_send(());
             let lane = lane.clone();
             running.spawn(async move {
                 lane.deliver(batch).await;
@@ -319,8 +319,8 @@ impl Lane {
     }
 
     /// The sink's answers if it delivers in place (on this thread, a blocking-pool one), else `None`.
-    /// A panic there (a bug) postpones the batch, as one in the sink's own blocking task did before it
-    /// ran here: no attempt used, nothing left in flight, and an error logged with the panic's message.
+    /// A panic there (a bug) postpones the batch: it is delayd's fault, not the message's, so no attempt
+    /// is used; nothing is left in flight, and an error is logged with the panic's message.
     fn deliver_in_place(&self, deliveries: &[Delivery]) -> Option<Vec<SinkOutcome>> {
         let now = self.shared.clock.now_ms();
         let deliver = AssertUnwindSafe(|| self.sink.deliver_blocking(deliveries));

@@ -3,7 +3,7 @@
 //! ```text
 //! loader thread ── watch(bucket) snapshots ──►┐
 //! replayer tap ─── live records and cancels ──┼──► wheel thread ── per-sink gate ──► lane task ──► Sink
-//! clock changes, lane "room again" signals ──►┘    (wheel.rs)     (backlog, token     (read record,
+//! clock changes, lane "space again" signals ─►┘    (wheel.rs)     (backlog, token     (read record,
 //!                                                                   bucket, bounded    deliver, retry,
 //!                                                                   queue)             record outcome)
 //! ```

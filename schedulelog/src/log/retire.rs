@@ -23,10 +23,9 @@ impl ScheduleLog {
     /// buckets retired.
     pub fn retire(&self) -> Result<Vec<Bucket>> {
         // What was acknowledged before this pass is filed first: a record not filed yet is not in its
-        // segment, and its bucket could look finished without it. The replayer may be waiting up to
-        // `LINGER` for more groups; before it did, the window was a pass's time. Within `wait_replayed`'s
-        // limits (10 s, and not while a full disk holds the replayer up: retiring is then how space comes
-        // back, as before).
+        // segment, and its bucket could look finished without it (the replayer may be waiting up to
+        // `LINGER` for more groups). Within `wait_replayed`'s limits: 10 s, and not while a full disk
+        // holds the replayer up, for retiring is then how space comes back.
         let committed = self.shared.committed.load(Ordering::Acquire);
         if committed > 0 {
             self.wait_replayed(committed - 1);
