@@ -129,6 +129,20 @@ if problems:
 print(f"{sum(1 for r in rules if r.get('alert'))} alerts: each with severity, summary, description, runbook and a firing test")
 EOF
 
+# ---- image tag -----------------------------------------------------------------------------------
+step "image tag"
+# The image is built, run and deployed as delayd:VERSION, the crate's version: a build by the documented
+# command is the image the manifests name. (An upper-case tag, such as delayd:NEW, is a placeholder.)
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/Cargo.toml" | head -1)
+[ -n "$version" ] || fail "no version in Cargo.toml"
+for file in kubernetes/*.yaml docker/Dockerfile ../docs/operations.md; do
+  if grep -nE '(image: |-t |delayd-data:/var/lib/delayd |:ro" )delayd(:[^ ]*)?( |$)' "$file" |
+    grep -vE "delayd:($version|[A-Z]+)( |$)" >&2; then
+    fail "$file names the image without its version tag delayd:$version"
+  fi
+done
+echo "every image reference is delayd:$version"
+
 # ---- Grafana -------------------------------------------------------------------------------------
 step "grafana/delayd.json"
 python3 -m json.tool grafana/delayd.json >/dev/null
