@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod mq;
 pub mod notify;
 pub mod scheduler;
+pub mod setting;
 pub mod sink;
 pub mod source;
 
@@ -29,7 +30,7 @@ use broker::{Broker, BrokerSink};
 use config::Config;
 use schedulelog::{Clock, Options, ScheduleLog, SegmentMinutes, SystemClock};
 use scheduler::{Scheduler, SchedulerConfig};
-use sink::{Backoff, SinkPolicy, SinkRegistry};
+use sink::SinkRegistry;
 use std::future::Future;
 use std::sync::Arc;
 
@@ -83,87 +84,18 @@ pub async fn run_with_ready(
     })
     .await??;
 
-    // Where an MQ sink may publish (every MQ sink has that).
-    let targets = |sink: &config::SinkConfig| sink.targets().context("an MQ sink's targets");
     let mut sinks = SinkRegistry::new();
     let mut sink_links = Vec::new();
     let mut probes = Vec::new();
     for (name, sink) in &config.sinks {
-        let policy = SinkPolicy {
-            max_in_flight: sink.max_in_flight,
-            max_batch: sink.batch_limit(),
-            rate_per_sec: sink.rate_per_sec,
-            burst: sink.burst,
-            max_attempts: sink.max_attempts,
-            backoff: Backoff {
-                initial: sink.backoff_initial.0,
-                multiplier: sink.backoff_multiplier,
-                cap: sink.backoff_cap.0,
-            },
-        };
-        // An MQ sink keeps a connection, which its link shows (`GET /v1/sinks`).
-        let link = || link::Link::new("sink", name, &sink.kind);
-        let (target, link): (Arc<dyn sink::Sink>, Option<link::Link>) =
-            match (sink.kind.as_str(), &sink.url, &sink.secret) {
-                ("webhook", Some(url), Some(secret)) => {
-                    let webhook = sink::webhook::WebhookSink::new(
-                        url,
-                        secret,
-                        sink.timeout.0,
-                        sink.ca_file.as_deref(),
-                        clock.clone(),
-                    )?;
-                    (Arc::new(webhook), None)
-                }
-                ("redis", Some(url), _) => {
-                    let link = link();
-                    let redis = sink::redis::RedisSink::new(
-                        url,
-                        targets(sink)?,
-                        link.clone(),
-                        clock.clone(),
-                    )?;
-                    (Arc::new(redis), Some(link))
-                }
-                ("nats", Some(url), _) => {
-                    let link = link();
-                    let nats =
-                        sink::nats::NatsSink::new(url, targets(sink)?, link.clone(), clock.clone());
-                    (Arc::new(nats), Some(link))
-                }
-                ("amqp", Some(url), _) => {
-                    let link = link();
-                    let amqp = sink::amqp::AmqpSink::new(
-                        url,
-                        sink.exchange.as_deref().unwrap_or(""),
-                        targets(sink)?,
-                        sink.max_in_flight,
-                        link.clone(),
-                        clock.clone(),
-                    );
-                    (Arc::new(amqp), Some(link))
-                }
-                ("kafka", Some(url), _) => {
-                    let link = link();
-                    let kafka = sink::kafka::KafkaSink::new(
-                        url,
-                        config.limits.max_message_bytes,
-                        targets(sink)?,
-                        link.clone(),
-                        clock.clone(),
-                    )?;
-                    (Arc::new(kafka), Some(link))
-                }
-                _ => (
-                    Arc::new(BrokerSink::new(broker.clone(), clock.clone())),
-                    None,
-                ),
-            };
+        let (target, link) = sink
+            .build(name, &broker, &clock, config.limits.max_message_bytes)
+            .with_context(|| format!("sinks.{name}"))?;
         if let Some(link) = link {
             sink_links.push(link.clone());
             probes.push((target.clone(), link));
         }
-        sinks.register(name, target, policy)?;
+        sinks.register(name, target, sink.policy())?;
     }
     metrics::register_series(config.sinks.keys().map(String::as_str));
     let scheduler_config = SchedulerConfig {
@@ -269,50 +201,16 @@ async fn start_sources(
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut started = Vec::new();
     for (name, source) in &config.sources {
-        let transport: Box<dyn source::Transport> =
-            match (source.kind.as_str(), &source.url, &source.stream_key) {
-                ("amqp", Some(url), _) => Box::new(source::amqp::AmqpTransport::new(
-                    url,
-                    source.queue.as_deref().unwrap_or_default(),
-                    name,
-                    source.batch,
-                )),
-                ("redis", Some(url), Some(stream_key)) => Box::new(
-                    source::redis::RedisTransport::new(
-                        url,
-                        stream_key,
-                        &source.group,
-                        source.consumer.as_deref().unwrap_or_default(),
-                    )
-                    .with_context(|| format!("sources.{name}"))?,
-                ),
-                ("kafka", Some(url), None) => Box::new(
-                    source::kafka::KafkaTransport::new(
-                        url,
-                        &source.topics,
-                        &source.group,
-                        source.consumer.as_deref().unwrap_or_default(),
-                        &source::mark::beside(&config.data_dir, name, "kafka-epochs"),
-                    )
-                    .with_context(|| format!("sources.{name}"))?,
-                ),
-                ("nats", Some(url), None) => Box::new(source::nats::NatsTransport::new(
-                    url,
-                    source.stream.as_deref().unwrap_or_default(),
-                    source.subject.as_deref().unwrap_or_default(),
-                    &source.group,
-                    source.ack_wait.0,
-                    source.batch,
-                )),
-                _ => anyhow::bail!("sources.{name}: kind {:?} is not supported", source.kind),
-            };
+        let transport = source
+            .build(name, &config.data_dir)
+            .with_context(|| format!("sources.{name}"))?;
         let settings = source::SourceSettings {
             name: name.clone(),
-            sink: source.sink.clone().unwrap_or_default(),
-            batch: source.batch,
+            sink: source.shared.sink.clone().unwrap_or_default(),
+            batch: source.shared.batch,
             data_dir: config.data_dir.clone(),
         };
-        let link = link::Link::new("source", name, &source.kind);
+        let link = link::Link::new("source", name, source.kind.name());
         let (intake, runner_link) = (intake.clone(), link.clone());
         let runner = tokio::task::spawn_blocking(move || {
             source::SourceRunner::open(settings, intake, runner_link, transport)

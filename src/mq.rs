@@ -136,6 +136,14 @@ pub fn glob(pattern: &str, text: &str) -> bool {
     pattern[p..].iter().all(|&c| c == '*')
 }
 
+/// A Kafka topic, group or instance name, and a Redis consumer name: 1 to 249 of `[A-Za-z0-9._-]`.
+pub fn valid_client_name(name: &str) -> bool {
+    (1..=249).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
 pub mod redis {
     use super::MqError;
     use redis::aio::MultiplexedConnection;
@@ -159,6 +167,37 @@ pub mod nats {
 
     /// Requests, acks and publishes give up after this; the connection is then made again.
     pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// Checks a NATS server address (or a comma-separated list of them).
+    pub fn check_url(url: &str) -> Result<(), String> {
+        for one in url.split(',') {
+            one.trim()
+                .parse::<async_nats::ServerAddr>()
+                .map_err(|e| format!("{one:?}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// A JetStream stream or consumer name: no whitespace, `.`, `*`, `>`, path separators.
+    pub fn valid_name(name: &str) -> bool {
+        !name.is_empty()
+            && name.len() <= 255
+            && !name
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || ".*>/\\".contains(c))
+    }
+
+    /// A NATS subject that may hold wildcards: `.`-separated non-empty tokens, `>` only last.
+    pub fn valid_subject(subject: &str) -> bool {
+        let tokens: Vec<&str> = subject.split('.').collect();
+        !subject.is_empty()
+            && !subject.chars().any(|c| c.is_whitespace() || c.is_control())
+            && tokens.iter().enumerate().all(|(i, token)| {
+                !token.is_empty()
+                    && (*token == "*" || *token == ">" || !token.contains(['*', '>']))
+                    && (*token != ">" || i == tokens.len() - 1)
+            })
+    }
 
     /// A connection that fails at once when the server is not there (the caller retries with backoff
     /// and says so), and whose requests give up after [`REQUEST_TIMEOUT`]. A `user:password@` in the URL
@@ -192,6 +231,15 @@ pub mod amqp {
 
     /// How long connecting (TCP, handshake, declaring, consuming) may take.
     pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// An AMQP exchange or queue name as RabbitMQ takes it: at most 255 bytes of letters, digits and
+    /// `.`, `_`, `:`, `-`; empty is the default exchange.
+    pub fn valid_name(name: &str) -> bool {
+        name.len() <= 255
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+    }
 
     /// Checks an `amqp://` URL: what the config validation calls.
     pub fn check_url(url: &str) -> Result<(), String> {

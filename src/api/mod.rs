@@ -119,7 +119,7 @@ async fn sources(State(state): State<AppState>) -> Response {
         .zip(&state.sources)
         .map(|((_, config), link)| {
             let mut value = link.describe();
-            value["sink"] = serde_json::json!(config.sink);
+            value["sink"] = serde_json::json!(config.shared.sink);
             value
         })
         .collect();
@@ -144,7 +144,7 @@ async fn sinks(State(state): State<AppState>) -> Response {
                 .iter()
                 .map(crate::link::Link::describe)
                 .find(|l| l["name"] == name.as_str());
-            link.unwrap_or_else(|| serde_json::json!({ "name": name, "kind": config.kind }))
+            link.unwrap_or_else(|| serde_json::json!({ "name": name, "kind": config.kind.name() }))
         })
         .collect();
     axum::Json(serde_json::json!({ "sinks": sinks })).into_response()

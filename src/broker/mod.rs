@@ -28,6 +28,7 @@
 
 mod append;
 mod commitlog;
+mod config;
 mod error;
 mod inspect;
 mod offsets;
@@ -36,11 +37,12 @@ mod record;
 mod sink;
 mod store;
 
+pub use config::BrokerConfig;
 pub use error::BrokerError;
 pub use inspect::inspect;
 pub use offsets::CommitError;
 pub use record::{Incoming, Pulled, Stored, StoredMeta};
-pub use sink::BrokerSink;
+pub use sink::{BrokerSink, BrokerSinkConfig};
 
 use append::{append_together, StoreGroup};
 use error::io_err;

@@ -7,6 +7,18 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// A `[sinks.NAME]` table of kind `broker`: nothing of its own beyond the keys every sink takes (the
+/// built-in sink `broker` always exists; a table of that name only tunes it).
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerSinkConfig {}
+
+impl BrokerSinkConfig {
+    pub fn build(&self, broker: Arc<Broker>, clock: Arc<dyn schedulelog::Clock>) -> BrokerSink {
+        BrokerSink::new(broker, clock)
+    }
+}
+
 /// The `broker` sink: stores each delivery in the broker, durably, before answering.
 #[derive(Debug)]
 pub struct BrokerSink {

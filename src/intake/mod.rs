@@ -186,7 +186,7 @@ impl Draft<'_> {
                 .check(self.topic, exchange)
                 .map_err(|why| Rejection::new("forbidden_target", why))?;
         }
-        if sink.kind == "redis" {
+        if matches!(sink.kind, crate::config::SinkKind::Redis(_)) {
             if let Some((name, _)) = self.headers.iter().find(|(name, _)| *name == REDIS_BODY) {
                 return Err(Rejection::new(
                     "invalid_header",

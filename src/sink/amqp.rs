@@ -13,10 +13,11 @@
 //! that cannot be reached (refused, the connection lost, no confirm within 30 s) said nothing about the
 //! messages: they wait for it without using an attempt (`SinkOutcome::Unreachable`).
 
-use super::{BoxFuture, Delivery, Sink, SinkOutcome};
+use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
 use crate::link::Link;
-use crate::mq::amqp::{close, connect, CONNECT_TIMEOUT};
-use crate::mq::{Targets, EXCHANGE_HEADER};
+use crate::mq::amqp::{close, connect, valid_name, CONNECT_TIMEOUT};
+use crate::mq::{MqKind, Targets, EXCHANGE_HEADER};
+use crate::setting::{invalid, ConfigError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
@@ -29,6 +30,66 @@ const MAX_CHANNELS: usize = 256;
 
 /// How long a batch may wait for its confirms.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A `[sinks.NAME]` table of kind `amqp`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AmqpSinkConfig {
+    /// Where the broker is, `amqp://user:password@host:5672/vhost`; required.
+    pub url: Option<String>,
+    /// The exchange to publish to, with the target as the routing key; `""` (the default exchange)
+    /// delivers to the queue the target names.
+    pub exchange: Option<String>,
+    /// Exchanges other than `exchange` a request may name in `delayd-exchange`.
+    pub exchanges: Vec<String>,
+    /// Glob patterns (`*`, `?`) of the routing keys a request may name; empty: any.
+    pub targets: Vec<String>,
+}
+
+impl AmqpSinkConfig {
+    /// `key`: the table's (`sinks.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let Some(url) = &self.url else {
+            return Err(invalid(
+                key,
+                "an amqp sink needs a url (amqp://user:password@host:5672/vhost) and takes no secret",
+            ));
+        };
+        crate::mq::amqp::check_url(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        if self.exchange.as_ref().is_some_and(|e| !valid_name(e)) {
+            return Err(invalid(
+                &format!("{key}.exchange"),
+                "an exchange name has at most 255 bytes of [A-Za-z0-9._:-] (\"\" is the default exchange)",
+            ));
+        }
+        if let Some(bad) = self.exchanges.iter().find(|e| !valid_name(e)) {
+            return Err(invalid(
+                &format!("{key}.exchanges"),
+                format!("{bad:?}: an exchange name has at most 255 bytes of [A-Za-z0-9._:-]"),
+            ));
+        }
+        check_targets(key, &self.targets)
+    }
+
+    /// Where the sink may publish.
+    pub fn targets(&self) -> Targets {
+        let exchange = self.exchange.as_deref().unwrap_or("");
+        Targets::new(MqKind::Amqp, &self.targets, exchange, &self.exchanges)
+    }
+
+    pub fn build(&self, context: &SinkContext) -> (AmqpSink, Link) {
+        let link = context.link("amqp");
+        let sink = AmqpSink::new(
+            self.url.as_deref().unwrap_or_default(),
+            self.exchange.as_deref().unwrap_or(""),
+            self.targets(),
+            context.max_in_flight,
+            link.clone(),
+            context.clock.clone(),
+        );
+        (sink, link)
+    }
+}
 
 pub struct AmqpSink {
     url: String,

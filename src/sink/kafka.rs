@@ -10,10 +10,11 @@
 //! which is dead at once. No broker answering (the record timed out in the producer, no broker
 //! reachable) uses no attempt: the record waits for one (`SinkOutcome::Unreachable`).
 
-use super::{BoxFuture, Delivery, Sink, SinkOutcome};
+use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
 use crate::link::Link;
 use crate::mq::kafka::client_config;
-use crate::mq::{MqError, Targets};
+use crate::mq::{MqError, MqKind, Targets};
+use crate::setting::{invalid, ConfigError};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -22,6 +23,47 @@ use std::time::Duration;
 /// How long a record may wait for a place in the producer's queue (it is full when the broker is slow
 /// or away); the delivery report comes within `message.timeout.ms` after that.
 const QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A `[sinks.NAME]` table of kind `kafka`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KafkaSinkConfig {
+    /// The brokers, `kafka://host:9092[,host:9092...]`; required.
+    pub url: Option<String>,
+    /// Glob patterns (`*`, `?`) of the topics a request may name; empty: any but Kafka's own.
+    pub targets: Vec<String>,
+}
+
+impl KafkaSinkConfig {
+    /// `key`: the table's (`sinks.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let Some(url) = &self.url else {
+            return Err(invalid(
+                key,
+                "a kafka sink needs a url (kafka://host:9092) and takes no secret",
+            ));
+        };
+        crate::mq::kafka::bootstrap_servers(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        check_targets(key, &self.targets)
+    }
+
+    /// Where the sink may publish.
+    pub fn targets(&self) -> Targets {
+        Targets::new(MqKind::Kafka, &self.targets, "", &[])
+    }
+
+    pub fn build(&self, context: &SinkContext) -> Result<(KafkaSink, Link), MqError> {
+        let link = context.link("kafka");
+        let sink = KafkaSink::new(
+            self.url.as_deref().unwrap_or_default(),
+            context.max_message_bytes,
+            self.targets(),
+            link.clone(),
+            context.clock.clone(),
+        )?;
+        Ok((sink, link))
+    }
+}
 
 pub struct KafkaSink {
     config: rdkafka::ClientConfig,

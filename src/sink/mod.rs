@@ -5,10 +5,13 @@
 //! outcome records. A sink never sees a message before its `deliver_at`.
 
 pub mod amqp;
+mod config;
 pub mod kafka;
 pub mod nats;
 pub mod redis;
 pub mod webhook;
+
+pub use config::{check_targets, LaneConfig, SinkContext, UnusedSinkKeys};
 
 use schedulelog::record::sink_tag;
 use schedulelog::{Location, Message, MessageId};

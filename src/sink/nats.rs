@@ -12,14 +12,55 @@
 //! or an empty token, a header NATS cannot carry or a message over the server's `max_payload` is dead at
 //! once: no retry can fix it.
 
-use super::{forbidden, BoxFuture, Delivery, Sink, SinkOutcome};
+use super::{check_targets, forbidden, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
 use crate::link::Link;
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
-use crate::mq::Targets;
+use crate::mq::{MqKind, Targets};
+use crate::setting::{invalid, ConfigError};
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use std::str::FromStr;
 use tokio::sync::Mutex;
+
+/// A `[sinks.NAME]` table of kind `nats`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NatsSinkConfig {
+    /// Where NATS is, `nats://127.0.0.1:4222` (several servers comma-separated); required.
+    pub url: Option<String>,
+    /// Glob patterns (`*`, `?`) of the subjects a request may name; empty: any but NATS's own.
+    pub targets: Vec<String>,
+}
+
+impl NatsSinkConfig {
+    /// `key`: the table's (`sinks.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let Some(url) = &self.url else {
+            return Err(invalid(
+                key,
+                "a nats sink needs a url (nats://host:4222) and takes no secret",
+            ));
+        };
+        crate::mq::nats::check_url(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        check_targets(key, &self.targets)
+    }
+
+    /// Where the sink may publish.
+    pub fn targets(&self) -> Targets {
+        Targets::new(MqKind::Nats, &self.targets, "", &[])
+    }
+
+    pub fn build(&self, context: &SinkContext) -> (NatsSink, Link) {
+        let link = context.link("nats");
+        let sink = NatsSink::new(
+            self.url.as_deref().unwrap_or_default(),
+            self.targets(),
+            link.clone(),
+            context.clock.clone(),
+        );
+        (sink, link)
+    }
+}
 
 #[derive(Debug)]
 pub struct NatsSink {

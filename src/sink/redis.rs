@@ -10,13 +10,52 @@
 //! second `body` field; the intake refuses both, this catches messages taken before the configuration
 //! changed).
 
-use super::{BoxFuture, Delivery, Sink, SinkOutcome};
+use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
 use crate::link::Link;
 use crate::mq::redis::connect;
-use crate::mq::{Targets, REDIS_BODY};
+use crate::mq::{MqKind, Targets, REDIS_BODY};
+use crate::setting::{invalid, ConfigError};
 use redis::aio::MultiplexedConnection;
 use redis::Value;
 use tokio::sync::Mutex;
+
+/// A `[sinks.NAME]` table of kind `redis`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisSinkConfig {
+    /// Where Redis is, `redis://127.0.0.1:6379/`; required.
+    pub url: Option<String>,
+    /// Glob patterns (`*`, `?`) of the stream keys a request may name; empty: any.
+    pub targets: Vec<String>,
+}
+
+impl RedisSinkConfig {
+    /// `key`: the table's (`sinks.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let Some(url) = &self.url else {
+            return Err(invalid(key, "a redis sink needs a url and takes no secret"));
+        };
+        redis::Client::open(url.as_str())
+            .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
+        check_targets(key, &self.targets)
+    }
+
+    /// Where the sink may publish.
+    pub fn targets(&self) -> Targets {
+        Targets::new(MqKind::Redis, &self.targets, "", &[])
+    }
+
+    pub fn build(&self, context: &SinkContext) -> Result<(RedisSink, Link), redis::RedisError> {
+        let link = context.link("redis");
+        let sink = RedisSink::new(
+            self.url.as_deref().unwrap_or_default(),
+            self.targets(),
+            link.clone(),
+            context.clock.clone(),
+        )?;
+        Ok((sink, link))
+    }
+}
 
 #[derive(Debug)]
 pub struct RedisSink {

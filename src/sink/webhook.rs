@@ -17,6 +17,7 @@
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
 use crate::format::format_ms;
+use crate::setting::{invalid, ConfigError, Millis};
 use base64::Engine;
 use hmac::{Hmac, Mac};
 use schedulelog::Clock;
@@ -53,6 +54,54 @@ pub enum WebhookError {
     Secret,
     #[error("building the HTTP client: {0}")]
     Client(String),
+}
+
+/// A `[sinks.NAME]` table of kind `webhook`.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WebhookSinkConfig {
+    /// Where to POST (http:// or https://); required.
+    pub url: Option<String>,
+    /// The signing secret, `whsec_<base64>`; required.
+    pub secret: Option<String>,
+    /// How long one request may take.
+    pub timeout: Millis,
+    /// A PEM file of extra CA certificates to trust (a private CA), besides the public roots.
+    pub ca_file: Option<std::path::PathBuf>,
+}
+
+impl Default for WebhookSinkConfig {
+    fn default() -> WebhookSinkConfig {
+        WebhookSinkConfig {
+            url: None,
+            secret: None,
+            timeout: Millis(Duration::from_secs(10)),
+            ca_file: None,
+        }
+    }
+}
+
+impl WebhookSinkConfig {
+    /// Refuses what the sink could not be built from (a bad URL or secret, an unreadable CA file),
+    /// naming the key; `key`: the table's (`sinks.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        if self.url.is_none() || self.secret.is_none() {
+            return Err(invalid(key, "a webhook sink needs url and secret"));
+        }
+        self.build(Arc::new(schedulelog::SystemClock))
+            .map(drop)
+            .map_err(|e| invalid(key, e.to_string()))
+    }
+
+    pub fn build(&self, clock: Arc<dyn Clock>) -> Result<WebhookSink, WebhookError> {
+        WebhookSink::new(
+            self.url.as_deref().unwrap_or_default(),
+            self.secret.as_deref().unwrap_or_default(),
+            self.timeout.0,
+            self.ca_file.as_deref(),
+            clock,
+        )
+    }
 }
 
 #[derive(Debug)]

@@ -26,13 +26,59 @@
 //!   queue through the default exchange), which would bring the message back to delayd.
 //! - Only `amqp://` (no TLS): delayd is built without a TLS stack for AMQP.
 
-use super::{Request, Transport, TransportError};
+use super::{Request, SourceContext, Transport, TransportError};
 use crate::mq::amqp::{close, connect, CONNECT_TIMEOUT};
+use crate::setting::{invalid, ConfigError};
 use crate::sink::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection, Consumer};
 use std::time::Duration;
+
+/// A `[sources.NAME]` table of kind `amqp`: requests consumed from a durable queue.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AmqpSourceConfig {
+    /// Where the broker is, `amqp://user:password@host:5672/vhost`; required.
+    pub url: Option<String>,
+    /// The durable queue requests are consumed from (declared when missing); required.
+    pub queue: Option<String>,
+}
+
+impl AmqpSourceConfig {
+    /// `key`: the table's (`sources.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let Some(url) = &self.url else {
+            return Err(invalid(
+                key,
+                "an amqp source needs url (amqp://user:password@host:5672/vhost) and queue, and has no stream_key",
+            ));
+        };
+        crate::mq::amqp::check_url(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        match self.queue.as_deref() {
+            Some(queue)
+                if crate::mq::amqp::valid_name(queue)
+                    && !queue.is_empty()
+                    && !queue.starts_with("amq.") =>
+            {
+                Ok(())
+            }
+            _ => Err(invalid(
+                &format!("{key}.queue"),
+                "an amqp source needs a queue: 1 to 255 bytes of [A-Za-z0-9._:-], not starting with amq.",
+            )),
+        }
+    }
+
+    pub fn build(&self, context: &SourceContext) -> AmqpTransport {
+        AmqpTransport::new(
+            self.url.as_deref().unwrap_or_default(),
+            self.queue.as_deref().unwrap_or_default(),
+            &context.name,
+            context.batch,
+        )
+    }
+}
 
 #[derive(Debug)]
 pub struct AmqpTransport {

@@ -25,10 +25,13 @@
 //!   shows the state.
 
 pub mod amqp;
+mod config;
 pub mod kafka;
 pub(crate) mod mark;
 pub mod nats;
 pub mod redis;
+
+pub use config::{default_group, SourceContext, SourceShared, UnusedSourceKeys};
 
 use crate::intake::{
     delay_from_text, deliver_at_from_text, Draft, Intake, MessageKey, Rejection, MAX_KEY_BYTES,

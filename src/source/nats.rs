@@ -15,8 +15,10 @@
 //! - An existing consumer is updated to this config (filter, ack policy, `ack_wait`); one that cannot
 //!   be (a push consumer under the same name) is an error said in the log and `GET /v1/sources`.
 
-use super::{Request, Transport, TransportError};
+use super::{default_group, Request, SourceContext, Transport, TransportError};
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
+use crate::mq::nats::{valid_name, valid_subject};
+use crate::setting::{invalid, ConfigError, Millis};
 use crate::sink::BoxFuture;
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
@@ -25,6 +27,78 @@ use std::time::Duration;
 /// How long the server waits for an ack before delivering a request again (also what a delayd
 /// killed between the fsync and the ack costs in delay).
 pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(60);
+
+/// A `[sources.NAME]` table of kind `nats`: requests read from a JetStream stream by a durable pull
+/// consumer.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NatsSourceConfig {
+    /// Where NATS is, `nats://127.0.0.1:4222`; required.
+    pub url: Option<String>,
+    /// The JetStream stream requests are read from (created with `subject` when missing); required.
+    pub stream: Option<String>,
+    /// The subjects that stream captures and the consumer takes (wildcards allowed); required.
+    pub subject: Option<String>,
+    /// The durable pull consumer's name.
+    pub group: String,
+    /// How long JetStream waits for an ack before delivering a request again.
+    pub ack_wait: Millis,
+}
+
+impl Default for NatsSourceConfig {
+    fn default() -> NatsSourceConfig {
+        NatsSourceConfig {
+            url: None,
+            stream: None,
+            subject: None,
+            group: default_group(),
+            ack_wait: Millis(DEFAULT_ACK_WAIT),
+        }
+    }
+}
+
+impl NatsSourceConfig {
+    /// `key`: the table's (`sources.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let Some(url) = &self.url else {
+            return Err(invalid(key, "a nats source needs url, stream and subject"));
+        };
+        crate::mq::nats::check_url(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        if !self.stream.as_deref().is_some_and(valid_name) {
+            return Err(invalid(
+                &format!("{key}.stream"),
+                "the JetStream stream to read (created when missing): a name without whitespace, '.', '*', '>' or slashes",
+            ));
+        }
+        if !self.subject.as_deref().is_some_and(valid_subject) {
+            return Err(invalid(
+                &format!("{key}.subject"),
+                "the subjects the stream captures and delayd consumes, such as \"delayd.>\" (an existing stream must capture them)",
+            ));
+        }
+        if !valid_name(&self.group) {
+            return Err(invalid(
+                &format!("{key}.group"),
+                "the durable consumer's name: no whitespace, '.', '*', '>' or slashes",
+            ));
+        }
+        if self.ack_wait.0 < Duration::from_secs(1) {
+            return Err(invalid(&format!("{key}.ack_wait"), "at least 1s"));
+        }
+        Ok(())
+    }
+
+    pub fn build(&self, context: &SourceContext) -> NatsTransport {
+        NatsTransport::new(
+            self.url.as_deref().unwrap_or_default(),
+            self.stream.as_deref().unwrap_or_default(),
+            self.subject.as_deref().unwrap_or_default(),
+            &self.group,
+            self.ack_wait.0,
+            context.batch,
+        )
+    }
+}
 
 #[derive(Debug)]
 pub struct NatsTransport {

@@ -11,13 +11,83 @@
 //! acknowledgement is confirmed. What was read so is pending for this consumer like anything read, so a
 //! connection lost before it is handled loses nothing.
 
-use super::{Request, Transport, TransportError};
+use super::{default_group, Request, SourceContext, Transport, TransportError};
 use crate::mq::redis::connect;
 use crate::mq::REDIS_BODY;
+use crate::setting::{invalid, ConfigError};
 use crate::sink::BoxFuture;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
 use std::time::Duration;
+
+/// A `[sources.NAME]` table of kind `redis`: requests read from a Redis stream by a consumer group.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisSourceConfig {
+    /// Where Redis is, `redis://127.0.0.1:6379/`; required.
+    pub url: Option<String>,
+    /// The stream requests are read from; required.
+    pub stream_key: Option<String>,
+    /// The consumer group.
+    pub group: String,
+    /// This node's name in the group, its own among the nodes sharing the group (required): its
+    /// unacknowledged requests are read again after a restart under this name (two nodes under one
+    /// name would each read the other's again: deliveries twice).
+    pub consumer: Option<String>,
+}
+
+impl Default for RedisSourceConfig {
+    fn default() -> RedisSourceConfig {
+        RedisSourceConfig {
+            url: None,
+            stream_key: None,
+            group: default_group(),
+            consumer: None,
+        }
+    }
+}
+
+impl RedisSourceConfig {
+    /// `key`: the table's (`sources.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let (Some(url), Some(stream_key)) = (&self.url, &self.stream_key) else {
+            return Err(invalid(
+                key,
+                "a redis source needs url and stream_key (and has no queue)",
+            ));
+        };
+        if stream_key.is_empty() {
+            return Err(invalid(
+                key,
+                "a redis source needs url and stream_key (and has no queue)",
+            ));
+        }
+        redis::Client::open(url.as_str())
+            .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
+        // Two nodes under one consumer name read each other's pending entries again on every
+        // reconnect: no shared default.
+        match self.consumer.as_deref() {
+            Some(consumer) if crate::mq::valid_client_name(consumer) => Ok(()),
+            Some(_) => Err(invalid(
+                &format!("{key}.consumer"),
+                "a consumer name is 1 to 249 [A-Za-z0-9._-]",
+            )),
+            None => Err(invalid(
+                &format!("{key}.consumer"),
+                "a redis source needs consumer: this node's name in the group, its own among the nodes sharing the group (say its host name)",
+            )),
+        }
+    }
+
+    pub fn build(&self, _context: &SourceContext) -> Result<RedisTransport, TransportError> {
+        RedisTransport::new(
+            self.url.as_deref().unwrap_or_default(),
+            self.stream_key.as_deref().unwrap_or_default(),
+            &self.group,
+            self.consumer.as_deref().unwrap_or_default(),
+        )
+    }
+}
 
 #[derive(Debug)]
 pub struct RedisTransport {

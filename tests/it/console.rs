@@ -206,7 +206,7 @@ fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
     let server = Server::start(|c| {
         c.auth.tokens = vec![TOKEN.into()];
         c.sinks
-            .insert("hooks".into(), webhook_sink(&hook.url, |_| {}));
+            .insert("hooks".into(), webhook_sink(&hook.url, |_, _| {}));
     });
     let call = |method: &str, path: &str, body: Option<Value>| {
         request(

@@ -8,6 +8,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use base64::Engine;
+use delayd::sink::webhook::WebhookSinkConfig;
+use delayd::sink::LaneConfig;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::collections::HashMap;
@@ -146,19 +148,25 @@ pub(super) fn endpoint(script: &[(&str, Vec<&'static str>)]) -> Endpoint {
     }
 }
 
+/// A webhook sink to `url`, one message per call; `edit` changes its lane and its webhook keys.
 pub(super) fn webhook_sink(
     url: &str,
-    edit: impl FnOnce(&mut delayd::config::SinkConfig),
+    edit: impl FnOnce(&mut LaneConfig, &mut WebhookSinkConfig),
 ) -> delayd::config::SinkConfig {
-    let mut sink = delayd::config::SinkConfig {
-        kind: "webhook".into(),
+    let mut lane = LaneConfig {
+        max_batch: Some(1),
+        ..LaneConfig::default()
+    };
+    let mut webhook = WebhookSinkConfig {
         url: Some(url.into()),
         secret: Some(SECRET.into()),
-        max_batch: Some(1),
-        ..Default::default()
+        ..WebhookSinkConfig::default()
     };
-    edit(&mut sink);
-    sink
+    edit(&mut lane, &mut webhook);
+    delayd::config::SinkConfig {
+        lane,
+        kind: delayd::config::SinkKind::Webhook(webhook),
+    }
 }
 
 impl Endpoint {
@@ -229,7 +237,7 @@ fn webhook_requests_are_signed_and_carry_the_message() {
     let hook = endpoint(&[]);
     let server = Server::start(|c| {
         c.sinks
-            .insert("billing".into(), webhook_sink(&hook.url, |_| {}));
+            .insert("billing".into(), webhook_sink(&hook.url, |_, _| {}));
     });
     let id = schedule(
         &server,
@@ -284,7 +292,7 @@ fn a_cancel_during_a_webhook_call_answers_delivery_in_flight() {
     let hook = endpoint(&[("held", vec!["hold"])]);
     let server = Server::start(|c| {
         c.sinks
-            .insert("billing".into(), webhook_sink(&hook.url, |_| {}));
+            .insert("billing".into(), webhook_sink(&hook.url, |_, _| {}));
     });
     let id = schedule(&server, "billing", json!({"body": "held"}));
     hook.wait_for("held", 1);
@@ -311,11 +319,11 @@ fn retries_follow_the_backoff_and_retry_after_then_dead_letters() {
         ("moved", vec!["302"]),
     ]);
     let server = Server::start(|c| {
-        let sink = webhook_sink(&hook.url, |s| {
+        let sink = webhook_sink(&hook.url, |s, w| {
             s.backoff_initial = delayd::config::Millis(Duration::from_millis(200));
             s.backoff_multiplier = 2.0;
             s.max_attempts = 4;
-            s.timeout = delayd::config::Millis(Duration::from_millis(500));
+            w.timeout = delayd::config::Millis(Duration::from_millis(500));
             s.max_in_flight = 8;
         });
         c.sinks.insert("hooks".into(), sink);
@@ -408,7 +416,7 @@ fn retries_follow_the_backoff_and_retry_after_then_dead_letters() {
 fn the_rate_limit_holds_by_measurement() {
     let hook = endpoint(&[]);
     let server = Server::start(|c| {
-        let sink = webhook_sink(&hook.url, |s| {
+        let sink = webhook_sink(&hook.url, |s, _| {
             s.rate_per_sec = Some(20.0);
             s.burst = 1;
             s.max_in_flight = 8;
@@ -448,10 +456,12 @@ fn a_failing_sink_does_not_delay_a_healthy_one() {
     let server = Server::start(|c| {
         c.sinks.insert(
             "down".into(),
-            webhook_sink(&down.url, |s| s.max_in_flight = 2),
+            webhook_sink(&down.url, |s, _| s.max_in_flight = 2),
         );
-        c.sinks
-            .insert("up".into(), webhook_sink(&up.url, |s| s.max_in_flight = 4));
+        c.sinks.insert(
+            "up".into(),
+            webhook_sink(&up.url, |s, _| s.max_in_flight = 4),
+        );
     });
     let at = now_ms() + 500;
     let mut messages = Vec::new();
@@ -494,7 +504,7 @@ fn a_restart_in_the_middle_of_a_retry_series_continues_it() {
     let hook = endpoint(&[("again", vec!["503", "503", "ok"])]);
     let dir = tempfile::tempdir().unwrap();
     let configure = |c: &mut delayd::config::Config| {
-        let sink = webhook_sink(&hook.url, |s| {
+        let sink = webhook_sink(&hook.url, |s, _| {
             s.backoff_initial = delayd::config::Millis(Duration::from_millis(1_500));
             s.backoff_multiplier = 1.0;
         });
@@ -619,11 +629,11 @@ fn https_endpoints_work_and_their_certificates_are_checked() {
     let server = Server::start(|c| {
         c.sinks.insert(
             "secure".into(),
-            webhook_sink(&url, |s| s.ca_file = Some(ca_file.clone())),
+            webhook_sink(&url, |_, w| w.ca_file = Some(ca_file.clone())),
         );
         // The same endpoint without trusting its CA: the certificate must be refused.
         c.sinks
-            .insert("untrusting".into(), webhook_sink(&url, |_| {}));
+            .insert("untrusting".into(), webhook_sink(&url, |_, _| {}));
     });
     let id = schedule(&server, "secure", json!({"body": "over tls"}));
     let request = requests
@@ -662,7 +672,7 @@ fn a_dead_letter_is_listed_then_requeued_and_delivered_or_discarded() {
     let hook = endpoint(&[("again", vec!["400", "ok"]), ("away", vec!["400"])]);
     let server = Server::start(|c| {
         c.sinks
-            .insert("hooks".into(), webhook_sink(&hook.url, |_| {}));
+            .insert("hooks".into(), webhook_sink(&hook.url, |_, _| {}));
     });
     let again = schedule(&server, "hooks", json!({"body": "again"}));
     let away = schedule(&server, "hooks", json!({"body": "away"}));

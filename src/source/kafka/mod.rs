@@ -31,8 +31,10 @@
 
 mod epochs;
 
-use super::{Request, Transport, TransportError};
+use super::{default_group, Request, SourceContext, Transport, TransportError};
 use crate::mq::kafka::client_config;
+use crate::mq::valid_client_name;
+use crate::setting::{invalid, ConfigError};
 use crate::sink::BoxFuture;
 use base64::Engine;
 use epochs::Epochs;
@@ -151,6 +153,76 @@ impl ConsumerContext for Events {
 }
 
 type KafkaConsumer = StreamConsumer<Events>;
+
+/// A `[sources.NAME]` table of kind `kafka`: requests consumed from topics by a consumer group.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KafkaSourceConfig {
+    /// The brokers, `kafka://host:9092[,host:9092...]`; required.
+    pub url: Option<String>,
+    /// The topics requests are consumed from (they must exist); required.
+    pub topics: Vec<String>,
+    /// The consumer group.
+    pub group: String,
+    /// This node's `group.instance.id`, its own among the nodes sharing the group (required): static
+    /// membership, so a restarted node gets its partitions back at once.
+    pub consumer: Option<String>,
+}
+
+impl Default for KafkaSourceConfig {
+    fn default() -> KafkaSourceConfig {
+        KafkaSourceConfig {
+            url: None,
+            topics: Vec::new(),
+            group: default_group(),
+            consumer: None,
+        }
+    }
+}
+
+impl KafkaSourceConfig {
+    /// `key`: the table's (`sources.NAME`).
+    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let Some(url) = &self.url else {
+            return Err(invalid(
+                key,
+                "a kafka source needs url (kafka://host:9092) and topics, and has no stream_key",
+            ));
+        };
+        crate::mq::kafka::bootstrap_servers(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        if self.topics.is_empty() || !self.topics.iter().all(|t| valid_client_name(t)) {
+            return Err(invalid(
+                &format!("{key}.topics"),
+                "a kafka source needs topics: a list of names of 1 to 249 [A-Za-z0-9._-]",
+            ));
+        }
+        // Two nodes under one group.instance.id fence each other: no shared default.
+        let Some(consumer) = self.consumer.as_deref() else {
+            return Err(invalid(
+                &format!("{key}.consumer"),
+                "a kafka source needs consumer: this node's group.instance.id, its own among the nodes sharing the group (say its host name)",
+            ));
+        };
+        if !valid_client_name(&self.group) || !valid_client_name(consumer) {
+            return Err(invalid(
+                key,
+                "group and consumer are 1 to 249 [A-Za-z0-9._-]",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Keeps the partitions' epochs in a file beside the source's mark.
+    pub fn build(&self, context: &SourceContext) -> anyhow::Result<KafkaTransport> {
+        KafkaTransport::new(
+            self.url.as_deref().unwrap_or_default(),
+            &self.topics,
+            &self.group,
+            self.consumer.as_deref().unwrap_or_default(),
+            &super::mark::beside(&context.data_dir, &context.name, "kafka-epochs"),
+        )
+    }
+}
 
 pub struct KafkaTransport {
     url: String,

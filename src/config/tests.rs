@@ -1,0 +1,516 @@
+//! The configuration's contract: what loads, to what, and what is refused with which key.
+
+use super::*;
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn durations() {
+    assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
+    assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+    assert!(parse_duration("30").is_err());
+    assert!(parse_duration("1.5s").is_err());
+    assert!(parse_duration("s").is_err());
+    // In a row, largest first, as people write them.
+    assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+    assert_eq!(parse_duration("1d12h"), Ok(Duration::from_secs(36 * 3600)));
+    assert_eq!(
+        parse_duration("2h0m5s250ms"),
+        Ok(Duration::from_millis(7_205_250))
+    );
+    assert!(parse_duration("1m30").unwrap_err().contains("has no unit"));
+    assert!(parse_duration("30s1m")
+        .unwrap_err()
+        .contains("largest first"));
+    assert!(parse_duration("1m1m").is_err());
+    assert!(parse_duration("1m 30s").is_err());
+    assert!(parse_duration("").is_err());
+    assert!(parse_duration("213503982334d23h59m59s")
+        .unwrap_err()
+        .contains("too long"));
+    assert!(parse_duration("99999999999999999999d").is_err());
+}
+
+#[test]
+fn embedded_defaults() {
+    let config = Config::load(None, Vec::new(), &Flags::default()).unwrap();
+    assert_eq!(config.listen, "127.0.0.1:7070");
+    assert_eq!(config.data_dir, PathBuf::from("./data"));
+    assert_eq!(config.delay_levels.len(), 18);
+    assert_eq!(config.delay_levels[17].0, Duration::from_secs(7200));
+    assert_eq!(config.sinks["broker"].policy().max_batch, 1024);
+    let webhook = SinkConfig {
+        kind: SinkKind::Webhook(Default::default()),
+        ..SinkConfig::default()
+    };
+    assert_eq!(webhook.policy().max_batch, 256);
+    let mut set = SinkConfig::default();
+    set.lane.max_batch = Some(7);
+    assert_eq!(set.policy().max_batch, 7);
+    assert_eq!(config.limits.header_timeout.0, Duration::from_secs(10));
+    assert_eq!(config.limits.body_timeout.0, Duration::from_secs(30));
+    assert_eq!(config.limits.idle_timeout.0, Duration::from_secs(60));
+    assert_eq!(config.limits.max_connections, 1024);
+    assert_eq!(config.reserved_fds(), 256);
+}
+
+/// The default reserve grows with what the webhook sinks may have open at once; a set one is kept.
+#[test]
+fn reserved_fds_cover_webhook_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayd.toml");
+    std::fs::write(
+        &path,
+        "[sinks.billing]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nmax_in_flight = 2\nmax_batch = 10\n",
+    )
+    .unwrap();
+    let config = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap();
+    assert_eq!(config.reserved_fds(), 256 + 20);
+    let config = Config::load(
+        Some(&path),
+        env(&[
+            ("DELAYD_RESERVED_FDS", "64"),
+            ("DELAYD_MAX_CONNECTIONS", "10"),
+        ]),
+        &Flags::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        (config.reserved_fds(), config.limits.max_connections),
+        (64, 10)
+    );
+}
+
+/// `deploy/delayd.toml`, the example operators copy, loads to exactly the built-in defaults and
+/// names every key (the optional ones, and those of sinks and sources, commented out).
+#[test]
+fn the_example_config_is_every_key_at_its_default() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/delayd.toml");
+    let example = Config::load(
+        Some(std::path::Path::new(path)),
+        Vec::new(),
+        &Flags::default(),
+    )
+    .unwrap();
+    let builtin = Config::load(None, Vec::new(), &Flags::default()).unwrap();
+    assert_eq!(format!("{example:?}"), format!("{builtin:?}"));
+    let text = std::fs::read_to_string(path).unwrap();
+    let keys: std::collections::BTreeSet<&str> = text
+        .lines()
+        .map(|line| line.trim_start_matches(['#', ' ']))
+        .filter_map(|line| line.split_once(" = ").map(|(key, _)| key.trim()))
+        .collect();
+    // The field names a Debug rendering shows: `name: value`.
+    let fields = |debug: String| -> Vec<String> {
+        debug
+            .match_indices(": ")
+            .map(|(at, _)| {
+                let before = &debug[..at];
+                let start = before
+                    .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .map_or(0, |i| i + 1);
+                before[start..].to_string()
+            })
+            .collect()
+    };
+    let mut all = fields(format!("{:?}", Config::default()));
+    use crate::setting::keys_of;
+    for keys in [
+        keys_of::<crate::sink::LaneConfig>(),
+        keys_of::<crate::broker::BrokerSinkConfig>(),
+        keys_of::<crate::sink::webhook::WebhookSinkConfig>(),
+        keys_of::<crate::sink::redis::RedisSinkConfig>(),
+        keys_of::<crate::sink::nats::NatsSinkConfig>(),
+        keys_of::<crate::sink::amqp::AmqpSinkConfig>(),
+        keys_of::<crate::sink::kafka::KafkaSinkConfig>(),
+        keys_of::<crate::source::SourceShared>(),
+        keys_of::<crate::source::redis::RedisSourceConfig>(),
+        keys_of::<crate::source::nats::NatsSourceConfig>(),
+        keys_of::<crate::source::amqp::AmqpSourceConfig>(),
+        keys_of::<crate::source::kafka::KafkaSourceConfig>(),
+    ] {
+        all.extend(keys.iter().map(|key| key.to_string()));
+    }
+    all.push("kind".into());
+    let nested = [
+        "limits",
+        "auth",
+        "broker",
+        "sinks",
+        "sources",
+        "written_sinks",
+        "written_sources",
+    ];
+    for field in all.iter().filter(|f| !nested.contains(&f.as_str())) {
+        assert!(
+            keys.contains(field.as_str()),
+            "deploy/delayd.toml lacks {field}"
+        );
+    }
+    assert!(all.len() > 50, "{all:?}");
+}
+
+#[test]
+fn kubernetes_service_links_are_not_taken_for_settings() {
+    // What a pod sees for a Service named `delayd` (its port named http).
+    let links = env(&[
+        ("DELAYD_SERVICE_HOST", "10.0.0.7"),
+        ("DELAYD_SERVICE_PORT", "7070"),
+        ("DELAYD_SERVICE_PORT_HTTP", "7070"),
+        ("DELAYD_PORT", "tcp://10.0.0.7:7070"),
+        ("DELAYD_PORT_7070_TCP", "tcp://10.0.0.7:7070"),
+        ("DELAYD_PORT_7070_TCP_PROTO", "tcp"),
+        ("DELAYD_PORT_7070_TCP_PORT", "7070"),
+        ("DELAYD_PORT_7070_TCP_ADDR", "10.0.0.7"),
+        // Services named `delayd-service` and `delayd-port`.
+        ("DELAYD_SERVICE_SERVICE_HOST", "10.0.0.8"),
+        ("DELAYD_SERVICE_PORT", "tcp://10.0.0.8:7070"),
+        ("DELAYD_PORT_PORT", "tcp://[fd00::9]:7070"),
+        ("DELAYD_PORT_PORT_7070_TCP_ADDR", "fd00::9"),
+        ("DELAYD_LISTEN", "0.0.0.0:7070"),
+    ]);
+    let config = Config::load(None, links, &Flags::default()).unwrap();
+    assert_eq!(config.listen, "0.0.0.0:7070");
+    // A misspelt setting is still refused.
+    for key in [
+        "DELAYD_LISTEN_ADDR",
+        "DELAYD_PORTS",
+        "DELAYD_PORT_HTTP",
+        "DELAYD_SERVICE",
+    ] {
+        let error = Config::load(None, env(&[(key, "1")]), &Flags::default()).unwrap_err();
+        assert!(error.to_string().contains(key), "{key}: {error}");
+    }
+}
+
+#[test]
+fn file_then_env_then_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayd.toml");
+    std::fs::write(
+        &path,
+        "listen = \"127.0.0.1:1\"\nfsync = \"5ms\"\nmax_delay = \"3d\"\n[limits]\nmax_message_bytes = 1000\n",
+    )
+    .unwrap();
+    let env = env(&[("DELAYD_LISTEN", "127.0.0.1:2"), ("HOME", "/root")]);
+    let flags = Flags {
+        data_dir: Some("/tmp/x".into()),
+        ..Flags::default()
+    };
+    let config = Config::load(Some(&path), env.clone(), &flags).unwrap();
+    assert_eq!(config.listen, "127.0.0.1:2");
+    assert_eq!(config.data_dir, PathBuf::from("/tmp/x"));
+    assert_eq!(config.max_delay.0, Duration::from_secs(3 * 86_400));
+    assert_eq!(config.limits.max_message_bytes, 1000);
+    assert_eq!(
+        config.fsync_policy().unwrap(),
+        schedulelog::FsyncPolicy::Interval(Duration::from_millis(5))
+    );
+    let flags = Flags {
+        listen: Some("127.0.0.1:3".into()),
+        ..Flags::default()
+    };
+    assert_eq!(
+        Config::load(Some(&path), env, &flags).unwrap().listen,
+        "127.0.0.1:3"
+    );
+}
+
+#[test]
+fn mistakes_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, "lisen = \"x\"\n").unwrap();
+    let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+    assert!(err.to_string().contains("lisen"), "{err}");
+    let err = Config::load(
+        None,
+        env(&[("DELAYD_SEGMENT_MINUTES", "90")]),
+        &Flags::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("segment_minutes"), "{err}");
+    let err = Config::load(
+        None,
+        env(&[("DELAYD_FSYNC", "sometimes")]),
+        &Flags::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().starts_with("fsync"), "{err}");
+    let err = Config::load(
+        None,
+        env(&[("DELAYD_MIN_FREE_DISK_BYTES", "1000")]),
+        &Flags::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("min_free_disk_bytes"), "{err}");
+    let err = Config::load(
+        None,
+        env(&[("DELAYD_BROKER_RETENTION", "0s")]),
+        &Flags::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("broker.retention"), "{err}");
+    for (var, value, key) in [
+        ("DELAYD_HEADER_TIMEOUT", "0s", "limits.header_timeout"),
+        ("DELAYD_BODY_TIMEOUT", "2h", "limits.body_timeout"),
+        ("DELAYD_IDLE_TIMEOUT", "50ms", "limits.idle_timeout"),
+        ("DELAYD_MAX_CONNECTIONS", "0", "limits.max_connections"),
+        ("DELAYD_RESERVED_FDS", "8", "limits.reserved_fds"),
+    ] {
+        let err = Config::load(None, env(&[(var, value)]), &Flags::default()).unwrap_err();
+        assert!(err.to_string().starts_with(key), "{var}={value}: {err}");
+    }
+    let err = Config::load(
+        None,
+        env(&[("DELAYD_HEADER_TIMEOUT", "10")]),
+        &Flags::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("DELAYD_HEADER_TIMEOUT"), "{err}");
+    let err = Config::load(None, env(&[("DELAYD_NOPE", "1")]), &Flags::default()).unwrap_err();
+    assert!(err.to_string().contains("DELAYD_NOPE"), "{err}");
+    std::fs::write(&path, "[sinks.billing]\nkind = \"carrier-pigeon\"\n").unwrap();
+    let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+    assert!(err.to_string().contains("carrier-pigeon"), "{err}");
+}
+
+#[test]
+fn nats_sources_and_sinks_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nats.toml");
+    let sink = "[sinks.out]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n";
+    let load = |source: &str| {
+        std::fs::write(
+            &path,
+            format!("{sink}[sources.in]\nkind = \"nats\"\nsink = \"out\"\n{source}"),
+        )
+        .unwrap();
+        Config::load(Some(&path), Vec::new(), &Flags::default())
+    };
+    let good = "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\n";
+    let config = load(good).unwrap();
+    assert!(config.sinks["out"].is_mq());
+    match &config.sources["in"].kind {
+        SourceKind::Nats(nats) => assert_eq!(nats.group, "delayd"),
+        other => panic!("{other:?}"),
+    }
+    for (source, key) in [
+        (
+            "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\nqueue = \"q\"\n",
+            "sources.in.queue",
+        ),
+        (
+            "stream = \"DELAYS\"\nsubject = \"delayd.>\"\n",
+            "sources.in",
+        ),
+        (
+            "url = \"nats://127.0.0.1:4222\"\nsubject = \"delayd.>\"\n",
+            "sources.in.stream",
+        ),
+        (
+            "url = \"nats://127.0.0.1:4222\"\nstream = \"DE.LAYS\"\nsubject = \"delayd.>\"\n",
+            "sources.in.stream",
+        ),
+        (
+            "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\n",
+            "sources.in.subject",
+        ),
+        (
+            "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd.>.x\"\n",
+            "sources.in.subject",
+        ),
+        (
+            "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd..x\"\n",
+            "sources.in.subject",
+        ),
+        (&format!("{good}group = \"a.b\"\n"), "sources.in.group"),
+        (
+            &format!("{good}ack_wait = \"10ms\"\n"),
+            "sources.in.ack_wait",
+        ),
+        (
+            &format!("{good}stream_key = \"x\"\n"),
+            "sources.in.stream_key",
+        ),
+    ] {
+        let err = load(source).unwrap_err();
+        assert!(err.to_string().starts_with(key), "{source}: {err}");
+    }
+    std::fs::write(&path, "[sinks.out]\nkind = \"nats\"\n").unwrap();
+    let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+    assert!(err.to_string().contains("nats sink needs a url"), "{err}");
+}
+
+#[test]
+fn amqp_sources_and_sinks() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("amqp.toml");
+    let load = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        Config::load(Some(&path), Vec::new(), &Flags::default())
+    };
+    let good = "[sinks.out]\nkind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"\"\n\n\
+                [sources.in]\nkind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nqueue = \"delayd.in\"\nsink = \"out\"\nbatch = 64\n";
+    let config = load(good).unwrap();
+    assert!(config.sinks["out"].is_mq());
+    match &config.sources["in"].kind {
+        SourceKind::Amqp(amqp) => assert_eq!(amqp.queue.as_deref(), Some("delayd.in")),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(config.sources["in"].shared.batch, 64);
+    for (bad, key) in [
+        (
+            good.replace("batch = 64", "batch = 64\nsubject = \"x.>\""),
+            "sources.in.subject",
+        ),
+        (
+            good.replace("queue = \"delayd.in\"\n", ""),
+            "sources.in.queue",
+        ),
+        (
+            good.replace("queue = \"delayd.in\"", "queue = \"amq.x\""),
+            "sources.in.queue",
+        ),
+        (
+            good.replace("queue = \"delayd.in\"", "queue = \"a b\""),
+            "sources.in.queue",
+        ),
+        (
+            good.replace(
+                "amqp://guest:guest@127.0.0.1:5672/%2f\"\nqueue",
+                "amqps://127.0.0.1/\"\nqueue",
+            ),
+            "sources.in.url",
+        ),
+        (
+            good.replace("exchange = \"\"", "exchange = \"no spaces\""),
+            "sinks.out.exchange",
+        ),
+        (
+            good.replace(
+                "amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange",
+                "http://x/\"\nexchange",
+            ),
+            "sinks.out.url",
+        ),
+        (
+            good.replace("queue = \"delayd.in\"", "stream_key = \"s\""),
+            "sources.in",
+        ),
+    ] {
+        let err = load(&bad).unwrap_err();
+        assert!(err.to_string().starts_with(key), "{bad}: {err}");
+    }
+    let err = load("[sinks.out]\nkind = \"webhook\"\nurl = \"http://x/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nexchange = \"e\"\n").unwrap_err();
+    assert!(err.to_string().starts_with("sinks.out.exchange"), "{err}");
+}
+
+/// Nodes sharing a Redis group each need a consumer name of their own: no default.
+#[test]
+fn a_redis_source_names_this_nodes_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("redis.toml");
+    let load = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        Config::load(Some(&path), Vec::new(), &Flags::default())
+    };
+    let good = "[sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379/\"\n\n\
+                [sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379/\"\nstream_key = \"in\"\nsink = \"out\"\nconsumer = \"node-1\"\n";
+    match &load(good).unwrap().sources["in"].kind {
+        SourceKind::Redis(redis) => assert_eq!(redis.consumer.as_deref(), Some("node-1")),
+        other => panic!("{other:?}"),
+    }
+    for (bad, why) in [
+        (
+            good.replace("consumer = \"node-1\"\n", ""),
+            "needs consumer",
+        ),
+        (
+            good.replace("consumer = \"node-1\"", "consumer = \"a b\""),
+            "a consumer name",
+        ),
+    ] {
+        let err = load(&bad).unwrap_err().to_string();
+        assert!(
+            err.starts_with("sources.in.consumer") && err.contains(why),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn kafka_sources_and_sinks() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kafka.toml");
+    let load = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        Config::load(Some(&path), Vec::new(), &Flags::default())
+    };
+    let good = "[sinks.out]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092,127.0.0.2:9092\"\n\n\
+                [sources.in]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092\"\ntopics = [\"delayd-in\"]\nsink = \"out\"\nconsumer = \"node-1\"\n";
+    let config = load(good).unwrap();
+    assert!(!config.sinks["out"].is_mq(), "targets are topic names");
+    match &config.sources["in"].kind {
+        SourceKind::Kafka(kafka) => assert_eq!(kafka.topics, ["delayd-in"]),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        crate::mq::kafka::bootstrap_servers("kafka://127.0.0.1:9092,127.0.0.2:9092").unwrap(),
+        "127.0.0.1:9092,127.0.0.2:9092"
+    );
+    for (bad, key) in [
+        (
+            good.replace("topics = [\"delayd-in\"]\n", ""),
+            "sources.in.topics",
+        ),
+        (
+            good.replace("[\"delayd-in\"]", "[\"no spaces\"]"),
+            "sources.in.topics",
+        ),
+        (
+            good.replace(
+                "kafka://127.0.0.1:9092\"\ntopics",
+                "kafka://127.0.0.1\"\ntopics",
+            ),
+            "sources.in.url",
+        ),
+        (
+            good.replace("consumer = \"node-1\"", "consumer = \"a/b\""),
+            "sources.in",
+        ),
+        (
+            good.replace("consumer = \"node-1\"\n", ""),
+            "sources.in.consumer",
+        ),
+        (
+            good.replace("sink = \"out\"", "sink = \"out\"\nqueue = \"q\""),
+            "sources.in.queue",
+        ),
+        (
+            good.replace("kafka://127.0.0.1:9092,127.0.0.2:9092", "redis://x/"),
+            "sinks.out.url",
+        ),
+    ] {
+        let err = load(&bad).unwrap_err();
+        assert!(err.to_string().starts_with(key), "{bad}: {err}");
+    }
+    // topics belong to kafka sources only.
+    let err = load("[sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\n\n[sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\nstream_key = \"s\"\ntopics = [\"t\"]\nsink = \"out\"\n").unwrap_err();
+    assert!(err.to_string().starts_with("sources.in.topics"), "{err}");
+}
+
+#[test]
+fn backoff_caps_stay_within_max_delay() {
+    let config =
+        Config::load(None, env(&[("DELAYD_MAX_DELAY", "10m")]), &Flags::default()).unwrap();
+    assert_eq!(
+        config.sinks["broker"].lane.backoff_cap.0,
+        Duration::from_secs(600)
+    );
+}

@@ -1,0 +1,52 @@
+//! What every `[sources.NAME]` table has whatever its kind, and what a source adapter is given to
+//! build its transport. Each kind's own keys are its adapter's (`RedisSourceConfig`, ...).
+
+use crate::setting::Millis;
+use serde::Deserialize;
+use std::path::PathBuf;
+
+/// The keys every source takes.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SourceShared {
+    /// The sink that delivers what this source schedules (required).
+    pub sink: Option<String>,
+    /// Requests per batch, made durable in one group commit (AMQP: the prefetch, `basic.qos`, is
+    /// twice it).
+    pub batch: usize,
+}
+
+impl Default for SourceShared {
+    fn default() -> SourceShared {
+        SourceShared {
+            sink: None,
+            batch: 256,
+        }
+    }
+}
+
+/// Keys every source took before each kind had keys of its own, which the kinds that do not use them
+/// still accept (and ignore) so that configurations written then load as before.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnusedSourceKeys {
+    pub group: Option<String>,
+    pub consumer: Option<String>,
+    pub ack_wait: Option<Millis>,
+}
+
+/// The consumer group (Redis, Kafka) or durable consumer (NATS) when the table names none.
+pub fn default_group() -> String {
+    "delayd".into()
+}
+
+/// What a source adapter is given to build its transport.
+#[derive(Debug, Clone)]
+pub struct SourceContext {
+    /// The source's name (`NAME` of `[sources.NAME]`).
+    pub name: String,
+    /// Requests per batch.
+    pub batch: usize,
+    /// The data dir, where a source may keep files of its own.
+    pub data_dir: PathBuf,
+}
