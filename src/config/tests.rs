@@ -514,3 +514,142 @@ fn backoff_caps_stay_within_max_delay() {
         Duration::from_secs(600)
     );
 }
+
+/// Each kind takes its own keys and those every table takes: anything else is refused, naming the key
+/// and listing the valid ones; so is an unknown kind, listing the kinds.
+#[test]
+fn unknown_keys_and_kinds_are_refused_with_the_valid_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayd.toml");
+    let load = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        Config::load(Some(&path), Vec::new(), &Flags::default())
+    };
+    let hook = "[sinks.hooks]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n";
+    let source = "[sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\nstream_key = \"s\"\nsink = \"hooks\"\nconsumer = \"node-1\"\n";
+    load(&format!("{hook}{source}")).unwrap();
+    for (text, key, listed) in [
+        (format!("{hook}retries = 3\n"), "sinks.hooks.retries", "a webhook sink has no such key; its keys are kind, max_attempts, rate_per_sec, burst, max_in_flight, max_batch, backoff_initial, backoff_multiplier, backoff_cap, url, secret, timeout, ca_file"),
+        ("[sinks.tuned]\nmax_attempt = 3\n".into(), "sinks.tuned.max_attempt", "a broker sink has no such key"),
+        ("[sinks.out]\nkind = \"kafka\"\nurl = \"kafka://k:9092\"\nexchange = \"x\"\n".into(), "sinks.out.exchange", "a kafka sink has no such key; its keys are kind, max_attempts"),
+        (format!("{hook}{source}bogus = 1\n"), "sources.in.bogus", "a redis source has no such key; its keys are kind, sink, batch, url, stream_key, group, consumer"),
+        (format!("{hook}{}", source.replace("redis\"", "nats\"")), "sources.in.stream_key", "a nats source has no such key"),
+    ] {
+        let err = load(&text).unwrap_err().to_string();
+        assert!(err.starts_with(key) && err.contains(listed), "{text}: {err}");
+    }
+    for (text, key, kinds) in [
+        (
+            "[sinks.billing]\nkind = \"carrier-pigeon\"\n",
+            "sinks.billing.kind",
+            &SINK_KINDS[..],
+        ),
+        ("[sinks.billing]\nkind = 7\n", "sinks.billing.kind", &[][..]),
+        (
+            "[sources.in]\nkind = \"sqs\"\nsink = \"broker\"\n",
+            "sources.in.kind",
+            &SOURCE_KINDS[..],
+        ),
+        (
+            "[sources.in]\nsink = \"broker\"\n",
+            "sources.in.kind",
+            &SOURCE_KINDS[..],
+        ),
+    ] {
+        let err = load(text).unwrap_err().to_string();
+        assert!(err.starts_with(key), "{text}: {err}");
+        for kind in kinds {
+            assert!(err.contains(&format!("\"{kind}\"")), "{text}: {err}");
+        }
+    }
+    assert!(load("[sinks.billing]\nkind = \"carrier-pigeon\"\n")
+        .unwrap_err()
+        .to_string()
+        .ends_with("unknown sink kind \"carrier-pigeon\": use \"broker\", \"webhook\", \"redis\", \"nats\", \"amqp\" or \"kafka\""));
+    // A value of the wrong type names its key.
+    for (text, key) in [
+        (
+            format!("{hook}max_attempts = \"x\"\n"),
+            "sinks.hooks.max_attempts",
+        ),
+        (format!("{hook}timeout = \"soon\"\n"), "sinks.hooks.timeout"),
+        (
+            "[sinks.out]\nkind = \"nats\"\nurl = \"nats://n:4222\"\ntargets = [\"a\", 2]\n".into(),
+            "sinks.out.targets[1]",
+        ),
+        (
+            format!(
+                "{hook}{}",
+                source.replace("node-1\"", "node-1\"\nbatch = \"many\"")
+            ),
+            "sources.in.batch",
+        ),
+    ] {
+        let err = load(&text).unwrap_err().to_string();
+        assert!(err.starts_with(key), "{text}: {err}");
+    }
+}
+
+/// Keys every sink (`timeout`, `ca_file`) or every source (`group`, `consumer`, `ack_wait`) took before
+/// each kind had its own are still accepted by the kinds that ignore them, and still type-checked.
+#[test]
+fn keys_every_table_once_took_still_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayd.toml");
+    let load = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        Config::load(Some(&path), Vec::new(), &Flags::default())
+    };
+    let text = "[sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\ntimeout = \"5s\"\nca_file = \"/nowhere.pem\"\n\n\
+                [sinks.broker]\ntimeout = \"5s\"\n\n\
+                [sources.in]\nkind = \"amqp\"\nurl = \"amqp://127.0.0.1:5672/%2f\"\nqueue = \"q\"\nsink = \"out\"\ngroup = \"g\"\nconsumer = \"c\"\nack_wait = \"5s\"\n";
+    let config = load(text).unwrap();
+    assert_eq!(config.sinks["out"].kind.name(), "redis");
+    assert_eq!(config.sources["in"].kind.name(), "amqp");
+    let err = load(&text.replace("timeout = \"5s\"\nca_file", "timeout = \"soon\"\nca_file"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("sinks.out.timeout"), "{err}");
+    let err = load(&text.replace("ack_wait = \"5s\"", "ack_wait = true"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("sources.in.ack_wait"), "{err}");
+}
+
+/// The `DELAYD_*` variables (and Kubernetes' service links beside them) apply over a file with sinks
+/// and sources, and what the tables depend on (`max_delay` capping each sink's backoff) follows them.
+#[test]
+fn env_overrides_apply_over_sink_and_source_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayd.toml");
+    std::fs::write(
+        &path,
+        "max_delay = \"2h\"\n[sinks.out]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nbackoff_cap = \"1h\"\n\n\
+         [sources.in]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nstream = \"S\"\nsubject = \"s.>\"\nsink = \"out\"\n",
+    )
+    .unwrap();
+    let vars = env(&[
+        ("DELAYD_MAX_DELAY", "10m"),
+        ("DELAYD_LISTEN", "127.0.0.1:9"),
+        ("DELAYD_SERVICE_HOST", "10.0.0.7"),
+        ("DELAYD_PORT_7070_TCP", "tcp://10.0.0.7:7070"),
+    ]);
+    let config = Config::load(Some(&path), vars, &Flags::default()).unwrap();
+    assert_eq!(config.listen, "127.0.0.1:9");
+    assert_eq!(
+        config.sinks["out"].lane.backoff_cap.0,
+        Duration::from_secs(600)
+    );
+    assert_eq!(
+        config.sinks["broker"].lane.backoff_cap.0,
+        Duration::from_secs(600)
+    );
+    assert_eq!(config.sources["in"].shared.sink.as_deref(), Some("out"));
+    let err = Config::load(
+        Some(&path),
+        env(&[("DELAYD_SINKS_OUT_URL", "x")]),
+        &Flags::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().starts_with("DELAYD_SINKS_OUT_URL"), "{err}");
+}
