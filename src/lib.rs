@@ -101,7 +101,7 @@ pub async fn run_with_ready(
     let scheduler_config = SchedulerConfig {
         tick_ms: i64::from(config.tick_ms),
         preload: config.preload.0,
-        dead_letters: Some(Arc::new(BrokerSink::new(broker.clone(), clock.clone()))),
+        dead_letters: Some(Arc::new(BrokerSink::new(broker.clone()))),
         ..SchedulerConfig::default()
     };
     let scheduler = Arc::new(Scheduler::start(

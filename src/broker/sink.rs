@@ -14,8 +14,8 @@ use std::time::Duration;
 pub struct BrokerSinkConfig {}
 
 impl BrokerSinkConfig {
-    pub fn build(&self, broker: Arc<Broker>, clock: Arc<dyn schedulelog::Clock>) -> BrokerSink {
-        BrokerSink::new(broker, clock)
+    pub fn build(&self, broker: Arc<Broker>) -> BrokerSink {
+        BrokerSink::new(broker)
     }
 }
 
@@ -23,16 +23,14 @@ impl BrokerSinkConfig {
 #[derive(Debug)]
 pub struct BrokerSink {
     broker: Arc<Broker>,
-    clock: Arc<dyn schedulelog::Clock>,
     /// When a failure was last logged: at most one line every 10 s while they go on.
     last_report: Mutex<Option<std::time::Instant>>,
 }
 
 impl BrokerSink {
-    pub fn new(broker: Arc<Broker>, clock: Arc<dyn schedulelog::Clock>) -> BrokerSink {
+    pub fn new(broker: Arc<Broker>) -> BrokerSink {
         BrokerSink {
             broker,
-            clock,
             last_report: Mutex::new(None),
         }
     }
@@ -45,9 +43,8 @@ impl BrokerSink {
         }
     }
 
-    /// A batch as the broker stores it, stamped as delivered now.
+    /// A batch as the broker stores it, stamped as delivered when the lane handed it over.
     fn incoming(&self, batch: &[Delivery]) -> Vec<Incoming> {
-        let now = self.clock.now_ms();
         batch
             .iter()
             .map(|d| Incoming {
@@ -56,7 +53,7 @@ impl BrokerSink {
                 key: d.message.key.clone(),
                 headers: d.message.headers.iter().cloned().collect(),
                 deliver_at_ms: d.message.deliver_at_ms,
-                delivered_at_ms: now,
+                delivered_at_ms: d.sent_at_ms,
                 attempt: d.message.attempt,
                 body: d.message.body.clone(),
             })

@@ -492,7 +492,7 @@ fn a_read_is_bounded_in_bytes_but_always_has_a_message() {
 fn the_sink_postpones_what_its_own_storage_fails_to_take() {
     let dir = tempfile::tempdir().unwrap();
     let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
-    let sink = BrokerSink::new(broker.clone(), Arc::new(schedulelog::SystemClock));
+    let sink = BrokerSink::new(broker.clone());
     let location = schedulelog::Location {
         bucket: schedulelog::Bucket::from_start_minute(29_935_260),
         seq: 1,
@@ -513,6 +513,7 @@ fn the_sink_postpones_what_its_own_storage_fails_to_take() {
             sink: "broker".into(),
             body: body.as_bytes().to_vec(),
         },
+        sent_at_ms: 7,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -527,10 +528,10 @@ fn the_sink_postpones_what_its_own_storage_fails_to_take() {
         sink.deliver_blocking(&[delivery("in place")]),
         Some(vec![SinkOutcome::Delivered])
     );
-    assert_eq!(
-        bodies(&broker.read("t", 0, 0, 10).unwrap().unwrap())[1],
-        "in place"
-    );
+    let stored = broker.read("t", 0, 0, 10).unwrap().unwrap();
+    assert_eq!(bodies(&stored)[1], "in place");
+    // Stamped with the time the lane handed the delivery over, the time its outcome records.
+    assert!(stored.messages.iter().all(|m| m.meta.delivered_at_ms == 7));
     // The next segment cannot be created (a directory in its way): not a full disk, an I/O error.
     let log_dir = dir.path().join("broker/commitlog");
     let last = files(&log_dir).pop().unwrap();

@@ -149,9 +149,7 @@ impl SinkConfig {
             name: name.to_string(),
         };
         let built: (Arc<dyn Sink>, Option<Link>) = match &self.kind {
-            SinkKind::Broker(config) => {
-                (Arc::new(config.build(broker.clone(), clock.clone())), None)
-            }
+            SinkKind::Broker(config) => (Arc::new(config.build(broker.clone())), None),
             SinkKind::Webhook(config) => (Arc::new(config.build(clock.clone())?), None),
             SinkKind::Redis(config) => {
                 let (sink, link) = config.build(&context)?;

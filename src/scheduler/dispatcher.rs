@@ -379,11 +379,15 @@ impl Lane {
             };
             let label = match outcome {
                 SinkOutcome::Delivered => {
-                    records.push((delivery.location.bucket, record(OutcomeKind::Delivered)));
+                    let delivered = Outcome {
+                        at_ms: delivery.sent_at_ms,
+                        ..record(OutcomeKind::Delivered)
+                    };
+                    records.push((delivery.location.bucket, delivered));
                     Settled::Delivered
                 }
                 SinkOutcome::Dead { reason } => {
-                    dead.push((*entry, dead_letter(delivery, &reason)));
+                    dead.push((*entry, dead_letter(delivery, &reason, now)));
                     records.push((
                         delivery.location.bucket,
                         record(OutcomeKind::Dead { reason }),
@@ -418,7 +422,7 @@ impl Lane {
                     let next_attempt = attempt.saturating_add(1);
                     if next_attempt >= self.policy.max_attempts {
                         let reason = format!("gave up after {next_attempt} attempts: {reason}");
-                        dead.push((*entry, dead_letter(delivery, &reason)));
+                        dead.push((*entry, dead_letter(delivery, &reason, now)));
                         records.push((
                             delivery.location.bucket,
                             record(OutcomeKind::Dead { reason }),
@@ -687,8 +691,9 @@ impl Lane {
 }
 
 /// A copy of a dead message for the `$dead` topic, with why it died and where it was going.
-fn dead_letter(delivery: &Delivery, reason: &str) -> Delivery {
+fn dead_letter(delivery: &Delivery, reason: &str, now: i64) -> Delivery {
     let mut copy = delivery.clone();
+    copy.sent_at_ms = now;
     // (A request dead on arrival: `delayd-dead-reason` says it.)
     copy.message
         .headers
@@ -805,6 +810,8 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
             }
         }
     }
+    // The batch goes to the sink as soon as it is read.
+    let sent_at_ms = shared.clock.now_ms();
     let mut entries = Vec::with_capacity(read.len());
     let mut deliveries = Vec::with_capacity(read.len());
     let mut dropped = Vec::new();
@@ -822,6 +829,7 @@ fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
                         id: message.id,
                         location,
                         message,
+                        sent_at_ms,
                     });
                 }
                 Admission::Cancelled => dropped.push(message),

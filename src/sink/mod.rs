@@ -34,6 +34,10 @@ pub struct Delivery {
     pub location: Location,
     /// The message, including its attempt number and `deliver_at_ms`.
     pub message: Message,
+    /// When the lane handed the attempt to the sink (clock ms): the time a sink that stamps a delivery
+    /// (the broker's `delivered_at`) gives it, and the time its outcome records when delivered, so that
+    /// one delivery has one `delivered_at` wherever it is read.
+    pub sent_at_ms: i64,
 }
 
 /// A sink's answer for one delivery.

@@ -412,6 +412,7 @@ mod tests {
                     sink: "hook".into(),
                     body: b"hello".to_vec(),
                 },
+                sent_at_ms: 0,
             };
             let outcome =
                 tokio::time::timeout(Duration::from_secs(20), sink.deliver_one(&delivery))

@@ -158,6 +158,8 @@ fn a_message_is_invisible_before_deliver_at_and_visible_after() {
     let status = server.call("GET", &format!("/v1/messages/{id}"), None);
     assert_eq!(status.json["status"], "delivered");
     assert_eq!(status.json["attempts"], 1);
+    // One delivery, one time, wherever it is read.
+    assert_eq!(status.json["delivered_at"], message["delivered_at"]);
     // Cancelling a delivered message is a conflict.
     let cancel = server.call("DELETE", &format!("/v1/messages/{id}"), None);
     assert_eq!(
