@@ -1,13 +1,15 @@
 //! Helpers shared by the integration test binaries: HTTP requests and their answers, time parsing, and
 //! guards for the real `delayd` binary ([`spawn`] → [`Process`] for `serve`, also under a low open-file
 //! limit with [`spawn_with_ulimit`]; [`spawn_cli`] → [`Background`] for a client command such as `tail`)
-//! that kill it when dropped, pass or fail; [`slowloris`] clients for the HTTP edge's tests.
+//! that kill it when dropped, pass or fail; [`slowloris`] clients for the HTTP edge's tests; the
+//! [`sidecar`] tests' harness over the four MQs.
 //!
 //! A test binary at the top of `tests/` includes it with `mod common;`; one in a directory
 //! (`tests/it/main.rs`) with `#[path = "../common/mod.rs"] mod common;`.
 
 #![allow(dead_code, reason = "each test binary uses a part of these helpers")]
 
+pub mod sidecar;
 pub mod slowloris;
 
 use serde_json::Value;
