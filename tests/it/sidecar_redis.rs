@@ -5,9 +5,14 @@
 //!
 //! Without `redis-server` a test prints why it is skipped, and fails under `CI=true`.
 
+use super::common::sidecar::{
+    assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_delivered_once,
+    assert_outage_loses_nothing, bodies, publish_orders, sink_state, source_count, source_state,
+    spawn_with_config as start_delayd, Got, Mq,
+};
 use super::common::{
-    assert_dead_letters, assert_none_early, free_port, now_ms, request, scrape, serve_until_exit,
-    server_installed, spawn, wait_for, Process,
+    assert_dead_letters, free_port, now_ms, request, scrape, serve_until_exit, server_installed,
+    wait_for,
 };
 use redis::Value;
 use serde_json::json;
@@ -16,11 +21,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A `redis-server` for one test, killed on drop.
+/// The stream the sink writes to, and the requests name.
+const TARGET: &str = "orders:out";
+
+/// A `redis-server` for one test, killed on drop; with a connection of its own.
 struct RedisServer {
     child: Child,
     port: u16,
     dir: PathBuf,
+    connection: Option<redis::Connection>,
 }
 
 impl RedisServer {
@@ -50,10 +59,11 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let server = RedisServer {
+        let mut server = RedisServer {
             child,
             port,
             dir: dir.to_path_buf(),
+            connection: None,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -62,6 +72,7 @@ impl RedisServer {
                 .get_connection_with_timeout(Duration::from_secs(1))
                 .and_then(|mut c| redis::cmd("PING").query(&mut c));
             if ping.is_ok() {
+                server.connection = Some(server.connection());
                 return server;
             }
             assert!(
@@ -87,15 +98,121 @@ impl RedisServer {
     }
 
     /// Stops it (SIGKILL: what is acknowledged is on disk already) and starts it again on the same port
-    /// and directory.
-    fn restart(&mut self, extra: &[&str]) {
+    /// and directory, with extra arguments.
+    fn restart_with(&mut self, extra: &[&str]) {
         self.stop();
         *self = RedisServer::start_on(self.port, &self.dir.clone(), extra);
     }
 
+    /// Reads `stream` from its start until `count` entries came or `within` passed.
+    fn read(&mut self, stream: &str, count: usize, within: Duration) -> Vec<Got> {
+        let redis = self.connection.as_mut().unwrap();
+        let deadline = Instant::now() + within;
+        let mut got = Vec::new();
+        let mut last = "0".to_string();
+        while got.len() < count && Instant::now() < deadline {
+            let answer: Value = redis::cmd("XREAD")
+                .arg("COUNT")
+                .arg(100)
+                .arg("BLOCK")
+                .arg(100)
+                .arg("STREAMS")
+                .arg(stream)
+                .arg(&last)
+                .query(redis)
+                .unwrap();
+            let at_ms = now_ms();
+            let Value::Array(streams) = answer else {
+                continue;
+            };
+            for stream in streams {
+                let Value::Array(pair) = stream else { continue };
+                let Some(Value::Array(entries)) = pair.get(1) else {
+                    continue;
+                };
+                for entry in entries {
+                    let Value::Array(parts) = entry else { continue };
+                    let (Some(Value::BulkString(id)), Some(Value::Array(fields))) =
+                        (parts.first(), parts.get(1))
+                    else {
+                        continue;
+                    };
+                    last = String::from_utf8(id.clone()).unwrap();
+                    let mut headers: BTreeMap<String, String> = fields
+                        .chunks(2)
+                        .map(|pair| match pair {
+                            [Value::BulkString(n), Value::BulkString(v)] => (
+                                String::from_utf8(n.clone()).unwrap(),
+                                String::from_utf8(v.clone()).unwrap(),
+                            ),
+                            other => panic!("{other:?}"),
+                        })
+                        .collect();
+                    let body = headers.remove("body").unwrap();
+                    got.push(Got {
+                        headers,
+                        body,
+                        at_ms,
+                        mq: (),
+                    });
+                }
+            }
+        }
+        got
+    }
+
+    /// Entries of the source stream delivered to delayd's group and not acknowledged. The group must
+    /// exist (delayd's source creates it on connecting): XPENDING answers NOGROUP before.
+    fn pending(&mut self) -> i64 {
+        let answer: Value = redis::cmd("XPENDING")
+            .arg("delayd:in")
+            .arg("delayd")
+            .query(self.connection.as_mut().unwrap())
+            .unwrap();
+        match answer {
+            Value::Array(parts) => match parts.first() {
+                Some(Value::Int(n)) => *n,
+                other => panic!("{other:?}"),
+            },
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// Requests are `XADD`ed to `delayd:in`, their headers as fields and then a field `body`.
+impl Mq for RedisServer {
+    type Own = ();
+
+    fn target(&self) -> String {
+        TARGET.into()
+    }
+
+    fn publish(&mut self, fields: &[(&str, &str)], body: &str) {
+        let mut command = redis::cmd("XADD");
+        command.arg("delayd:in").arg("*");
+        for (name, value) in fields {
+            command.arg(*name).arg(*value);
+        }
+        command.arg("body").arg(body);
+        let _: String = command.query(self.connection.as_mut().unwrap()).unwrap();
+    }
+
+    fn read_target(&mut self, count: usize, within: Duration) -> Vec<Got> {
+        self.read(TARGET, count, within)
+    }
+
+    fn all_acknowledged(&mut self) -> bool {
+        self.pending() == 0
+    }
+
     fn stop(&mut self) {
+        self.connection = None;
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    fn restart(&mut self) {
+        self.restart_with(&[]);
     }
 }
 
@@ -126,181 +243,45 @@ fn config_with_sink(dir: &Path, redis: &RedisServer, sink_keys: &str) -> PathBuf
     path
 }
 
-fn start_delayd(data: &Path, config: &Path) -> Process {
-    spawn(data, &["--config", config.to_str().unwrap()])
-}
-
-/// Publishes a request: `fields` are its headers, then its body.
-fn publish(redis: &mut redis::Connection, fields: &[(&str, &str)], body: &str) -> String {
-    let mut command = redis::cmd("XADD");
-    command.arg("delayd:in").arg("*");
-    for (name, value) in fields {
-        command.arg(*name).arg(*value);
-    }
-    command.arg("body").arg(body);
-    command.query(redis).unwrap()
-}
-
-/// One entry read from a target stream: its fields, and when it was read.
-#[derive(Debug, Clone)]
-struct Got {
-    fields: BTreeMap<String, String>,
-    at_ms: i64,
-}
-
-/// Reads `stream` from `from` until `count` entries came or `within` passed.
-fn read_target(
-    redis: &mut redis::Connection,
-    stream: &str,
-    count: usize,
-    within: Duration,
-) -> Vec<Got> {
-    let deadline = Instant::now() + within;
-    let mut got = Vec::new();
-    let mut last = "0".to_string();
-    while got.len() < count && Instant::now() < deadline {
-        let answer: Value = redis::cmd("XREAD")
-            .arg("COUNT")
-            .arg(100)
-            .arg("BLOCK")
-            .arg(100)
-            .arg("STREAMS")
-            .arg(stream)
-            .arg(&last)
-            .query(redis)
-            .unwrap();
-        let at_ms = now_ms();
-        let Value::Array(streams) = answer else {
-            continue;
-        };
-        for stream in streams {
-            let Value::Array(pair) = stream else { continue };
-            let Some(Value::Array(entries)) = pair.get(1) else {
-                continue;
-            };
-            for entry in entries {
-                let Value::Array(parts) = entry else { continue };
-                let (Some(Value::BulkString(id)), Some(Value::Array(fields))) =
-                    (parts.first(), parts.get(1))
-                else {
-                    continue;
-                };
-                last = String::from_utf8(id.clone()).unwrap();
-                let fields = fields
-                    .chunks(2)
-                    .map(|pair| match pair {
-                        [Value::BulkString(n), Value::BulkString(v)] => (
-                            String::from_utf8(n.clone()).unwrap(),
-                            String::from_utf8(v.clone()).unwrap(),
-                        ),
-                        other => panic!("{other:?}"),
-                    })
-                    .collect();
-                got.push(Got { fields, at_ms });
-            }
-        }
-    }
-    got
-}
-
-/// Entries of the source stream delivered to delayd's group and not acknowledged. The group must exist
-/// (delayd's source creates it on connecting): XPENDING answers NOGROUP before.
-fn pending(redis: &mut redis::Connection) -> i64 {
-    let answer: Value = redis::cmd("XPENDING")
-        .arg("delayd:in")
-        .arg("delayd")
-        .query(redis)
-        .unwrap();
-    match answer {
-        Value::Array(parts) => match parts.first() {
-            Some(Value::Int(n)) => *n,
-            other => panic!("{other:?}"),
-        },
-        other => panic!("{other:?}"),
-    }
-}
-
 /// Requests due 1–3 s ahead arrive at their target stream, none early, with the application's fields,
 /// without delayd's, and with `delayd-id`, which the HTTP API knows as delivered.
 #[test]
 fn requests_through_redis_arrive_on_time_with_their_fields() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(redis) = RedisServer::start(dir.path()) else {
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
         return;
     };
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
-    let mut connection = redis.connection();
-    let count = 30;
-    let mut due = BTreeMap::new();
-    for i in 0..count {
-        let delay_ms = 1000 + i * 2000 / count;
-        let published = now_ms();
-        publish(
-            &mut connection,
-            &[
-                ("delayd-delay", &format!("{delay_ms}ms")),
-                ("delayd-target", "orders:out"),
-                ("trace", &format!("t{i}")),
-            ],
-            &format!("order {i}"),
-        );
-        due.insert(format!("order {i}"), published + delay_ms);
-    }
+    let mut due = publish_orders(&mut redis, 30, false);
     // One in the delayed-message exchange's form.
     let published = now_ms();
-    publish(
-        &mut connection,
-        &[("x-delay", "1500"), ("delayd-target", "orders:out")],
+    redis.publish(
+        &[("x-delay", "1500"), ("delayd-target", TARGET)],
         "migrated",
     );
     due.insert("migrated".into(), published + 1500);
-    let got = read_target(
-        &mut connection,
-        "orders:out",
-        due.len(),
-        Duration::from_secs(30),
-    );
-    assert_eq!(got.len(), due.len(), "{got:?}");
-    for entry in &got {
-        let body = &entry.fields["body"];
-        assert!(!entry.fields.contains_key("delayd-delay"));
-        assert!(!entry.fields.contains_key("delayd-target"));
-        assert!(!entry.fields.contains_key("x-delay"));
-        assert!(!entry.fields.contains_key("delayd-source-position"));
-        if body != "migrated" {
-            assert_eq!(entry.fields["trace"], format!("t{}", &body[6..]));
-        }
-        let id = &entry.fields["delayd-id"];
-        let status = request(
-            &delayd.base,
-            "GET",
-            &format!("/v1/messages/{id}"),
-            None,
-            None,
-        );
-        assert_eq!(status.json["status"], "delivered", "{}", status.json);
-        assert_eq!(status.json["topic"], "orders:out");
-    }
-    assert_none_early(
-        got.iter().map(|e| (e.fields["body"].as_str(), e.at_ms)),
+    let consumed = [
+        "delayd-delay",
+        "delayd-target",
+        "x-delay",
+        "delayd-source-position",
+    ];
+    let how = "including this reader's 100 ms polls";
+    assert_arrive_on_time(
+        &mut redis,
+        &delayd.base,
         &due,
-        "including this reader's 100 ms polls",
+        &consumed,
+        how,
+        |_, status| {
+            assert_eq!(status["topic"], TARGET);
+        },
     );
-    assert_eq!(pending(&mut connection), 0, "every request acknowledged");
     let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-    assert_eq!(sources.json["sources"][0]["name"], "in");
-    assert_eq!(sources.json["sources"][0]["connected"], true);
     assert_eq!(
         sources.json["sources"][0]["requests"]["scheduled"],
         due.len() as u64
     );
-    let metrics = scrape(&delayd.base);
-    assert_eq!(
-        metrics[r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#],
-        due.len() as f64
-    );
-    assert_eq!(metrics[r#"delayd_source_connected{source="in"}"#], 1.0);
-    assert_eq!(metrics[r#"delayd_sink_connected{sink="out"}"#], 1.0);
 }
 
 /// A request that cannot be scheduled is a dead letter with its reason, acknowledged, never delivered;
@@ -308,11 +289,10 @@ fn requests_through_redis_arrive_on_time_with_their_fields() {
 #[test]
 fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(redis) = RedisServer::start(dir.path()) else {
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
         return;
     };
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
-    let mut connection = redis.connection();
     let bad: [(&[(&str, &str)], &str); 4] = [
         (&[("delayd-delay", "1s")], "missing_target"),
         (&[("delayd-target", "t")], "missing_deliver_time"),
@@ -330,51 +310,10 @@ fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
         ),
     ];
     for (fields, _) in &bad {
-        publish(&mut connection, fields, "bad");
+        redis.publish(fields, "bad");
     }
-    publish(
-        &mut connection,
-        &[
-            ("delayd-delay", "2s"),
-            ("delayd-target", "orders:out"),
-            ("delayd-key", "o-1"),
-        ],
-        "cancel me",
-    );
-    publish(
-        &mut connection,
-        &[
-            ("delayd-target", "orders:out"),
-            ("delayd-key", "o-1"),
-            ("delayd-cancel", "true"),
-        ],
-        "",
-    );
-    publish(
-        &mut connection,
-        &[("delayd-delay", "2500ms"), ("delayd-target", "orders:out")],
-        "sentinel",
-    );
-    let got = read_target(&mut connection, "orders:out", 1, Duration::from_secs(30));
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].fields["body"], "sentinel");
-    // Nothing else comes: the cancelled one was due half a second before the sentinel.
-    assert_eq!(
-        read_target(&mut connection, "orders:out", 2, Duration::from_millis(500)).len(),
-        1
-    );
-    assert_eq!(pending(&mut connection), 0);
-    // The dead letters, with their reasons, in the broker's $dead topic.
     let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
-    assert_dead_letters(&delayd.base, "bad", &codes);
-    let metrics = scrape(&delayd.base);
-    let count = |outcome: &str| {
-        metrics[&format!(r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#)]
-    };
-    assert_eq!(
-        (count("dead"), count("cancelled"), count("scheduled")),
-        (4.0, 1.0, 2.0)
-    );
+    assert_dead_letters_and_cancel_by_key(&mut redis, &delayd.base, &codes, (4.0, 1.0, 2.0));
 }
 
 /// The worst moment for a crash: requests are durable in delayd and not acknowledged to Redis (here its
@@ -387,10 +326,9 @@ fn a_crash_between_the_fsync_and_the_ack_schedules_each_request_once() {
     let Some(mut redis) = RedisServer::start(dir.path()) else {
         return;
     };
-    redis.restart(&["--rename-command", "XACK", ""]);
+    redis.restart_with(&["--rename-command", "XACK", ""]);
     let data = dir.path().join("data");
     let config = config(dir.path(), &redis);
-    let mut connection = redis.connection();
     let count = 20;
     // Published before delayd starts, so that it takes them in one batch (a consumer whose acks fail
     // reads its pending requests again and again, and no new ones). The last message has a key, and a
@@ -398,79 +336,46 @@ fn a_crash_between_the_fsync_and_the_ack_schedules_each_request_once() {
     for i in 0..count {
         let last = i == count - 1;
         if last {
-            publish(
-                &mut connection,
+            redis.publish(
                 &[
-                    ("delayd-target", "orders:out"),
+                    ("delayd-target", TARGET),
                     ("delayd-key", "again"),
                     ("delayd-cancel", "true"),
                 ],
                 "",
             );
         }
-        let mut fields = vec![("delayd-delay", "3s"), ("delayd-target", "orders:out")];
+        let mut fields = vec![("delayd-delay", "3s"), ("delayd-target", TARGET)];
         if last {
             fields.push(("delayd-key", "again"));
         }
-        publish(&mut connection, &fields, &format!("once {i}"));
+        redis.publish(&fields, &format!("once {i}"));
     }
     let mut delayd = start_delayd(&data, &config);
     // All scheduled (durable), none acknowledged.
     wait_for(
         "the requests to be scheduled",
         Duration::from_secs(30),
-        || {
-            scrape(&delayd.base)
-                .get(r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#)
-                .copied()
-                == Some(count as f64)
-        },
+        || source_count(&delayd.base, "scheduled") == f64::from(count),
     );
     assert_eq!(
-        pending(&mut connection),
-        count + 1,
+        redis.pending(),
+        1 + i64::from(count),
         "the messages and the cancel"
     );
-    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-    assert!(
-        sources.json["sources"][0]["last_error"].as_str().is_some(),
-        "{}",
-        sources.json
-    );
+    let source = source_state(&delayd.base);
+    assert!(source["last_error"].as_str().is_some(), "{source}");
     delayd.kill();
-    redis.restart(&[]);
-    drop(connection);
-    let mut connection = redis.connection();
+    redis.restart();
     let delayd = start_delayd(&data, &config);
-    let got = read_target(
-        &mut connection,
-        "orders:out",
-        count as usize,
-        Duration::from_secs(30),
-    );
-    assert_eq!(got.len(), count as usize);
-    // Nothing more: each once.
-    assert_eq!(
-        read_target(
-            &mut connection,
-            "orders:out",
-            count as usize + 1,
-            Duration::from_secs(1)
-        )
-        .len(),
-        count as usize
-    );
-    let mut bodies: Vec<_> = got.iter().map(|g| g.fields["body"].clone()).collect();
-    bodies.sort();
-    bodies.dedup();
-    assert_eq!(bodies.len(), count as usize);
+    assert_each_delivered_once(&mut redis, count as usize);
     wait_for("the acknowledgements", Duration::from_secs(10), || {
-        pending(&mut connection) == 0
+        redis.pending() == 0
     });
     let metrics = scrape(&delayd.base);
     assert_eq!(
         metrics[r#"delayd_source_messages_total{source="in",outcome="duplicate"}"#],
-        count as f64
+        f64::from(count)
     );
     assert_eq!(
         metrics[r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#],
@@ -487,64 +392,7 @@ fn redis_restarted_mid_run_loses_nothing() {
         return;
     };
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
-    let mut connection = redis.connection();
-    publish(
-        &mut connection,
-        &[("delayd-delay", "6s"), ("delayd-target", "orders:out")],
-        "before",
-    );
-    wait_for(
-        "the request to be acknowledged",
-        Duration::from_secs(10),
-        // Scheduled first: until delayd's source has connected, its group does not exist and
-        // XPENDING answers NOGROUP; once it counted the request, the group is there.
-        || {
-            scrape(&delayd.base)
-                .get(r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#)
-                .copied()
-                == Some(1.0)
-                && pending(&mut connection) == 0
-        },
-    );
-    redis.stop();
-    wait_for("the source to notice", Duration::from_secs(20), || {
-        let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-        sources.json["sources"][0]["connected"] == json!(false)
-    });
-    // The message falls due while Redis is away: the sink fails and retries.
-    wait_for("the sink to notice", Duration::from_secs(20), || {
-        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
-        sinks.json["sinks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|s| s["name"] == "out" && s["connected"] == json!(false))
-    });
-    assert_eq!(
-        request(&delayd.base, "GET", "/readyz", None, None).status,
-        200
-    );
-    let http = request(
-        &delayd.base,
-        "POST",
-        "/v1/messages",
-        Some(r#"{"topic": "http", "body": "still here", "delay": 0}"#),
-        None,
-    );
-    assert_eq!(http.status, 201, "{}", http.json);
-    redis.restart(&[]);
-    let mut connection = redis.connection();
-    publish(
-        &mut connection,
-        &[("delayd-delay", "500ms"), ("delayd-target", "orders:out")],
-        "after",
-    );
-    let got = read_target(&mut connection, "orders:out", 2, Duration::from_secs(30));
-    let mut bodies: Vec<_> = got.iter().map(|g| g.fields["body"].clone()).collect();
-    bodies.sort();
-    assert_eq!(bodies, ["after", "before"]);
-    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-    assert_eq!(sources.json["sources"][0]["connected"], true);
+    assert_outage_loses_nothing(&mut redis, &delayd.base, "6s");
 }
 
 /// Requests take effect in their order, also within one batch: a message, its cancel, then a new message
@@ -552,47 +400,36 @@ fn redis_restarted_mid_run_loses_nothing() {
 #[test]
 fn a_cancel_and_a_new_message_with_its_key_in_one_batch_keep_their_order() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(redis) = RedisServer::start(dir.path()) else {
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
         return;
     };
-    let mut connection = redis.connection();
     // Published before delayd starts: it reads them in one batch.
     let keyed = |delay: &'static str| {
         [
             ("delayd-delay", delay),
-            ("delayd-target", "orders:out"),
+            ("delayd-target", TARGET),
             ("delayd-key", "o-7"),
         ]
     };
-    publish(&mut connection, &keyed("1s"), "first");
-    publish(
-        &mut connection,
+    redis.publish(&keyed("1s"), "first");
+    redis.publish(
         &[
-            ("delayd-target", "orders:out"),
+            ("delayd-target", TARGET),
             ("delayd-key", "o-7"),
             ("delayd-cancel", "true"),
         ],
         "",
     );
-    publish(&mut connection, &keyed("1500ms"), "second");
-    publish(
-        &mut connection,
-        &[("delayd-delay", "2s"), ("delayd-target", "orders:out")],
+    redis.publish(&keyed("1500ms"), "second");
+    redis.publish(
+        &[("delayd-delay", "2s"), ("delayd-target", TARGET)],
         "sentinel",
     );
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
-    let got = read_target(&mut connection, "orders:out", 2, Duration::from_secs(30));
-    let mut bodies: Vec<_> = got.iter().map(|g| g.fields["body"].clone()).collect();
-    bodies.sort();
-    assert_eq!(bodies, ["second", "sentinel"]);
-    assert_eq!(
-        read_target(&mut connection, "orders:out", 3, Duration::from_millis(500)).len(),
-        2
-    );
-    let metrics = scrape(&delayd.base);
-    let count = |outcome: &str| {
-        metrics[&format!(r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#)]
-    };
+    let got = redis.read_target(2, Duration::from_secs(30));
+    assert_eq!(bodies(&got), ["second", "sentinel"]);
+    assert_eq!(redis.read_target(3, Duration::from_millis(500)).len(), 2);
+    let count = |outcome| source_count(&delayd.base, outcome);
     assert_eq!(
         (count("scheduled"), count("cancelled"), count("duplicate")),
         (3.0, 1.0, 0.0)
@@ -606,11 +443,10 @@ fn a_cancel_and_a_new_message_with_its_key_in_one_batch_keep_their_order() {
 #[test]
 fn keys_belong_to_their_sink_and_targets_are_checked() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(redis) = RedisServer::start(dir.path()) else {
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
         return;
     };
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
-    let mut connection = redis.connection();
     let post = |body: serde_json::Value| {
         request(
             &delayd.base,
@@ -624,8 +460,7 @@ fn keys_belong_to_their_sink_and_targets_are_checked() {
         post(json!({"topic": "orders", "key": "42", "dedup": true, "body": "http", "delay": "2s"}));
     assert_eq!(http.status, 201, "{}", http.json);
     let http = http.json["id"].as_str().unwrap().to_string();
-    publish(
-        &mut connection,
+    redis.publish(
         &[
             ("delayd-delay", "2s"),
             ("delayd-target", "orders"),
@@ -633,14 +468,7 @@ fn keys_belong_to_their_sink_and_targets_are_checked() {
         ],
         "from redis",
     );
-    let count = |outcome: &str| {
-        scrape(&delayd.base)
-            .get(&format!(
-                r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#
-            ))
-            .copied()
-            .unwrap_or(0.0)
-    };
+    let count = |outcome| source_count(&delayd.base, outcome);
     wait_for("the request to be taken", Duration::from_secs(10), || {
         count("scheduled") + count("duplicate") == 1.0
     });
@@ -649,8 +477,7 @@ fn keys_belong_to_their_sink_and_targets_are_checked() {
         1.0,
         "not a duplicate of another sink's key"
     );
-    publish(
-        &mut connection,
+    redis.publish(
         &[
             ("delayd-target", "orders"),
             ("delayd-key", "42"),
@@ -659,8 +486,7 @@ fn keys_belong_to_their_sink_and_targets_are_checked() {
         "",
     );
     // Refused: outside the sink's targets.
-    publish(
-        &mut connection,
+    redis.publish(
         &[("delayd-delay", "1s"), ("delayd-target", "sessions:x")],
         "bad",
     );
@@ -682,14 +508,16 @@ fn keys_belong_to_their_sink_and_targets_are_checked() {
         .json["status"]
             == "delivered"
     });
-    assert!(read_target(&mut connection, "orders", 1, Duration::from_millis(500)).is_empty());
+    assert!(redis
+        .read("orders", 1, Duration::from_millis(500))
+        .is_empty());
     for (body, code) in [
         (
             json!({"sink": "out", "topic": "sessions", "body": "b", "delay": 0}),
             "forbidden_target",
         ),
         (
-            json!({"sink": "out", "topic": "orders:out", "body": "b", "delay": 0, "headers": {"body": "x"}}),
+            json!({"sink": "out", "topic": TARGET, "body": "b", "delay": 0, "headers": {"body": "x"}}),
             "invalid_header",
         ),
     ] {
@@ -765,28 +593,18 @@ fn an_outage_longer_than_the_backoff_series_kills_nothing() {
     };
     let config = config_with_sink(dir.path(), &redis, "max_attempts = 3\n");
     let delayd = start_delayd(&dir.path().join("data"), &config);
-    let mut connection = redis.connection();
     let count = 20;
     for i in 0..count {
-        publish(
-            &mut connection,
-            &[("delayd-delay", "2s"), ("delayd-target", "orders:out")],
+        redis.publish(
+            &[("delayd-delay", "2s"), ("delayd-target", TARGET)],
             &format!("m{i}"),
         );
     }
     wait_for("the requests", Duration::from_secs(10), || {
-        scrape(&delayd.base)
-            .get(r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#)
-            .copied()
-            == Some(count as f64)
-            && pending(&mut connection) == 0
+        source_count(&delayd.base, "scheduled") == count as f64 && redis.pending() == 0
     });
     redis.stop();
-    let sink = || {
-        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
-        let sinks = sinks.json["sinks"].as_array().unwrap().clone();
-        sinks.into_iter().find(|s| s["name"] == "out").unwrap()
-    };
+    let sink = || sink_state(&delayd.base);
     // Due meanwhile: each waits, again and again, for longer than three attempts would take.
     wait_for("every message to wait", Duration::from_secs(20), || {
         sink()["postponed"].as_u64().is_some_and(|n| n >= 3 * count)
@@ -803,28 +621,16 @@ fn an_outage_longer_than_the_backoff_series_kills_nothing() {
         metric.is_some_and(|n| n >= counted),
         "{metric:?} < {counted}"
     );
-    redis.restart(&[]);
-    let mut connection = redis.connection();
-    let got = read_target(
-        &mut connection,
-        "orders:out",
-        count as usize,
-        Duration::from_secs(30),
-    );
+    redis.restart();
+    let got = redis.read_target(count as usize, Duration::from_secs(30));
     assert_eq!(
         got.len(),
         count as usize,
         "every message delivered, none dead"
     );
     for entry in &got {
-        let id = &entry.fields["delayd-id"];
-        let status = request(
-            &delayd.base,
-            "GET",
-            &format!("/v1/messages/{id}"),
-            None,
-            None,
-        );
+        let path = format!("/v1/messages/{}", entry.id());
+        let status = request(&delayd.base, "GET", &path, None, None);
         assert_eq!(status.json["status"], "delivered", "{}", status.json);
         assert_eq!(
             status.json["attempts"], 1,
@@ -847,12 +653,7 @@ fn the_sinks_state_follows_redis_without_deliveries() {
         return;
     };
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
-    let connected = || {
-        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
-        let sinks = sinks.json["sinks"].as_array().unwrap().clone();
-        let out = sinks.into_iter().find(|s| s["name"] == "out").unwrap();
-        out["connected"].as_bool().unwrap()
-    };
+    let connected = || sink_state(&delayd.base)["connected"].as_bool().unwrap();
     wait_for(
         "the sink to be connected",
         Duration::from_secs(10),
@@ -864,7 +665,7 @@ fn the_sinks_state_follows_redis_without_deliveries() {
         Duration::from_secs(10),
         || !connected(),
     );
-    redis.restart(&[]);
+    redis.restart();
     wait_for(
         "the sink to be connected again",
         Duration::from_secs(10),
@@ -886,16 +687,15 @@ fn the_sinks_state_follows_redis_without_deliveries() {
 #[test]
 fn a_sources_dead_letter_is_found_listed_and_requeued() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(redis) = RedisServer::start(dir.path()) else {
+    let Some(mut redis) = RedisServer::start(dir.path()) else {
         return;
     };
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
-    let mut connection = redis.connection();
     let _: String = redis::cmd("XADD")
         .arg("delayd:in")
         .arg("*")
         .arg("delayd-target")
-        .arg("orders:out")
+        .arg(TARGET)
         .arg("delayd-key")
         .arg("k-1")
         .arg("trace")
@@ -904,30 +704,23 @@ fn a_sources_dead_letter_is_found_listed_and_requeued() {
         .arg(&[0xffu8, 0x00][..])
         .arg("body")
         .arg("no time")
-        .query(&mut connection)
+        .query(&mut redis.connection())
         .unwrap();
-    publish(&mut connection, &[("delayd-delay", "1s")], "no target");
+    redis.publish(&[("delayd-delay", "1s")], "no target");
     let refused_targets = ["orders:cancel", "orders:x", "orders:big", "orders:name"];
-    publish(
-        &mut connection,
+    redis.publish(
         &[
             ("delayd-target", "orders:cancel"),
             ("delayd-cancel", "true"),
         ],
         "",
     );
-    publish(
-        &mut connection,
-        &[("delayd-target", "orders:x"), ("x-delay", "soon")],
-        "x",
-    );
-    publish(
-        &mut connection,
+    redis.publish(&[("delayd-target", "orders:x"), ("x-delay", "soon")], "x");
+    redis.publish(
         &[("delayd-target", "orders:big"), ("delayd-delay", "1s")],
         &"b".repeat((1 << 20) + 1),
     );
-    publish(
-        &mut connection,
+    redis.publish(
         &[
             ("delayd-target", "orders:name"),
             ("delayd-delay", "1s"),
@@ -942,11 +735,11 @@ fn a_sources_dead_letter_is_found_listed_and_requeued() {
         messages.into_iter().find(|m| m["topic"] == topic)
     };
     wait_for("the dead letters listed", Duration::from_secs(10), || {
-        dead("orders:out").is_some()
+        dead(TARGET).is_some()
             && dead("").is_some()
             && refused_targets.iter().all(|t| dead(t).is_some())
     });
-    let no_time = dead("orders:out").unwrap();
+    let no_time = dead(TARGET).unwrap();
     assert_eq!(no_time["key"], "k-1");
     let reason = no_time["reason"].as_str().unwrap();
     assert!(
@@ -964,10 +757,10 @@ fn a_sources_dead_letter_is_found_listed_and_requeued() {
         None,
     );
     assert_eq!(requeued.status, 200, "{}", requeued.json);
-    let got = read_target(&mut connection, "orders:out", 1, Duration::from_secs(10));
+    let got = redis.read_target(1, Duration::from_secs(10));
     assert_eq!(got.len(), 1);
-    let fields = &got[0].fields;
-    assert_eq!(fields["body"], "no time");
+    assert_eq!(got[0].body, "no time");
+    let fields = &got[0].headers;
     assert_eq!(fields["trace"], "a\\u{1b}b");
     assert_eq!(fields["bin.base64"], "/wA=");
     assert_eq!(fields["delayd-id"], id);
