@@ -5,13 +5,14 @@
 //!
 //! Without `nats-server` a test prints why it is skipped, and fails under `CI=true`.
 
-use super::common::{
-    assert_dead_letters, assert_none_early, free_port, now_ms, request, scrape, server_installed,
-    spawn, wait_for, Process,
+use super::common::sidecar::{
+    assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_delivered_once,
+    assert_outage_loses_nothing, bodies, publish_orders, source_count, source_state,
+    spawn_with_config as start_delayd, Got, Mq,
 };
+use super::common::{free_port, now_ms, request, server_installed, wait_for};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
-use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -126,61 +127,6 @@ impl NatsServer {
             .unwrap();
     }
 
-    /// Publishes a request to the source stream (`delayd.in`) and waits for its PubAck.
-    fn publish(&self, headers: &[(&str, &str)], body: &str) {
-        let mut map = async_nats::HeaderMap::new();
-        for (name, value) in headers {
-            map.append(*name, *value);
-        }
-        let js = self.jetstream();
-        self.runtime
-            .block_on(async {
-                js.publish_with_headers("delayd.in", map, body.to_string().into())
-                    .await?
-                    .await
-            })
-            .unwrap();
-    }
-
-    /// Reads the target stream from its start until `count` messages came or `within` passed.
-    fn read_target(&self, count: usize, within: Duration) -> Vec<Got> {
-        let js = self.jetstream();
-        self.runtime.block_on(async {
-            let stream = js.get_stream("OUT").await.unwrap();
-            let reader: consumer::PullConsumer = stream
-                .create_consumer(consumer::pull::Config {
-                    ack_policy: consumer::AckPolicy::None,
-                    inactive_threshold: Duration::from_secs(30),
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
-            let mut messages = reader.messages().await.unwrap();
-            let deadline = tokio::time::Instant::now() + within;
-            let mut got = Vec::new();
-            while got.len() < count {
-                let Ok(Some(message)) = tokio::time::timeout_at(deadline, messages.next()).await
-                else {
-                    break;
-                };
-                let message = message.unwrap();
-                let at_ms = now_ms();
-                let mut headers = BTreeMap::new();
-                for (name, values) in message.headers.iter().flat_map(|h| h.iter()) {
-                    let values: Vec<&str> = values.iter().map(|v| v.as_str()).collect();
-                    headers.insert(name.to_string(), values.join(","));
-                }
-                got.push(Got {
-                    subject: message.subject.to_string(),
-                    headers,
-                    body: String::from_utf8(message.payload.to_vec()).unwrap(),
-                    at_ms,
-                });
-            }
-            got
-        })
-    }
-
     /// Requests delivered to delayd's consumer and not acknowledged, and requests not yet delivered;
     /// `None` before delayd made its consumer.
     fn unacknowledged(&self) -> Option<(usize, u64)> {
@@ -214,6 +160,75 @@ impl NatsServer {
                 ..Default::default()
             }))
             .unwrap();
+    }
+}
+
+/// Requests are published to `delayd.in` (stream `DELAYS`); the target is the stream `OUT`
+/// (`orders.>`), and a message read from it carries its subject.
+impl Mq for NatsServer {
+    type Own = String;
+
+    fn target(&self) -> String {
+        "orders.out".into()
+    }
+
+    /// Publishes a request to the source stream (`delayd.in`) and waits for its PubAck.
+    fn publish(&mut self, headers: &[(&str, &str)], body: &str) {
+        let mut map = async_nats::HeaderMap::new();
+        for (name, value) in headers {
+            map.append(*name, *value);
+        }
+        let js = self.jetstream();
+        self.runtime
+            .block_on(async {
+                js.publish_with_headers("delayd.in", map, body.to_string().into())
+                    .await?
+                    .await
+            })
+            .unwrap();
+    }
+
+    /// Reads the target stream from its start until `count` messages came or `within` passed.
+    fn read_target(&mut self, count: usize, within: Duration) -> Vec<Got<String>> {
+        let js = self.jetstream();
+        self.runtime.block_on(async {
+            let stream = js.get_stream("OUT").await.unwrap();
+            let reader: consumer::PullConsumer = stream
+                .create_consumer(consumer::pull::Config {
+                    ack_policy: consumer::AckPolicy::None,
+                    inactive_threshold: Duration::from_secs(30),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            let mut messages = reader.messages().await.unwrap();
+            let deadline = tokio::time::Instant::now() + within;
+            let mut got = Vec::new();
+            while got.len() < count {
+                let Ok(Some(message)) = tokio::time::timeout_at(deadline, messages.next()).await
+                else {
+                    break;
+                };
+                let message = message.unwrap();
+                let at_ms = now_ms();
+                let mut headers = BTreeMap::new();
+                for (name, values) in message.headers.iter().flat_map(|h| h.iter()) {
+                    let values: Vec<&str> = values.iter().map(|v| v.as_str()).collect();
+                    headers.insert(name.to_string(), values.join(","));
+                }
+                got.push(Got {
+                    headers,
+                    body: String::from_utf8(message.payload.to_vec()).unwrap(),
+                    at_ms,
+                    mq: message.subject.to_string(),
+                });
+            }
+            got
+        })
+    }
+
+    fn all_acknowledged(&mut self) -> bool {
+        self.unacknowledged() == Some((0, 0))
     }
 
     /// Stops it gracefully (SIGTERM: JetStream flushes its store) and waits.
@@ -251,15 +266,6 @@ impl Drop for NatsServer {
     }
 }
 
-/// One message read from the target stream, and when it was read.
-#[derive(Debug, Clone)]
-struct Got {
-    subject: String,
-    headers: BTreeMap<String, String>,
-    body: String,
-    at_ms: i64,
-}
-
 /// A config with a NATS source `in` (stream `DELAYS`, subjects `delayd.>`) feeding a NATS sink `out`,
 /// both as `user`.
 fn config(dir: &Path, nats: &NatsServer, user: &str, ack_wait: &str) -> PathBuf {
@@ -277,23 +283,6 @@ fn config(dir: &Path, nats: &NatsServer, user: &str, ack_wait: &str) -> PathBuf 
     path
 }
 
-fn start_delayd(data: &Path, config: &Path) -> Process {
-    spawn(data, &["--config", config.to_str().unwrap()])
-}
-
-fn source_connected(delayd: &Process) -> bool {
-    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-    sources.json["sources"][0]["connected"] == json!(true)
-}
-
-fn source_count(delayd: &Process, outcome: &str) -> Option<f64> {
-    scrape(&delayd.base)
-        .get(&format!(
-            r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#
-        ))
-        .copied()
-}
-
 /// RFC 3339 (UTC, whole seconds) for unix ms.
 fn rfc3339(ms: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp(ms / 1000)
@@ -308,7 +297,7 @@ fn rfc3339(ms: i64) -> String {
 #[test]
 fn requests_through_nats_arrive_on_time_with_their_headers() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(nats) = NatsServer::start(dir.path()) else {
+    let Some(mut nats) = NatsServer::start(dir.path()) else {
         return;
     };
     nats.create_target_stream();
@@ -318,23 +307,9 @@ fn requests_through_nats_arrive_on_time_with_their_headers() {
     );
     // delayd creates the source stream.
     wait_for("the source to connect", Duration::from_secs(30), || {
-        source_connected(&delayd)
+        source_state(&delayd.base)["connected"] == true
     });
-    let count = 30;
-    let mut due = BTreeMap::new();
-    for i in 0..count {
-        let delay_ms = 1000 + i * 2000 / count;
-        let published = now_ms();
-        nats.publish(
-            &[
-                ("delayd-delay", &format!("{delay_ms}ms")),
-                ("delayd-target", "orders.out"),
-                ("trace", &format!("t{i}")),
-            ],
-            &format!("order {i}"),
-        );
-        due.insert(format!("order {i}"), published + delay_ms);
-    }
+    let mut due = publish_orders(&mut nats, 30, false);
     // One in NATS 2.12's message-scheduling form, due at a whole second 2–3 s ahead.
     let at_ms = (now_ms() / 1000 + 3) * 1000;
     nats.publish(
@@ -345,59 +320,32 @@ fn requests_through_nats_arrive_on_time_with_their_headers() {
         "migrated",
     );
     due.insert("migrated".into(), at_ms);
-    let got = nats.read_target(due.len(), Duration::from_secs(30));
-    assert_eq!(got.len(), due.len(), "{got:?}");
-    for message in &got {
-        for consumed in [
-            "delayd-delay",
-            "delayd-target",
-            "Nats-Schedule",
-            "Nats-Schedule-Target",
-            "delayd-source-position",
-        ] {
-            assert!(
-                !message.headers.contains_key(consumed),
-                "{consumed} in {message:?}"
-            );
-        }
-        if message.body == "migrated" {
-            assert_eq!(message.subject, "orders.migrated");
-        } else {
-            assert_eq!(message.subject, "orders.out");
-            assert_eq!(message.headers["trace"], format!("t{}", &message.body[6..]));
-        }
-        let id = &message.headers["delayd-id"];
-        assert_eq!(&message.headers["Nats-Msg-Id"], id);
-        let status = request(
-            &delayd.base,
-            "GET",
-            &format!("/v1/messages/{id}"),
-            None,
-            None,
-        );
-        assert_eq!(status.json["status"], "delivered", "{}", status.json);
-        assert_eq!(status.json["topic"], message.subject.as_str());
-    }
-    assert_none_early(
-        got.iter().map(|m| (m.body.as_str(), m.at_ms)),
+    let consumed = [
+        "delayd-delay",
+        "delayd-target",
+        "Nats-Schedule",
+        "Nats-Schedule-Target",
+        "delayd-source-position",
+    ];
+    let how = "as this consumer received them";
+    assert_arrive_on_time(
+        &mut nats,
+        &delayd.base,
         &due,
-        "as this consumer received them",
+        &consumed,
+        how,
+        |message, status| {
+            let subject = &message.mq;
+            if message.body == "migrated" {
+                assert_eq!(subject, "orders.migrated");
+            } else {
+                assert_eq!(subject, "orders.out");
+            }
+            assert_eq!(message.headers["Nats-Msg-Id"], message.id());
+            assert_eq!(status["topic"], subject.as_str());
+        },
     );
-    wait_for(
-        "every request acknowledged",
-        Duration::from_secs(10),
-        || nats.unacknowledged() == Some((0, 0)),
-    );
-    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-    assert_eq!(sources.json["sources"][0]["name"], "in");
-    assert_eq!(sources.json["sources"][0]["kind"], "nats");
-    let metrics = scrape(&delayd.base);
-    assert_eq!(
-        metrics[r#"delayd_source_messages_total{source="in",outcome="scheduled"}"#],
-        due.len() as f64
-    );
-    assert_eq!(metrics[r#"delayd_source_connected{source="in"}"#], 1.0);
-    assert_eq!(metrics[r#"delayd_sink_connected{sink="out"}"#], 1.0);
+    assert_eq!(source_state(&delayd.base)["kind"], "nats");
 }
 
 /// A request that cannot be scheduled is a dead letter with its reason, acknowledged, never delivered;
@@ -405,7 +353,7 @@ fn requests_through_nats_arrive_on_time_with_their_headers() {
 #[test]
 fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(nats) = NatsServer::start(dir.path()) else {
+    let Some(mut nats) = NatsServer::start(dir.path()) else {
         return;
     };
     nats.create_target_stream();
@@ -448,43 +396,9 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
     for (headers, _) in &bad {
         nats.publish(headers, "bad");
     }
-    nats.publish(
-        &[
-            ("delayd-delay", "2s"),
-            ("delayd-target", "orders.out"),
-            ("delayd-key", "o-1"),
-        ],
-        "cancel me",
-    );
-    nats.publish(
-        &[
-            ("delayd-target", "orders.out"),
-            ("delayd-key", "o-1"),
-            ("delayd-cancel", "true"),
-        ],
-        "",
-    );
-    nats.publish(
-        &[("delayd-delay", "2500ms"), ("delayd-target", "orders.out")],
-        "sentinel",
-    );
-    let got = nats.read_target(1, Duration::from_secs(30));
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].body, "sentinel");
-    // Nothing else comes: the cancelled one was due half a second before the sentinel.
-    assert_eq!(nats.read_target(2, Duration::from_millis(500)).len(), 1);
-    wait_for(
-        "every request acknowledged",
-        Duration::from_secs(10),
-        || nats.unacknowledged() == Some((0, 0)),
-    );
     let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
-    assert_dead_letters(&delayd.base, "bad", &codes);
-    let count = |outcome: &str| source_count(&delayd, outcome).unwrap();
-    assert_eq!(
-        (count("dead"), count("cancelled"), count("scheduled")),
-        (bad.len() as f64, 1.0, 2.0)
-    );
+    let counts = (bad.len() as f64, 1.0, 2.0);
+    assert_dead_letters_and_cancel_by_key(&mut nats, &delayd.base, &codes, counts);
     // The same through HTTP: refused.
     let sent = request(
         &delayd.base,
@@ -544,7 +458,7 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
 #[test]
 fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(nats) = NatsServer::start(dir.path()) else {
+    let Some(mut nats) = NatsServer::start(dir.path()) else {
         return;
     };
     nats.create_target_stream();
@@ -561,12 +475,11 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
     wait_for(
         "the requests to be scheduled",
         Duration::from_secs(30),
-        || source_count(&delayd, "scheduled") == Some(f64::from(count)),
+        || source_count(&delayd.base, "scheduled") == f64::from(count),
     );
     // The acks failed (denied, then timed out), and none is recorded.
     wait_for("the failed ack", Duration::from_secs(30), || {
-        let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-        sources.json["sources"][0]["last_error"].as_str().is_some()
+        source_state(&delayd.base)["last_error"].as_str().is_some()
     });
     assert_eq!(nats.unacknowledged(), Some((count as usize, 0)));
     delayd.kill();
@@ -575,24 +488,13 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
         "the redelivered requests to be recognised",
         Duration::from_secs(30),
         // At least: a request whose ack_wait ran out again before its ack (a busy machine) comes once more.
-        || source_count(&delayd, "duplicate").is_some_and(|n| n >= f64::from(count)),
+        || source_count(&delayd.base, "duplicate") >= f64::from(count),
     );
-    let got = nats.read_target(count as usize, Duration::from_secs(30));
-    assert_eq!(got.len(), count as usize);
+    assert_each_delivered_once(&mut nats, count as usize);
     wait_for("the acknowledgements", Duration::from_secs(10), || {
-        nats.unacknowledged() == Some((0, 0))
+        nats.all_acknowledged()
     });
-    // Nothing more: each once.
-    assert_eq!(
-        nats.read_target(count as usize + 1, Duration::from_secs(1))
-            .len(),
-        count as usize
-    );
-    let mut bodies: Vec<_> = got.iter().map(|g| g.body.clone()).collect();
-    bodies.sort();
-    bodies.dedup();
-    assert_eq!(bodies.len(), count as usize);
-    assert_eq!(source_count(&delayd, "scheduled"), Some(0.0));
+    assert_eq!(source_count(&delayd.base, "scheduled"), 0.0);
 }
 
 /// A stream deleted and made again starts its sequences at 1 again. Its requests are new ones: neither
@@ -602,7 +504,7 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
 #[test]
 fn a_stream_made_again_starts_a_new_order_of_positions() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(nats) = NatsServer::start(dir.path()) else {
+    let Some(mut nats) = NatsServer::start(dir.path()) else {
         return;
     };
     nats.create_target_stream();
@@ -627,11 +529,10 @@ fn a_stream_made_again_starts_a_new_order_of_positions() {
     wait_for(
         "the requests to be scheduled",
         Duration::from_secs(30),
-        || source_count(&delayd, "scheduled") == Some(4.0),
+        || source_count(&delayd.base, "scheduled") == 4.0,
     );
     wait_for("the failed ack", Duration::from_secs(30), || {
-        let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-        sources.json["sources"][0]["last_error"].as_str().is_some()
+        source_state(&delayd.base)["last_error"].as_str().is_some()
     });
     delayd.kill();
     nats.delete_stream("DELAYS");
@@ -653,21 +554,19 @@ fn a_stream_made_again_starts_a_new_order_of_positions() {
     }
     let delayd = start_delayd(&data, &config(dir.path(), &nats, "delayd", "2s"));
     let got = nats.read_target(6, Duration::from_secs(60));
-    let mut bodies: Vec<_> = got.iter().map(|g| g.body.clone()).collect();
-    bodies.sort();
     // (The cancelled one was due a second before the old ones.)
     assert_eq!(
-        bodies,
+        bodies(&got),
         ["new 0", "new 1", "new 2", "old 0", "old 1", "old 2"]
     );
     assert_eq!(nats.read_target(7, Duration::from_millis(500)).len(), 6);
     assert_eq!(
         (
-            source_count(&delayd, "scheduled"),
-            source_count(&delayd, "cancelled"),
-            source_count(&delayd, "duplicate")
+            source_count(&delayd.base, "scheduled"),
+            source_count(&delayd.base, "cancelled"),
+            source_count(&delayd.base, "duplicate")
         ),
-        (Some(3.0), Some(1.0), Some(0.0))
+        (3.0, 1.0, 0.0)
     );
 }
 
@@ -686,50 +585,5 @@ fn nats_restarted_mid_run_loses_nothing() {
         &dir.path().join("data"),
         &config(dir.path(), &nats, "delayd", "60s"),
     );
-    nats.publish(
-        &[("delayd-delay", "6s"), ("delayd-target", "orders.out")],
-        "before",
-    );
-    wait_for(
-        "the request to be acknowledged",
-        Duration::from_secs(10),
-        || nats.unacknowledged() == Some((0, 0)) && source_count(&delayd, "scheduled") == Some(1.0),
-    );
-    nats.stop();
-    wait_for("the source to notice", Duration::from_secs(20), || {
-        !source_connected(&delayd)
-    });
-    // The message falls due while the server is away: the sink fails and retries.
-    wait_for("the sink to notice", Duration::from_secs(20), || {
-        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
-        sinks.json["sinks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|s| s["name"] == "out" && s["connected"] == json!(false))
-    });
-    assert_eq!(
-        request(&delayd.base, "GET", "/readyz", None, None).status,
-        200
-    );
-    let http = request(
-        &delayd.base,
-        "POST",
-        "/v1/messages",
-        Some(r#"{"topic": "http", "body": "still here", "delay": 0}"#),
-        None,
-    );
-    assert_eq!(http.status, 201, "{}", http.json);
-    nats.restart();
-    nats.publish(
-        &[("delayd-delay", "500ms"), ("delayd-target", "orders.out")],
-        "after",
-    );
-    let got = nats.read_target(2, Duration::from_secs(30));
-    let mut bodies: Vec<_> = got.iter().map(|g| g.body.clone()).collect();
-    bodies.sort();
-    assert_eq!(bodies, ["after", "before"]);
-    wait_for("the source to reconnect", Duration::from_secs(20), || {
-        source_connected(&delayd)
-    });
+    assert_outage_loses_nothing(&mut nats, &delayd.base, "6s");
 }
