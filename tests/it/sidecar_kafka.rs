@@ -9,17 +9,17 @@
 //! checks afterwards that no `tansu broker` is left. Without `tansu` a test prints why it is skipped,
 //! and fails under `CI=true`.
 
-use super::common::{
-    assert_dead_letters, assert_none_early, free_port, now_ms, request, scrape, server_installed,
-    spawn, wait_for, Process,
+use super::common::sidecar::{
+    assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_scheduled_once,
+    assert_outage_loses_nothing, publish_orders, source_count as count,
+    spawn_with_config as start_delayd, Got, Mq,
 };
+use super::common::{free_port, now_ms, request, server_installed, wait_for};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
-use serde_json::json;
-use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -29,6 +29,10 @@ use std::time::{Duration, Instant};
 
 const INSTALL: &str = "cargo install tansu --version 0.6.0 --locked --features libsql";
 
+/// The topic delayd's source reads, and the target the requests name.
+const SOURCE: &str = "delayd-in";
+const TARGET: &str = "orders-out";
+
 /// A `tansu` broker for one test, killed on drop; with a producer of its own.
 struct Tansu {
     child: Option<Child>,
@@ -36,6 +40,8 @@ struct Tansu {
     dir: PathBuf,
     runtime: tokio::runtime::Runtime,
     producer: Option<FutureProducer>,
+    /// The reader of [`TARGET`] behind [`Mq::read_target`].
+    target_reader: Option<Reader>,
 }
 
 impl Tansu {
@@ -55,6 +61,7 @@ impl Tansu {
             dir: dir.to_path_buf(),
             runtime,
             producer: None,
+            target_reader: None,
         };
         tansu.run();
         Some(tansu)
@@ -198,7 +205,7 @@ impl Tansu {
             .create()
             .unwrap();
         consumer.subscribe(&[topic]).unwrap();
-        let got: Arc<Mutex<Vec<Got>>> = Arc::default();
+        let got: Arc<Mutex<Vec<Record>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let (assigned_tx, assigned) = std::sync::mpsc::channel();
         let (done_tx, done) = std::sync::mpsc::channel();
@@ -227,12 +234,12 @@ impl Tansu {
                     .unwrap_or_default();
                 let payload = message.payload().unwrap_or_default().to_vec();
                 into.lock().unwrap().push(Got {
-                    key: message
-                        .key()
-                        .map(|k| String::from_utf8(k.to_vec()).unwrap()),
                     headers,
                     body: String::from_utf8(payload).unwrap(),
                     at_ms: now_ms(),
+                    mq: message
+                        .key()
+                        .map(|k| String::from_utf8(k.to_vec()).unwrap()),
                 });
             }
             // Closed (leaving its group) while the broker is still there.
@@ -245,12 +252,9 @@ impl Tansu {
         Reader { got, stop, done }
     }
 
-    fn stop(&mut self) {
-        self.producer = None;
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+    /// Reads [`TARGET`] from now on: what [`Mq::read_target`] returns is timed as it arrived.
+    fn follow_target(&mut self) {
+        self.target_reader = Some(self.reader(TARGET));
     }
 
     /// Sends the broker a signal (`-STOP`, `-CONT`).
@@ -262,11 +266,54 @@ impl Tansu {
             .unwrap()
             .success());
     }
+}
+
+/// Requests are produced to [`SOURCE`], a key as the record key; the target is [`TARGET`], and a
+/// record read from it carries its key. Offsets are committed in the background, unchecked.
+impl Mq for Tansu {
+    type Own = Option<String>;
+
+    fn target(&self) -> String {
+        TARGET.into()
+    }
+
+    fn publish(&mut self, headers: &[(&str, &str)], body: &str) {
+        self.produce(SOURCE, None, headers, body);
+    }
+
+    fn publish_keyed(&mut self, key: &str, headers: &[(&str, &str)], body: &str) {
+        self.produce(SOURCE, Some(key), headers, body);
+    }
+
+    fn read_target(&mut self, count: usize, within: Duration) -> Vec<Got<Option<String>>> {
+        if self.target_reader.is_none() {
+            self.follow_target();
+        }
+        self.target_reader.as_mut().unwrap().read(count, within)
+    }
+
+    fn all_acknowledged(&mut self) -> bool {
+        true
+    }
+
+    /// Kills it (its readers leave their groups first, while it is there).
+    fn stop(&mut self) {
+        self.target_reader = None;
+        self.producer = None;
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 
     /// Kills it and starts it again on the same port and database.
     fn restart(&mut self) {
         self.stop();
         self.run();
+    }
+
+    fn source_notices_outage(&self) -> bool {
+        false
     }
 }
 
@@ -298,17 +345,11 @@ fn watch(broker: u32) {
         .unwrap();
 }
 
-/// One record read from a target topic, and when it was read.
-#[derive(Debug, Clone)]
-struct Got {
-    key: Option<String>,
-    headers: BTreeMap<String, String>,
-    body: String,
-    at_ms: i64,
-}
+/// A record read from a target topic carries its key.
+type Record = Got<Option<String>>;
 
 struct Reader {
-    got: Arc<Mutex<Vec<Got>>>,
+    got: Arc<Mutex<Vec<Record>>>,
     stop: Arc<AtomicBool>,
     done: std::sync::mpsc::Receiver<()>,
 }
@@ -316,7 +357,7 @@ struct Reader {
 impl Reader {
     /// Waits until records with `count` different bodies came, or `within` passed; everything read so
     /// far (repeated deliveries too).
-    fn read_distinct(&mut self, count: usize, within: Duration) -> Vec<Got> {
+    fn read_distinct(&mut self, count: usize, within: Duration) -> Vec<Record> {
         let deadline = Instant::now() + within;
         loop {
             let got = self.got.lock().unwrap().clone();
@@ -330,7 +371,7 @@ impl Reader {
     }
 
     /// Waits until `count` records came in all, or `within` passed; everything read so far.
-    fn read(&mut self, count: usize, within: Duration) -> Vec<Got> {
+    fn read(&mut self, count: usize, within: Duration) -> Vec<Record> {
         let deadline = Instant::now() + within;
         while self.got.lock().unwrap().len() < count && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
@@ -361,10 +402,6 @@ fn config(dir: &Path, tansu: &Tansu, node: &str) -> PathBuf {
     path
 }
 
-fn start_delayd(data: &Path, config: &Path) -> Process {
-    spawn(data, &["--config", config.to_str().unwrap()])
-}
-
 /// Waits until delayd's source consumes (its group joined and given the partitions: a Kafka consumer
 /// takes seconds to join), by a request that changes nothing: a cancel of a key nothing has.
 fn wait_until_consuming(tansu: &Tansu, base: &str) {
@@ -384,100 +421,55 @@ fn wait_until_consuming(tansu: &Tansu, base: &str) {
     });
 }
 
-fn count(base: &str, outcome: &str) -> f64 {
-    scrape(base)
-        .get(&format!(
-            r#"delayd_source_messages_total{{source="in",outcome="{outcome}"}}"#
-        ))
-        .copied()
-        .unwrap_or(0.0)
-}
-
 /// Requests due 1–3 s ahead arrive at their target topic, none early, with the application's headers,
 /// without delayd's or the migration ones, with `delayd-id` (which the HTTP API knows as delivered) and
 /// with their record key; etf1/kafka-message-scheduler's headers are honoured.
 #[test]
 fn requests_through_kafka_arrive_on_time_with_their_headers_and_key() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(tansu) = Tansu::start(dir.path()) else {
+    let Some(mut tansu) = Tansu::start(dir.path()) else {
         return;
     };
-    tansu.create_topics(&[("delayd-in", 2), ("orders-out", 2)]);
-    let mut reader = tansu.reader("orders-out");
+    tansu.create_topics(&[(SOURCE, 2), (TARGET, 2)]);
+    tansu.follow_target();
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &tansu, "a"));
     wait_until_consuming(&tansu, &delayd.base);
-    let count_sent = 20;
-    let mut due = BTreeMap::new();
-    for i in 0..count_sent {
-        let delay_ms = 1000 + i * 2000 / count_sent;
-        let sent = now_ms();
-        tansu.produce(
-            "delayd-in",
-            Some(&format!("k{i}")),
-            &[
-                ("delayd-delay", &format!("{delay_ms}ms")),
-                ("delayd-target", "orders-out"),
-                ("trace", &format!("t{i}")),
-            ],
-            &format!("order {i}"),
-        );
-        due.insert(format!("order {i}"), sent + delay_ms as i64);
-    }
+    let mut due = publish_orders(&mut tansu, 20, true);
     // One in etf1/kafka-message-scheduler's form: unix seconds, a target topic and key.
     let epoch_s = now_ms() / 1000 + 2;
-    tansu.produce(
-        "delayd-in",
-        None,
+    tansu.publish(
         &[
             ("scheduler-epoch", &epoch_s.to_string()),
-            ("scheduler-target-topic", "orders-out"),
+            ("scheduler-target-topic", TARGET),
             ("scheduler-target-key", "migrated-key"),
         ],
         "migrated",
     );
     due.insert("migrated".into(), epoch_s * 1000);
-    let got = reader.read(due.len(), Duration::from_secs(30));
-    assert_eq!(got.len(), due.len(), "{got:?}");
-    for record in &got {
-        for consumed in [
-            "delayd-delay",
-            "delayd-target",
-            "delayd-source-position",
-            "scheduler-epoch",
-            "scheduler-target-topic",
-            "scheduler-target-key",
-        ] {
-            assert!(!record.headers.contains_key(consumed), "{record:?}");
-        }
-        if record.body == "migrated" {
-            assert_eq!(record.key.as_deref(), Some("migrated-key"));
-        } else {
-            let i = &record.body[6..];
-            assert_eq!(record.headers["trace"], format!("t{i}"));
-            assert_eq!(record.key, Some(format!("k{i}")));
-        }
-        let id = &record.headers["delayd-id"];
-        let status = request(
-            &delayd.base,
-            "GET",
-            &format!("/v1/messages/{id}"),
-            None,
-            None,
-        );
-        assert_eq!(status.json["status"], "delivered", "{}", status.json);
-        assert_eq!(status.json["topic"], "orders-out");
-    }
-    assert_none_early(
-        got.iter().map(|r| (r.body.as_str(), r.at_ms)),
+    let consumed = [
+        "delayd-delay",
+        "delayd-target",
+        "delayd-source-position",
+        "scheduler-epoch",
+        "scheduler-target-topic",
+        "scheduler-target-key",
+    ];
+    let how = "as the reader received them";
+    assert_arrive_on_time(
+        &mut tansu,
+        &delayd.base,
         &due,
-        "as the reader received them",
+        &consumed,
+        how,
+        |record, status| {
+            let key = record.mq.as_deref();
+            match record.body.strip_prefix("order ") {
+                Some(i) => assert_eq!(key, Some(format!("k{i}").as_str())),
+                None => assert_eq!(key, Some("migrated-key")),
+            }
+            assert_eq!(status["topic"], TARGET);
+        },
     );
-    assert_eq!(count(&delayd.base, "scheduled"), due.len() as f64);
-    let sources = request(&delayd.base, "GET", "/v1/sources", None, None);
-    assert_eq!(sources.json["sources"][0]["connected"], true);
-    let metrics = scrape(&delayd.base);
-    assert_eq!(metrics[r#"delayd_source_connected{source="in"}"#], 1.0);
-    assert_eq!(metrics[r#"delayd_sink_connected{sink="out"}"#], 1.0);
 }
 
 /// A request that cannot be scheduled is a dead letter with its reason, never delivered; a cancel by
@@ -485,11 +477,11 @@ fn requests_through_kafka_arrive_on_time_with_their_headers_and_key() {
 #[test]
 fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(tansu) = Tansu::start(dir.path()) else {
+    let Some(mut tansu) = Tansu::start(dir.path()) else {
         return;
     };
-    tansu.create_topics(&[("delayd-in", 1), ("orders-out", 1)]);
-    let mut reader = tansu.reader("orders-out");
+    tansu.create_topics(&[(SOURCE, 1), (TARGET, 1)]);
+    tansu.follow_target();
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &tansu, "a"));
     wait_until_consuming(&tansu, &delayd.base);
     let bad: [(&[(&str, &str)], &str); 4] = [
@@ -505,67 +497,11 @@ fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
         ),
     ];
     for (headers, _) in &bad {
-        tansu.produce("delayd-in", None, headers, "bad");
+        tansu.publish(headers, "bad");
     }
-    tansu.produce(
-        "delayd-in",
-        Some("o-1"),
-        &[("delayd-delay", "2s"), ("delayd-target", "orders-out")],
-        "cancel me",
-    );
-    tansu.produce(
-        "delayd-in",
-        None,
-        &[
-            ("delayd-target", "orders-out"),
-            ("delayd-key", "o-1"),
-            ("delayd-cancel", "true"),
-        ],
-        "",
-    );
-    tansu.produce(
-        "delayd-in",
-        None,
-        &[("delayd-delay", "2500ms"), ("delayd-target", "orders-out")],
-        "sentinel",
-    );
-    let got = reader.read(1, Duration::from_secs(30));
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].body, "sentinel");
-    // Nothing else comes: the cancelled one was due half a second before the sentinel.
-    assert_eq!(reader.read(2, Duration::from_millis(500)).len(), 1);
     let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
-    assert_dead_letters(&delayd.base, "bad", &codes);
-    assert_eq!(
-        (
-            count(&delayd.base, "dead"),
-            count(&delayd.base, "cancelled"),
-            count(&delayd.base, "scheduled")
-        ),
-        (4.0, 2.0, 2.0),
-        "the warm-up's cancel and the test's"
-    );
-}
-
-/// Each body read from the target with the ids it came under: a body under two ids would have been
-/// scheduled twice; one id read twice is a delivery repeated (in flight at a kill).
-/// Asserts that `total` different bodies were read, each under one id (delivered, none scheduled
-/// twice).
-fn assert_each_scheduled_once(got: &[Got], total: usize) {
-    let ids = ids_by_body(got);
-    assert_eq!(ids.len(), total, "every request delivered");
-    let twice: Vec<_> = ids.iter().filter(|(_, ids)| ids.len() > 1).collect();
-    assert!(twice.is_empty(), "scheduled twice: {twice:?}");
-}
-
-fn ids_by_body(got: &[Got]) -> BTreeMap<String, std::collections::BTreeSet<String>> {
-    let mut ids: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
-    for record in got {
-        ids.entry(record.body.clone())
-            .or_default()
-            .insert(record.headers["delayd-id"].clone());
-    }
-    ids
+    // Two cancels: the warm-up's and the test's.
+    assert_dead_letters_and_cancel_by_key(&mut tansu, &delayd.base, &codes, (4.0, 2.0, 2.0));
 }
 
 /// A crash in the middle of a backlog: the broker is frozen (SIGSTOP) while delayd takes it, then delayd
@@ -699,57 +635,10 @@ fn the_broker_restarted_mid_run_loses_nothing() {
     let Some(mut tansu) = Tansu::start(dir.path()) else {
         return;
     };
-    tansu.create_topics(&[("delayd-in", 1), ("orders-out", 1)]);
+    tansu.create_topics(&[(SOURCE, 1), (TARGET, 1)]);
     let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &tansu, "a"));
     wait_until_consuming(&tansu, &delayd.base);
-    tansu.produce(
-        "delayd-in",
-        None,
-        &[("delayd-delay", "3s"), ("delayd-target", "orders-out")],
-        "before",
-    );
-    wait_for(
-        "the request to be scheduled",
-        Duration::from_secs(20),
-        || count(&delayd.base, "scheduled") == 1.0,
-    );
-    tansu.stop();
-    wait_for("the sink to notice", Duration::from_secs(60), || {
-        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
-        sinks.json["sinks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|s| s["name"] == "out" && s["connected"] == json!(false))
-    });
-    let http = request(
-        &delayd.base,
-        "POST",
-        "/v1/messages",
-        Some(r#"{"topic": "http", "body": "still here", "delay": 0}"#),
-        None,
-    );
-    assert_eq!(http.status, 201, "{}", http.json);
-    tansu.restart();
-    let mut reader = tansu.reader("orders-out");
-    tansu.produce(
-        "delayd-in",
-        None,
-        &[("delayd-delay", "500ms"), ("delayd-target", "orders-out")],
-        "after",
-    );
-    let got = reader.read(2, Duration::from_secs(60));
-    let mut bodies: Vec<_> = got.iter().map(|g| g.body.clone()).collect();
-    bodies.sort();
-    assert_eq!(bodies, ["after", "before"]);
-    wait_for("the link to be up", Duration::from_secs(20), || {
-        let sinks = request(&delayd.base, "GET", "/v1/sinks", None, None);
-        sinks.json["sinks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|s| s["name"] == "out" && s["connected"] == json!(true))
-    });
+    assert_outage_loses_nothing(&mut tansu, &delayd.base, "3s");
 }
 
 /// Static membership: delayd killed (SIGKILL) and started again under the same `consumer` takes
