@@ -13,7 +13,9 @@ use super::{
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// A message read from an MQ's target: its headers, its body, when it was read (unix ms), and what the
@@ -68,6 +70,33 @@ pub trait Mq {
     fn source_notices_outage(&self) -> bool {
         true
     }
+}
+
+/// A runtime of one worker for a test's own MQ client, beside the blocking test.
+pub fn client_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs the shell `script` as a watchdog in a process group of its own, detached from this test
+/// process, which it is meant to outlive (to kill a server once the test process is gone, however it
+/// ended).
+#[expect(
+    clippy::zombie_processes,
+    reason = "the watchdog must outlive this process; init takes it over"
+)]
+pub fn spawn_watchdog(script: &str) {
+    Command::new("sh")
+        .args(["-c", script])
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
 }
 
 /// `delayd serve --config CONFIG` on `data`.

@@ -14,7 +14,7 @@
 
 use super::common::sidecar::{
     assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_scheduled_once,
-    assert_outage_loses_nothing, ids_by_body, publish_orders, source_count,
+    assert_outage_loses_nothing, ids_by_body, publish_orders, source_count, spawn_watchdog,
     spawn_with_config as start_delayd, Got, Mq,
 };
 use super::common::{free_port, now_ms, request, scrape, server_installed, wait_for};
@@ -140,10 +140,6 @@ impl Rabbit {
 
     /// A process that waits for this test process to end (or this node's group leader to die), then
     /// kills the node's process group and its epmd.
-    #[expect(
-        clippy::zombie_processes,
-        reason = "the watchdog must outlive this process; init takes it over"
-    )]
     fn watch(&self) {
         let script = format!(
             "while kill -0 {test} 2>/dev/null && kill -0 {group} 2>/dev/null; do sleep 0.2; done; \
@@ -155,14 +151,7 @@ impl Rabbit {
             epmd = self.epmd_port,
             remove = if self.remove_dir { self.dir.to_str().unwrap() } else { "" },
         );
-        Command::new("sh")
-            .args(["-c", &script])
-            .process_group(0)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        spawn_watchdog(&script);
     }
 
     fn url(&self) -> String {

@@ -11,8 +11,8 @@
 
 use super::common::sidecar::{
     assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_scheduled_once,
-    assert_outage_loses_nothing, publish_orders, source_count as count,
-    spawn_with_config as start_delayd, Got, Mq,
+    assert_outage_loses_nothing, client_runtime, publish_orders, source_count as count,
+    spawn_watchdog, spawn_with_config as start_delayd, Got, Mq,
 };
 use super::common::{free_port, now_ms, request, server_installed, wait_for};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -20,7 +20,6 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,11 +49,7 @@ impl Tansu {
         if !server_installed("tansu", INSTALL) {
             return None;
         }
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = client_runtime();
         let mut tansu = Tansu {
             child: None,
             port: free_port(),
@@ -325,24 +320,13 @@ impl Drop for Tansu {
 
 /// A process that waits for this test process to end (or the broker to die), then kills the broker:
 /// a test process killed outright leaves none behind.
-#[expect(
-    clippy::zombie_processes,
-    reason = "the watchdog must outlive this process; init takes it over"
-)]
 fn watch(broker: u32) {
     let script = format!(
         "while kill -0 {test} 2>/dev/null && kill -0 {broker} 2>/dev/null; do sleep 0.2; done; \
          kill -9 {broker} 2>/dev/null; true",
         test = std::process::id(),
     );
-    Command::new("sh")
-        .args(["-c", &script])
-        .process_group(0)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    spawn_watchdog(&script);
 }
 
 /// A record read from a target topic carries its key.

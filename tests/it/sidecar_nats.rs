@@ -7,8 +7,8 @@
 
 use super::common::sidecar::{
     assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_delivered_once,
-    assert_outage_loses_nothing, bodies, publish_orders, source_count, source_state,
-    spawn_with_config as start_delayd, Got, Mq,
+    assert_outage_loses_nothing, bodies, client_runtime, publish_orders, source_count,
+    source_state, spawn_with_config as start_delayd, Got, Mq,
 };
 use super::common::{free_port, now_ms, request, server_installed, wait_for};
 use async_nats::jetstream::{self, consumer, stream};
@@ -42,11 +42,7 @@ impl NatsServer {
         if !server_installed("nats-server", "apt-get install -y nats-server") {
             return None;
         }
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = client_runtime();
         let mut server = NatsServer {
             child: None,
             port: free_port(),
