@@ -1,7 +1,6 @@
 //! Consumption from the built-in broker: topics, offset pulls with long polling, consumer group offsets.
 
 use super::error::{ApiError, Problem};
-use super::openapi::{GroupPath, QueuePath, TopicPath};
 use super::{AppState, JsonBody};
 use crate::broker::{Broker, Stored};
 use crate::format::{format_ms, valid_name};
@@ -9,10 +8,52 @@ use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+use utoipa::ToSchema;
+
+/// The `{topic}` of a path.
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct TopicPath {
+    /// A topic: `[A-Za-z0-9._-]{1,200}` and not only dots, or `$dead` (the dead letters).
+    #[param(
+        pattern = r"^([.]*[A-Za-z0-9_-][A-Za-z0-9._-]*|\$dead)$",
+        max_length = 200
+    )]
+    #[expect(
+        dead_code,
+        reason = "described, never read: the handlers take the path as text"
+    )]
+    topic: String,
+}
+
+/// The `{group}` of a path.
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct GroupPath {
+    /// A consumer group: `[A-Za-z0-9._-]{1,200}` and not only dots.
+    #[param(pattern = "^[.]*[A-Za-z0-9_-][A-Za-z0-9._-]*$", max_length = 200)]
+    #[expect(
+        dead_code,
+        reason = "described, never read: the handlers take the path as text"
+    )]
+    group: String,
+}
+
+/// The `{queue}` of a path.
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct QueuePath {
+    /// The queue's number, from 0.
+    #[expect(
+        dead_code,
+        reason = "described, never read: the handlers take the path as text"
+    )]
+    queue: u32,
+}
 
 /// Runs `look` on the broker on the blocking pool: a store's lock is held through its commit-log
 /// `fdatasync` (and a queue file's at a rollover), the offsets' lock through an offset commit's, and a
@@ -66,20 +107,33 @@ fn check_group(group: &str) -> Result<(), ApiError> {
     get,
     path = "/v1/topics",
     tag = "broker",
-    responses((status = 200, description = "every topic", body = super::openapi::Topics, links(
+    responses((status = 200, description = "every topic", body = Topics, links(
         ("topic" = (
             operation_id = "topic",
             parameters(("topic" = "$response.body#/topics/0/name"))
         ))
     )))
 )]
-pub async fn topics(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    let topics: Vec<Value> = off_runtime(&state, Broker::topics)
+pub async fn topics(State(state): State<AppState>) -> Result<Json<Topics>, ApiError> {
+    let topics = off_runtime(&state, Broker::topics)
         .await?
         .into_iter()
-        .map(|(name, queues)| json!({"name": name, "queues": queues}))
+        .map(|(name, queues)| TopicSummary { name, queues })
         .collect();
-    Ok(Json(json!({"topics": topics})))
+    Ok(Json(Topics { topics }))
+}
+
+/// `GET /v1/topics`.
+#[derive(Serialize, ToSchema)]
+pub struct Topics {
+    topics: Vec<TopicSummary>,
+}
+
+/// A topic and how many queues it has.
+#[derive(Serialize, ToSchema)]
+pub struct TopicSummary {
+    name: String,
+    queues: u32,
 }
 
 /// A topic's queues and their offsets.
@@ -89,7 +143,7 @@ pub async fn topics(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
     tag = "broker",
     params(TopicPath),
     responses(
-        (status = 200, description = "the topic", body = super::openapi::Topic, links(
+        (status = 200, description = "the topic", body = Topic, links(
             ("pull" = (operation_id = "pull", parameters(
                 ("topic" = "$response.body#/name"), ("queue" = "$response.body#/queues/0/queue")
             )))
@@ -103,19 +157,40 @@ pub async fn topics(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
 pub async fn topic(
     State(state): State<AppState>,
     Path(topic): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Topic>, ApiError> {
     check_topic(&topic)?;
     let queues = queue_offsets(&state, &topic).await?.ok_or_else(|| {
         ApiError::not_found(format!(
             "no topic {topic:?} (a topic exists once a message was delivered to it)"
         ))
     })?;
-    let queues: Vec<Value> = queues
-        .iter()
-        .enumerate()
-        .map(|(i, (min, max))| json!({"queue": i, "min_offset": min, "max_offset": max}))
+    let queues = (0..)
+        .zip(queues)
+        .map(|(queue, (min_offset, max_offset))| QueueOffsets {
+            queue,
+            min_offset,
+            max_offset,
+        })
         .collect();
-    Ok(Json(json!({"name": topic, "queues": queues})))
+    Ok(Json(Topic {
+        name: topic,
+        queues,
+    }))
+}
+
+/// `GET /v1/topics/{topic}`.
+#[derive(Serialize, ToSchema)]
+pub struct Topic {
+    name: String,
+    queues: Vec<QueueOffsets>,
+}
+
+/// A queue's offsets: its oldest message kept, and the next offset to be written.
+#[derive(Serialize, ToSchema)]
+pub struct QueueOffsets {
+    queue: u32,
+    min_offset: u64,
+    max_offset: u64,
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -138,23 +213,31 @@ fn default_max() -> usize {
     32
 }
 
-/// A pulled message as the answer carries it (`openapi::PulledMessage`), serialized straight from the
-/// stored message: a pull answers up to `broker.max_pull_messages` of them, and a `Value` tree would
-/// cost several allocations for each.
-#[derive(serde::Serialize)]
-struct PulledMessage<'a> {
+/// A delivered message as a consumer reads it: `body` when it is UTF-8, else `body_base64`.
+// Borrowed from the stored message: a pull answers up to `broker.max_pull_messages` of them, and a
+// `Value` tree would cost several allocations for each.
+#[derive(Serialize, ToSchema)]
+pub struct PulledMessage<'a> {
     offset: u64,
+    #[schema(value_type = String)]
     id: &'a str,
+    #[schema(value_type = String)]
     topic: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, nullable = false)]
     key: Option<&'a str>,
-    headers: &'a std::collections::BTreeMap<String, String>,
+    #[schema(value_type = BTreeMap<String, String>)]
+    headers: &'a BTreeMap<String, String>,
+    #[schema(format = DateTime)]
     deliver_at: String,
+    #[schema(format = DateTime)]
     delivered_at: String,
     attempt: u16,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, nullable = false)]
     body: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, content_encoding = "base64")]
     body_base64: Option<String>,
 }
 
@@ -180,9 +263,10 @@ impl<'a> From<&'a Stored> for PulledMessage<'a> {
     }
 }
 
-/// A pull's answer (`openapi::Pulled`).
-#[derive(serde::Serialize)]
-struct PullAnswer<'a> {
+/// `GET /v1/topics/{topic}/queues/{queue}/messages`: `next_offset` is where to read next;
+/// `skipped`, how many messages below the queue's `min_offset` were passed over.
+#[derive(Serialize, ToSchema)]
+pub struct Pulled<'a> {
     messages: Vec<PulledMessage<'a>>,
     next_offset: u64,
     skipped: u64,
@@ -198,7 +282,7 @@ struct PullAnswer<'a> {
     params(TopicPath, QueuePath, PullQuery),
     responses(
         (status = 200, description = "the messages from `offset` on",
-            body = super::openapi::Pulled),
+            body = Pulled),
         (status = 400, description = "`invalid_topic`, `invalid_queue`, `invalid_query`, \
             `invalid_offset` (past the queue's end)", body = Problem,
             content_type = "application/problem+json"),
@@ -271,7 +355,7 @@ pub async fn pull(
     // Below min_offset (retention deleted those messages) the answer starts at min_offset and says how
     // many were skipped; next_offset moves past them even when nothing is there yet.
     let next_offset = messages.last().map_or(from, |m| m.offset + 1);
-    Ok(Json(PullAnswer {
+    Ok(Json(Pulled {
         messages: messages.iter().map(PulledMessage::from).collect(),
         next_offset,
         skipped: from.saturating_sub(query.offset),
@@ -294,7 +378,7 @@ pub struct OffsetBody {
     params(GroupPath, TopicPath, QueuePath),
     request_body(content = OffsetBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "stored", body = super::openapi::CommittedOffset),
+        (status = 200, description = "stored", body = CommittedOffset),
         (status = 400, description = "`invalid_json`, `invalid_group`, `invalid_topic`, \
             `invalid_queue`, `invalid_offset` (past the queue's end)", body = Problem,
             content_type = "application/problem+json"),
@@ -314,7 +398,7 @@ pub async fn commit_offset(
     State(state): State<AppState>,
     Path((group, topic, queue)): Path<(String, String, String)>,
     JsonBody(body): JsonBody<OffsetBody>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<CommittedOffset>, ApiError> {
     check_group(&group)?;
     check_topic(&topic)?;
     let queue: u32 = queue
@@ -360,9 +444,21 @@ pub async fn commit_offset(
         }
         Err(crate::broker::CommitError::Broker(e)) => return Err(e.into()),
     }
-    Ok(Json(
-        json!({"group": group, "topic": topic, "queue": queue, "offset": body.offset}),
-    ))
+    Ok(Json(CommittedOffset {
+        group,
+        topic,
+        queue,
+        offset: body.offset,
+    }))
+}
+
+/// `PUT /v1/groups/{group}/offsets/{topic}/{queue}`: what was stored.
+#[derive(Serialize, ToSchema)]
+pub struct CommittedOffset {
+    group: String,
+    topic: String,
+    queue: u32,
+    offset: u64,
 }
 
 /// A consumer group's offsets in a topic's queues.
@@ -373,7 +469,7 @@ pub async fn commit_offset(
     params(GroupPath, TopicPath),
     responses(
         (status = 200, description = "the queues the group has an offset in",
-            body = super::openapi::GroupOffsets),
+            body = GroupOffsets),
         (status = 400, description = "`invalid_group`, `invalid_topic`", body = Problem,
             content_type = "application/problem+json"),
     )
@@ -381,14 +477,26 @@ pub async fn commit_offset(
 pub async fn group_offsets(
     State(state): State<AppState>,
     Path((group, topic)): Path<(String, String)>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<GroupOffsets>, ApiError> {
     check_group(&group)?;
     check_topic(&topic)?;
-    let queues: Vec<Value> =
-        off_runtime(&state, move |broker| broker.group_offsets(&group, &topic))
-            .await?
-            .into_iter()
-            .map(|(queue, offset)| json!({"queue": queue, "offset": offset}))
-            .collect();
-    Ok(Json(json!({"queues": queues})))
+    let queues = off_runtime(&state, move |broker| broker.group_offsets(&group, &topic))
+        .await?
+        .into_iter()
+        .map(|(queue, offset)| GroupOffset { queue, offset })
+        .collect();
+    Ok(Json(GroupOffsets { queues }))
+}
+
+/// `GET /v1/groups/{group}/offsets/{topic}`.
+#[derive(Serialize, ToSchema)]
+pub struct GroupOffsets {
+    queues: Vec<GroupOffset>,
+}
+
+/// A consumer group's offset in one queue.
+#[derive(Serialize, ToSchema)]
+pub struct GroupOffset {
+    queue: u32,
+    offset: u64,
 }

@@ -177,47 +177,6 @@ fn problem(description: &str) -> RefOr<utoipa::openapi::Response> {
         .into()
 }
 
-/// The `{topic}` of a path.
-#[derive(utoipa::IntoParams)]
-#[into_params(parameter_in = Path)]
-pub struct TopicPath {
-    /// A topic: `[A-Za-z0-9._-]{1,200}` and not only dots, or `$dead` (the dead letters).
-    #[param(
-        pattern = r"^([.]*[A-Za-z0-9_-][A-Za-z0-9._-]*|\$dead)$",
-        max_length = 200
-    )]
-    #[expect(
-        dead_code,
-        reason = "described, never read: the handlers take the path as text"
-    )]
-    topic: String,
-}
-
-/// The `{group}` of a path.
-#[derive(utoipa::IntoParams)]
-#[into_params(parameter_in = Path)]
-pub struct GroupPath {
-    /// A consumer group: `[A-Za-z0-9._-]{1,200}` and not only dots.
-    #[param(pattern = "^[.]*[A-Za-z0-9_-][A-Za-z0-9._-]*$", max_length = 200)]
-    #[expect(
-        dead_code,
-        reason = "described, never read: the handlers take the path as text"
-    )]
-    group: String,
-}
-
-/// The `{queue}` of a path.
-#[derive(utoipa::IntoParams)]
-#[into_params(parameter_in = Path)]
-pub struct QueuePath {
-    /// The queue's number, from 0.
-    #[expect(
-        dead_code,
-        reason = "described, never read: the handlers take the path as text"
-    )]
-    queue: u32,
-}
-
 /// `from` and `to` query parameters: messages due in `[from, to)`.
 #[derive(utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -486,84 +445,6 @@ mod answers {
         id: String,
         #[schema(inline)]
         status: CancelledState,
-    }
-
-    /// A topic and how many queues it has.
-    #[derive(ToSchema)]
-    pub struct TopicSummary {
-        name: String,
-        queues: u32,
-    }
-
-    /// `GET /v1/topics`.
-    #[derive(ToSchema)]
-    pub struct Topics {
-        topics: Vec<TopicSummary>,
-    }
-
-    /// A queue's offsets: its oldest message kept, and the next offset to be written.
-    #[derive(ToSchema)]
-    pub struct QueueOffsets {
-        queue: u32,
-        min_offset: u64,
-        max_offset: u64,
-    }
-
-    /// `GET /v1/topics/{topic}`.
-    #[derive(ToSchema)]
-    pub struct Topic {
-        name: String,
-        queues: Vec<QueueOffsets>,
-    }
-
-    /// A delivered message as a consumer reads it: `body` when it is UTF-8, else `body_base64`.
-    #[derive(ToSchema)]
-    pub struct PulledMessage {
-        offset: u64,
-        id: String,
-        topic: String,
-        #[schema(nullable = false)]
-        key: Option<String>,
-        headers: BTreeMap<String, String>,
-        #[schema(nullable = false)]
-        body: Option<String>,
-        #[schema(nullable = false, content_encoding = "base64")]
-        body_base64: Option<String>,
-        #[schema(format = DateTime)]
-        deliver_at: String,
-        #[schema(format = DateTime)]
-        delivered_at: String,
-        attempt: u16,
-    }
-
-    /// `GET /v1/topics/{topic}/queues/{queue}/messages`: `next_offset` is where to read next;
-    /// `skipped`, how many messages below the queue's `min_offset` were passed over.
-    #[derive(ToSchema)]
-    pub struct Pulled {
-        messages: Vec<PulledMessage>,
-        next_offset: u64,
-        skipped: u64,
-    }
-
-    /// `PUT /v1/groups/{group}/offsets/{topic}/{queue}`: what was stored.
-    #[derive(ToSchema)]
-    pub struct CommittedOffset {
-        group: String,
-        topic: String,
-        queue: u32,
-        offset: u64,
-    }
-
-    #[derive(ToSchema)]
-    pub struct GroupOffset {
-        queue: u32,
-        offset: u64,
-    }
-
-    /// `GET /v1/groups/{group}/offsets/{topic}`.
-    #[derive(ToSchema)]
-    pub struct GroupOffsets {
-        queues: Vec<GroupOffset>,
     }
 
     /// An MQ source and its connection.
