@@ -6,17 +6,18 @@
 //! one id; it needs a topic, so that one request cannot empty the whole node.
 
 use super::error::{ApiError, Problem};
-use super::messages::describe_state;
+use super::messages::{rfc3339_schema, Described, MessageState};
 use super::{query_params, AppState};
 use crate::format::format_ms;
 use crate::scheduler::{CancelError, Cancelled};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
-use axum::response::{IntoResponse, Response};
 use axum::Json;
 use schedulelog::{ListCursor, ListPage, ListQuery, StatusFilter};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, Schema, Type};
+use utoipa::openapi::RefOr;
+use utoipa::ToSchema;
 
 /// Messages a page holds by default, and at most.
 const DEFAULT_LIMIT: usize = 100;
@@ -35,13 +36,13 @@ pub struct ListParams {
     topic: Option<String>,
     /// `pending` (the default: scheduled or retrying), `delivered`, `dead`, `cancelled`,
     /// `discarded` or `all`.
-    #[param(value_type = Option<super::openapi::ListedStatus>, inline)]
+    #[param(value_type = Option<ListedStatus>, inline)]
     status: Option<String>,
     /// Due at or after this time: unix milliseconds or RFC 3339.
-    #[param(value_type = Option<super::openapi::TimeParam>, inline)]
+    #[param(value_type = Option<TimeParam>, inline)]
     from: Option<String>,
     /// Due before this time: unix milliseconds or RFC 3339.
-    #[param(value_type = Option<super::openapi::TimeParam>, inline)]
+    #[param(value_type = Option<TimeParam>, inline)]
     to: Option<String>,
     /// Messages in a page, 1 to 1000 (default 100).
     #[param(minimum = 1, maximum = 1000)]
@@ -51,6 +52,20 @@ pub struct ListParams {
     cursor: Option<String>,
 }
 
+/// A listing's `status`: `pending` is scheduled or retrying.
+// Described, never built: the handler reads the parameter as text (see `status_param`).
+#[derive(ToSchema)]
+#[serde(rename_all = "snake_case")]
+#[expect(dead_code, reason = "described, never built")]
+pub enum ListedStatus {
+    Pending,
+    Delivered,
+    Dead,
+    Cancelled,
+    Discarded,
+    All,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RangeParams {
@@ -58,6 +73,44 @@ pub struct RangeParams {
     from: Option<String>,
     to: Option<String>,
 }
+
+/// `from` and `to` query parameters: messages due in `[from, to)`.
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[expect(
+    dead_code,
+    reason = "described, never read: the handlers read `RangeParams`"
+)]
+pub struct DueRange {
+    /// Due at or after this time: unix milliseconds or RFC 3339.
+    #[param(value_type = Option<TimeParam>, inline)]
+    from: Option<String>,
+    /// Due before this time: unix milliseconds or RFC 3339.
+    #[param(value_type = Option<TimeParam>, inline)]
+    to: Option<String>,
+}
+
+/// A `from` / `to` query parameter: unix milliseconds or an RFC 3339 time.
+pub struct TimeParam;
+
+impl utoipa::PartialSchema for TimeParam {
+    fn schema() -> RefOr<Schema> {
+        AnyOfBuilder::new()
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .pattern(Some("^[0-9]+$")),
+            )
+            .item(rfc3339_schema())
+            .examples([
+                serde_json::json!("1796117400000"),
+                serde_json::json!("2026-12-01T09:30:00Z"),
+            ])
+            .into()
+    }
+}
+
+impl ToSchema for TimeParam {}
 
 /// A `from` / `to` parameter: unix milliseconds or an RFC 3339 time; `default` when absent.
 fn time_param(name: &str, value: Option<&str>, default: i64) -> Result<i64, ApiError> {
@@ -112,7 +165,7 @@ async fn list_page(state: &AppState, query: ListQuery) -> Result<ListPage, ApiEr
     params(ListParams),
     responses(
         (status = 200, description = "a page of messages, oldest due first",
-            body = super::openapi::MessagePage),
+            body = MessagePage),
         (status = 400, description = "`invalid_query`, `invalid_cursor`", body = Problem,
             content_type = "application/problem+json"),
         (status = 503, description = "`overloaded`: recent writes are not filed yet", body = Problem,
@@ -124,7 +177,7 @@ async fn list_page(state: &AppState, query: ListQuery) -> Result<ListPage, ApiEr
 pub async fn list(
     State(state): State<AppState>,
     params: Result<Query<ListParams>, QueryRejection>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<MessagePage>, ApiError> {
     let params = query_params(params)?;
     let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
     if !(1..=MAX_LIMIT).contains(&limit) {
@@ -150,27 +203,75 @@ pub async fn list(
         after,
     };
     let page = list_page(&state, query).await?;
-    let messages: Vec<Value> = page
-        .messages
-        .iter()
+    let messages = (page.messages.into_iter())
         .map(|listed| {
-            let m = &listed.message;
-            let mut body = json!({
-                "id": m.id.to_string(),
-                "topic": m.topic,
-                "key": m.key,
-                "sink": m.sink,
-                "deliver_at": format_ms(m.deliver_at_ms),
-            });
-            describe_state(&mut body, &listed.state, m.attempt);
-            body
+            let m = listed.message;
+            let Described {
+                status,
+                attempts,
+                delivered_at,
+                dead_at,
+                cancelled_at,
+                discarded_at,
+                reason,
+            } = Described::new(&listed.state, m.attempt);
+            ListedMessage {
+                id: m.id.to_string(),
+                topic: m.topic,
+                key: m.key,
+                sink: m.sink,
+                deliver_at: format_ms(m.deliver_at_ms),
+                status,
+                attempts,
+                delivered_at,
+                dead_at,
+                cancelled_at,
+                discarded_at,
+                reason,
+            }
         })
         .collect();
-    Ok(Json(json!({
-        "messages": messages,
-        "next_cursor": page.next.map(|c| c.to_string()),
+    Ok(Json(MessagePage {
+        messages,
+        next_cursor: page.next.map(|c| c.to_string()),
     }))
-    .into_response())
+}
+
+/// `GET /v1/messages`: a page; `next_cursor` is null after the last.
+#[derive(Serialize, ToSchema)]
+pub struct MessagePage {
+    messages: Vec<ListedMessage>,
+    #[schema(required = true)]
+    next_cursor: Option<String>,
+}
+
+/// A message in a listing.
+#[derive(Serialize, ToSchema)]
+pub struct ListedMessage {
+    id: String,
+    topic: String,
+    #[schema(required = true)]
+    key: Option<String>,
+    sink: String,
+    #[schema(format = DateTime)]
+    deliver_at: String,
+    status: MessageState,
+    attempts: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    delivered_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    dead_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    cancelled_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    discarded_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    reason: Option<String>,
 }
 
 /// Cancels a topic's pending messages due in a range.
@@ -185,11 +286,11 @@ pub async fn list(
     params(
         ("topic" = String, Query, description = "the topic whose pending messages are cancelled",
             min_length = 1),
-        super::openapi::DueRange,
+        DueRange,
     ),
     responses(
         (status = 200, description = "how many were cancelled, each durably",
-            body = super::openapi::Purged),
+            body = Purged),
         (status = 400, description = "`topic_required`, `invalid_query`", body = Problem,
             content_type = "application/problem+json"),
         (status = 503, description = "`overloaded`, `storage_failed`, `shutting_down`: the \
@@ -202,7 +303,7 @@ pub async fn list(
 pub async fn purge(
     State(state): State<AppState>,
     params: Result<Query<RangeParams>, QueryRejection>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<Purged>, ApiError> {
     let params = query_params(params)?;
     let Some(topic) = params.topic.filter(|t| !t.is_empty()) else {
         return Err(ApiError::bad_request(
@@ -253,7 +354,17 @@ pub async fn purge(
             None => break,
         }
     }
-    Ok(Json(json!({"cancelled": cancelled, "in_flight": in_flight})).into_response())
+    Ok(Json(Purged {
+        cancelled,
+        in_flight,
+    }))
+}
+
+/// `DELETE /v1/messages`: how many were cancelled, and how many were being delivered and left alone.
+#[derive(Serialize, ToSchema)]
+pub struct Purged {
+    cancelled: u64,
+    in_flight: u64,
 }
 
 /// Counts one cancel of a purge; the first failure that is not the message's own state is kept.
@@ -289,9 +400,9 @@ fn tally(
     get,
     path = "/v1/stats/timeline",
     tag = "listing",
-    params(super::openapi::DueRange),
+    params(DueRange),
     responses(
-        (status = 200, description = "pending messages per bucket", body = super::openapi::Timeline),
+        (status = 200, description = "pending messages per bucket", body = Timeline),
         (status = 400, description = "`invalid_query`", body = Problem,
             content_type = "application/problem+json"),
         (status = 503, description = "`overloaded`: recent writes are not filed yet", body = Problem,
@@ -303,7 +414,7 @@ fn tally(
 pub async fn timeline(
     State(state): State<AppState>,
     params: Result<Query<RangeParams>, QueryRejection>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<Timeline>, ApiError> {
     let params = query_params(params)?;
     if params.topic.is_some() {
         return Err(ApiError::bad_request(
@@ -317,20 +428,37 @@ pub async fn timeline(
     let counts = tokio::task::spawn_blocking(move || log.timeline(from, to))
         .await
         .map_err(ApiError::internal)??;
-    let buckets: Vec<Value> = counts
+    let buckets = counts
         .iter()
-        .map(|c| {
-            json!({
-                "start": format_ms(c.bucket.start_ms()),
-                "start_ms": c.bucket.start_ms(),
-                "total": c.total,
-                "pending": c.pending,
-            })
+        .map(|c| Bucket {
+            start: format_ms(c.bucket.start_ms()),
+            start_ms: c.bucket.start_ms(),
+            total: c.total,
+            pending: c.pending,
         })
         .collect();
-    Ok(Json(json!({
-        "segment_minutes": state.log.segment_minutes().get(),
-        "buckets": buckets,
+    Ok(Json(Timeline {
+        segment_minutes: state.log.segment_minutes().get(),
+        buckets,
     }))
-    .into_response())
+}
+
+/// `GET /v1/stats/timeline`.
+#[derive(Serialize, ToSchema)]
+pub struct Timeline {
+    /// The buckets' width.
+    segment_minutes: u16,
+    buckets: Vec<Bucket>,
+}
+
+/// One bucket of the timeline.
+#[derive(Serialize, ToSchema)]
+pub struct Bucket {
+    #[schema(format = DateTime)]
+    start: String,
+    start_ms: i64,
+    /// Messages filed in it.
+    total: u64,
+    /// Of those, the ones not finished.
+    pending: u64,
 }

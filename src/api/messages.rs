@@ -14,19 +14,19 @@ use super::error::{ApiError, Problem};
 use super::{parse_json, AppState, RawBody};
 use crate::format::{format_ms, parse_rfc3339, Text};
 use crate::intake::{Draft, Keyed, MessageKey};
-use crate::scheduler::Cancelled;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine;
-use schedulelog::{Appended, MessageId, MessageState, MessageStatus, OutcomeKind};
+use schedulelog::{Appended, MessageId, OutcomeKind};
 use serde::de::{Deserializer, Visitor};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
-use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
+use utoipa::openapi::schema::{AnyOfBuilder, KnownFormat, ObjectBuilder, SchemaFormat, Type};
+use utoipa::ToSchema;
 
 /// `deliver_at` (RFC 3339 or unix milliseconds) and `delay` (`"30s"`-style or milliseconds): a number
 /// or a string. Read by a visitor: serde's untagged enums buffer every value before trying each variant.
@@ -69,7 +69,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for NumberOrText<'a> {
 /// One message to schedule: exactly one of `deliver_at`, `delay` and `delay_level`, and exactly one of
 /// `body` and `body_base64`.
 // Borrows its strings from the request body where it can.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleRequest<'a> {
     /// `[A-Za-z0-9._-]{1,200}`, not only dots; for an MQ sink, the target (1 to 255 bytes, no
@@ -86,10 +86,10 @@ pub struct ScheduleRequest<'a> {
     #[schema(value_type = Option<String>, content_encoding = "base64")]
     body_base64: Option<Text<'a>>,
     #[serde(borrow)]
-    #[schema(schema_with = super::openapi::deliver_at_schema)]
+    #[schema(schema_with = deliver_at_schema)]
     deliver_at: Option<NumberOrText<'a>>,
     #[serde(borrow)]
-    #[schema(schema_with = super::openapi::delay_schema)]
+    #[schema(schema_with = delay_schema)]
     delay: Option<NumberOrText<'a>>,
     /// A delay from the `delay_levels` table, counted from 1 (RocketMQ's 18 levels by default).
     #[schema(minimum = 1)]
@@ -110,7 +110,7 @@ pub struct ScheduleRequest<'a> {
     dedup: bool,
 }
 
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BatchRequest<'a> {
     /// At most `limits.max_batch_messages`.
@@ -347,7 +347,7 @@ fn validate<'a>(
 
 /// A scheduled message: the answer of `POST /v1/messages`, and a batch's result.
 // Typed and borrowed, not a `Value`: a batch answers thousands.
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct Scheduled<'a> {
     #[serde(serialize_with = "serialize_display")]
     #[schema(value_type = String)]
@@ -363,7 +363,7 @@ pub struct Scheduled<'a> {
 }
 
 /// How a pending message waits: its first attempt, or a retry.
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Waiting {
     Scheduled,
@@ -371,14 +371,14 @@ pub enum Waiting {
 }
 
 /// One result of a batch, in request order.
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum BatchResult<'a> {
     Scheduled(Scheduled<'a>),
     Error { error: Problem },
 }
 
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct BatchAnswer<'a> {
     results: Vec<BatchResult<'a>>,
 }
@@ -532,7 +532,7 @@ pub async fn schedule(
 }
 
 /// The answer for an existing pending message returned again.
-fn duplicate(id: MessageId, status: &MessageStatus) -> Scheduled<'_> {
+fn duplicate(id: MessageId, status: &schedulelog::MessageStatus) -> Scheduled<'_> {
     Scheduled {
         id,
         topic: &status.message.topic,
@@ -662,7 +662,10 @@ pub async fn schedule_batch(
 }
 
 /// Finds a message by id off the async threads.
-async fn lookup(state: &AppState, id: MessageId) -> Result<Option<MessageStatus>, ApiError> {
+async fn lookup(
+    state: &AppState,
+    id: MessageId,
+) -> Result<Option<schedulelog::MessageStatus>, ApiError> {
     let log = state.log.clone();
     tokio::task::spawn_blocking(move || log.lookup(id))
         .await
@@ -672,7 +675,10 @@ async fn lookup(state: &AppState, id: MessageId) -> Result<Option<MessageStatus>
 
 /// Parses an id and finds its message (following retries), off the async threads: a 404 for text that
 /// is not an id, for an unknown id and for one retired after its retention.
-async fn find(state: &AppState, text: &str) -> Result<(MessageId, MessageStatus), ApiError> {
+async fn find(
+    state: &AppState,
+    text: &str,
+) -> Result<(MessageId, schedulelog::MessageStatus), ApiError> {
     let id = parse_id(text)?;
     let status = lookup(state, id).await?.ok_or_else(|| {
         ApiError::not_found("no message has this id (or it was retired after its retention)")
@@ -687,7 +693,7 @@ async fn find(state: &AppState, text: &str) -> Result<(MessageId, MessageStatus)
     tag = "messages",
     params(("id" = String, Path, description = "the message's id")),
     responses(
-        (status = 200, description = "the message", body = super::openapi::MessageStatus),
+        (status = 200, description = "the message", body = MessageStatus),
         (status = 404, description = "`not_found`: no message has this id, or it was retired \
             after its retention", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "`overloaded`: acknowledged moments ago, not filed yet",
@@ -699,88 +705,248 @@ async fn find(state: &AppState, text: &str) -> Result<(MessageId, MessageStatus)
 pub async fn status(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<MessageStatus>, ApiError> {
     state.intake.start_pruning();
     let (id, status) = find(&state, &id).await?;
     let message = &status.message;
-    let mut body = json!({
-        "id": id.to_string(),
-        "topic": message.topic,
-        "deliver_at": format_ms(message.deliver_at_ms),
-    });
-    describe_state(&mut body, &status.state, message.attempt);
-    if let (Some(reason), MessageState::Pending) = (&status.last_retry_reason, &status.state) {
-        body["reason"] = json!(reason);
+    let mut described = Described::new(&status.state, message.attempt);
+    if let (Some(reason), schedulelog::MessageState::Pending) =
+        (&status.last_retry_reason, &status.state)
+    {
+        described.reason = Some(reason.clone());
     }
-    let history: Vec<Value> = status
-        .history
-        .iter()
+    let history = (status.history.iter())
         .map(|a| {
             let outcome = a.outcome.as_ref();
-            json!({
-                "attempt": a.attempt,
-                "deliver_at": format_ms(a.deliver_at_ms),
-                "outcome": outcome.map(|o| outcome_name(&o.kind)),
-                "at": outcome.map(|o| format_ms(o.at_ms)),
-                "reason": outcome.and_then(|o| match &o.kind {
-                    OutcomeKind::Dead { reason } | OutcomeKind::Retried { reason, .. } => Some(reason),
+            Attempt {
+                attempt: a.attempt,
+                deliver_at: format_ms(a.deliver_at_ms),
+                outcome: outcome.map(|o| Outcome::of(&o.kind)),
+                at: outcome.map(|o| format_ms(o.at_ms)),
+                reason: outcome.and_then(|o| match &o.kind {
+                    OutcomeKind::Dead { reason } | OutcomeKind::Retried { reason, .. } => {
+                        Some(reason.clone())
+                    }
                     _ => None,
                 }),
-            })
+            }
         })
         .collect();
-    body["history"] = json!(history);
-    Ok(Json(body).into_response())
+    let Described {
+        status,
+        attempts,
+        delivered_at,
+        dead_at,
+        cancelled_at,
+        discarded_at,
+        reason,
+    } = described;
+    Ok(Json(MessageStatus {
+        id,
+        topic: message.topic.clone(),
+        deliver_at: format_ms(message.deliver_at_ms),
+        status,
+        attempts,
+        delivered_at,
+        dead_at,
+        cancelled_at,
+        discarded_at,
+        reason,
+        history,
+    }))
 }
 
-/// Adds a message's `status`, `attempts` (started so far) and when and why it ended to `body`, for an
-/// attempt numbered `attempt` in `state`.
-pub(super) fn describe_state(body: &mut Value, state: &MessageState, attempt: u16) {
-    let (name, attempts) = match state {
-        MessageState::Pending if attempt == 0 => ("scheduled", 0),
-        MessageState::Pending => ("retrying", attempt),
-        MessageState::Delivered { at_ms } => {
-            body["delivered_at"] = json!(format_ms(*at_ms));
-            ("delivered", attempt + 1)
-        }
-        MessageState::Dead { at_ms, reason } => {
-            body["dead_at"] = json!(format_ms(*at_ms));
-            body["reason"] = json!(reason);
-            ("dead", attempt + 1)
-        }
-        MessageState::Cancelled { at_ms } => {
-            body["cancelled_at"] = json!(format_ms(*at_ms));
-            ("cancelled", attempt)
-        }
-        MessageState::Discarded { at_ms, reason } => {
-            body["discarded_at"] = json!(format_ms(*at_ms));
-            body["reason"] = json!(reason);
-            ("discarded", attempt + 1)
-        }
-    };
-    body["status"] = json!(name);
-    body["attempts"] = json!(attempts);
+/// `GET /v1/messages/{id}`: a message, the time and reason of its end, and its attempts.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MessageStatus {
+    #[serde(serialize_with = "serialize_display")]
+    #[schema(value_type = String)]
+    id: MessageId,
+    topic: String,
+    #[schema(format = DateTime)]
+    deliver_at: String,
+    status: MessageState,
+    /// Attempts started so far.
+    attempts: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    delivered_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    dead_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    cancelled_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    discarded_at: Option<String>,
+    /// Why it is dead or discarded, or why its last attempt is retried (for a retry, once its
+    /// `retried` outcome is recorded: a moment after the new attempt, which may show first).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    reason: Option<String>,
+    history: Vec<Attempt>,
 }
 
-fn outcome_name(kind: &OutcomeKind) -> &'static str {
-    match kind {
-        OutcomeKind::Delivered => "delivered",
-        OutcomeKind::Dead { .. } => "dead",
-        OutcomeKind::Cancelled => "cancelled",
-        OutcomeKind::Retried { .. } => "retried",
-        OutcomeKind::Discarded => "discarded",
+/// A message's state.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageState {
+    Scheduled,
+    Retrying,
+    Delivered,
+    Dead,
+    Cancelled,
+    Discarded,
+}
+
+/// One attempt of a message; `outcome`, `at` and `reason` are null while it has none.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Attempt {
+    attempt: u16,
+    #[schema(format = DateTime)]
+    deliver_at: String,
+    #[schema(required = true)]
+    outcome: Option<Outcome>,
+    #[schema(format = DateTime, required = true)]
+    at: Option<String>,
+    #[schema(required = true)]
+    reason: Option<String>,
+}
+
+/// What became of an attempt.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Delivered,
+    Dead,
+    Cancelled,
+    Retried,
+    Discarded,
+}
+
+impl Outcome {
+    fn of(kind: &OutcomeKind) -> Outcome {
+        match kind {
+            OutcomeKind::Delivered => Outcome::Delivered,
+            OutcomeKind::Dead { .. } => Outcome::Dead,
+            OutcomeKind::Cancelled => Outcome::Cancelled,
+            OutcomeKind::Retried { .. } => Outcome::Retried,
+            OutcomeKind::Discarded => Outcome::Discarded,
+        }
     }
+}
+
+/// A message's `status`, its `attempts` (started so far) and when and why it ended: the fields
+/// [`MessageStatus`] and a listing's `ListedMessage` share.
+pub(super) struct Described {
+    pub status: MessageState,
+    pub attempts: u16,
+    pub delivered_at: Option<String>,
+    pub dead_at: Option<String>,
+    pub cancelled_at: Option<String>,
+    pub discarded_at: Option<String>,
+    pub reason: Option<String>,
+}
+
+impl Described {
+    /// An attempt numbered `attempt` in `state`.
+    pub fn new(state: &schedulelog::MessageState, attempt: u16) -> Described {
+        use schedulelog::MessageState as S;
+        let mut described = Described {
+            status: MessageState::Scheduled,
+            attempts: attempt,
+            delivered_at: None,
+            dead_at: None,
+            cancelled_at: None,
+            discarded_at: None,
+            reason: None,
+        };
+        match state {
+            S::Pending if attempt == 0 => {}
+            S::Pending => described.status = MessageState::Retrying,
+            S::Delivered { at_ms } => {
+                described.status = MessageState::Delivered;
+                described.attempts = attempt + 1;
+                described.delivered_at = Some(format_ms(*at_ms));
+            }
+            S::Dead { at_ms, reason } => {
+                described.status = MessageState::Dead;
+                described.attempts = attempt + 1;
+                described.dead_at = Some(format_ms(*at_ms));
+                described.reason = Some(reason.clone());
+            }
+            S::Cancelled { at_ms } => {
+                described.status = MessageState::Cancelled;
+                described.cancelled_at = Some(format_ms(*at_ms));
+            }
+            S::Discarded { at_ms, reason } => {
+                described.status = MessageState::Discarded;
+                described.attempts = attempt + 1;
+                described.discarded_at = Some(format_ms(*at_ms));
+                described.reason = Some(reason.clone());
+            }
+        }
+        described
+    }
+}
+
+/// `deliver_at`: RFC 3339 text or unix milliseconds.
+fn deliver_at_schema() -> AnyOfBuilder {
+    AnyOfBuilder::new()
+        .item(rfc3339_schema())
+        .item(
+            ObjectBuilder::new()
+                .schema_type(Type::Integer)
+                .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+                .minimum(Some(0)),
+        )
+        .description(Some(
+            "When to deliver: an RFC 3339 time with any offset (`2026-12-01T09:30:00Z`) or unix \
+             milliseconds; a time in the past is delivered at once",
+        ))
+        .examples([
+            serde_json::json!("2026-12-01T09:30:00Z"),
+            serde_json::json!(1_796_117_400_000_i64),
+        ])
+}
+
+/// `delay`: `"30s"`-style text or milliseconds.
+fn delay_schema() -> AnyOfBuilder {
+    AnyOfBuilder::new()
+        .item(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .pattern(Some("^[0-9]+(ms|s|m|h|d)$")),
+        )
+        .item(
+            ObjectBuilder::new()
+                .schema_type(Type::Integer)
+                .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+                .minimum(Some(0)),
+        )
+        .description(Some(
+            "How long from now: `1500ms`, `30s`, `30m`, `2h`, `7d`, or milliseconds",
+        ))
+        .examples([serde_json::json!("30s"), serde_json::json!(1500)])
+}
+
+/// An RFC 3339 time as text.
+pub(super) fn rfc3339_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .format(Some(SchemaFormat::KnownFormat(KnownFormat::DateTime)))
 }
 
 /// The body of a requeue: when the new attempt is due (now when neither is given).
-#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RequeueRequest<'a> {
     #[serde(borrow)]
-    #[schema(schema_with = super::openapi::deliver_at_schema)]
+    #[schema(schema_with = deliver_at_schema)]
     deliver_at: Option<NumberOrText<'a>>,
     #[serde(borrow)]
-    #[schema(schema_with = super::openapi::delay_schema)]
+    #[schema(schema_with = delay_schema)]
     delay: Option<NumberOrText<'a>>,
 }
 
@@ -797,7 +963,7 @@ pub struct RequeueRequest<'a> {
     request_body(content = Option<RequeueRequest>, content_type = "application/json",
         description = "when the new attempt is due; an empty body: now"),
     responses(
-        (status = 200, description = "requeued: durable", body = super::openapi::Requeued),
+        (status = 200, description = "requeued: durable", body = Requeued),
         (status = 400, description = "`invalid_json`, `invalid_deliver_at`, `invalid_delay`, \
             `conflicting_time_fields`, `delay_too_long`", body = Problem,
             content_type = "application/problem+json"),
@@ -824,7 +990,7 @@ pub async fn requeue(
     State(state): State<AppState>,
     Path(id): Path<String>,
     RawBody(bytes): RawBody,
-) -> Result<Response, ApiError> {
+) -> Result<Json<Requeued>, ApiError> {
     let id = parse_id(&id)?;
     // No body, or `null`: due now.
     let request: RequeueRequest = if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -858,13 +1024,31 @@ pub async fn requeue(
         requeueable(&state, &status.message, deliver_at_ms, now)?;
     }
     let requeued = state.scheduler.requeue_dead(id, deliver_at_ms).await?;
-    Ok(Json(json!({
-        "id": id.to_string(),
-        "status": "retrying",
-        "deliver_at": format_ms(requeued.deliver_at_ms),
-        "attempts": requeued.attempt,
+    Ok(Json(Requeued {
+        id,
+        status: RequeuedState::Retrying,
+        deliver_at: format_ms(requeued.deliver_at_ms),
+        attempts: requeued.attempt,
     }))
-    .into_response())
+}
+
+/// `POST /v1/messages/{id}/requeue`: the new attempt.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Requeued {
+    #[serde(serialize_with = "serialize_display")]
+    #[schema(value_type = String)]
+    id: MessageId,
+    #[schema(inline)]
+    status: RequeuedState,
+    #[schema(format = DateTime)]
+    deliver_at: String,
+    attempts: u16,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RequeuedState {
+    Retrying,
 }
 
 /// Whether a dead message may go out as it is. A message taken over HTTP was checked when it was; a
@@ -942,7 +1126,7 @@ fn requeueable(
     tag = "dead letters",
     params(("id" = String, Path, description = "the message's id")),
     responses(
-        (status = 200, description = "discarded: durable", body = super::openapi::Discarded),
+        (status = 200, description = "discarded: durable", body = Discarded),
         (status = 404, description = "`not_found`", body = Problem,
             content_type = "application/problem+json"),
         (status = 409, description = "`not_dead`: the message is not a dead letter", body = Problem,
@@ -956,10 +1140,29 @@ fn requeueable(
 pub async fn discard(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<Discarded>, ApiError> {
     let id = parse_id(&id)?;
     state.scheduler.discard_dead(id).await?;
-    Ok(Json(json!({"id": id.to_string(), "status": "discarded"})).into_response())
+    Ok(Json(Discarded {
+        id,
+        status: DiscardedState::Discarded,
+    }))
+}
+
+/// `POST /v1/messages/{id}/discard`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Discarded {
+    #[serde(serialize_with = "serialize_display")]
+    #[schema(value_type = String)]
+    id: MessageId,
+    #[schema(inline)]
+    status: DiscardedState,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscardedState {
+    Discarded,
 }
 
 /// A message id from a path: 404 for text that is not one.
@@ -981,7 +1184,7 @@ fn parse_id(text: &str) -> Result<MessageId, ApiError> {
     params(("id" = String, Path, description = "the message's id")),
     responses(
         (status = 200, description = "cancelled (now or before): no attempt starts afterwards",
-            body = super::openapi::Cancelled),
+            body = Cancelled),
         (status = 404, description = "`not_found`", body = Problem,
             content_type = "application/problem+json"),
         (status = 409, description = "`already_delivered`, `already_dead`; `delivery_in_flight` (with \
@@ -997,13 +1200,32 @@ fn parse_id(text: &str) -> Result<MessageId, ApiError> {
 pub async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Response, ApiError> {
+) -> Result<Json<Cancelled>, ApiError> {
     state.intake.start_pruning();
     let id = parse_id(&id)?;
-    if state.scheduler.cancel(id).await? == Cancelled::Now {
+    if state.scheduler.cancel(id).await? == crate::scheduler::Cancelled::Now {
         metrics::counter!("delayd_messages_cancelled_total").increment(1);
     }
-    Ok(Json(json!({"id": id.to_string(), "status": "cancelled"})).into_response())
+    Ok(Json(Cancelled {
+        id,
+        status: CancelledState::Cancelled,
+    }))
+}
+
+/// `DELETE /v1/messages/{id}`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Cancelled {
+    #[serde(serialize_with = "serialize_display")]
+    #[schema(value_type = String)]
+    id: MessageId,
+    #[schema(inline)]
+    status: CancelledState,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CancelledState {
+    Cancelled,
 }
 
 #[cfg(test)]
