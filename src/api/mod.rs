@@ -18,14 +18,16 @@ use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
-use axum::Router;
+use axum::{Json, Router};
 use error::{ApiError, Problem};
 use metrics_exporter_prometheus::PrometheusHandle;
 use schedulelog::{Clock, ScheduleLog};
 use serde::de::DeserializeOwned;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
+use utoipa::ToSchema;
 
 /// What every handler gets: one `Arc`, so that a request clones one pointer, not each service's.
 pub type AppState = Arc<Services>;
@@ -109,21 +111,49 @@ pub fn router(state: AppState) -> Router {
     get,
     path = "/v1/sources",
     tag = "connections",
-    responses((status = 200, description = "every MQ source", body = openapi::Sources))
+    responses((status = 200, description = "every MQ source", body = Sources))
 )]
-async fn sources(State(state): State<AppState>) -> Response {
-    let sources: Vec<_> = state
-        .config
-        .sources
-        .iter()
-        .zip(&state.sources)
+async fn sources(State(state): State<AppState>) -> Result<Json<Sources>, ApiError> {
+    let sources = (state.config.sources.iter().zip(&state.sources))
         .map(|((_, config), link)| {
-            let mut value = link.describe();
-            value["sink"] = serde_json::json!(config.shared.sink);
-            value
+            let mut source: SourceState = from_link(link)?;
+            source.sink.clone_from(&config.shared.sink);
+            Ok(source)
         })
-        .collect();
-    axum::Json(serde_json::json!({ "sources": sources })).into_response()
+        .collect::<Result<_, ApiError>>()?;
+    Ok(Json(Sources { sources }))
+}
+
+/// A link's state as `crate::link::Link::describe` gives it, read into its documented type (a missing
+/// field is a 500). A field `describe` has and the type lacks would be dropped: the unit test
+/// `a_link_reads_into_its_documented_type_and_back_unchanged` fails then.
+fn from_link<T: DeserializeOwned>(link: &crate::link::Link) -> Result<T, ApiError> {
+    serde_json::from_value(link.describe()).map_err(ApiError::internal)
+}
+
+/// `GET /v1/sources`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Sources {
+    sources: Vec<SourceState>,
+}
+
+/// An MQ source and its connection.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct SourceState {
+    name: String,
+    kind: String,
+    /// The sink its messages go to when a request names none.
+    #[schema(required = true)]
+    sink: Option<String>,
+    connected: bool,
+    /// Requests handled since the start, by outcome.
+    requests: BTreeMap<String, u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    last_error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    last_error_at: Option<String>,
 }
 
 /// `GET /v1/sinks`: each sink, its kind, and for an MQ sink its connection.
@@ -131,23 +161,57 @@ async fn sources(State(state): State<AppState>) -> Response {
     get,
     path = "/v1/sinks",
     tag = "connections",
-    responses((status = 200, description = "every sink", body = openapi::Sinks))
+    responses((status = 200, description = "every sink", body = Sinks))
 )]
-async fn sinks(State(state): State<AppState>) -> Response {
-    let sinks: Vec<_> = state
-        .config
-        .sinks
+async fn sinks(State(state): State<AppState>) -> Result<Json<Sinks>, ApiError> {
+    let links: Vec<SinkState> = state
+        .sink_links
         .iter()
+        .map(from_link)
+        .collect::<Result<_, _>>()?;
+    let sinks = (state.config.sinks.iter())
         .map(|(name, config)| {
-            let link = state
-                .sink_links
+            links
                 .iter()
-                .map(crate::link::Link::describe)
-                .find(|l| l["name"] == name.as_str());
-            link.unwrap_or_else(|| serde_json::json!({ "name": name, "kind": config.kind.name() }))
+                .find(|l| l.name == *name)
+                .cloned()
+                .unwrap_or_else(|| SinkState {
+                    name: name.clone(),
+                    kind: config.kind.name().to_string(),
+                    connected: None,
+                    postponed: None,
+                    last_error: None,
+                    last_error_at: None,
+                })
         })
         .collect();
-    axum::Json(serde_json::json!({ "sinks": sinks })).into_response()
+    Ok(Json(Sinks { sinks }))
+}
+
+/// `GET /v1/sinks`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Sinks {
+    sinks: Vec<SinkState>,
+}
+
+/// A sink; an MQ sink also shows its connection and how many deliveries waited for it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SinkState {
+    name: String,
+    kind: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    connected: Option<bool>,
+    /// Deliveries put off since the start because the MQ could not be reached (no attempt used).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    postponed: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    last_error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime, nullable = false)]
+    last_error_at: Option<String>,
 }
 
 /// `GET /ui`: the console.
@@ -214,7 +278,7 @@ async fn healthz() -> &'static str {
     path = "/readyz",
     tag = "operations",
     responses(
-        (status = 200, description = "ready: recovery is done", body = openapi::Ready),
+        (status = 200, description = "ready: recovery is done", body = Ready),
         (status = 503, description = "`storage_failed`: no writes until a restart", body = Problem,
             content_type = "application/problem+json", headers(("Retry-After" = u32))),
     )
@@ -225,11 +289,27 @@ async fn ready(State(state): State<AppState>) -> Response {
         error.retry_after_secs = Some(60);
         return error.into_response();
     }
-    let mut answer = serde_json::json!({"status": "ready"});
-    if let Some(cause) = state.disk.full() {
-        answer["disk_full"] = serde_json::Value::String(cause);
-    }
-    axum::Json(answer).into_response()
+    Json(Ready {
+        status: ReadyState::Ready,
+        disk_full: state.disk.full(),
+    })
+    .into_response()
+}
+
+/// `GET /readyz`: `disk_full` says why new messages are refused, while they are.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Ready {
+    #[schema(inline)]
+    status: ReadyState,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    disk_full: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReadyState {
+    Ready,
 }
 
 /// `GET /metrics`: the Prometheus text format.
@@ -399,6 +479,35 @@ pub fn parse_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `Link::describe` gives is read into the documented types whole, in every state, and
+    /// written back unchanged: those types are what `/v1/sources` and `/v1/sinks` send.
+    #[test]
+    fn a_link_reads_into_its_documented_type_and_back_unchanged() {
+        let source = crate::link::Link::new("source", "in", "redis");
+        let sink = crate::link::Link::new("sink", "out", "nats");
+        for step in 0..3 {
+            match step {
+                0 => {}
+                1 => {
+                    source.down(1_796_117_400_000, "refused");
+                    source.handled("scheduled", 2);
+                    sink.unreachable(1_796_117_400_000, "refused", 3);
+                }
+                _ => {
+                    source.up();
+                    sink.up();
+                }
+            }
+            let read: SourceState = from_link(&source).unwrap();
+            // The handler adds the source's sink from the config.
+            let mut described = source.describe();
+            described["sink"] = serde_json::Value::Null;
+            assert_eq!(serde_json::to_value(&read).unwrap(), described);
+            let read: SinkState = from_link(&sink).unwrap();
+            assert_eq!(serde_json::to_value(&read).unwrap(), sink.describe());
+        }
+    }
 
     #[test]
     fn token_comparison() {

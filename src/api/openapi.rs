@@ -1,11 +1,13 @@
 //! The OpenAPI 3.1 document served at `GET /openapi.json` (DESIGN.md §13), generated from the code: each
-//! operation from the `#[utoipa::path]` annotation on its handler, the request and answer schemas
-//! derived on the handlers' own types where they have them, and here, as schema-only types, for the
-//! answers the handlers build with `json!`. A modifier adds what the router's layers add to every route:
-//! the bearer token and its 401 on `/v1`, the connection cap's 503 and the 500 of an internal failure.
+//! operation from the `#[utoipa::path]` annotation on its handler, and every request and answer schema
+//! derived from the type the handler reads or sends (`Serialize + ToSchema` structs beside the
+//! handlers), so that what is documented is what is sent. A modifier adds what the router's layers add
+//! to every route: the bearer token and its 401 on `/v1`, the connection cap's 503 and the 500 of an
+//! internal failure.
 //!
-//! Schemathesis checks the document against the live server (`tests/schemathesis.sh`, run by
-//! `.ci/run`): every answer must match what is documented here.
+//! This module only reads the handlers' modules; they never read it. Each answer is checked against its
+//! schema by `tests/it/openapi.rs` (one real answer of each main route) and by schemathesis against the
+//! live server (`tests/schemathesis.sh`, run by `.ci/run`).
 
 use super::error::Problem;
 use super::messages::{BatchAnswer, BatchRequest, RequeueRequest, ScheduleRequest, Scheduled};
@@ -173,73 +175,3 @@ fn problem(description: &str) -> RefOr<utoipa::openapi::Response> {
         )
         .into()
 }
-
-// Schema only: the answers below are built with `json!` in the handlers, and these types describe
-// them (schemathesis checks that they agree). They are never constructed.
-#[expect(dead_code, reason = "schema-only types: never built, only described")]
-mod answers {
-    use super::ToSchema;
-    use std::collections::BTreeMap;
-
-    /// An MQ source and its connection.
-    #[derive(ToSchema)]
-    pub struct SourceState {
-        name: String,
-        kind: String,
-        /// The sink its messages go to when a request names none.
-        #[schema(required = true)]
-        sink: Option<String>,
-        connected: bool,
-        /// Requests handled since the start, by outcome.
-        requests: BTreeMap<String, u64>,
-        #[schema(nullable = false)]
-        last_error: Option<String>,
-        #[schema(format = DateTime, nullable = false)]
-        last_error_at: Option<String>,
-    }
-
-    /// `GET /v1/sources`.
-    #[derive(ToSchema)]
-    pub struct Sources {
-        sources: Vec<SourceState>,
-    }
-
-    /// A sink; an MQ sink also shows its connection and how many deliveries waited for it.
-    #[derive(ToSchema)]
-    pub struct SinkState {
-        name: String,
-        kind: String,
-        #[schema(nullable = false)]
-        connected: Option<bool>,
-        /// Deliveries put off since the start because the MQ could not be reached (no attempt used).
-        #[schema(nullable = false)]
-        postponed: Option<u64>,
-        #[schema(nullable = false)]
-        last_error: Option<String>,
-        #[schema(format = DateTime, nullable = false)]
-        last_error_at: Option<String>,
-    }
-
-    /// `GET /v1/sinks`.
-    #[derive(ToSchema)]
-    pub struct Sinks {
-        sinks: Vec<SinkState>,
-    }
-
-    #[derive(ToSchema)]
-    #[schema(rename_all = "snake_case")]
-    pub enum ReadyState {
-        Ready,
-    }
-
-    /// `GET /readyz`: `disk_full` says why new messages are refused, while they are.
-    #[derive(ToSchema)]
-    pub struct Ready {
-        #[schema(inline)]
-        status: ReadyState,
-        #[schema(nullable = false)]
-        disk_full: Option<String>,
-    }
-}
-
-pub use answers::*;
