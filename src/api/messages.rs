@@ -389,6 +389,10 @@ impl BatchAnswer<'_> {
     /// message's strings only the topic can need escaping (an MQ target may hold `"` or `\`), and a batch
     /// mostly repeats one, so each distinct topic in a row is escaped once; ids (`[a-z2-7]`) and times
     /// (digits and `-T:.Z`) never need it. Errors are rare and written by serde_json.
+    ///
+    /// The bytes are those `serde_json::to_vec(self)` gives (the test
+    /// `a_batch_answer_is_written_as_serde_json_writes_it`), so the schema derived from this type
+    /// documents them.
     fn to_json(&self) -> Vec<u8> {
         use std::io::Write;
         let mut out = Vec::with_capacity(32 + self.results.len() * 128);

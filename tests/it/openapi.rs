@@ -1,7 +1,8 @@
 //! The OpenAPI document at `GET /openapi.json` (DESIGN.md §13) against the router it describes: every
 //! route served is documented with its methods, and nothing else is; `/v1` takes the bearer token; every
-//! reference resolves; and real answers (errors of several kinds, a 201) have a documented status,
-//! content type and code. Schemathesis checks the rest against a live server (`tests/schemathesis.sh`).
+//! reference resolves; real answers (errors of several kinds, a 201) have a documented status, content
+//! type and code; and a real answer of each JSON route, in each of its shapes, conforms to the schema
+//! documented for it. Schemathesis checks the rest against a live server (`tests/schemathesis.sh`).
 
 use super::*;
 use std::collections::BTreeSet;
@@ -324,4 +325,413 @@ fn the_openapi_document_describes_every_route_its_auth_and_its_answers() {
     for (method, template, answer) in &cases {
         assert_documented(&doc, method, template, answer);
     }
+}
+
+/// Where `value` does not conform to `schema`, if anywhere: the subset of JSON Schema the document uses
+/// (`$ref`, `allOf` / `anyOf` / `oneOf`, `type`, `enum`, `const`, `required`, `properties`, `items`,
+/// `additionalProperties`, `minimum`, the `date-time` format). An object that lists its properties is
+/// closed, as `tests/schemathesis.sh` closes them: a field an answer has and the document lacks fails.
+fn nonconformance(doc: &Value, schema: &Value, value: &Value, at: &str) -> Option<String> {
+    let fail = |why: String| Some(format!("{at}: {why} (value {value}, schema {schema})"));
+    if let Some(target) = schema["$ref"].as_str() {
+        let name = target.trim_start_matches("#/components/schemas/");
+        return nonconformance(doc, &doc["components"]["schemas"][name], value, at);
+    }
+    if let Some(all) = schema["allOf"].as_array() {
+        if let Some(why) = all.iter().find_map(|s| nonconformance(doc, s, value, at)) {
+            return Some(why);
+        }
+    }
+    for (key, exactly_one) in [("anyOf", false), ("oneOf", true)] {
+        if let Some(choices) = schema[key].as_array() {
+            let matching = choices
+                .iter()
+                .filter(|s| nonconformance(doc, s, value, at).is_none())
+                .count();
+            if matching == 0 || (exactly_one && matching > 1) {
+                return fail(format!("{matching} of the {key} choices match"));
+            }
+        }
+    }
+    let is = |kind: &str| match kind {
+        "null" => value.is_null(),
+        "boolean" => value.is_boolean(),
+        "integer" => value.is_i64() || value.is_u64(),
+        "number" => value.is_number(),
+        "string" => value.is_string(),
+        "array" => value.is_array(),
+        "object" => value.is_object(),
+        other => panic!("type {other} is not in the subset checked"),
+    };
+    let kinds: Vec<&str> = match &schema["type"] {
+        Value::String(kind) => vec![kind],
+        Value::Array(kinds) => kinds.iter().filter_map(Value::as_str).collect(),
+        _ => vec![],
+    };
+    if !kinds.is_empty() && !kinds.iter().any(|k| is(k)) {
+        return fail(format!("not of type {kinds:?}"));
+    }
+    if let Some(allowed) = schema["enum"].as_array() {
+        if !allowed.contains(value) {
+            return fail("not in the enum".into());
+        }
+    }
+    if schema.get("const").is_some_and(|c| c != value) {
+        return fail("not the const".into());
+    }
+    if let (Some(minimum), Some(number)) = (schema["minimum"].as_f64(), value.as_f64()) {
+        if number < minimum {
+            return fail(format!("below the minimum {minimum}"));
+        }
+    }
+    if let (Some("date-time"), Some(text)) = (schema["format"].as_str(), value.as_str()) {
+        if !is_rfc3339(text) {
+            return fail("not an RFC 3339 date-time".into());
+        }
+    }
+    if let Some(object) = value.as_object() {
+        for name in schema["required"].as_array().into_iter().flatten() {
+            if !object.contains_key(name.as_str().unwrap()) {
+                return fail(format!("required {name} is missing"));
+            }
+        }
+        let properties = schema["properties"].as_object();
+        for (name, inner) in object {
+            let inner_at = format!("{at}/{name}");
+            let why = match (
+                properties.and_then(|p| p.get(name)),
+                &schema["additionalProperties"],
+            ) {
+                (Some(property), _) => nonconformance(doc, property, inner, &inner_at),
+                (None, Value::Bool(false)) => fail(format!("{name} is not documented")),
+                (None, Value::Null) if properties.is_some() => {
+                    fail(format!("{name} is not documented"))
+                }
+                (None, Value::Object(_)) => {
+                    nonconformance(doc, &schema["additionalProperties"], inner, &inner_at)
+                }
+                (None, _) => None,
+            };
+            if why.is_some() {
+                return why;
+            }
+        }
+    }
+    if let (Some(items), Some(array)) = (schema.get("items"), value.as_array()) {
+        return (array.iter().enumerate())
+            .find_map(|(i, item)| nonconformance(doc, items, item, &format!("{at}/{i}")));
+    }
+    None
+}
+
+/// `YYYY-MM-DDTHH:MM:SS`, optional fraction, then `Z` or `±HH:MM`.
+fn is_rfc3339(text: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let Some((date, time)) = text.split_once('T') else {
+        return false;
+    };
+    let date_ok = date.len() == 10
+        && date.split('-').map(str::len).eq([4, 2, 2])
+        && date.split('-').all(digits);
+    let (clock, zone) = match time.strip_suffix('Z') {
+        Some(clock) => (clock, "+00:00"),
+        None if time.len() > 6 => time.split_at(time.len() - 6),
+        None => return false,
+    };
+    let (whole, fraction) = clock.split_once('.').unwrap_or((clock, "0"));
+    let zone_ok = zone.len() == 6
+        && matches!(&zone[..1], "+" | "-")
+        && zone[1..].split(':').map(str::len).eq([2, 2])
+        && zone[1..].split(':').all(digits);
+    date_ok
+        && whole.split(':').map(str::len).eq([2, 2, 2])
+        && whole.split(':').all(digits)
+        && digits(fraction)
+        && zone_ok
+}
+
+#[test]
+fn the_conformance_check_finds_what_differs() {
+    let doc = json!({"components": {"schemas": {"S": {
+        "type": "object",
+        "required": ["id", "at"],
+        "properties": {
+            "id": {"type": "string"},
+            "at": {"type": "string", "format": "date-time"},
+            "state": {"type": "string", "enum": ["a", "b"]},
+            "count": {"type": ["integer", "null"], "minimum": 0},
+            "map": {"type": "object", "additionalProperties": {"type": "integer"}},
+        },
+    }}}});
+    let schema = json!({"type": "array", "items": {"$ref": "#/components/schemas/S"}});
+    let fits = |value: Value| nonconformance(&doc, &schema, &value, "").is_none();
+    assert!(fits(
+        json!([{"id": "x", "at": "2026-12-01T09:30:00.000Z", "state": "a", "count": null, "map": {"k": 1}}])
+    ));
+    assert!(fits(
+        json!([{"id": "x", "at": "2026-12-01T09:30:00+01:00", "count": 3}])
+    ));
+    for wrong in [
+        json!([{"id": "x", "at": "2026-12-01T09:30:00Z", "extra": 1}]),
+        json!([{"id": "x"}]),
+        json!([{"id": 1, "at": "2026-12-01T09:30:00Z"}]),
+        json!([{"id": "x", "at": "2026-12-01 09:30:00"}]),
+        json!([{"id": "x", "at": "2026-12-01T09:30:00Z", "state": "c"}]),
+        json!([{"id": "x", "at": "2026-12-01T09:30:00Z", "count": -1}]),
+        json!([{"id": "x", "at": "2026-12-01T09:30:00Z", "map": {"k": "v"}}]),
+        json!({}),
+    ] {
+        assert!(!fits(wrong.clone()), "{wrong}");
+    }
+}
+
+/// A real answer of every JSON route, in each of its shapes (a message scheduled, delivered, dead,
+/// retrying, discarded and cancelled; a body as text and as base64; a batch with a problem; an MQ source
+/// and sink that cannot connect), conforms to the schema documented for its status and content type.
+/// The answers are typed structs whose schemas are derived from them; this catches what the derive
+/// cannot see (a field skipped when empty but documented as required, or null where it is not).
+#[test]
+fn every_answer_conforms_to_its_documented_schema() {
+    // A webhook sink that cannot connect (dead letters), and a Redis source and sink whose server is
+    // absent (connections that say why they are down), as tests/schemathesis.sh configures them.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("delayd.toml");
+    std::fs::write(
+        &file,
+        r#"
+[sinks.unreachable]
+kind = "webhook"
+url = "http://127.0.0.1:1/"
+secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+max_attempts = 1
+[sinks.redis-out]
+kind = "redis"
+url = "redis://127.0.0.1:1/"
+[sources.redis-in]
+kind = "redis"
+url = "redis://127.0.0.1:1/"
+stream_key = "in"
+consumer = "conformance"
+sink = "redis-out"
+"#,
+    )
+    .unwrap();
+    let flags = delayd::config::Flags::default();
+    let connections = delayd::config::Config::load(Some(&file), Vec::new(), &flags).unwrap();
+    let server = Server::start(|c| {
+        c.sinks.extend(connections.sinks);
+        c.sources = connections.sources;
+    });
+    let doc = server.call("GET", "/openapi.json", None).json;
+    let mut checked = BTreeSet::new();
+    let mut check = |method: &str, template: &str, answer: Answer| -> Value {
+        let what = format!(
+            "{} {template} answered {}",
+            method.to_uppercase(),
+            answer.status
+        );
+        let media = answer
+            .content_type
+            .split(';')
+            .next()
+            .unwrap()
+            .trim()
+            .to_string();
+        let schema = &operation(&doc, method, template)["responses"][answer.status.to_string()]
+            ["content"][&media]["schema"];
+        assert!(schema.is_object(), "{what} as {media}: not documented");
+        if let Some(why) = nonconformance(&doc, schema, &answer.json, "") {
+            panic!("{what}: {why}");
+        }
+        checked.insert((method.to_string(), template.to_string()));
+        answer.json
+    };
+    let call = |method: &str, path: &str, body: Option<Value>| server.call(method, path, body);
+    let id = |answer: &Value| answer["id"].as_str().unwrap().to_string();
+
+    let schedule = |body: Value| call("POST", "/v1/messages", Some(body));
+    let text = check(
+        "post",
+        "/v1/messages",
+        schedule(json!(
+            {"topic": "seen", "body": "text", "delay": 0, "key": "k1", "headers": {"h": "v"}}
+        )),
+    );
+    check(
+        "post",
+        "/v1/messages",
+        schedule(json!(
+            {"topic": "seen", "body_base64": "/w==", "delay": 0}
+        )),
+    );
+    let later =
+        json!({"topic": "seen", "body": "later", "delay": "1d", "key": "k2", "dedup": true});
+    let later = id(&check("post", "/v1/messages", schedule(later.clone())));
+    let again = check(
+        "post",
+        "/v1/messages",
+        schedule(json!(
+            {"topic": "seen", "body": "later", "delay": "1d", "key": "k2", "dedup": true}
+        )),
+    );
+    assert_eq!(
+        (id(&again), &again["duplicate"]),
+        (later.clone(), &json!(true))
+    );
+    let dead: Vec<String> = (0..2)
+        .map(|n| {
+            let body = json!({"topic": "doomed", "body": n.to_string(), "delay": 0, "sink": "unreachable"});
+            id(&check("post", "/v1/messages", schedule(body)))
+        })
+        .collect();
+    let batch = json!({"messages": [
+        {"topic": "batched", "body": "1", "delay": "1h"},
+        {"topic": "batched"},
+        {"topic": "a \"quoted\" \\ topic", "body": "2", "delay": "1h"},
+    ]});
+    let batch = check(
+        "post",
+        "/v1/messages/batch",
+        call("POST", "/v1/messages/batch", Some(batch)),
+    );
+    assert!(batch["results"][1]["error"].is_object(), "{batch}");
+
+    common::wait_for("the dead letters", Duration::from_secs(30), || {
+        call("GET", "/v1/messages?status=dead&topic=doomed", None).json["messages"]
+            .as_array()
+            .is_some_and(|m| m.len() == 2)
+    });
+    common::wait_for("the deliveries", Duration::from_secs(30), || {
+        let topic = call("GET", "/v1/topics/seen", None).json;
+        topic["queues"][0]["max_offset"] == 2
+    });
+
+    check(
+        "get",
+        "/v1/messages/{id}",
+        call("GET", &format!("/v1/messages/{}", id(&text)), None),
+    );
+    check(
+        "get",
+        "/v1/messages/{id}",
+        call("GET", &format!("/v1/messages/{later}"), None),
+    );
+    check(
+        "get",
+        "/v1/messages/{id}",
+        call("GET", &format!("/v1/messages/{}", dead[0]), None),
+    );
+    for status in ["pending", "all", "dead", "delivered"] {
+        let page = check(
+            "get",
+            "/v1/messages",
+            call(
+                "GET",
+                &format!("/v1/messages?status={status}&limit=2"),
+                None,
+            ),
+        );
+        assert!(
+            !page["messages"].as_array().unwrap().is_empty(),
+            "{status}: {page}"
+        );
+    }
+    check(
+        "get",
+        "/v1/stats/timeline",
+        call("GET", "/v1/stats/timeline", None),
+    );
+    check("get", "/v1/topics", call("GET", "/v1/topics", None));
+    check(
+        "get",
+        "/v1/topics/{topic}",
+        call("GET", "/v1/topics/seen", None),
+    );
+    let pulled = check(
+        "get",
+        "/v1/topics/{topic}/queues/{queue}/messages",
+        call("GET", "/v1/topics/seen/queues/0/messages", None),
+    );
+    let bodies: Vec<bool> = (pulled["messages"].as_array().unwrap().iter())
+        .map(|m| m.get("body").is_some())
+        .collect();
+    assert_eq!(
+        bodies,
+        [true, false],
+        "a text body and a base64 one: {pulled}"
+    );
+    check(
+        "get",
+        "/v1/topics/{topic}/queues/{queue}/messages",
+        call("GET", "/v1/topics/$dead/queues/0/messages?wait_ms=10", None),
+    );
+    check(
+        "put",
+        "/v1/groups/{group}/offsets/{topic}/{queue}",
+        call(
+            "PUT",
+            "/v1/groups/readers/offsets/seen/0",
+            Some(json!({"offset": 1})),
+        ),
+    );
+    check(
+        "get",
+        "/v1/groups/{group}/offsets/{topic}",
+        call("GET", "/v1/groups/readers/offsets/seen", None),
+    );
+    common::wait_for(
+        "the MQ source's first error",
+        Duration::from_secs(30),
+        || call("GET", "/v1/sources", None).json["sources"][0]["last_error"].is_string(),
+    );
+    check("get", "/v1/sources", call("GET", "/v1/sources", None));
+    check("get", "/v1/sinks", call("GET", "/v1/sinks", None));
+    check("get", "/readyz", call("GET", "/readyz", None));
+
+    let requeue = format!("/v1/messages/{}/requeue", dead[0]);
+    check(
+        "post",
+        "/v1/messages/{id}/requeue",
+        call("POST", &requeue, Some(json!({"delay": "1h"}))),
+    );
+    check(
+        "get",
+        "/v1/messages/{id}",
+        call("GET", &format!("/v1/messages/{}", dead[0]), None),
+    );
+    let discard = format!("/v1/messages/{}/discard", dead[1]);
+    check(
+        "post",
+        "/v1/messages/{id}/discard",
+        call("POST", &discard, None),
+    );
+    check(
+        "get",
+        "/v1/messages/{id}",
+        call("GET", &format!("/v1/messages/{}", dead[1]), None),
+    );
+    check(
+        "delete",
+        "/v1/messages/{id}",
+        call("DELETE", &format!("/v1/messages/{later}"), None),
+    );
+    check(
+        "get",
+        "/v1/messages/{id}",
+        call("GET", &format!("/v1/messages/{later}"), None),
+    );
+    let purged = check(
+        "delete",
+        "/v1/messages",
+        call("DELETE", "/v1/messages?topic=batched", None),
+    );
+    assert_eq!(purged["cancelled"], 1, "{purged}");
+
+    // Every JSON route's answer was checked; the rest are text, HTML and this document.
+    let json_routes: BTreeSet<(String, String)> = ROUTES
+        .iter()
+        .filter(|(path, _)| !matches!(*path, "/healthz" | "/metrics" | "/ui" | "/openapi.json"))
+        .flat_map(|(path, methods)| methods.iter().map(|m| (m.to_string(), path.to_string())))
+        .collect();
+    assert_eq!(checked, json_routes);
 }
