@@ -53,10 +53,12 @@ pub struct ListParams {
 }
 
 /// A listing's `status`: `pending` is scheduled or retrying.
-// Described, never built: the handler reads the parameter as text (see `status_param`).
 #[derive(ToSchema)]
-#[serde(rename_all = "snake_case")]
-#[expect(dead_code, reason = "described, never built")]
+#[schema(rename_all = "snake_case")]
+#[expect(
+    dead_code,
+    reason = "described, never built: the handler reads the parameter as text (`status_param`)"
+)]
 pub enum ListedStatus {
     Pending,
     Delivered,
