@@ -34,6 +34,10 @@ use std::str::FromStr;
 pub enum StatusFilter {
     /// Waiting for their time (a first attempt or a retry).
     Pending,
+    /// Waiting for their time, first attempt.
+    Scheduled,
+    /// Waiting for their time, a retry.
+    Retrying,
     Delivered,
     Dead,
     Cancelled,
@@ -50,8 +54,19 @@ impl StatusFilter {
             StatusFilter::Dead => Some(Effect::Dead),
             StatusFilter::Cancelled => Some(Effect::Cancelled),
             StatusFilter::Discarded => Some(Effect::Discarded),
-            StatusFilter::Pending | StatusFilter::Any => None,
+            StatusFilter::Pending
+            | StatusFilter::Scheduled
+            | StatusFilter::Retrying
+            | StatusFilter::Any => None,
         }
+    }
+
+    /// Whether only pending messages are wanted (some or all of them).
+    fn pending(self) -> bool {
+        matches!(
+            self,
+            StatusFilter::Pending | StatusFilter::Scheduled | StatusFilter::Retrying
+        )
     }
 }
 
@@ -189,7 +204,7 @@ impl Walk<'_> {
         }
         let wanted = match (self.query.status, view.effect(entry.seq)) {
             (_, Some(Effect::Retried)) => false,
-            (StatusFilter::Pending, effect) => effect.is_none(),
+            (status, effect) if status.pending() => effect.is_none(),
             (StatusFilter::Any, _) => true,
             (status, effect) => effect.is_some() && effect == status.finished(),
         };
@@ -197,11 +212,17 @@ impl Walk<'_> {
             return Ok(true);
         }
         let message = reader.read(&entry)?;
-        if self
-            .query
-            .topic
-            .as_ref()
-            .is_some_and(|t| *t != message.topic)
+        let attempt_wanted = match self.query.status {
+            StatusFilter::Scheduled => message.attempt == 0,
+            StatusFilter::Retrying => message.attempt > 0,
+            _ => true,
+        };
+        if !attempt_wanted
+            || self
+                .query
+                .topic
+                .as_ref()
+                .is_some_and(|t| *t != message.topic)
         {
             return Ok(true);
         }
@@ -257,7 +278,7 @@ impl ScheduleLog {
             }
             // (The count of records is taken after the outcomes are read: every record with an
             // outcome is filed by then, so the count is never short of them.)
-            if query.status == StatusFilter::Pending
+            if query.status.pending()
                 && has_outcomes
                 && self.with_view(bucket, false, |view, _| {
                     Ok(view.finished() >= self.filed_records(bucket))

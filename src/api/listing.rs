@@ -34,8 +34,8 @@ const PURGE_CONCURRENCY: usize = 32;
 pub struct ListParams {
     /// Only this topic's messages.
     topic: Option<String>,
-    /// `pending` (the default: scheduled or retrying), `delivered`, `dead`, `cancelled`,
-    /// `discarded` or `all`.
+    /// `pending` (the default: scheduled or retrying), `scheduled`, `retrying`, `delivered`, `dead`,
+    /// `cancelled`, `discarded` or `all`: the statuses a message shows, and their union `pending`.
     #[param(value_type = Option<ListedStatus>, inline)]
     status: Option<String>,
     /// Due at or after this time: unix milliseconds or RFC 3339.
@@ -61,6 +61,8 @@ pub struct ListParams {
 )]
 pub enum ListedStatus {
     Pending,
+    Scheduled,
+    Retrying,
     Delivered,
     Dead,
     Cancelled,
@@ -130,6 +132,8 @@ fn time_param(name: &str, value: Option<&str>, default: i64) -> Result<i64, ApiE
 fn status_param(value: Option<&str>) -> Result<StatusFilter, ApiError> {
     Ok(match value.unwrap_or("pending") {
         "pending" => StatusFilter::Pending,
+        "scheduled" => StatusFilter::Scheduled,
+        "retrying" => StatusFilter::Retrying,
         "delivered" => StatusFilter::Delivered,
         "dead" => StatusFilter::Dead,
         "cancelled" => StatusFilter::Cancelled,
@@ -139,7 +143,7 @@ fn status_param(value: Option<&str>) -> Result<StatusFilter, ApiError> {
             return Err(ApiError::bad_request(
                 "invalid_query",
                 format!(
-                    "status {other:?} is not one of pending, delivered, dead, cancelled, discarded, all"
+                    "status {other:?} is not one of pending (scheduled or retrying), scheduled, retrying, delivered, dead, cancelled, discarded, all"
                 ),
             ))
         }
@@ -252,7 +256,9 @@ pub struct MessagePage {
 pub struct ListedMessage {
     id: String,
     topic: String,
-    #[schema(required = true)]
+    /// Absent without a key, as in a pull.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     key: Option<String>,
     sink: String,
     #[schema(format = DateTime)]

@@ -59,7 +59,11 @@ async fn dead(shared: &Shared, id: MessageId) -> Result<(MessageStatus, String),
             let reason = reason.clone();
             Ok((status, reason))
         }
-        MessageState::Pending => Err(DeadLetterError::NotDead("pending")),
+        // The words a lookup of the message shows.
+        MessageState::Pending if status.message.attempt == 0 => {
+            Err(DeadLetterError::NotDead("scheduled"))
+        }
+        MessageState::Pending => Err(DeadLetterError::NotDead("retrying")),
         MessageState::Delivered { .. } => Err(DeadLetterError::NotDead("delivered")),
         MessageState::Cancelled { .. } => Err(DeadLetterError::NotDead("cancelled")),
         MessageState::Discarded { .. } => Err(DeadLetterError::NotDead("discarded")),

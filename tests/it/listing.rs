@@ -190,6 +190,58 @@ fn pending_messages_are_listed_by_due_time_counted_per_hour_and_purged_by_topic(
     assert_eq!(pending, audit_before);
 }
 
+/// A listing filters by the status a message shows (`scheduled`, `retrying`) as well as by their union
+/// `pending`; a message without a key has no `key`, as in a pull.
+#[test]
+fn a_listing_filters_by_the_status_a_message_shows() {
+    let hook = super::webhook::endpoint(&[("flaky", vec!["503"])]);
+    let server = Server::start(|c| {
+        let sink = super::webhook::webhook_sink(&hook.url, |lane, _| {
+            // The retry waits an hour: it stays `retrying` while the test looks.
+            lane.backoff_initial = delayd::config::Millis(Duration::from_secs(3600));
+        });
+        c.sinks.insert("hooks".into(), sink);
+    });
+    let send = |body: &str, delay: &str| {
+        let message =
+            json!({"topic": "t", "body": body, "delay": delay, "sink": "hooks", "key": body});
+        let answer = server.call("POST", "/v1/messages", Some(message));
+        assert_eq!(answer.status, 201, "{}", answer.json);
+        answer.json["id"].as_str().unwrap().to_string()
+    };
+    let flaky = send("flaky", "0s");
+    let later = send("later", "1h");
+    let unkeyed = server.call(
+        "POST",
+        "/v1/messages",
+        Some(json!({"topic": "t", "body": "x", "delay": "1h"})),
+    );
+    let unkeyed = unkeyed.json["id"].as_str().unwrap().to_string();
+    common::wait_for("the retry", Duration::from_secs(30), || {
+        server
+            .call("GET", &format!("/v1/messages/{flaky}"), None)
+            .json["status"]
+            == "retrying"
+    });
+    let listed = |status: &str| {
+        let mut found = ids(&list_all(&server, &format!("topic=t&status={status}")));
+        found.sort();
+        found
+    };
+    let mut pending = vec![flaky.clone(), later.clone(), unkeyed.clone()];
+    pending.sort();
+    assert_eq!(listed("pending"), pending);
+    assert_eq!(listed("retrying"), vec![flaky.clone()]);
+    let mut scheduled = vec![later, unkeyed.clone()];
+    scheduled.sort();
+    assert_eq!(listed("scheduled"), scheduled);
+    let all = list_all(&server, "topic=t&status=all");
+    let of = |id: &str| all.iter().find(|m| m["id"] == id).unwrap().clone();
+    assert_eq!(of(&flaky)["status"], "retrying");
+    assert_eq!(of(&flaky)["key"], "flaky");
+    assert!(of(&unkeyed).get("key").is_none(), "{}", of(&unkeyed));
+}
+
 #[test]
 fn the_console_page_is_served_without_a_token_and_the_api_behind_it_needs_one() {
     let server = Server::start(|c| c.auth.tokens = vec!["s3cret".into()]);

@@ -711,6 +711,9 @@ fn a_dead_letter_is_listed_then_requeued_and_delivered_or_discarded() {
         (answer.status, answer.json["code"].as_str()),
         (409, Some("not_dead"))
     );
+    // In the words its lookup shows.
+    let detail = answer.json["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("is scheduled, not dead"), "{detail}");
     let answer = call(
         format!("/v1/messages/{}/requeue", "a".repeat(23)),
         json!({}),
