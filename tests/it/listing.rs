@@ -194,9 +194,9 @@ fn pending_messages_are_listed_by_due_time_counted_per_hour_and_purged_by_topic(
 /// `pending`; a message without a key has no `key`, as in a pull.
 #[test]
 fn a_listing_filters_by_the_status_a_message_shows() {
-    let hook = super::webhook::endpoint(&[("flaky", vec!["503"])]);
+    let hook = webhook::endpoint(&[("flaky", vec!["503"])]);
     let server = Server::start(|c| {
-        let sink = super::webhook::webhook_sink(&hook.url, |lane, _| {
+        let sink = webhook::webhook_sink(&hook.url, |lane, _| {
             // The retry waits an hour: it stays `retrying` while the test looks.
             lane.backoff_initial = delayd::config::Millis(Duration::from_secs(3600));
         });
