@@ -4,8 +4,6 @@
 //! change once (not every failed retry while the MQ stays away). A source's link also counts its requests
 //! by outcome since the start.
 
-use crate::format::format_ms;
-use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 
 #[derive(Debug, Default)]
@@ -118,22 +116,30 @@ impl Link {
         self.state().checked_at.map(|at| at.elapsed())
     }
 
-    /// What `GET /v1/sources` and `/v1/sinks` show.
-    pub fn describe(&self) -> Value {
+    /// What the link says of its connection now (`GET /v1/sources` and `/v1/sinks` show it).
+    pub fn snapshot(&self) -> LinkSnapshot {
         let state = self.state();
-        let mut value = json!({
-            "name": self.name,
-            "kind": self.kind,
-            "connected": state.connected,
-        });
-        match self.role {
-            "source" => value["requests"] = json!(state.handled),
-            _ => value["postponed"] = json!(state.postponed),
+        LinkSnapshot {
+            name: self.name.clone(),
+            kind: self.kind.clone(),
+            connected: state.connected,
+            handled: state.handled.clone(),
+            postponed: state.postponed,
+            last_error: state.last_error.clone(),
         }
-        if let Some((at_ms, error)) = &state.last_error {
-            value["last_error"] = json!(error);
-            value["last_error_at"] = json!(format_ms(*at_ms));
-        }
-        value
     }
+}
+
+/// A link's state at one moment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkSnapshot {
+    pub name: String,
+    pub kind: String,
+    pub connected: bool,
+    /// A source's requests by outcome since the start.
+    pub handled: std::collections::BTreeMap<&'static str, u64>,
+    /// A sink's deliveries that found its MQ away since the start.
+    pub postponed: u64,
+    /// The last error, and when (clock ms).
+    pub last_error: Option<(i64, String)>,
 }

@@ -361,7 +361,7 @@ mod tests {
         assert!(!link.is_up(), "a refused target is no answer");
         report(&link, 3, &[SinkOutcome::Delivered, away]);
         assert!(link.is_up(), "it took one");
-        assert_eq!(link.describe()["postponed"], 2);
+        assert_eq!(link.snapshot().postponed, 2);
         assert!(is_forbidden(&forbidden("x")));
         let nack = SinkOutcome::Dead {
             reason: "nack".into(),
