@@ -4,6 +4,7 @@
 //! offsets); `openapi` describes them all at `GET /openapi.json`.
 
 mod consume;
+mod dead_letters;
 pub mod error;
 mod listing;
 mod messages;
@@ -66,8 +67,8 @@ pub fn router(state: AppState) -> Router {
             "/v1/messages/{id}",
             get(messages::status).delete(messages::cancel),
         )
-        .route("/v1/messages/{id}/requeue", post(messages::requeue))
-        .route("/v1/messages/{id}/discard", post(messages::discard))
+        .route("/v1/messages/{id}/requeue", post(dead_letters::requeue))
+        .route("/v1/messages/{id}/discard", post(dead_letters::discard))
         .route("/v1/stats/timeline", get(listing::timeline))
         .route("/v1/topics", get(consume::topics))
         .route("/v1/topics/{topic}", get(consume::topic))

@@ -9,8 +9,9 @@
 //! schema by `tests/it/openapi.rs` (one real answer of each main route) and by schemathesis against the
 //! live server (`tests/schemathesis.sh`, run by `.ci/run`).
 
+use super::dead_letters::RequeueRequest;
 use super::error::Problem;
-use super::messages::{BatchAnswer, BatchRequest, RequeueRequest, ScheduleRequest, Scheduled};
+use super::messages::{BatchAnswer, BatchRequest, ScheduleRequest, Scheduled};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use std::sync::LazyLock;
@@ -34,8 +35,8 @@ use utoipa::{Modify, OpenApi, ToSchema};
         super::listing::purge,
         super::messages::status,
         super::messages::cancel,
-        super::messages::requeue,
-        super::messages::discard,
+        super::dead_letters::requeue,
+        super::dead_letters::discard,
         super::listing::timeline,
         super::consume::topics,
         super::consume::topic,
