@@ -220,3 +220,10 @@ impl TableReader {
         }
     }
 }
+/// "a" or "an" before `word`, as it is spoken in a message about a table (the kinds of sinks and sources: "an amqp sink").
+pub fn article(word: &str) -> &'static str {
+    match word.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        true => "an",
+        false => "a",
+    }
+}

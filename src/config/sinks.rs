@@ -82,12 +82,8 @@ impl SinkConfig {
                 ))
             }
         };
-        table.take_unused::<UnusedSinkKeys>()?;
-        let article = if kind.name().starts_with('a') {
-            "an"
-        } else {
-            "a"
-        };
+        table.take_unused::<UnusedSinkKeys>()?.check(table.key())?;
+        let article = crate::setting::article(kind.name());
         table.finish(&format!("{article} {} sink", kind.name()))?;
         Ok(SinkConfig { lane, kind })
     }

@@ -68,12 +68,10 @@ impl SourceConfig {
                 ))
             }
         };
-        table.take_unused::<UnusedSourceKeys>()?;
-        let article = if kind.name().starts_with('a') {
-            "an"
-        } else {
-            "a"
-        };
+        table
+            .take_unused::<UnusedSourceKeys>()?
+            .check(table.key(), kind.name())?;
+        let article = crate::setting::article(kind.name());
         table.finish(&format!("{article} {} source", kind.name()))?;
         Ok(SourceConfig { shared, kind })
     }

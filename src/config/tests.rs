@@ -614,6 +614,33 @@ fn keys_every_table_once_took_still_load() {
         .unwrap_err()
         .to_string();
     assert!(err.starts_with("sources.in.ack_wait"), "{err}");
+    // Lists a kind does not take load when empty (as a template writes them), and are refused
+    // otherwise.
+    let empty = text
+        .replace(
+            "[sinks.broker]\n",
+            "[sinks.broker]\ntargets = []\nexchanges = []\n",
+        )
+        .replace("sink = \"out\"\n", "sink = \"out\"\ntopics = []\n");
+    load(&empty).unwrap();
+    let err = load(&empty.replace("targets = []", "targets = [\"a.*\"]"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("sinks.broker.targets") && err.contains("only an MQ sink"),
+        "{err}"
+    );
+    let err = load(&empty.replace("exchanges = []", "exchanges = [\"x\"]"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("sinks.broker.exchanges"), "{err}");
+    let err = load(&empty.replace("topics = []", "topics = [\"t\"]"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("sources.in.topics") && err.contains("an amqp source has no topics"),
+        "{err}"
+    );
 }
 
 /// The `DELAYD_*` variables (and Kubernetes' service links beside them) apply over a file with sinks

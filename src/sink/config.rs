@@ -60,12 +60,36 @@ impl LaneConfig {
 }
 
 /// Keys every sink took before each kind had keys of its own, which the kinds that do not use them
-/// still accept (and ignore) so that configurations written then load as before.
+/// still accept (and ignore) so that configurations written then load as before: `timeout` and
+/// `ca_file` whatever they hold, `targets` and `exchanges` when empty.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UnusedSinkKeys {
     pub timeout: Option<Millis>,
     pub ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub targets: Vec<String>,
+    #[serde(default)]
+    pub exchanges: Vec<String>,
+}
+
+impl UnusedSinkKeys {
+    /// Refuses what a kind without these keys cannot ignore; `key`: `sinks.NAME`.
+    pub fn check(&self, key: &str) -> Result<(), ConfigError> {
+        if !self.targets.is_empty() {
+            return Err(invalid(
+                &format!("{key}.targets"),
+                "only an MQ sink (nats, amqp, redis, kafka) has targets",
+            ));
+        }
+        if !self.exchanges.is_empty() {
+            return Err(invalid(
+                &format!("{key}.exchanges"),
+                "only an amqp sink has exchanges",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What a sink adapter is given to build itself.

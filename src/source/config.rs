@@ -1,7 +1,7 @@
 //! What every `[sources.NAME]` table has whatever its kind, and what a source adapter is given to
 //! build its transport. Each kind's own keys are its adapter's (`RedisSourceConfig`, ...).
 
-use crate::setting::Millis;
+use crate::setting::{invalid, ConfigError, Millis};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -26,13 +26,32 @@ impl Default for SourceShared {
 }
 
 /// Keys every source took before each kind had keys of its own, which the kinds that do not use them
-/// still accept (and ignore) so that configurations written then load as before.
+/// still accept (and ignore) so that configurations written then load as before: `group`,
+/// `consumer` and `ack_wait` whatever they hold, `topics` when empty.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UnusedSourceKeys {
     pub group: Option<String>,
     pub consumer: Option<String>,
     pub ack_wait: Option<Millis>,
+    #[serde(default)]
+    pub topics: Vec<String>,
+}
+
+impl UnusedSourceKeys {
+    /// Refuses what a kind without these keys cannot ignore; `key`: `sources.NAME`, `kind` its kind.
+    pub fn check(&self, key: &str, kind: &str) -> Result<(), ConfigError> {
+        match self.topics.is_empty() {
+            true => Ok(()),
+            false => Err(invalid(
+                &format!("{key}.topics"),
+                format!(
+                    "{} {kind} source has no topics",
+                    crate::setting::article(kind)
+                ),
+            )),
+        }
+    }
 }
 
 /// The consumer group (Redis, Kafka) or durable consumer (NATS) when the table names none.
