@@ -306,7 +306,7 @@ fn probe(args: ProbeArgs) -> anyhow::Result<()> {
 fn readyz_url(url: &str) -> anyhow::Result<String> {
     let parsed = reqwest::Url::parse(url).with_context(|| format!("--url {url:?} is not a URL"))?;
     Ok(match parsed.path() {
-        "" | "/" => format!("{}/readyz", url.trim_end_matches('/')),
+        "" | "/" => parsed.join("/readyz")?.to_string(),
         _ => url.to_string(),
     })
 }
@@ -418,7 +418,9 @@ fn tail(args: TailArgs) -> anyhow::Result<()> {
     let topic = &args.topic;
     // A name no topic can have would be waited for for ever.
     if !delayd::broker::valid_topic(topic) {
-        bail!("{topic:?} is not a topic name: 1 to 200 of A-Z a-z 0-9 . _ -, not all dots");
+        bail!(
+            "{topic:?} is not a topic name: 1 to 200 of A-Z a-z 0-9 . _ -, not all dots (or $dead)"
+        );
     }
     let from = if args.from_beginning {
         Start::Beginning
@@ -506,7 +508,9 @@ fn tail(args: TailArgs) -> anyhow::Result<()> {
             for message in answer["messages"].as_array().into_iter().flatten() {
                 // Offsets count per queue: the queue tells two messages at one offset apart.
                 let mut message = message.clone();
-                message["queue"] = json!(queue);
+                if let Some(fields) = message.as_object_mut() {
+                    fields.insert("queue".into(), json!(queue));
+                }
                 println!("{message}");
                 printed += 1;
                 if args.count.is_some_and(|c| printed >= c) {

@@ -14,31 +14,43 @@ use std::path::Path;
 /// record checked out and it ends cleanly), `None` for a file that is not the broker's.
 pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<Option<bool>> {
     let bytes = std::fs::read(path)?;
-    let in_dir = |name: &str| path.ancestors().skip(1).any(|dir| dir.ends_with(name));
     if bytes.starts_with(commitlog::MAGIC) {
         return commit_log(&bytes, out).map(Some);
     }
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or_default();
-    if name == "checkpoint" && in_dir("broker") {
+    if bytes.starts_with(b"DLYD") {
+        return Ok(None); // one of the engine's files
+    }
+    // The broker's other files have no magic: they are known by where they are in the data dir.
+    let path = std::fs::canonicalize(path)?;
+    let name = |up: usize| {
+        path.ancestors()
+            .nth(up)
+            .and_then(Path::file_name)
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+    };
+    let broker = |up: usize| name(up) == "broker" || name(up) == "dead" && name(up + 1) == "broker";
+    if name(0) == "checkpoint" && broker(1) {
         return match decode_checkpoint(&bytes) {
             Some(end) => writeln!(out, "broker store checkpoint: a start reads the commit log from offset {end}").map(|()| Some(true)),
             None => writeln!(out, "broker store checkpoint: damaged (12 bytes with a CRC-32C expected; a start reads the whole commit log)").map(|()| Some(false)),
         };
     }
-    if in_dir("consumequeue") {
-        return consume_queue(name, &bytes, out).map(Some);
+    // consumequeue/{topic}/{queue}/{first}
+    if name(3) == "consumequeue" && broker(4) {
+        return consume_queue(name(0), &bytes, out).map(Some);
     }
-    if in_dir("groups") && in_dir("broker") {
+    if name(1) == "groups" && name(2) == "broker" {
+        let group = name(0);
         return match serde_json::from_slice::<serde_json::Value>(&bytes) {
             Ok(offsets) => writeln!(
                 out,
-                "consumer group {name:?}: offsets by topic and queue {offsets}"
+                "consumer group {group:?}: offsets by topic and queue {offsets}"
             )
             .map(|()| Some(true)),
-            Err(e) => writeln!(out, "consumer group {name:?}: not JSON: {e}").map(|()| Some(false)),
+            Err(e) => {
+                writeln!(out, "consumer group {group:?}: not JSON: {e}").map(|()| Some(false))
+            }
         };
     }
     Ok(None)

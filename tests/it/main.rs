@@ -837,6 +837,17 @@ fn the_cli_sends_tails_and_inspects() {
         let (ok, dump) = cli(&["inspect", path.to_str().unwrap()]);
         assert!(ok && dump.contains(says), "{}: {dump}", path.display());
     }
+    // Known by where they are, also named from inside their directory.
+    let output = Command::new(env!("CARGO_BIN_EXE_delayd"))
+        .args(["inspect", "checkpoint"])
+        .current_dir(&broker)
+        .output()
+        .unwrap();
+    let dump = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && dump.contains("broker store checkpoint"),
+        "{dump}"
+    );
 }
 
 /// The queue of a topic that holds its only message.
