@@ -119,7 +119,7 @@ fn a_full_disk_holds_the_replayer_up_and_loses_nothing() {
     wait_disk_full_at(&log, "/dispatch/");
     // ... then the checkpoint that follows a stall does.
     log.inject_fault(Fault::DispatchAppendsFull(0));
-    wait_disk_full_at(&log, "checkpoint.tmp");
+    wait_disk_full_at(&log, "checkpoint.tmp~");
     assert_eq!(log.poisoned(), None);
     log.inject_fault(Fault::CheckpointWritesFull(0));
     wait_until("disk_full() clears", || log.disk_full().is_none());
