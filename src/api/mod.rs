@@ -144,10 +144,10 @@ pub struct SourceState {
     connected: bool,
     /// Requests handled since the start, by outcome.
     requests: BTreeMap<String, u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     last_error: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(format = DateTime, nullable = false)]
     last_error_at: Option<String>,
 }
@@ -200,10 +200,10 @@ pub struct SinkState {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     postponed: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     last_error: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(format = DateTime, nullable = false)]
     last_error_at: Option<String>,
 }

@@ -1301,9 +1301,7 @@ fn finished_messages_with_an_idempotency_key_are_reported() {
 #[test]
 fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
     let mut h = Harness::manual();
-    let unreachable = SinkOutcome::Unreachable {
-        reason: "connection refused".into(),
-    };
+    let unreachable = away();
     h.script.insert("away".into(), vec![unreachable.clone(); 4]);
     h.sinks = vec![(
         "a",
@@ -1335,6 +1333,22 @@ fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
         1,
         "one attempt, nothing written for the waits"
     );
+}
+
+/// What a sink answers for a message whose destination it could not reach.
+fn away() -> SinkOutcome {
+    SinkOutcome::Unreachable {
+        reason: "connection refused".into(),
+    }
+}
+
+/// A lane that sends one message per batch, `in_flight` batches at a time.
+fn one_per_batch(in_flight: usize) -> SinkPolicy {
+    SinkPolicy {
+        max_batch: 1,
+        max_in_flight: in_flight,
+        ..SinkPolicy::default()
+    }
 }
 
 /// A batch the destination took in part (one message delivered, another not answered: a partition
@@ -1396,18 +1410,11 @@ fn a_destination_that_answers_for_some_keeps_the_lane_going() {
 fn batches_out_at_an_outage_start_one_wait() {
     let mut h = Harness::manual();
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let away = SinkOutcome::Unreachable {
-        reason: "connection refused".into(),
-    };
     let bodies = ["A", "B", "C", "D"];
     for body in bodies {
-        h.script.insert(body.into(), vec![away.clone()]);
+        h.script.insert(body.into(), vec![away()]);
     }
-    let policy = SinkPolicy {
-        max_batch: 1,
-        max_in_flight: 4,
-        ..SinkPolicy::default()
-    };
+    let policy = one_per_batch(4);
     h.sinks = vec![("a", policy, Some(gate.clone()))];
     for body in bodies {
         h.schedule("a", T0, body);
@@ -1444,18 +1451,11 @@ fn batches_out_at_an_outage_start_one_wait() {
 #[test]
 fn a_refused_target_does_not_end_an_outage() {
     let mut h = Harness::manual();
-    let away = SinkOutcome::Unreachable {
-        reason: "connection refused".into(),
-    };
-    h.script.insert("A".into(), vec![away.clone(), away]);
+    h.script.insert("A".into(), vec![away(), away()]);
     let refuse = crate::sink::forbidden("not in targets");
     h.script.insert("refused".into(), vec![refuse]);
     // One at a time, in order: at the same due time, the one written first goes first.
-    let policy = SinkPolicy {
-        max_batch: 1,
-        max_in_flight: 1,
-        ..SinkPolicy::default()
-    };
+    let policy = one_per_batch(1);
     h.sinks = vec![("a", policy, None)];
     let refused = h.schedule("a", T0 + 400, "refused");
     let a = h.schedule("a", T0, "A");
@@ -1494,17 +1494,8 @@ fn a_refused_target_does_not_end_an_outage() {
 fn a_stop_during_a_probe_leaves_the_waiting_batches_pending() {
     let mut h = Harness::manual();
     let gate = Arc::new(tokio::sync::Semaphore::new(1));
-    h.script.insert(
-        "A".into(),
-        vec![SinkOutcome::Unreachable {
-            reason: "connection refused".into(),
-        }],
-    );
-    let policy = SinkPolicy {
-        max_batch: 1,
-        max_in_flight: 4,
-        ..SinkPolicy::default()
-    };
+    h.script.insert("A".into(), vec![away()]);
+    let policy = one_per_batch(4);
     h.sinks = vec![("a", policy, Some(gate.clone()))];
     let a = h.schedule("a", T0, "A");
     let b = h.schedule("a", T0 + 1_000, "B");
@@ -1567,17 +1558,8 @@ fn a_stop_during_a_probe_leaves_the_waiting_batches_pending() {
 fn batches_wait_unread_for_an_unreachable_destination_and_one_tries_it() {
     let mut h = Harness::manual();
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    h.script.insert(
-        "A".into(),
-        vec![SinkOutcome::Unreachable {
-            reason: "connection refused".into(),
-        }],
-    );
-    let policy = SinkPolicy {
-        max_batch: 1,
-        max_in_flight: 4,
-        ..SinkPolicy::default()
-    };
+    h.script.insert("A".into(), vec![away()]);
+    let policy = one_per_batch(4);
     h.sinks = vec![("a", policy, Some(gate.clone()))];
     let a = h.schedule("a", T0, "A");
     h.schedule("a", T0 + 100, "B");
