@@ -10,18 +10,19 @@
 pub mod api;
 pub mod broker;
 pub mod config;
+pub mod connection;
 pub mod disk;
 pub mod edge;
-pub mod format;
 pub mod intake;
-pub mod link;
 pub mod metrics;
 pub mod mq;
+pub mod names;
 pub mod notify;
 pub mod scheduler;
 pub mod setting;
 pub mod sink;
 pub mod source;
+pub mod timestamp;
 
 pub use schedulelog;
 
@@ -85,15 +86,15 @@ pub async fn run_with_ready(
     .await??;
 
     let mut sinks = SinkRegistry::new();
-    let mut sink_links = Vec::new();
+    let mut sink_connections = Vec::new();
     let mut probes = Vec::new();
     for (name, sink) in &config.sinks {
-        let (target, link) = sink
+        let (target, connection) = sink
             .build(name, &broker, &clock, config.limits.max_message_bytes)
             .with_context(|| format!("sinks.{name}"))?;
-        if let Some(link) = link {
-            sink_links.push(link.clone());
-            probes.push((target.clone(), link));
+        if let Some(connection) = connection {
+            sink_connections.push(connection.clone());
+            probes.push((target.clone(), connection));
         }
         sinks.register(name, target, sink.policy())?;
     }
@@ -150,8 +151,11 @@ pub async fn run_with_ready(
         clock,
         metrics,
         intake,
-        sources: sources.iter().map(|(link, _)| link.clone()).collect(),
-        sink_links,
+        sources: sources
+            .iter()
+            .map(|(connection, _)| connection.clone())
+            .collect(),
+        sink_connections,
     });
     let router = api::router(state);
     tracing::info!(data_dir = %config.data_dir.display(), "recovery done: storage and the broker are open");
@@ -196,7 +200,7 @@ async fn start_sources(
     intake: &Arc<intake::Intake>,
 ) -> anyhow::Result<(
     tokio::sync::watch::Sender<bool>,
-    Vec<(link::Link, tokio::task::JoinHandle<()>)>,
+    Vec<(connection::ConnectionState, tokio::task::JoinHandle<()>)>,
 )> {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut started = Vec::new();
@@ -210,14 +214,14 @@ async fn start_sources(
             batch: source.shared.batch,
             data_dir: config.data_dir.clone(),
         };
-        let link = link::Link::new("source", name, source.kind.name());
-        let (intake, runner_link) = (intake.clone(), link.clone());
+        let connection = connection::ConnectionState::new("source", name, source.kind.name());
+        let (intake, runner_connection) = (intake.clone(), connection.clone());
         let runner = tokio::task::spawn_blocking(move || {
-            source::SourceRunner::open(settings, intake, runner_link, transport)
+            source::SourceRunner::open(settings, intake, runner_connection, transport)
         })
         .await?
         .with_context(|| format!("opening sources.{name}"))?;
-        started.push((link, tokio::spawn(runner.run(stopped.clone()))));
+        started.push((connection, tokio::spawn(runner.run(stopped.clone()))));
     }
     Ok((stop, started))
 }

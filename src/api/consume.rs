@@ -3,7 +3,8 @@
 use super::error::{ApiError, Problem};
 use super::{AppState, JsonBody};
 use crate::broker::{Broker, Stored};
-use crate::format::{format_ms, valid_name};
+use crate::names::valid_name;
+use crate::timestamp::format_ms;
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;

@@ -8,8 +8,8 @@ use super::messages::{
     serialize_display, NumberOrText,
 };
 use super::{parse_json, AppState, RawBody};
-use crate::format::format_ms;
 use crate::intake::Draft;
+use crate::timestamp::format_ms;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;

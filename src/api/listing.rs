@@ -8,8 +8,8 @@
 use super::error::{ApiError, Problem};
 use super::messages::{rfc3339_schema, Described, MessageState};
 use super::{query_params, AppState};
-use crate::format::format_ms;
 use crate::scheduler::{CancelError, Cancelled};
+use crate::timestamp::format_ms;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::Json;

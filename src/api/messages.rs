@@ -12,8 +12,8 @@
 
 use super::error::{ApiError, Problem};
 use super::{parse_json, AppState, RawBody};
-use crate::format::{format_ms, parse_rfc3339, Text};
 use crate::intake::{Draft, Keyed, MessageKey};
+use crate::timestamp::{format_ms, parse_rfc3339};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -63,6 +63,32 @@ impl<'de: 'a, 'a> Deserialize<'de> for NumberOrText<'a> {
             }
         }
         deserializer.deserialize_any(NumberOrTextVisitor)
+    }
+}
+
+/// A JSON string borrowed from the request when it has no escapes (most do not), copied when it has.
+#[derive(Debug)]
+pub struct Text<'a>(pub Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Text<'a>, D::Error> {
+        struct TextVisitor;
+        impl<'de> Visitor<'de> for TextVisitor {
+            type Value = Text<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Text<'de>, E> {
+                Ok(Text(Cow::Owned(v)))
+            }
+        }
+        deserializer.deserialize_str(TextVisitor)
     }
 }
 
@@ -125,11 +151,11 @@ pub struct BatchRequest<'a> {
 /// scanning 1 KiB bodies twice for escapes cost ~5 % of the server's CPU; a batch that does not parse
 /// this way takes that path, for its errors (and its 413). Stopping at `max + 1` messages keeps an
 /// oversized batch of tiny messages (a 16 MiB body holds a million) from being built before its 413.
-struct OnePass {
+struct PlainBatch {
     max: usize,
 }
 
-impl<'de> serde::de::DeserializeSeed<'de> for OnePass {
+impl<'de> serde::de::DeserializeSeed<'de> for PlainBatch {
     type Value = Vec<ScheduleRequest<'de>>;
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
@@ -137,7 +163,7 @@ impl<'de> serde::de::DeserializeSeed<'de> for OnePass {
     }
 }
 
-impl<'de> Visitor<'de> for OnePass {
+impl<'de> Visitor<'de> for PlainBatch {
     type Value = Vec<ScheduleRequest<'de>>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -157,7 +183,7 @@ impl<'de> Visitor<'de> for OnePass {
     }
 }
 
-/// The `messages` array of [`OnePass`]: an error past `max` of them.
+/// The `messages` array of [`PlainBatch`]: an error past `max` of them.
 struct Messages {
     max: usize,
 }
@@ -198,7 +224,7 @@ fn parse_batch(
 ) -> Result<Vec<Result<ScheduleRequest<'_>, ApiError>>, ApiError> {
     use serde::de::DeserializeSeed;
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-    let one_pass = OnePass { max }
+    let one_pass = PlainBatch { max }
         .deserialize(&mut deserializer)
         .and_then(|messages| deserializer.end().map(|()| messages));
     if let Ok(messages) = one_pass {
@@ -1105,7 +1131,7 @@ mod tests {
         // That came from the one pass, which takes exactly `max` messages.
         let one_pass = |body: &str, max| {
             let mut deserializer = serde_json::Deserializer::from_str(body);
-            serde::de::DeserializeSeed::deserialize(OnePass { max }, &mut deserializer)
+            serde::de::DeserializeSeed::deserialize(PlainBatch { max }, &mut deserializer)
                 .and_then(|all| deserializer.end().map(|()| all))
                 .map(|all| all.iter().map(|r| Ok(format!("{r:?}"))).collect::<Vec<_>>())
         };
@@ -1147,7 +1173,8 @@ mod tests {
 
         // The one pass stops at the first message past the limit, and the batch gets its 413.
         let mut deserializer = serde_json::Deserializer::from_str(good);
-        let capped = serde::de::DeserializeSeed::deserialize(OnePass { max: 1 }, &mut deserializer);
+        let capped =
+            serde::de::DeserializeSeed::deserialize(PlainBatch { max: 1 }, &mut deserializer);
         assert!(capped
             .unwrap_err()
             .to_string()

@@ -12,9 +12,9 @@ mod openapi;
 
 use crate::broker::Broker;
 use crate::config::Config;
-use crate::format::format_ms;
-use crate::link::LinkSnapshot;
+use crate::connection::ConnectionSnapshot;
 use crate::scheduler::Scheduler;
+use crate::timestamp::format_ms;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, MatchedPath, Request, State};
 use axum::http::{header, StatusCode};
@@ -49,9 +49,9 @@ pub struct Services {
     /// New messages' way in, shared with the MQ sources.
     pub intake: Arc<crate::intake::Intake>,
     /// The MQ sources' connections.
-    pub sources: Vec<crate::link::Link>,
+    pub sources: Vec<crate::connection::ConnectionState>,
     /// The MQ sinks' connections.
-    pub sink_links: Vec<crate::link::Link>,
+    pub sink_connections: Vec<crate::connection::ConnectionState>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -118,8 +118,8 @@ pub fn router(state: AppState) -> Router {
 )]
 async fn sources(State(state): State<AppState>) -> Result<Json<Sources>, ApiError> {
     let sources = (state.config.sources.iter().zip(&state.sources))
-        .map(|((_, config), link)| {
-            let mut source = SourceState::from(link.snapshot());
+        .map(|((_, config), connection)| {
+            let mut source = SourceState::from(connection.snapshot());
             source.sink.clone_from(&config.shared.sink);
             source
         })
@@ -160,12 +160,12 @@ pub struct SourceState {
     responses((status = 200, description = "every sink", body = Sinks))
 )]
 async fn sinks(State(state): State<AppState>) -> Result<Json<Sinks>, ApiError> {
-    let links: Vec<SinkState> = (state.sink_links.iter())
-        .map(|link| SinkState::from(link.snapshot()))
+    let connections: Vec<SinkState> = (state.sink_connections.iter())
+        .map(|connection| SinkState::from(connection.snapshot()))
         .collect();
     let sinks = (state.config.sinks.iter())
         .map(|(name, config)| {
-            links
+            connections
                 .iter()
                 .find(|l| l.name == *name)
                 .cloned()
@@ -208,16 +208,16 @@ pub struct SinkState {
     last_error_at: Option<String>,
 }
 
-impl From<LinkSnapshot> for SourceState {
+impl From<ConnectionSnapshot> for SourceState {
     /// Without its sink, which the config gives.
-    fn from(link: LinkSnapshot) -> SourceState {
-        let (last_error_at, last_error) = last_error(link.last_error);
+    fn from(connection: ConnectionSnapshot) -> SourceState {
+        let (last_error_at, last_error) = last_error(connection.last_error);
         SourceState {
-            name: link.name,
-            kind: link.kind,
+            name: connection.name,
+            kind: connection.kind,
             sink: None,
-            connected: link.connected,
-            requests: (link.handled.into_iter())
+            connected: connection.connected,
+            requests: (connection.handled.into_iter())
                 .map(|(outcome, count)| (outcome.to_string(), count))
                 .collect(),
             last_error,
@@ -226,21 +226,21 @@ impl From<LinkSnapshot> for SourceState {
     }
 }
 
-impl From<LinkSnapshot> for SinkState {
-    fn from(link: LinkSnapshot) -> SinkState {
-        let (last_error_at, last_error) = last_error(link.last_error);
+impl From<ConnectionSnapshot> for SinkState {
+    fn from(connection: ConnectionSnapshot) -> SinkState {
+        let (last_error_at, last_error) = last_error(connection.last_error);
         SinkState {
-            name: link.name,
-            kind: link.kind,
-            connected: Some(link.connected),
-            postponed: Some(link.postponed),
+            name: connection.name,
+            kind: connection.kind,
+            connected: Some(connection.connected),
+            postponed: Some(connection.postponed),
             last_error,
             last_error_at,
         }
     }
 }
 
-/// A link's last error and its time, as the answers show them.
+/// A connection's last error and its time, as the answers show them.
 fn last_error(last: Option<(i64, String)>) -> (Option<String>, Option<String>) {
     match last {
         Some((at_ms, error)) => (Some(format_ms(at_ms)), Some(error)),
@@ -514,12 +514,13 @@ pub fn parse_json<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError
 mod tests {
     use super::*;
 
-    /// A link's state, in every state, is what `/v1/sources` and `/v1/sinks` show of it.
+    /// A connection's state, in every state, is what `/v1/sources` and `/v1/sinks` show of it.
     #[test]
     fn a_links_state_is_shown_whole() {
-        let source = crate::link::Link::new("source", "in", "redis");
-        let sink = crate::link::Link::new("sink", "out", "nats");
-        let shown = |source: &crate::link::Link, sink: &crate::link::Link| {
+        let source = crate::connection::ConnectionState::new("source", "in", "redis");
+        let sink = crate::connection::ConnectionState::new("sink", "out", "nats");
+        let shown = |source: &crate::connection::ConnectionState,
+                     sink: &crate::connection::ConnectionState| {
             let source = serde_json::to_value(SourceState::from(source.snapshot())).unwrap();
             let sink = serde_json::to_value(SinkState::from(sink.snapshot())).unwrap();
             (source, sink)

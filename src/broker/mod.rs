@@ -119,7 +119,7 @@ pub struct Broker {
 
 /// Whether `name` is a valid topic: a valid name, or `$dead` (where dead messages go).
 pub fn valid_topic(name: &str) -> bool {
-    crate::format::valid_name(name) || name == crate::scheduler::DEAD_TOPIC
+    crate::names::valid_name(name) || name == crate::scheduler::DEAD_TOPIC
 }
 
 /// The stores' names in metric labels: the main store, then dead letters.

@@ -77,7 +77,7 @@ impl Offsets {
                 fs::remove_file(&path).map_err(io_err(&path))?;
                 continue;
             }
-            if !crate::format::valid_name(group) {
+            if !crate::names::valid_name(group) {
                 continue; // a stranger's file
             }
             let bytes = fs::read(&path).map_err(io_err(&path))?;

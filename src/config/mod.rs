@@ -433,7 +433,7 @@ impl Config {
         }
         for (name, sink) in &self.sinks {
             let key = format!("sinks.{name}");
-            if !crate::format::valid_name(name) {
+            if !crate::names::valid_name(name) {
                 return Err(invalid(&key, "sink names match [A-Za-z0-9._-]{1,200}"));
             }
             sink.validate(&key)?;
@@ -442,7 +442,7 @@ impl Config {
         self.sinks.entry("broker".into()).or_default();
         for (name, source) in &self.sources {
             let key = format!("sources.{name}");
-            if !crate::format::valid_name(name) {
+            if !crate::names::valid_name(name) {
                 return Err(invalid(&key, "source names match [A-Za-z0-9._-]{1,200}"));
             }
             match source.shared.sink.as_deref() {

@@ -3,7 +3,7 @@
 //! its adapter's module plus a variant here.
 
 use crate::broker::{Broker, BrokerSinkConfig};
-use crate::link::Link;
+use crate::connection::ConnectionState;
 use crate::mq::Targets;
 use crate::setting::{invalid, ConfigError, TableReader};
 use crate::sink::amqp::AmqpSinkConfig;
@@ -130,38 +130,38 @@ impl SinkConfig {
         }
     }
 
-    /// The sink named `name`, and for an MQ sink the link that shows its connection.
+    /// The sink named `name`, and for an MQ sink the state of its connection.
     pub fn build(
         &self,
         name: &str,
         broker: &Arc<Broker>,
         clock: &Arc<dyn schedulelog::Clock>,
         max_message_bytes: usize,
-    ) -> anyhow::Result<(Arc<dyn Sink>, Option<Link>)> {
+    ) -> anyhow::Result<(Arc<dyn Sink>, Option<ConnectionState>)> {
         let context = SinkContext {
             clock: clock.clone(),
             max_message_bytes,
             max_in_flight: self.lane.max_in_flight,
             name: name.to_string(),
         };
-        let built: (Arc<dyn Sink>, Option<Link>) = match &self.kind {
+        let built: (Arc<dyn Sink>, Option<ConnectionState>) = match &self.kind {
             SinkKind::Broker(config) => (Arc::new(config.build(broker.clone())), None),
             SinkKind::Webhook(config) => (Arc::new(config.build(clock.clone())?), None),
             SinkKind::Redis(config) => {
-                let (sink, link) = config.build(&context)?;
-                (Arc::new(sink), Some(link))
+                let (sink, connection) = config.build(&context)?;
+                (Arc::new(sink), Some(connection))
             }
             SinkKind::Nats(config) => {
-                let (sink, link) = config.build(&context);
-                (Arc::new(sink), Some(link))
+                let (sink, connection) = config.build(&context);
+                (Arc::new(sink), Some(connection))
             }
             SinkKind::Amqp(config) => {
-                let (sink, link) = config.build(&context);
-                (Arc::new(sink), Some(link))
+                let (sink, connection) = config.build(&context);
+                (Arc::new(sink), Some(connection))
             }
             SinkKind::Kafka(config) => {
-                let (sink, link) = config.build(&context)?;
-                (Arc::new(sink), Some(link))
+                let (sink, connection) = config.build(&context)?;
+                (Arc::new(sink), Some(connection))
             }
         };
         Ok(built)

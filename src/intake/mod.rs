@@ -17,9 +17,10 @@ mod keys;
 
 use crate::config::Config;
 use crate::disk::DiskWatch;
-use crate::format::{parse_rfc3339, valid_name, valid_target};
 use crate::mq::{EXCHANGE_HEADER, REDIS_BODY};
+use crate::names::{valid_name, valid_target};
 use crate::scheduler::{FinishedKey, Scheduler};
+use crate::timestamp::parse_rfc3339;
 use keys::{KeyHash, KeyIndex, KeyIndexBuilder};
 use schedulelog::{
     AppendError, Appended, Clock, EncodedMessage, Message, MessageId, MessageRef, MessageState,

@@ -17,7 +17,7 @@
 //!   the `delayd-dead-on-arrival` header, is left behind); the HTTP edge first checks that it would be
 //!   taken now (api/messages.rs).
 
-use super::Shared;
+use super::SchedulerState;
 use schedulelog::{
     AppendError, MessageId, MessageState, MessageStatus, NewMessage, Outcome, OutcomeKind,
 };
@@ -48,7 +48,10 @@ pub struct Requeued {
     pub deliver_at_ms: i64,
 }
 
-async fn dead(shared: &Shared, id: MessageId) -> Result<(MessageStatus, String), DeadLetterError> {
+async fn dead(
+    shared: &SchedulerState,
+    id: MessageId,
+) -> Result<(MessageStatus, String), DeadLetterError> {
     let log = shared.log.clone();
     let status = tokio::task::spawn_blocking(move || log.lookup(id))
         .await
@@ -71,7 +74,7 @@ async fn dead(shared: &Shared, id: MessageId) -> Result<(MessageStatus, String),
 }
 
 async fn record(
-    shared: &Shared,
+    shared: &SchedulerState,
     status: &MessageStatus,
     kind: OutcomeKind,
 ) -> Result<(), DeadLetterError> {
@@ -90,7 +93,7 @@ async fn record(
 
 /// Makes a dead message a new attempt due at `deliver_at_ms`.
 pub(crate) async fn requeue(
-    shared: Arc<Shared>,
+    shared: Arc<SchedulerState>,
     id: MessageId,
     deliver_at_ms: i64,
 ) -> Result<Requeued, DeadLetterError> {
@@ -152,7 +155,10 @@ pub(crate) async fn requeue(
 }
 
 /// Puts a dead message away: it stays dead and leaves the dead-letter list.
-pub(crate) async fn discard(shared: Arc<Shared>, id: MessageId) -> Result<(), DeadLetterError> {
+pub(crate) async fn discard(
+    shared: Arc<SchedulerState>,
+    id: MessageId,
+) -> Result<(), DeadLetterError> {
     let _one_at_a_time = shared.dead_letter_ops.lock().await;
     let (status, _) = dead(&shared, id).await?;
     record(&shared, &status, OutcomeKind::Discarded).await?;

@@ -37,7 +37,7 @@
 
 use super::registry::Admission;
 use super::wheel::Entry;
-use super::{entry_bucket, Settled, Shared};
+use super::{entry_bucket, SchedulerState, Settled};
 use crate::sink::{
     BoxFuture, Delivery, Sink, SinkOutcome, SinkPolicy, SinkRegistry, UNREACHABLE_WAIT_MAX,
 };
@@ -55,7 +55,7 @@ pub(crate) struct Lane {
     name: String,
     sink: Arc<dyn Sink>,
     pub policy: SinkPolicy,
-    shared: Arc<Shared>,
+    shared: Arc<SchedulerState>,
     seed: AtomicU64,
     /// Metric handles, looked up once rather than per message; made at the start for a configured
     /// sink (its series exist at 0 from then), at first use for messages naming an unknown one.
@@ -105,7 +105,7 @@ impl Drop for ProbeOut {
 }
 
 /// One lane per registered sink, in registry order, then the lane for messages naming an unknown sink.
-pub(crate) fn lanes(shared: &Arc<Shared>, sinks: &SinkRegistry) -> Vec<Lane> {
+pub(crate) fn lanes(shared: &Arc<SchedulerState>, sinks: &SinkRegistry) -> Vec<Lane> {
     let seed = u64::try_from(shared.clock.now_ms()).unwrap_or(1);
     let mut lanes: Vec<Lane> = sinks
         .entries()
@@ -133,7 +133,7 @@ impl Lane {
         name: &str,
         sink: Arc<dyn Sink>,
         policy: SinkPolicy,
-        shared: &Arc<Shared>,
+        shared: &Arc<SchedulerState>,
         seed: u64,
     ) -> Lane {
         Lane {
@@ -734,7 +734,7 @@ fn dead_on_arrival(delivery: &Delivery) -> Option<&str> {
 /// Attempts a lane has admitted and not yet settled; released from the registry when dropped (also if
 /// the task that holds them ends early), so that a cancel is refused only while they really run.
 struct InFlight {
-    shared: Arc<Shared>,
+    shared: Arc<SchedulerState>,
     ids: Vec<MessageId>,
 }
 
@@ -750,7 +750,7 @@ const READ_RETRY_MAX_MS: i64 = 60_000;
 const CORRUPT_RETRY_MS: i64 = 600_000;
 
 /// Hands an entry whose record could not be read back to the wheel, with backoff (module doc).
-fn unreadable(shared: &Shared, entry: &Entry, bucket: Bucket, error: &schedulelog::Error) {
+fn unreadable(shared: &SchedulerState, entry: &Entry, bucket: Bucket, error: &schedulelog::Error) {
     metrics::counter!("delayd_read_errors_total").increment(1);
     let failures = {
         let mut unreadable = shared.unreadable();
@@ -780,7 +780,7 @@ fn unreadable(shared: &Shared, entry: &Entry, bucket: Bucket, error: &schedulelo
 /// Reads the records of a batch and admits them in the registry: returns the entries and deliveries to
 /// make, without the cancelled ones (dropped) and those whose cancel is in progress (held). A record
 /// that cannot be read goes back to the wheel (see the module doc).
-fn read_batch(shared: &Shared, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
+fn read_batch(shared: &SchedulerState, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     let mut read = Vec::with_capacity(batch.len());
     // Entries read, or gone with their retired bucket: no longer unreadable.
     let mut settled = Vec::new();

@@ -17,7 +17,7 @@
 //! not drop its cancels: its entries may still wait in a sink's backlog (a catch-up at a rate limit can
 //! outlast the grace period), and a lane must still drop them.
 
-use super::Shared;
+use super::SchedulerState;
 use crossbeam_channel::{select, Receiver, Sender};
 use schedulelog::{Bucket, BucketSnapshot, SegmentMinutes};
 use std::collections::BTreeSet;
@@ -29,7 +29,7 @@ use std::time::Duration;
 const UNWATCH_GRACE_MS: i64 = 3_600_000;
 
 pub(crate) struct Loader {
-    shared: Arc<Shared>,
+    shared: Arc<SchedulerState>,
     width: SegmentMinutes,
     preload_ms: i64,
     retire_every_ms: i64,
@@ -41,7 +41,7 @@ pub(crate) struct Loader {
 
 impl Loader {
     pub(crate) fn new(
-        shared: Arc<Shared>,
+        shared: Arc<SchedulerState>,
         width: SegmentMinutes,
         preload_ms: i64,
         retire_every: Duration,

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! loader thread ── watch(bucket) snapshots ──►┐
-//! replayer tap ─── live records and cancels ──┼──► wheel thread ── per-sink gate ──► lane task ──► Sink
+//! replayer tap ─── live records and cancels ──┼──► wheel thread ── per-sink feed ──► lane task ──► Sink
 //! clock changes, lane "space again" signals ─►┘    (wheel.rs)     (backlog, token     (read record,
 //!                                                                   bucket, bounded    deliver, retry,
 //!                                                                   queue)             record outcome)
@@ -12,8 +12,8 @@
 //!   older bucket that still has unfinished records, oldest first, and retires finished buckets.
 //!   `ScheduleLog::watch` marks the bucket watched and takes its snapshot under the replayer's lock, so a
 //!   record filed into it is either in the snapshot or reported live by the tap, never both, never neither.
-//! - The **wheel thread** owns the [`wheel::Wheel`]. It never blocks on a sink: each sink has a gate with a
-//!   token bucket and a bounded queue; when the queue is full, due entries wait in the gate's backlog (24
+//! - The **wheel thread** owns the [`wheel::Wheel`]. It never blocks on a sink: each sink has a feed with a
+//!   token bucket and a bounded queue; when the queue is full, due entries wait in the feed's backlog (24
 //!   bytes each, in due order) while time keeps running for every other sink.
 //! - A **lane** per sink (a tokio task) reads records, drops cancelled ones, calls the sink with up to
 //!   `max_in_flight` batches at a time, writes retries back through the WAL as new attempts and records
@@ -121,7 +121,7 @@ impl Default for SchedulerConfig {
 
 /// What the wheel thread, the loader and the lanes share.
 #[derive(Debug)]
-pub(crate) struct Shared {
+pub(crate) struct SchedulerState {
     pub log: Arc<ScheduleLog>,
     pub clock: Arc<dyn Clock>,
     /// In flight, being cancelled, cancelled: see registry.rs.
@@ -149,7 +149,7 @@ pub(crate) struct Shared {
     pub hooks: Mutex<tests::Hooks>,
 }
 
-impl Shared {
+impl SchedulerState {
     /// `delayd_pending_messages`: what the wheel holds plus what unloaded buckets hold (cancelled
     /// messages in unloaded buckets count until their bucket is loaded).
     pub fn report_pending(&self) {
@@ -192,7 +192,7 @@ impl Shared {
 /// A running scheduler. Stop it with [`Scheduler::shutdown`].
 #[derive(Debug)]
 pub struct Scheduler {
-    shared: Arc<Shared>,
+    shared: Arc<SchedulerState>,
     running: Mutex<Option<Running>>,
     finished_keys: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<FinishedKey>>>,
 }
@@ -215,7 +215,7 @@ impl Scheduler {
     ) -> std::io::Result<Scheduler> {
         let (requeued, requeued_rx) = crossbeam_channel::unbounded();
         let (finished_keys, finished_keys_rx) = tokio::sync::mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(SchedulerState {
             log: log.clone(),
             clock: clock.clone(),
             registry: Mutex::default(),
@@ -239,7 +239,7 @@ impl Scheduler {
         let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
 
         let now = clock.now_ms();
-        let mut gates = Vec::new();
+        let mut feeds = Vec::new();
         let mut lanes = Vec::new();
         for lane in dispatcher::lanes(&shared, sinks) {
             let (tx, rx) = tokio::sync::mpsc::channel(config.lane_queue.max(1));
@@ -247,7 +247,7 @@ impl Scheduler {
                 .policy
                 .rate_per_sec
                 .map(|r| TokenBucket::new(r, lane.policy.burst, now));
-            gates.push(Gate {
+            feeds.push(LaneFeed {
                 tx,
                 backlog: VecDeque::new(),
                 rate,
@@ -260,7 +260,7 @@ impl Scheduler {
         let span_ms = 2 * width.width_ms() + preload_ms;
         let wheel = WheelThread {
             wheel: Wheel::new(config.tick_ms, span_ms, now),
-            gates,
+            feeds,
             sinks: sinks.clone(),
             shared: shared.clone(),
         };
@@ -353,14 +353,14 @@ impl Scheduler {
 
 /// Between the wheel and one sink's lane.
 #[derive(Debug)]
-struct Gate {
+struct LaneFeed {
     tx: tokio::sync::mpsc::Sender<Entry>,
     /// Due entries that may not go yet (rate limit or full queue), in due order.
     backlog: VecDeque<Entry>,
     rate: Option<TokenBucket>,
 }
 
-impl Gate {
+impl LaneFeed {
     /// Hands backlog entries to the lane while the rate limit and the queue allow. Returns when to try
     /// again by the clock, if waiting for tokens (a full queue is signalled by the lane instead).
     fn release(&mut self, now_ms: i64) -> Option<i64> {
@@ -388,9 +388,9 @@ impl Gate {
 
 struct WheelThread {
     wheel: Wheel,
-    gates: Vec<Gate>,
+    feeds: Vec<LaneFeed>,
     sinks: SinkRegistry,
-    shared: Arc<Shared>,
+    shared: Arc<SchedulerState>,
 }
 
 impl WheelThread {
@@ -419,20 +419,20 @@ impl WheelThread {
             let now = self.shared.clock.now_ms();
             self.wheel.advance(now);
             while let Some(entry) = self.wheel.pop_due(now) {
-                // Unknown tags go to the last gate, whose lane declares them dead.
-                let gate = self
+                // Unknown tags go to the last feed, whose lane declares them dead.
+                let feed = self
                     .sinks
                     .index_of_tag(entry.sink_tag())
-                    .unwrap_or(self.gates.len() - 1);
-                self.gates[gate].backlog.push_back(entry);
+                    .unwrap_or(self.feeds.len() - 1);
+                self.feeds[feed].backlog.push_back(entry);
             }
             let mut next = self.wheel.next_deadline();
             let mut backlog = 0;
-            for gate in &mut self.gates {
-                if let Some(at) = gate.release(now) {
+            for feed in &mut self.feeds {
+                if let Some(at) = feed.release(now) {
                     next = Some(next.map_or(at, |n| n.min(at)));
                 }
-                backlog += gate.backlog.len();
+                backlog += feed.backlog.len();
             }
             let in_memory = (self.wheel.len() + backlog) as u64;
             metrics::gauge!("delayd_wheel_entries").set(in_memory as f64);

@@ -37,7 +37,7 @@
 //!   in flight and being cancelled.
 
 use super::wheel::Entry;
-use super::Shared;
+use super::SchedulerState;
 use schedulelog::{
     AppendError, Bucket, BucketSnapshot, Location, MessageId, MessageState, MessageStatus,
 };
@@ -218,7 +218,7 @@ pub enum CancelError {
 /// in memory where a lane may still need them, drops or hands back what lanes held meanwhile, and wakes
 /// other cancels of the same message.
 struct Intent {
-    shared: Arc<Shared>,
+    shared: Arc<SchedulerState>,
     id: MessageId,
     /// Locations whose tombstones are durable, with each tombstone's seq.
     done: Vec<(u64, Location)>,
@@ -267,7 +267,7 @@ impl Drop for Intent {
 }
 
 /// Looks a message up off the async threads.
-async fn lookup(shared: &Shared, id: MessageId) -> Result<MessageStatus, CancelError> {
+async fn lookup(shared: &SchedulerState, id: MessageId) -> Result<MessageStatus, CancelError> {
     let log = shared.log.clone();
     tokio::task::spawn_blocking(move || log.lookup(id))
         .await
@@ -276,7 +276,10 @@ async fn lookup(shared: &Shared, id: MessageId) -> Result<MessageStatus, CancelE
 }
 
 /// Cancels every pending attempt of `id` (see the module doc for the order of things).
-pub(crate) async fn cancel(shared: Arc<Shared>, id: MessageId) -> Result<Cancelled, CancelError> {
+pub(crate) async fn cancel(
+    shared: Arc<SchedulerState>,
+    id: MessageId,
+) -> Result<Cancelled, CancelError> {
     let mut intent = loop {
         // Registered before the look, so that a cancel finishing in between still wakes this one.
         let finished = shared.cancel_done.notified();

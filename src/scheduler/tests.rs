@@ -29,7 +29,7 @@ pub(crate) struct Hooks {
     pub tombstone_written: Option<(Sender<u64>, Arc<tokio::sync::Semaphore>)>,
 }
 
-impl Shared {
+impl SchedulerState {
     fn hooks(&self) -> std::sync::MutexGuard<'_, Hooks> {
         self.hooks.lock().unwrap_or_else(|p| p.into_inner())
     }

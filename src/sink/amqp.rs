@@ -14,7 +14,7 @@
 //! messages: they wait for it without using an attempt (`SinkOutcome::Unreachable`).
 
 use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
-use crate::link::Link;
+use crate::connection::ConnectionState;
 use crate::mq::amqp::{close, connect, valid_name, CONNECT_TIMEOUT};
 use crate::mq::{MqKind, Targets, EXCHANGE_HEADER};
 use crate::setting::{invalid, ConfigError};
@@ -77,17 +77,17 @@ impl AmqpSinkConfig {
         Targets::new(MqKind::Amqp, &self.targets, exchange, &self.exchanges)
     }
 
-    pub fn build(&self, context: &SinkContext) -> (AmqpSink, Link) {
-        let link = context.link("amqp");
+    pub fn build(&self, context: &SinkContext) -> (AmqpSink, ConnectionState) {
+        let connection_state = context.connection_state("amqp");
         let sink = AmqpSink::new(
             self.url.as_deref().unwrap_or_default(),
             self.exchange.as_deref().unwrap_or(""),
             self.targets(),
             context.max_in_flight,
-            link.clone(),
+            connection_state.clone(),
             context.clock.clone(),
         );
-        (sink, link)
+        (sink, connection_state)
     }
 }
 
@@ -103,7 +103,7 @@ pub struct AmqpSink {
     channels: Vec<Mutex<Option<Channel>>>,
     /// The channel the next batch tries first.
     next: std::sync::atomic::AtomicUsize,
-    link: Link,
+    connection_state: ConnectionState,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
 }
 
@@ -111,7 +111,7 @@ impl std::fmt::Debug for AmqpSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmqpSink")
             .field("exchange", &self.exchange)
-            .field("link", &self.link)
+            .field("connection_state", &self.connection_state)
             .finish_non_exhaustive()
     }
 }
@@ -137,7 +137,7 @@ impl AmqpSink {
         exchange: &str,
         targets: Targets,
         channels: usize,
-        link: Link,
+        connection_state: ConnectionState,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
     ) -> AmqpSink {
         AmqpSink {
@@ -149,7 +149,7 @@ impl AmqpSink {
                 .map(|_| Mutex::new(None))
                 .collect(),
             next: std::sync::atomic::AtomicUsize::new(0),
-            link,
+            connection_state,
             clock,
         }
     }
@@ -381,14 +381,25 @@ impl Sink for AmqpSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
             let sent = self.send(batch).await;
-            super::reported(&self.link, self.clock.now_ms(), "amqp", batch, sent)
+            super::reported(
+                &self.connection_state,
+                self.clock.now_ms(),
+                "amqp",
+                batch,
+                sent,
+            )
         })
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let answered = self.ping().await;
-            super::probed(&self.link, self.clock.now_ms(), "amqp", answered);
+            super::probed(
+                &self.connection_state,
+                self.clock.now_ms(),
+                "amqp",
+                answered,
+            );
         })
     }
 }

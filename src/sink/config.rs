@@ -3,7 +3,7 @@
 //! kind's own keys are its adapter's (`WebhookSinkConfig`, `RedisSinkConfig`, ...).
 
 use super::{Backoff, SinkPolicy};
-use crate::link::Link;
+use crate::connection::ConnectionState;
 use crate::setting::{invalid, ConfigError, Millis};
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -106,16 +106,16 @@ pub struct SinkContext {
 }
 
 impl SinkContext {
-    /// A link for an MQ sink's connection, as `GET /v1/sinks` and `delayd_sink_connected` show it.
-    pub fn link(&self, kind: &str) -> Link {
-        Link::new("sink", &self.name, kind)
+    /// The state of an MQ sink's connection, as `GET /v1/sinks` and `delayd_sink_connected` show it.
+    pub fn connection_state(&self, kind: &str) -> ConnectionState {
+        ConnectionState::new("sink", &self.name, kind)
     }
 }
 
 /// Checks an MQ sink's `targets`: glob patterns of 1 to 255 bytes, no whitespace or control
 /// characters. `key`: the table's (`sinks.NAME`).
 pub fn check_targets(key: &str, targets: &[String]) -> Result<(), ConfigError> {
-    match targets.iter().find(|t| !crate::format::valid_target(t)) {
+    match targets.iter().find(|t| !crate::names::valid_target(t)) {
         None => Ok(()),
         Some(bad) => Err(invalid(
             &format!("{key}.targets"),

@@ -11,7 +11,7 @@
 //! reachable) uses no attempt: the record waits for one (`SinkOutcome::Unreachable`).
 
 use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
-use crate::link::Link;
+use crate::connection::ConnectionState;
 use crate::mq::kafka::client_config;
 use crate::mq::{MqError, MqKind, Targets};
 use crate::setting::{invalid, ConfigError};
@@ -52,16 +52,16 @@ impl KafkaSinkConfig {
         Targets::new(MqKind::Kafka, &self.targets, "", &[])
     }
 
-    pub fn build(&self, context: &SinkContext) -> Result<(KafkaSink, Link), MqError> {
-        let link = context.link("kafka");
+    pub fn build(&self, context: &SinkContext) -> Result<(KafkaSink, ConnectionState), MqError> {
+        let connection_state = context.connection_state("kafka");
         let sink = KafkaSink::new(
             self.url.as_deref().unwrap_or_default(),
             context.max_message_bytes,
             self.targets(),
-            link.clone(),
+            connection_state.clone(),
             context.clock.clone(),
         )?;
-        Ok((sink, link))
+        Ok((sink, connection_state))
     }
 }
 
@@ -71,14 +71,14 @@ pub struct KafkaSink {
     /// Made anew after a fatal error (an idempotent producer's sequence lost): until then every send
     /// fails.
     producer: std::sync::Mutex<FutureProducer>,
-    link: Link,
+    connection_state: ConnectionState,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
 }
 
 impl std::fmt::Debug for KafkaSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KafkaSink")
-            .field("link", &self.link)
+            .field("connection_state", &self.connection_state)
             .finish_non_exhaustive()
     }
 }
@@ -90,7 +90,7 @@ impl KafkaSink {
         url: &str,
         max_message_bytes: usize,
         targets: Targets,
-        link: Link,
+        connection_state: ConnectionState,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
     ) -> Result<KafkaSink, MqError> {
         let mut config = client_config(url)?;
@@ -112,7 +112,7 @@ impl KafkaSink {
             config,
             targets,
             producer: std::sync::Mutex::new(producer),
-            link,
+            connection_state,
             clock,
         })
     }
@@ -227,7 +227,7 @@ impl Sink for KafkaSink {
                     })
                 })
                 .collect();
-            super::report(&self.link, self.clock.now_ms(), &outcomes);
+            super::report(&self.connection_state, self.clock.now_ms(), &outcomes);
             outcomes
         })
     }
@@ -235,7 +235,12 @@ impl Sink for KafkaSink {
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let answered = self.metadata().await;
-            super::probed(&self.link, self.clock.now_ms(), "kafka", answered);
+            super::probed(
+                &self.connection_state,
+                self.clock.now_ms(),
+                "kafka",
+                answered,
+            );
         })
     }
 }

@@ -92,26 +92,26 @@ pub trait Sink: Send + Sync + fmt::Debug + 'static {
 
     /// Checks the connection to the destination when no delivery has lately (at the start, and every
     /// few seconds while the sink is idle: [`probe`]), so that what the sink says of it is true: an MQ
-    /// sink connects, or makes a round trip on its connection, and marks its link up or down. Does
+    /// sink connects, or makes a round trip on its connection, and marks its connection up or down. Does
     /// nothing by default (the broker and webhooks keep no connection).
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
 }
 
-/// How long a sink's link may go unchecked before [`probe`] checks it.
+/// How long a sink's connection may go unchecked before [`probe`] checks it.
 pub const PROBE_IDLE: Duration = Duration::from_secs(2);
 
-/// Probes each MQ sink whose link nothing checked for [`PROBE_IDLE`] (at once at the start), together,
+/// Probes each MQ sink whose connection nothing checked for [`PROBE_IDLE`] (at once at the start), together,
 /// a probe at most 10 s, until the task is dropped.
-pub async fn probe(sinks: Vec<(Arc<dyn Sink>, crate::link::Link)>) {
+pub async fn probe(sinks: Vec<(Arc<dyn Sink>, crate::connection::ConnectionState)>) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let due = sinks
             .iter()
-            .filter(|(_, link)| link.checked_ago().is_none_or(|ago| ago >= PROBE_IDLE))
+            .filter(|(_, connection)| connection.checked_ago().is_none_or(|ago| ago >= PROBE_IDLE))
             .map(|(sink, _)| tokio::time::timeout(Duration::from_secs(10), sink.probe()));
         futures_util::future::join_all(due).await;
     }
@@ -134,31 +134,37 @@ pub fn is_forbidden(outcome: &SinkOutcome) -> bool {
     matches!(outcome, SinkOutcome::Dead { reason } if reason.starts_with(FORBIDDEN_TARGET))
 }
 
-/// Tells an MQ sink's link what a batch's outcomes say of the connection: down (and how many
+/// Tells the state of an MQ sink's connection what a batch's outcomes say of it: down (and how many
 /// deliveries wait) when some found the MQ unreachable and it took none; up when it answered for all,
 /// or took some (those it did not answer for are counted as waiting).
-pub fn report(link: &crate::link::Link, now_ms: i64, outcomes: &[SinkOutcome]) {
+pub fn report(
+    connection: &crate::connection::ConnectionState,
+    now_ms: i64,
+    outcomes: &[SinkOutcome],
+) {
     let mut unreachable = outcomes.iter().filter_map(|o| match o {
         SinkOutcome::Unreachable { reason } => Some(reason),
         _ => None,
     });
     let took_some = outcomes.iter().any(|o| matches!(o, SinkOutcome::Delivered));
     match unreachable.next() {
-        Some(reason) if !took_some => link.unreachable(now_ms, reason, 1 + unreachable.count()),
-        Some(_) => {
-            link.up();
-            link.postponed(1 + unreachable.count());
+        Some(reason) if !took_some => {
+            connection.unreachable(now_ms, reason, 1 + unreachable.count())
         }
-        None if !outcomes.iter().all(is_forbidden) => link.up(),
+        Some(_) => {
+            connection.up();
+            connection.postponed(1 + unreachable.count());
+        }
+        None if !outcomes.iter().all(is_forbidden) => connection.up(),
         None => {}
     }
 }
 
-/// An MQ sink's outcomes for a batch, reported to its link: those `sent` gives, or, when the MQ could
+/// An MQ sink's outcomes for a batch, reported to its connection: those `sent` gives, or, when the MQ could
 /// not be reached at all (`Err`), [`SinkOutcome::Unreachable`] for every delivery. `kind` prefixes the
 /// reason (`redis: ...`).
 pub fn reported(
-    link: &crate::link::Link,
+    connection: &crate::connection::ConnectionState,
     now_ms: i64,
     kind: &str,
     batch: &[Delivery],
@@ -170,15 +176,20 @@ pub fn reported(
         };
         vec![unreachable; batch.len()]
     });
-    report(link, now_ms, &outcomes);
+    report(connection, now_ms, &outcomes);
     outcomes
 }
 
-/// What an MQ sink's probe of its MQ found, told to its link.
-pub fn probed(link: &crate::link::Link, now_ms: i64, kind: &str, answered: Result<(), String>) {
+/// What an MQ sink's probe of its MQ found, told to its connection.
+pub fn probed(
+    connection: &crate::connection::ConnectionState,
+    now_ms: i64,
+    kind: &str,
+    answered: Result<(), String>,
+) {
     match answered {
-        Ok(()) => link.up(),
-        Err(error) => link.down(now_ms, &format!("{kind}: {error}")),
+        Ok(()) => connection.up(),
+        Err(error) => connection.down(now_ms, &format!("{kind}: {error}")),
     }
 }
 
@@ -348,20 +359,20 @@ mod tests {
         }
     }
 
-    /// What a batch's outcomes tell a link: a refusal the sink made itself tells nothing of the MQ.
+    /// What a batch's outcomes tell a connection: a refusal the sink made itself tells nothing of the MQ.
     #[test]
     fn report_reads_the_mq_from_its_answers_only() {
-        let link = crate::link::Link::new("sink", "n", "nats");
+        let connection = crate::connection::ConnectionState::new("sink", "n", "nats");
         let away = SinkOutcome::Unreachable {
             reason: "nats: connection refused".into(),
         };
-        report(&link, 1, &[away.clone(), forbidden("$JS.API.x")]);
-        assert!(!link.is_up());
-        report(&link, 2, &[forbidden("$JS.API.x")]);
-        assert!(!link.is_up(), "a refused target is no answer");
-        report(&link, 3, &[SinkOutcome::Delivered, away]);
-        assert!(link.is_up(), "it took one");
-        assert_eq!(link.snapshot().postponed, 2);
+        report(&connection, 1, &[away.clone(), forbidden("$JS.API.x")]);
+        assert!(!connection.is_up());
+        report(&connection, 2, &[forbidden("$JS.API.x")]);
+        assert!(!connection.is_up(), "a refused target is no answer");
+        report(&connection, 3, &[SinkOutcome::Delivered, away]);
+        assert!(connection.is_up(), "it took one");
+        assert_eq!(connection.snapshot().postponed, 2);
         assert!(is_forbidden(&forbidden("x")));
         let nack = SinkOutcome::Dead {
             reason: "nack".into(),

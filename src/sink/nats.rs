@@ -13,7 +13,7 @@
 //! once: no retry can fix it.
 
 use super::{check_targets, forbidden, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
-use crate::link::Link;
+use crate::connection::ConnectionState;
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::{MqKind, Targets};
 use crate::setting::{invalid, ConfigError};
@@ -50,15 +50,15 @@ impl NatsSinkConfig {
         Targets::new(MqKind::Nats, &self.targets, "", &[])
     }
 
-    pub fn build(&self, context: &SinkContext) -> (NatsSink, Link) {
-        let link = context.link("nats");
+    pub fn build(&self, context: &SinkContext) -> (NatsSink, ConnectionState) {
+        let connection_state = context.connection_state("nats");
         let sink = NatsSink::new(
             self.url.as_deref().unwrap_or_default(),
             self.targets(),
-            link.clone(),
+            connection_state.clone(),
             context.clock.clone(),
         );
-        (sink, link)
+        (sink, connection_state)
     }
 }
 
@@ -67,7 +67,7 @@ pub struct NatsSink {
     url: String,
     targets: Targets,
     connection: Mutex<Option<(async_nats::Client, async_nats::jetstream::Context)>>,
-    link: Link,
+    connection_state: ConnectionState,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
 }
 
@@ -112,14 +112,14 @@ impl NatsSink {
     pub fn new(
         url: &str,
         targets: Targets,
-        link: Link,
+        connection_state: ConnectionState,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
     ) -> NatsSink {
         NatsSink {
             url: url.to_string(),
             targets,
             connection: Mutex::new(None),
-            link,
+            connection_state,
             clock,
         }
     }
@@ -223,14 +223,25 @@ impl Sink for NatsSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
             let sent = self.send(batch).await;
-            super::reported(&self.link, self.clock.now_ms(), "nats", batch, sent)
+            super::reported(
+                &self.connection_state,
+                self.clock.now_ms(),
+                "nats",
+                batch,
+                sent,
+            )
         })
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let answered = self.ping().await;
-            super::probed(&self.link, self.clock.now_ms(), "nats", answered);
+            super::probed(
+                &self.connection_state,
+                self.clock.now_ms(),
+                "nats",
+                answered,
+            );
         })
     }
 }

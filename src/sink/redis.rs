@@ -11,7 +11,7 @@
 //! changed).
 
 use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
-use crate::link::Link;
+use crate::connection::ConnectionState;
 use crate::mq::redis::connect;
 use crate::mq::{MqKind, Targets, REDIS_BODY};
 use crate::setting::{invalid, ConfigError};
@@ -45,15 +45,18 @@ impl RedisSinkConfig {
         Targets::new(MqKind::Redis, &self.targets, "", &[])
     }
 
-    pub fn build(&self, context: &SinkContext) -> Result<(RedisSink, Link), redis::RedisError> {
-        let link = context.link("redis");
+    pub fn build(
+        &self,
+        context: &SinkContext,
+    ) -> Result<(RedisSink, ConnectionState), redis::RedisError> {
+        let connection_state = context.connection_state("redis");
         let sink = RedisSink::new(
             self.url.as_deref().unwrap_or_default(),
             self.targets(),
-            link.clone(),
+            connection_state.clone(),
             context.clock.clone(),
         )?;
-        Ok((sink, link))
+        Ok((sink, connection_state))
     }
 }
 
@@ -62,7 +65,7 @@ pub struct RedisSink {
     client: redis::Client,
     targets: Targets,
     connection: Mutex<Option<MultiplexedConnection>>,
-    link: Link,
+    connection_state: ConnectionState,
     clock: std::sync::Arc<dyn schedulelog::Clock>,
 }
 
@@ -70,14 +73,14 @@ impl RedisSink {
     pub fn new(
         url: &str,
         targets: Targets,
-        link: Link,
+        connection_state: ConnectionState,
         clock: std::sync::Arc<dyn schedulelog::Clock>,
     ) -> Result<RedisSink, redis::RedisError> {
         Ok(RedisSink {
             client: redis::Client::open(url)?,
             targets,
             connection: Mutex::new(None),
-            link,
+            connection_state,
             clock,
         })
     }
@@ -179,14 +182,25 @@ impl Sink for RedisSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
             let sent = self.send(batch).await;
-            super::reported(&self.link, self.clock.now_ms(), "redis", batch, sent)
+            super::reported(
+                &self.connection_state,
+                self.clock.now_ms(),
+                "redis",
+                batch,
+                sent,
+            )
         })
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let answered = self.ping().await;
-            super::probed(&self.link, self.clock.now_ms(), "redis", answered);
+            super::probed(
+                &self.connection_state,
+                self.clock.now_ms(),
+                "redis",
+                answered,
+            );
         })
     }
 }

@@ -16,8 +16,8 @@
 //! receiver may make as large as it likes.
 
 use super::{BoxFuture, Delivery, Sink, SinkOutcome};
-use crate::format::format_ms;
 use crate::setting::{invalid, ConfigError, Millis};
+use crate::timestamp::format_ms;
 use base64::Engine;
 use hmac::{Hmac, Mac};
 use schedulelog::Clock;

@@ -21,7 +21,7 @@
 //!   are neither taken for redeliveries of the old one's nor ordered against them.
 //! - A request that cannot be scheduled (no or a bad time, no target, too large, a bad header) is never
 //!   dropped and never delivered: it becomes a dead letter with the reason, and is acknowledged.
-//! - An MQ that is away never stops delayd: the runner reconnects with backoff; the link (link.rs)
+//! - An MQ that is away never stops delayd: the runner reconnects with backoff; its connection state (connection.rs)
 //!   shows the state.
 
 pub mod amqp;
@@ -33,10 +33,10 @@ pub mod redis;
 
 pub use config::{default_group, SourceContext, SourceShared, UnusedSourceKeys};
 
+use crate::connection::ConnectionState;
 use crate::intake::{
     delay_from_text, deliver_at_from_text, Draft, Intake, MessageKey, Rejection, MAX_KEY_BYTES,
 };
-use crate::link::Link;
 use crate::mq::{MqError, EXCHANGE_HEADER};
 use crate::scheduler::{CancelError, BODY_BYTES_HEADER, DEAD_ON_ARRIVAL_HEADER};
 use crate::sink::BoxFuture;
@@ -368,7 +368,7 @@ pub struct SourceRunner {
 struct Writer {
     settings: SourceSettings,
     intake: Arc<Intake>,
-    link: Link,
+    connection: ConnectionState,
     /// Whether the MQ's positions are ordered ([`Transport::ordered_positions`]).
     ordered: bool,
     /// Positions written and not yet acknowledged, with the seq of their record and when they were
@@ -406,7 +406,7 @@ impl SourceRunner {
     pub fn open(
         settings: SourceSettings,
         intake: Arc<Intake>,
-        link: Link,
+        connection: ConnectionState,
         transport: Box<dyn Transport>,
     ) -> anyhow::Result<SourceRunner> {
         let path = mark::path(&settings.data_dir, &settings.name);
@@ -439,7 +439,7 @@ impl SourceRunner {
             writer: Writer {
                 settings,
                 intake,
-                link,
+                connection,
                 ordered: transport.ordered_positions(),
                 awaiting: HashMap::new(),
                 last_written: unacked.values().map(|(seq, _)| seq + 1).max().unwrap_or(0),
@@ -478,7 +478,7 @@ impl SourceRunner {
             };
             if let Err(e) = served {
                 self.writer
-                    .link
+                    .connection
                     .down(self.writer.intake.clock.now_ms(), &e.0);
                 if *stop.borrow() {
                     break;
@@ -519,7 +519,7 @@ impl SourceRunner {
 
     /// A round worked: the MQ is there.
     fn healthy(&mut self) {
-        self.writer.link.up();
+        self.writer.connection.up();
         self.pause = FIRST_PAUSE;
     }
 
@@ -667,7 +667,7 @@ impl Writer {
     }
 
     /// Reads back the positions of the records this source wrote since its mark was saved, before
-    /// the first connection: the MQ may deliver their requests again. Waits (saying so in the link)
+    /// the first connection: the MQ may deliver their requests again. Waits (saying so in its connection state)
     /// while a full disk holds the replayer up; false when `stop` said so meanwhile.
     async fn read_back(&mut self, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
         let Some(from) = self.read_back_from else {
@@ -714,7 +714,7 @@ impl Writer {
                         "waiting for the disk before reading back what this source wrote: {}",
                         cause.as_deref().unwrap_or("the log is behind")
                     );
-                    self.link.down(self.intake.clock.now_ms(), &why);
+                    self.connection.down(self.intake.clock.now_ms(), &why);
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(1)) => {},
                         _ = stop.changed() => return false,
@@ -867,7 +867,7 @@ impl Writer {
         if count == 0 {
             return;
         }
-        self.link.handled(outcome.label(), count);
+        self.connection.handled(outcome.label(), count);
         metrics::counter!("delayd_source_messages_total", "source" => self.settings.name.clone(), "outcome" => outcome.label()).increment(count);
         if outcome == Outcome::Scheduled {
             metrics::counter!("delayd_messages_received_total", "sink" => self.settings.sink.clone())

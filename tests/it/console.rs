@@ -272,7 +272,7 @@ fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
     let mut hours: BTreeMap<String, u64> = BTreeMap::new();
     for at in due.iter().filter(|at| **at < hour + 48 * HOUR_MS) {
         *hours
-            .entry(delayd::format::format_ms(at / HOUR_MS * HOUR_MS))
+            .entry(delayd::timestamp::format_ms(at / HOUR_MS * HOUR_MS))
             .or_default() += 1;
     }
     let bars = browser.wait(

@@ -77,7 +77,10 @@ fn pending_messages_are_listed_by_due_time_counted_per_hour_and_purged_by_topic(
     let (from, to) = (base + HOUR_MS, base + 3 * HOUR_MS);
     let ranged = list_all(
         &server,
-        &format!("from={from}&to={}&limit=5", delayd::format::format_ms(to)),
+        &format!(
+            "from={from}&to={}&limit=5",
+            delayd::timestamp::format_ms(to)
+        ),
     );
     let mut expected: Vec<i64> = sent
         .iter()

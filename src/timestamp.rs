@@ -1,54 +1,4 @@
-//! Formats shared by every layer: the names of topics, sinks, sources and groups, times as the API and
-//! the sinks write them, and strings borrowed from the JSON they came in.
-//!
-//! Invariant: a valid name is safe as a file name (no `/`, not `.` or `..`, at most 200 bytes).
-
-use serde::de::Visitor;
-use serde::{Deserialize, Deserializer};
-use std::borrow::Cow;
-
-/// Topic, sink and group names: `[A-Za-z0-9._-]{1,200}`, and not only dots (so no name is `.` or `..`
-/// and none can leave the data dir when used as a directory name).
-pub fn valid_name(name: &str) -> bool {
-    (1..=200).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-        && !name.bytes().all(|b| b == b'.')
-}
-
-/// A target on another message queue (a Redis stream key, a NATS subject, an AMQP routing key): 1 to 255
-/// bytes, no whitespace or control characters. Never a file name.
-pub fn valid_target(target: &str) -> bool {
-    (1..=255).contains(&target.len())
-        && !target.chars().any(|c| c.is_whitespace() || c.is_control())
-}
-
-/// A JSON string borrowed from the request when it has no escapes (most do not), copied when it has.
-#[derive(Debug)]
-pub struct Text<'a>(pub Cow<'a, str>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Text<'a>, D::Error> {
-        struct TextVisitor;
-        impl<'de> Visitor<'de> for TextVisitor {
-            type Value = Text<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Text<'de>, E> {
-                Ok(Text(Cow::Borrowed(v)))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Text<'de>, E> {
-                Ok(Text(Cow::Owned(v.to_string())))
-            }
-            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Text<'de>, E> {
-                Ok(Text(Cow::Owned(v)))
-            }
-        }
-        deserializer.deserialize_str(TextVisitor)
-    }
-}
+//! Times as the API and the sinks write them: RFC 3339 in UTC with milliseconds, and back.
 
 /// `2026-12-01T09:30:00.000Z`: RFC 3339, UTC, milliseconds.
 pub fn format_ms(unix_ms: i64) -> String {
@@ -91,18 +41,6 @@ pub fn parse_rfc3339(text: &str) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names() {
-        assert!(valid_name("orders.timeout"));
-        assert!(valid_name("a-b_c.9"));
-        assert!(!valid_name(""));
-        assert!(!valid_name(".."));
-        assert!(!valid_name("."));
-        assert!(!valid_name("a/b"));
-        assert!(!valid_name("$dead"));
-        assert!(!valid_name(&"x".repeat(201)));
-    }
 
     #[test]
     fn times() {

@@ -1,7 +1,7 @@
 //! The state of a connection to another message queue, kept by each MQ source and MQ sink: whether it
 //! is up and the last error. `GET /v1/sources` and `GET /v1/sinks` show it, the gauges
 //! `delayd_source_connected{source}` / `delayd_sink_connected{sink}` follow it, and the log says each
-//! change once (not every failed retry while the MQ stays away). A source's link also counts its requests
+//! change once (not every failed retry while the MQ stays away). A source's connection also counts its requests
 //! by outcome since the start.
 
 use std::sync::{Arc, Mutex};
@@ -23,7 +23,7 @@ struct State {
 
 /// One connection's state; cheap to clone (shared).
 #[derive(Debug, Clone)]
-pub struct Link {
+pub struct ConnectionState {
     /// `source` or `sink`: the gauge's and the log's word.
     role: &'static str,
     name: String,
@@ -31,16 +31,16 @@ pub struct Link {
     state: Arc<Mutex<State>>,
 }
 
-impl Link {
-    pub fn new(role: &'static str, name: &str, kind: &str) -> Link {
-        let link = Link {
+impl ConnectionState {
+    pub fn new(role: &'static str, name: &str, kind: &str) -> ConnectionState {
+        let connection = ConnectionState {
             role,
             name: name.to_string(),
             kind: kind.to_string(),
             state: Arc::default(),
         };
-        link.gauge(false);
-        link
+        connection.gauge(false);
+        connection
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -116,10 +116,10 @@ impl Link {
         self.state().checked_at.map(|at| at.elapsed())
     }
 
-    /// What the link says of its connection now (`GET /v1/sources` and `/v1/sinks` show it).
-    pub fn snapshot(&self) -> LinkSnapshot {
+    /// What it says of its connection now (`GET /v1/sources` and `/v1/sinks` show it).
+    pub fn snapshot(&self) -> ConnectionSnapshot {
         let state = self.state();
-        LinkSnapshot {
+        ConnectionSnapshot {
             name: self.name.clone(),
             kind: self.kind.clone(),
             connected: state.connected,
@@ -130,9 +130,9 @@ impl Link {
     }
 }
 
-/// A link's state at one moment.
+/// A connection's state at one moment.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkSnapshot {
+pub struct ConnectionSnapshot {
     pub name: String,
     pub kind: String,
     pub connected: bool,
