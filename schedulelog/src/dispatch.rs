@@ -29,10 +29,10 @@ use crate::bucket::{Bucket, SegmentMinutes};
 use crate::error::{Error, Result};
 use crate::frame::{self, Frames, Kind, Stop};
 use crate::group::Group;
-use crate::header::{FileHeader, DISPATCH_MAGIC, HEADER_LEN};
+use crate::header::{open_data_file, FileHeader, OpenMode, DISPATCH_MAGIC, HEADER_LEN};
 use crate::record::Outcome;
 use std::collections::HashMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -184,13 +184,7 @@ impl DispatchLogs {
     /// Opens (or creates) a bucket's log for append, cutting a torn tail. Returns whether it was created.
     fn open_for_append(&self, bucket: Bucket) -> Result<(DispatchFile, bool)> {
         let path = path(&self.dir, bucket);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(Error::io(&path))?;
+        let file = open_data_file(&path, OpenMode::Keep).map_err(Error::io(&path))?;
         let bytes = fs::read(&path).map_err(Error::io(&path))?;
         if bytes.len() < HEADER_LEN || (bytes.len() == HEADER_LEN && bytes.iter().all(|&b| b == 0))
         {

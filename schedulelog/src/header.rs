@@ -114,6 +114,49 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
     dir_file.sync_all().map_err(Error::sync(dir))
 }
 
+/// How [`open_data_file`] opens a file for reading and writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    /// It must exist.
+    Existing,
+    /// Created if missing, kept as it is if not.
+    Keep,
+    /// Created if missing, emptied if not.
+    Empty,
+}
+
+/// Opens the data file at `path` for reading and writing: every writer opens its files this way.
+pub fn open_data_file(path: &Path, mode: OpenMode) -> std::io::Result<File> {
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(mode != OpenMode::Existing)
+        .truncate(mode == OpenMode::Empty)
+        .open(path)
+}
+
+/// The files in `dir` whose names `parse` accepts, each with what it made of its name, sorted by that.
+/// Other files (a stranger's, a temporary one) are passed over.
+pub fn list_files<T: Ord>(
+    dir: &Path,
+    parse: impl Fn(&str) -> Option<T>,
+) -> Result<Vec<(T, PathBuf)>> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir).map_err(Error::io(dir))? {
+        let path = entry.map_err(Error::io(dir))?.path();
+        if let Some(parsed) = path.file_name().and_then(|n| n.to_str()).and_then(&parse) {
+            files.push((parsed, path));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// The number a file named for an offset or a seq has as its name: 20 decimal digits.
+pub fn parse_offset_name(name: &str) -> Option<u64> {
+    name.len().eq(&20).then(|| name.parse().ok())?
+}
+
 /// Ends the name of the temporary file an atomic replace writes through. Appended to the name, not put
 /// in the place of an extension: `a.b` and `a.c` written at once must not share `a.tmp`, nor may `a` write
 /// through the file of something named `a.tmp`. `~` is in no name delayd gives a file (topics, groups,

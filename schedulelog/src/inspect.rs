@@ -114,42 +114,56 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
         count += 1;
         writeln!(out, "{offset:>12}  {line}")?;
     }
-    match frames.stop() {
-        Some(Stop::End { at }) => {
-            let rest = &body[at..];
-            if rest.iter().all(|&b| b == 0) {
-                writeln!(out, "{count} records; clean end at offset {}", start + at)?;
-            } else {
-                ok = false;
-                writeln!(
-                    out,
-                    "{count} records; a zero header at offset {} is followed by data",
-                    start + at
-                )?;
-            }
+    // A WAL file's log ends at a block boundary; past it a reused file holds its earlier uses'
+    // bytes, where no frame need start.
+    let log_ends = |at: usize| magic == WAL_MAGIC && (start + at).is_multiple_of(BLOCK);
+    let ended = write_end_of_frames(out, count, body, frames.stop(), log_ends, |at| {
+        (start + at) as u64
+    })?;
+    Ok(ok && ended)
+}
+
+/// Says how a file's frames (`body`, `count` of them read) ended: cleanly, at an invalid frame, or at
+/// an invalid frame where `log_ends` says the log may end. `offset` turns a place in `body` into the
+/// offset shown. Returns whether the end is a clean one.
+pub fn write_end_of_frames(
+    out: &mut impl Write,
+    count: u64,
+    body: &[u8],
+    stop: Option<Stop>,
+    log_ends: impl Fn(usize) -> bool,
+    offset: impl Fn(usize) -> u64,
+) -> io::Result<bool> {
+    match stop {
+        Some(Stop::End { at }) if body[at..].iter().all(|&b| b == 0) => {
+            writeln!(out, "{count} records; clean end at offset {}", offset(at))?;
         }
-        // A WAL file's log ends at a block boundary; past it a reused file holds its earlier uses'
-        // bytes, where no frame need start.
-        Some(Stop::Invalid { at, .. })
-            if magic == WAL_MAGIC && (start + at).is_multiple_of(BLOCK) =>
-        {
+        Some(Stop::End { at }) => {
+            writeln!(
+                out,
+                "{count} records; a zero header at offset {} is followed by data",
+                offset(at)
+            )?;
+            return Ok(false);
+        }
+        Some(Stop::Invalid { at, .. }) if log_ends(at) => {
             writeln!(
                 out,
                 "{count} records; the log ends at offset {}: what follows is not a record of this file",
-                start + at
+                offset(at)
             )?;
         }
         Some(Stop::Invalid { at, reason }) => {
-            ok = false;
             writeln!(
                 out,
                 "{count} records; invalid frame at offset {}: {reason}",
-                start + at
+                offset(at)
             )?;
+            return Ok(false);
         }
         None => {}
     }
-    Ok(ok)
+    Ok(true)
 }
 
 /// The data dir's `meta`: the bucket width it was made with.

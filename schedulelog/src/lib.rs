@@ -40,9 +40,12 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use commit::{Ack, AckFuture, Appended, FsyncPolicy};
 pub use error::{AppendError, Error, Result};
 pub use group::Group;
-pub use header::{create_dir_durably, sync_dir, temp_path, write_atomically, TEMP_SUFFIX};
+pub use header::{
+    create_dir_durably, list_files, open_data_file, parse_offset_name, sync_dir, temp_path,
+    write_atomically, OpenMode, TEMP_SUFFIX,
+};
 pub use id::{InvalidId, Location, MessageId};
-pub use inspect::inspect;
+pub use inspect::{inspect, write_end_of_frames};
 pub use listing::{
     BucketCount, InvalidCursor, ListCursor, ListPage, ListQuery, Listed, StatusFilter,
 };

@@ -30,7 +30,9 @@
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::error::{Error, Result};
 use crate::frame::{self, Kind, Next};
-use crate::header::{FileHeader, HEADER_LEN, INDEX_MAGIC, SEGMENT_MAGIC};
+use crate::header::{
+    list_files, open_data_file, FileHeader, OpenMode, HEADER_LEN, INDEX_MAGIC, SEGMENT_MAGIC,
+};
 use crate::record::{Message, MessageHead, MessageMeta, PrefixError};
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -124,13 +126,7 @@ impl SegmentWriter {
         width: SegmentMinutes,
     ) -> Result<SegmentWriter> {
         let open = |path: &Path, magic| -> Result<File> {
-            let file = OpenOptions::new()
-                .create(true)
-                .truncate(true)
-                .read(true)
-                .write(true)
-                .open(path)
-                .map_err(Error::io(path))?;
+            let file = open_data_file(path, OpenMode::Empty).map_err(Error::io(path))?;
             let header = FileHeader {
                 magic,
                 segment_minutes: width.get(),
@@ -165,11 +161,7 @@ impl SegmentWriter {
         mark: SegmentMark,
     ) -> Result<SegmentWriter> {
         let open = |path: &Path, magic, len: u64| -> Result<File> {
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(path)
-                .map_err(Error::io(path))?;
+            let file = open_data_file(path, OpenMode::Existing).map_err(Error::io(path))?;
             let mut header = [0u8; HEADER_LEN];
             file.read_exact_at(&mut header, 0)
                 .map_err(Error::io(path))?;
@@ -526,19 +518,13 @@ impl SegmentReader {
 
 /// The buckets that have segment files in `dir` (by their `.log` files).
 pub(crate) fn list(dir: &Path) -> Result<Vec<Bucket>> {
-    let mut buckets = Vec::new();
-    for entry in fs::read_dir(dir).map_err(Error::io(dir))? {
-        let path = entry.map_err(Error::io(dir))?.path();
-        let bucket = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_suffix(".log").or_else(|| n.strip_suffix(".idx")))
-            .and_then(Bucket::parse_file_stem);
-        if let Some(bucket) = bucket {
-            buckets.push(bucket);
-        }
-    }
-    buckets.sort();
+    let files = list_files(dir, |name| {
+        (name
+            .strip_suffix(".log")
+            .or_else(|| name.strip_suffix(".idx")))
+        .and_then(Bucket::parse_file_stem)
+    })?;
+    let mut buckets: Vec<Bucket> = files.into_iter().map(|(bucket, _)| bucket).collect();
     buckets.dedup();
     Ok(buckets)
 }

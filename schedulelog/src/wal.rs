@@ -46,7 +46,7 @@
 
 use crate::error::{Error, Result};
 use crate::frame::{self, Frames, Kind, Next, Stop, BLOCK, UNSYNCED_LIMIT};
-use crate::header::{self, FileHeader, HEADER_LEN, WAL_MAGIC};
+use crate::header::{self, list_files, parse_offset_name, FileHeader, HEADER_LEN, WAL_MAGIC};
 use crate::record::{Cancel, MessageHead};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -70,16 +70,10 @@ fn spare_path(dir: &Path, old_first_seq: u64) -> PathBuf {
 
 /// The spare files in `dir`, oldest first.
 fn spares(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut files = Vec::new();
-    for entry in fs::read_dir(dir).map_err(Error::io(dir))? {
-        let path = entry.map_err(Error::io(dir))?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.starts_with("spare-") && name.ends_with(".tmp") {
-            files.push(path);
-        }
-    }
-    files.sort();
-    Ok(files)
+    let spares = list_files(dir, |name| {
+        (name.starts_with("spare-") && name.ends_with(".tmp")).then(|| name.to_string())
+    })?;
+    Ok(spares.into_iter().map(|(_, path)| path).collect())
 }
 
 /// Retires the WAL file `path` (first seq `first_seq`), all of whose records are replayed and
@@ -177,21 +171,9 @@ fn check_tail(
 
 /// The WAL files in `dir`, oldest first, as (first seq, path). Stray files are ignored.
 pub(crate) fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
-    let mut files = Vec::new();
-    for entry in fs::read_dir(dir).map_err(Error::io(dir))? {
-        let path = entry.map_err(Error::io(dir))?.path();
-        let first_seq = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_suffix(".wal"))
-            .filter(|stem| stem.len() == 20)
-            .and_then(|stem| stem.parse::<u64>().ok());
-        if let Some(first_seq) = first_seq {
-            files.push((first_seq, path));
-        }
-    }
-    files.sort();
-    Ok(files)
+    list_files(dir, |name| {
+        name.strip_suffix(".wal").and_then(parse_offset_name)
+    })
 }
 
 /// A committed WAL record, borrowed from the bytes of its file or group.

@@ -30,9 +30,11 @@
 
 use super::{io_err, BrokerError};
 use schedulelog::frame::{self, Kind, Next, UNSYNCED_LIMIT};
-use schedulelog::{create_dir_durably, sync_dir};
+use schedulelog::{
+    create_dir_durably, list_files, open_data_file, parse_offset_name, sync_dir, OpenMode,
+};
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -71,10 +73,7 @@ impl Segment {
     fn handle(&self) -> Result<Arc<File>, BrokerError> {
         match &self.file {
             Some(file) => Ok(file.clone()),
-            None => OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&self.path)
+            None => open_data_file(&self.path, OpenMode::Existing)
                 .map(Arc::new)
                 .map_err(io_err(&self.path)),
         }
@@ -113,18 +112,10 @@ impl CommitLog {
     /// until [`CommitLog::scan_from`] has checked its tail: call it before appending.
     pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<CommitLog, BrokerError> {
         create_dir_durably(dir)?;
-        let mut bases = Vec::new();
-        for entry in fs::read_dir(dir).map_err(io_err(dir))? {
-            let name = entry.map_err(io_err(dir))?.file_name();
-            let base = name
-                .to_str()
-                .filter(|n| n.len() == 20)
-                .and_then(|n| n.parse::<u64>().ok());
-            if let Some(base) = base {
-                bases.push(base);
-            }
-        }
-        bases.sort_unstable();
+        let bases: Vec<u64> = list_files(dir, parse_offset_name)?
+            .into_iter()
+            .map(|(base, _)| base)
+            .collect();
         let mut log = CommitLog {
             dir: dir.to_path_buf(),
             segment_bytes,
@@ -141,11 +132,7 @@ impl CommitLog {
         let mut next_base: Option<u64> = None;
         for &base in bases.iter().rev() {
             let path = dir.join(format!("{base:020}"));
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .map_err(io_err(&path))?;
+            let file = open_data_file(&path, OpenMode::Existing).map_err(io_err(&path))?;
             let meta = file.metadata().map_err(io_err(&path))?;
             let len = meta.len();
             if let Some(next) = next_base {
@@ -223,13 +210,7 @@ impl CommitLog {
 
     fn create_segment(&mut self, base: u64, newest_ms: i64) -> Result<(), BrokerError> {
         let path = self.dir.join(format!("{base:020}"));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(io_err(&path))?;
+        let file = open_data_file(&path, OpenMode::Empty).map_err(io_err(&path))?;
         let made = file
             .write_all_at(&header(base), 0)
             .and_then(|()| file.sync_data())

@@ -6,7 +6,8 @@ use super::commitlog::{self, HEADER_LEN};
 use super::queue::{Unit, UNIT_LEN};
 use super::record::decode_payload;
 use super::store::decode_checkpoint;
-use schedulelog::frame::{Frames, Kind, Stop};
+use schedulelog::frame::{Frames, Kind};
+use schedulelog::write_end_of_frames;
 use std::io::{self, Write};
 use std::path::Path;
 
@@ -88,33 +89,15 @@ fn commit_log(bytes: &[u8], out: &mut impl Write) -> io::Result<bool> {
         count += 1;
         writeln!(out, "{offset:>12}  {line}")?;
     }
-    match frames.stop() {
-        Some(Stop::End { at }) if body[at..].iter().all(|&b| b == 0) => {
-            writeln!(
-                out,
-                "{count} records; clean end at offset {}",
-                base + (start + at) as u64
-            )?;
-        }
-        Some(Stop::End { at }) => {
-            ok = false;
-            writeln!(
-                out,
-                "{count} records; a zero header at offset {} is followed by data",
-                base + (start + at) as u64
-            )?;
-        }
-        Some(Stop::Invalid { at, reason }) => {
-            ok = false;
-            writeln!(
-                out,
-                "{count} records; invalid frame at offset {}: {reason}",
-                base + (start + at) as u64
-            )?;
-        }
-        None => {}
-    }
-    Ok(ok)
+    let ended = write_end_of_frames(
+        out,
+        count,
+        body,
+        frames.stop(),
+        |_| false,
+        |at| base + (start + at) as u64,
+    )?;
+    Ok(ok && ended)
 }
 
 /// A consume-queue file, named for the queue offset of its first unit.

@@ -25,9 +25,11 @@
 //!   moves it to `{queue}/00000000000000000000` by way of `{queue}.migrating/`, crash-safely.
 
 use super::{io_err, BrokerError};
-use schedulelog::{create_dir_durably, sync_dir};
+use schedulelog::{
+    create_dir_durably, list_files, open_data_file, parse_offset_name, sync_dir, OpenMode,
+};
 use std::collections::BTreeSet;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -132,17 +134,10 @@ impl Queue {
         let dir = topic_dir.join(index.to_string());
         migrate_legacy(topic_dir, index)?;
         create_dir_durably(&dir)?;
-        let mut files = BTreeSet::new();
-        for entry in fs::read_dir(&dir).map_err(io_err(&dir))? {
-            let name = entry.map_err(io_err(&dir))?.file_name();
-            let first = name
-                .to_str()
-                .filter(|n| n.len() == 20)
-                .and_then(|n| n.parse::<u64>().ok());
-            if let Some(first) = first {
-                files.insert(first);
-            }
-        }
+        let mut files: BTreeSet<u64> = list_files(&dir, parse_offset_name)?
+            .into_iter()
+            .map(|(first, _)| first)
+            .collect();
         if files.is_empty() {
             File::create(file_path(&dir, 0)).map_err(io_err(&dir))?;
             sync_dir(&dir)?;
@@ -150,11 +145,7 @@ impl Queue {
         }
         let active_first = *files.last().expect("at least one file");
         let path = file_path(&dir, active_first);
-        let active = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(io_err(&path))?;
+        let active = open_data_file(&path, OpenMode::Existing).map_err(io_err(&path))?;
         let len = active.metadata().map_err(io_err(&path))?.len();
         let first = *files.first().expect("at least one file");
         Ok(Queue {
@@ -202,13 +193,7 @@ impl Queue {
             self.retired.push((self.active.clone(), path));
         }
         let path = file_path(&self.dir, first);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .map_err(io_err(&path))?;
+        let file = open_data_file(&path, OpenMode::Empty).map_err(io_err(&path))?;
         sync_dir(&self.dir)?;
         self.files.insert(first);
         self.active = Arc::new(file);
@@ -259,11 +244,7 @@ impl Queue {
         if first == self.active_first() {
             return f(&self.active, first, &path);
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(io_err(&path))?;
+        let file = open_data_file(&path, OpenMode::Existing).map_err(io_err(&path))?;
         f(&file, first, &path)
     }
 
@@ -320,13 +301,7 @@ impl Queue {
             }
         };
         let path = file_path(&self.dir, first);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(io_err(&path))?;
+        let file = open_data_file(&path, OpenMode::Keep).map_err(io_err(&path))?;
         file.set_len((units - first) * UNIT_LEN)
             .and_then(|()| file.sync_all())
             .map_err(io_err(&path))?;

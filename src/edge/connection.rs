@@ -157,6 +157,14 @@ impl WatchedIo {
     pub(super) fn new(stream: TcpStream, activity: Arc<Activity>) -> WatchedIo {
         WatchedIo { stream, activity }
     }
+
+    /// Counts a write that moved bytes as traffic.
+    fn note_written(&self, result: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.wrote(Instant::now());
+        }
+        result
+    }
 }
 
 impl AsyncRead for WatchedIo {
@@ -183,10 +191,7 @@ impl AsyncWrite for WatchedIo {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let result = Pin::new(&mut this.stream).poll_write(cx, buf);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.wrote(Instant::now());
-        }
-        result
+        this.note_written(result)
     }
 
     fn poll_write_vectored(
@@ -196,10 +201,7 @@ impl AsyncWrite for WatchedIo {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let result = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
-        if matches!(result, Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.wrote(Instant::now());
-        }
-        result
+        this.note_written(result)
     }
 
     fn is_write_vectored(&self) -> bool {
