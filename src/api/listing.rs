@@ -52,23 +52,35 @@ pub struct ListParams {
     cursor: Option<String>,
 }
 
-/// A listing's `status`: `pending` is scheduled or retrying.
-#[derive(ToSchema)]
-#[schema(rename_all = "snake_case")]
-#[expect(
-    dead_code,
-    reason = "described, never built: the handler reads the parameter as text (`status_param`)"
-)]
-pub enum ListedStatus {
-    Pending,
-    Scheduled,
-    Retrying,
-    Delivered,
-    Dead,
-    Cancelled,
-    Discarded,
-    All,
+/// A listing's `status` values and what each lists: the parameter's documented values and the ones
+/// `status_param` reads, so that the two cannot differ.
+const STATUSES: [(&str, StatusFilter); 8] = [
+    ("pending", StatusFilter::Pending),
+    ("scheduled", StatusFilter::Scheduled),
+    ("retrying", StatusFilter::Retrying),
+    ("delivered", StatusFilter::Delivered),
+    ("dead", StatusFilter::Dead),
+    ("cancelled", StatusFilter::Cancelled),
+    ("discarded", StatusFilter::Discarded),
+    ("all", StatusFilter::Any),
+];
+
+/// A listing's `status` parameter: one of [`STATUSES`].
+pub struct ListedStatus;
+
+impl utoipa::PartialSchema for ListedStatus {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .description(Some(
+                "A listing's `status`: `pending` is scheduled or retrying.",
+            ))
+            .enum_values(Some(STATUSES.map(|(name, _)| name)))
+            .into()
+    }
 }
+
+impl ToSchema for ListedStatus {}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -129,24 +141,17 @@ fn time_param(name: &str, value: Option<&str>, default: i64) -> Result<i64, ApiE
     })
 }
 
+/// The `status` parameter (default `pending`).
 fn status_param(value: Option<&str>) -> Result<StatusFilter, ApiError> {
-    Ok(match value.unwrap_or("pending") {
-        "pending" => StatusFilter::Pending,
-        "scheduled" => StatusFilter::Scheduled,
-        "retrying" => StatusFilter::Retrying,
-        "delivered" => StatusFilter::Delivered,
-        "dead" => StatusFilter::Dead,
-        "cancelled" => StatusFilter::Cancelled,
-        "discarded" => StatusFilter::Discarded,
-        "all" => StatusFilter::Any,
-        other => {
-            return Err(ApiError::bad_request(
-                "invalid_query",
-                format!(
-                    "status {other:?} is not one of pending (scheduled or retrying), scheduled, retrying, delivered, dead, cancelled, discarded, all"
-                ),
-            ))
-        }
+    let wanted = value.unwrap_or("pending");
+    let found = STATUSES.iter().find(|(name, _)| *name == wanted);
+    found.map(|&(_, filter)| filter).ok_or_else(|| {
+        ApiError::bad_request(
+            "invalid_query",
+            format!(
+                "status {wanted:?} is not one of pending (scheduled or retrying), scheduled, retrying, delivered, dead, cancelled, discarded, all"
+            ),
+        )
     })
 }
 
