@@ -80,6 +80,38 @@ async fn queue_offsets(state: &AppState, topic: &str) -> Result<Option<Vec<(u64,
     off_runtime(state, move |broker| broker.queue_offsets(&topic)).await
 }
 
+/// The `{queue}` of a path: 400 `invalid_queue` for text that is not a whole number.
+fn parse_queue(text: &str) -> Result<u32, ApiError> {
+    text.parse()
+        .map_err(|_| ApiError::bad_request("invalid_queue", "queue must be a whole number"))
+}
+
+/// An offset a pull or a commit names: 404 for an unknown topic or queue, 400 `invalid_offset` past
+/// the queue's end (its `max_offset`, the next one to be written).
+async fn check_offset(
+    state: &AppState,
+    topic: &str,
+    queue: u32,
+    offset: u64,
+) -> Result<(), ApiError> {
+    let offsets = queue_offsets(state, topic)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no topic {topic:?}")))?;
+    let Some(&(_, max_offset)) = offsets.get(queue as usize) else {
+        return Err(ApiError::not_found(format!(
+            "topic {topic:?} has {} queues",
+            offsets.len()
+        )));
+    };
+    if offset > max_offset {
+        return Err(ApiError::bad_request(
+            "invalid_offset",
+            format!("offset {offset} is past the end of the queue ({max_offset})"),
+        ));
+    }
+    Ok(())
+}
+
 /// A topic from a path: a valid name, or the dead letters' own topic.
 fn check_topic(topic: &str) -> Result<(), ApiError> {
     if valid_name(topic) || topic == crate::scheduler::DEAD_TOPIC {
@@ -297,9 +329,7 @@ pub async fn pull(
     query: Result<Query<PullQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     check_topic(&topic)?;
-    let queue: u32 = queue
-        .parse()
-        .map_err(|_| ApiError::bad_request("invalid_queue", "queue must be a whole number"))?;
+    let queue = parse_queue(&queue)?;
     let query = super::query_params(query)?;
     let max_pull = state.config.broker.max_pull_messages;
     if query.max == 0 || query.max > max_pull {
@@ -329,24 +359,7 @@ pub async fn pull(
         }
         wait = Duration::ZERO;
     }
-    let Some(offsets) = queue_offsets(&state, &topic).await? else {
-        return Err(ApiError::not_found(format!("no topic {topic:?}")));
-    };
-    let Some(&(_, max_offset)) = offsets.get(queue as usize) else {
-        return Err(ApiError::not_found(format!(
-            "topic {topic:?} has {} queues",
-            offsets.len()
-        )));
-    };
-    if query.offset > max_offset {
-        return Err(ApiError::bad_request(
-            "invalid_offset",
-            format!(
-                "offset {} is past the end of the queue ({max_offset})",
-                query.offset
-            ),
-        ));
-    }
+    check_offset(&state, &topic, queue, query.offset).await?;
     let pulled = state
         .broker
         .pull(&topic, queue, query.offset, query.max, wait)
@@ -402,28 +415,9 @@ pub async fn commit_offset(
 ) -> Result<Json<CommittedOffset>, ApiError> {
     check_group(&group)?;
     check_topic(&topic)?;
-    let queue: u32 = queue
-        .parse()
-        .map_err(|_| ApiError::bad_request("invalid_queue", "queue must be a whole number"))?;
+    let queue = parse_queue(&queue)?;
     // Only a queue that exists, and not past its end: a typo would otherwise be kept for ever.
-    let offsets = queue_offsets(&state, &topic)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("no topic {topic:?}")))?;
-    let Some(&(_, max_offset)) = offsets.get(queue as usize) else {
-        return Err(ApiError::not_found(format!(
-            "topic {topic:?} has {} queues",
-            offsets.len()
-        )));
-    };
-    if body.offset > max_offset {
-        return Err(ApiError::bad_request(
-            "invalid_offset",
-            format!(
-                "offset {} is past the end of the queue ({max_offset})",
-                body.offset
-            ),
-        ));
-    }
+    check_offset(&state, &topic, queue, body.offset).await?;
     let broker = state.broker.clone();
     let max_groups = state.config.broker.max_groups;
     let (g, t) = (group.clone(), topic.clone());
