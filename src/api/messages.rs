@@ -67,30 +67,11 @@ impl<'de: 'a, 'a> Deserialize<'de> for NumberOrText<'a> {
 }
 
 /// A JSON string borrowed from the request when it has no escapes (most do not), copied when it has.
-#[derive(Debug)]
-pub struct Text<'a>(pub Cow<'a, str>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Text<'a>, D::Error> {
-        struct TextVisitor;
-        impl<'de> Visitor<'de> for TextVisitor {
-            type Value = Text<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Text<'de>, E> {
-                Ok(Text(Cow::Borrowed(v)))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Text<'de>, E> {
-                Ok(Text(Cow::Owned(v.to_string())))
-            }
-            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Text<'de>, E> {
-                Ok(Text(Cow::Owned(v)))
-            }
-        }
-        deserializer.deserialize_str(TextVisitor)
-    }
-}
+/// (A bare `Option<Cow<str>>` field would always be copied: serde borrows a `Cow` only when it is the
+/// field's whole type, which it is here.)
+#[derive(Debug, Deserialize)]
+#[serde(transparent)]
+pub struct Text<'a>(#[serde(borrow)] pub Cow<'a, str>);
 
 /// One message to schedule: exactly one of `deliver_at`, `delay` and `delay_level`, and exactly one of
 /// `body` and `body_base64`.
@@ -1088,6 +1069,20 @@ mod tests {
                 serde_json::to_string(answer).unwrap()
             );
         }
+    }
+
+    #[test]
+    fn a_string_without_escapes_is_borrowed_from_the_request() {
+        let plain: Text = serde_json::from_str(r#""orders""#).unwrap();
+        assert!(matches!(plain.0, Cow::Borrowed("orders")));
+        let escaped: Text = serde_json::from_str(r#""a\"b""#).unwrap();
+        assert!(matches!(escaped.0, Cow::Owned(ref text) if text == "a\"b"));
+        let request: ScheduleRequest =
+            serde_json::from_str(r#"{"topic":"t","key":"k","sink":"s\u0031"}"#).unwrap();
+        assert!(matches!(request.topic.0, Cow::Borrowed("t")));
+        assert!(matches!(request.key, Some(Text(Cow::Borrowed("k")))));
+        assert!(matches!(request.sink, Some(Text(Cow::Owned(ref sink)))  if sink == "s1"));
+        assert!(serde_json::from_str::<Text>("1").is_err());
     }
 
     /// Each message's outcome as the per-message path gives it: the request's debug form, or the error.
