@@ -906,12 +906,7 @@ impl Described {
 pub(super) fn deliver_at_schema() -> AnyOfBuilder {
     AnyOfBuilder::new()
         .item(rfc3339_schema())
-        .item(
-            ObjectBuilder::new()
-                .schema_type(Type::Integer)
-                .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
-                .minimum(Some(0)),
-        )
+        .item(milliseconds_schema())
         .description(Some(
             "When to deliver: an RFC 3339 time with any offset (`2026-12-01T09:30:00Z`) or unix \
              milliseconds; a time in the past is delivered at once",
@@ -930,16 +925,19 @@ pub(super) fn delay_schema() -> AnyOfBuilder {
                 .schema_type(Type::String)
                 .pattern(Some("^[0-9]+(ms|s|m|h|d)$")),
         )
-        .item(
-            ObjectBuilder::new()
-                .schema_type(Type::Integer)
-                .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
-                .minimum(Some(0)),
-        )
+        .item(milliseconds_schema())
         .description(Some(
             "How long from now: `1500ms`, `30s`, `30m`, `2h`, `7d`, or milliseconds",
         ))
         .examples([serde_json::json!("30s"), serde_json::json!(1500)])
+}
+
+/// Milliseconds, since the epoch or from now: a whole number, not negative.
+fn milliseconds_schema() -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::Integer)
+        .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+        .minimum(Some(0))
 }
 
 /// An RFC 3339 time as text.
