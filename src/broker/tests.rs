@@ -170,8 +170,11 @@ fn offsets_survive_reopen() {
     assert!(broker.group_offsets("other", "t").is_empty());
 }
 
-/// 600 messages of 1 KiB in batches of 50, stored an hour apart per batch from `t0`.
-fn fill(broker: &Broker, t0: i64) {
+/// 2026-12-01T09:30:00Z, when [`fill`] stores its first batch.
+const T0: i64 = 1_796_117_400_000;
+
+/// 600 messages of 1 KiB in batches of 50, stored an hour apart per batch from `T0`.
+fn fill(broker: &Broker) {
     let body = "x".repeat(1000);
     for batch in 0..12 {
         let messages: Vec<Incoming> = (0..50)
@@ -180,7 +183,7 @@ fn fill(broker: &Broker, t0: i64) {
                     "t",
                     None,
                     &format!("{batch:02}-{i:02}-{body}"),
-                    t0 + batch * 3_600_000,
+                    T0 + batch * 3_600_000,
                 )
             })
             .collect();
@@ -188,22 +191,36 @@ fn fill(broker: &Broker, t0: i64) {
     }
 }
 
+/// A broker of small segments and one queue in `dir`, filled by [`fill`].
+fn filled(dir: &Path) -> Broker {
+    let broker = Broker::open(dir, small(1)).unwrap();
+    fill(&broker);
+    broker
+}
+
+/// Fills a broker in `dir` and closes it, for a test to tamper with its files: answers the commit
+/// log's folder and its segments' names, oldest first.
+fn filled_then_closed(dir: &Path) -> (PathBuf, Vec<String>) {
+    drop(filled(dir));
+    let log_dir = dir.join("broker/commitlog");
+    let segments = files(&log_dir);
+    (log_dir, segments)
+}
+
 #[test]
 fn retention_deletes_old_segments_and_pulls_below_min_offset_start_at_it() {
     let dir = tempfile::tempdir().unwrap();
-    let t0 = 1_796_117_400_000;
-    let broker = Broker::open(dir.path(), small(1)).unwrap();
-    fill(&broker, t0);
+    let broker = filled(dir.path());
     let log_dir = dir.path().join("broker/commitlog");
     let segments = files(&log_dir).len();
     assert!(segments >= 8, "1 KiB x 600 in 64 KiB segments: {segments}");
     broker.commit_offset("slow", "t", 0, 10, 10).unwrap();
     broker.commit_offset("done", "t", 0, 600, 10).unwrap();
     // Nothing is old enough yet.
-    assert_eq!(broker.enforce_retention(t0).unwrap(), Retired::default());
+    assert_eq!(broker.enforce_retention(T0).unwrap(), Retired::default());
 
     // Five hours later, batches stored more than an hour before are gone (a segment at a time).
-    let retired = broker.enforce_retention(t0 + 5 * 3_600_000).unwrap();
+    let retired = broker.enforce_retention(T0 + 5 * 3_600_000).unwrap();
     assert!(retired.segments > 0 && retired.bytes > 0, "{retired:?}");
     let (min, max) = broker.queue_offsets("t").unwrap()[0];
     assert_eq!(max, 600);
@@ -236,10 +253,10 @@ fn retention_deletes_old_segments_and_pulls_below_min_offset_start_at_it() {
     );
 
     // Everything expired: all but the segment taking appends go, and appends go on.
-    broker.enforce_retention(t0 + 100 * 3_600_000).unwrap();
+    broker.enforce_retention(T0 + 100 * 3_600_000).unwrap();
     assert_eq!(files(&log_dir).len(), 1);
     broker
-        .append(vec![stored_at("t", None, "later", t0)])
+        .append(vec![stored_at("t", None, "later", T0)])
         .unwrap();
     let (min, max) = broker.queue_offsets("t").unwrap()[0];
     assert_eq!(max, 601);
@@ -253,12 +270,7 @@ fn retention_deletes_old_segments_and_pulls_below_min_offset_start_at_it() {
 #[test]
 fn a_deletion_cut_short_by_a_crash_is_finished_on_open() {
     let dir = tempfile::tempdir().unwrap();
-    let t0 = 1_796_117_400_000;
-    let broker = Broker::open(dir.path(), small(1)).unwrap();
-    fill(&broker, t0);
-    drop(broker);
-    let log_dir = dir.path().join("broker/commitlog");
-    let segments = files(&log_dir);
+    let (log_dir, segments) = filled_then_closed(dir.path());
     // Retention had deleted the oldest three segments, then the process died: the queue files that
     // pointed into them are still there.
     for segment in &segments[..3] {
@@ -293,11 +305,7 @@ fn a_deletion_cut_short_by_a_crash_is_finished_on_open() {
 #[test]
 fn a_hole_in_the_commit_log_is_reported_and_an_empty_stray_segment_removed() {
     let dir = tempfile::tempdir().unwrap();
-    let broker = Broker::open(dir.path(), small(1)).unwrap();
-    fill(&broker, 1_796_117_400_000);
-    drop(broker);
-    let log_dir = dir.path().join("broker/commitlog");
-    let segments = files(&log_dir);
+    let (log_dir, segments) = filled_then_closed(dir.path());
     // An empty segment past the end, after a gap: what a failed append whose undo could not delete
     // the segment it started leaves. It holds nothing, and goes.
     let last = log_dir.join(segments.last().unwrap());
@@ -322,15 +330,14 @@ fn a_hole_in_the_commit_log_is_reported_and_an_empty_stray_segment_removed() {
 #[test]
 fn max_bytes_deletes_the_oldest_segments_first() {
     let dir = tempfile::tempdir().unwrap();
-    let t0 = 1_796_117_400_000;
     let options = BrokerOptions {
         max_bytes: Some(256 << 10),
         retention: Duration::from_secs(1 << 30),
         ..small(1)
     };
     let broker = Broker::open(dir.path(), options.clone()).unwrap();
-    fill(&broker, t0);
-    let retired = broker.enforce_retention(t0).unwrap();
+    fill(&broker);
+    let retired = broker.enforce_retention(T0).unwrap();
     assert!(retired.segments > 0);
     let log_bytes: u64 = fs::read_dir(dir.path().join("broker/commitlog"))
         .unwrap()
@@ -349,7 +356,6 @@ fn max_bytes_deletes_the_oldest_segments_first() {
 #[test]
 fn dead_letters_live_in_their_own_store_with_their_own_retention() {
     let dir = tempfile::tempdir().unwrap();
-    let t0 = 1_796_117_400_000;
     let options = BrokerOptions {
         dead_retention: Duration::from_secs(100 * 3600),
         ..small(1)
@@ -365,7 +371,7 @@ fn dead_letters_live_in_their_own_store_with_their_own_retention() {
                     topic,
                     None,
                     &format!("{batch}-{i}-{body}"),
-                    t0 + batch * 3_600_000,
+                    T0 + batch * 3_600_000,
                 )
             })
             .collect();
@@ -378,7 +384,7 @@ fn dead_letters_live_in_their_own_store_with_their_own_retention() {
         .join("broker/dead/consumequeue")
         .join(dead)
         .is_dir());
-    broker.enforce_retention(t0 + 20 * 3_600_000).unwrap();
+    broker.enforce_retention(T0 + 20 * 3_600_000).unwrap();
     let main_min = broker.queue_offsets("t").unwrap()[0].0;
     assert!(main_min > 250, "all but the last segment went: {main_min}");
     assert_eq!(
@@ -585,8 +591,7 @@ fn a_large_batch_is_synced_in_bounded_writes_so_a_torn_one_is_a_tail() {
 #[test]
 fn only_the_segment_taking_appends_holds_a_file_descriptor() {
     let dir = tempfile::tempdir().unwrap();
-    let broker = Broker::open(dir.path(), small(1)).unwrap();
-    fill(&broker, 1_796_117_400_000);
+    let broker = filled(dir.path());
     let log_dir = dir.path().join("broker/commitlog");
     assert!(files(&log_dir).len() >= 8);
     let open_here = || {
