@@ -128,7 +128,7 @@ fn wal_cut_at_every_byte_of_the_last_records() {
             );
         }
         // The log continues densely after the cut.
-        let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+        let log = open(dir.path(), &clock);
         let next = append_one(&log, T0, "next");
         assert_eq!(next.location.seq, expected.len() as u64 + 1, "cut at {cut}");
         log.crash();
@@ -227,7 +227,7 @@ fn a_torn_new_wal_file_is_removed() {
     fs::write(&torn, [0u8; 20]).unwrap();
     assert_eq!(surviving_seqs(dir.path(), &clock), vec![1, 2, 3]);
     assert!(!torn.exists());
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     assert_eq!(append_one(&log, T0, "x").location.seq, 4);
 }
 
@@ -311,9 +311,7 @@ fn a_lost_checkpoint_refuses_the_open_and_cuts_no_segment() {
 /// and skipped (lost), and a seq would name two messages.
 #[test]
 fn new_seqs_start_above_every_filed_record_when_the_checkpoint_is_behind() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let (dir, clock, log) = new_log();
     let a = append_one(&log, T0 + HOUR_MS, "a");
     let b = append_one(&log, T0 + HOUR_MS, "b");
     log.close().unwrap();
@@ -329,7 +327,7 @@ fn new_seqs_start_above_every_filed_record_when_the_checkpoint_is_behind() {
         fs::remove_file(entry.unwrap().path()).unwrap();
     }
 
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     let c = append_one(&log, T0 + HOUR_MS, "c");
     assert!(c.location.seq > b.location.seq, "{c:?} after {b:?}");
     let all = all_messages(&log);
@@ -340,9 +338,7 @@ fn new_seqs_start_above_every_filed_record_when_the_checkpoint_is_behind() {
 
 #[test]
 fn segment_tails_past_the_checkpoint_are_cut_and_replayed() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let (dir, clock, log) = new_log();
     for i in 0..3 {
         append_one(&log, T0 + i, "checkpointed");
     }
@@ -374,9 +370,7 @@ fn segment_tails_past_the_checkpoint_are_cut_and_replayed() {
 
 #[test]
 fn dispatch_log_cut_inside_its_last_outcome() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let (dir, clock, log) = new_log();
     let ids: Vec<_> = (0..3).map(|i| append_one(&log, T0 + i, "m")).collect();
     let bucket = ids[0].location.bucket;
     for appended in &ids {
@@ -397,7 +391,7 @@ fn dispatch_log_cut_inside_its_last_outcome() {
     let (last_start, last_len) = frames[2];
     for cut in last_start..last_start + frame::HEADER_LEN + last_len {
         fs::write(&path, &image[..cut]).unwrap();
-        let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+        let log = open(dir.path(), &clock);
         assert_eq!(
             log.lookup(ids[1].id).unwrap().unwrap().state,
             MessageState::Delivered { at_ms: T0 }
@@ -462,12 +456,8 @@ fn a_cancel_recovered_with_its_message_still_cancels_it() {
 /// groups and the later ones large, so that the reused file's earlier frames reach past its new ones.
 /// Returns the dir, its clock, the acknowledged seqs and the newest WAL file.
 fn reused_image() -> (tempfile::TempDir, Arc<ManualClock>, Vec<u64>, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
-    let mut acked = Vec::new();
-    append_batches(&log, 96, 5, &mut acked);
-    log.checkpoint().unwrap();
+    let (dir, clock, log) = new_log_with(reuse_options);
+    let mut acked = append_checkpointed(&log, 96, 5);
     let spares = || {
         let names = fs::read_dir(dir.path().join("wal")).unwrap();
         names
@@ -509,6 +499,14 @@ fn append_batches(log: &ScheduleLog, batches: i64, size: i64, acked: &mut Vec<u6
     }
 }
 
+/// [`append_batches`] into a new list, then a checkpoint.
+fn append_checkpointed(log: &ScheduleLog, batches: i64, size: i64) -> Vec<u64> {
+    let mut acked = Vec::new();
+    append_batches(log, batches, size, &mut acked);
+    log.checkpoint().unwrap();
+    acked
+}
+
 fn reuse_options(clock: &Arc<ManualClock>) -> Options {
     Options {
         wal_segment_bytes: 64 * 1024,
@@ -530,12 +528,8 @@ fn a_reused_wal_file_replays_its_own_records_and_never_its_earlier_ones() {
 /// group (large groups then, small ones now), where no frame starts.
 #[test]
 fn reused_wal_files_behind_the_newest_end_inside_an_earlier_group() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
-    let mut acked = Vec::new();
-    append_batches(&log, 24, 20, &mut acked);
-    log.checkpoint().unwrap();
+    let (dir, clock, log) = new_log_with(reuse_options);
+    let mut acked = append_checkpointed(&log, 24, 20);
     append_batches(&log, 48, 5, &mut acked);
     log.crash();
     let files = wal::list(&dir.path().join("wal")).unwrap();
@@ -600,12 +594,8 @@ fn damage_in_the_synced_records_of_a_reused_wal_file_is_reported_not_cut() {
 /// file still carries its earlier use's header and records, none of them acknowledged in it.
 #[test]
 fn a_reused_wal_file_whose_new_header_never_reached_the_disk_holds_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
-    let mut acked = Vec::new();
-    append_batches(&log, 24, 20, &mut acked);
-    log.checkpoint().unwrap();
+    let (dir, clock, log) = new_log_with(reuse_options);
+    let acked = append_checkpointed(&log, 24, 20);
     log.crash();
     let wal_dir = dir.path().join("wal");
     let spare = fs::read_dir(&wal_dir)
@@ -648,9 +638,7 @@ fn inspect_ends_a_reused_wal_file_at_its_own_records() {
 /// `delayd inspect` reads the data dir's own small files too: the meta and the checkpoint.
 #[test]
 fn inspect_reads_the_meta_and_the_checkpoint() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), reuse_options(&clock)).unwrap();
+    let (dir, _, log) = new_log_with(reuse_options);
     let seq = append_one(&log, T0 + 1_000, "x").location.seq;
     log.checkpoint().unwrap();
     let dump = |name: &str| {
@@ -677,9 +665,7 @@ fn inspect_reads_the_meta_and_the_checkpoint() {
 /// Spares nobody takes go back to the file system, one per checkpoint interval, once the node is idle.
 #[test]
 fn an_idle_node_sheds_its_wal_spares() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), quick_checkpoints(reuse_options(&clock))).unwrap();
+    let (dir, clock, log) = new_log_with(|clock| quick_checkpoints(reuse_options(clock)));
     let wal_dir = dir.path().join("wal");
     let mut acked = Vec::new();
     append_batches(&log, 96, 5, &mut acked);

@@ -51,6 +51,15 @@ fn deliver_at(i: usize) -> i64 {
     T0 + (i as i64 % 4 + 1) * HOUR_MS + i as i64
 }
 
+/// Appends four messages (one per bucket of `deliver_at`) and checkpoints them.
+fn append_checkpointed(log: &ScheduleLog) -> Vec<Appended> {
+    let appended = (0..4)
+        .map(|i| append_one(log, deliver_at(i), "checkpointed"))
+        .collect();
+    log.checkpoint().unwrap();
+    appended
+}
+
 /// Every message is filed once, each cancelled one reads as cancelled and the others as pending.
 fn check_states(log: &ScheduleLog, appended: &[Appended], cancelled: &[Location]) {
     let all = all_messages(log);
@@ -73,11 +82,8 @@ fn check_states(log: &ScheduleLog, appended: &[Appended], cancelled: &[Location]
 
 #[test]
 fn a_full_disk_holds_the_replayer_up_and_loses_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
-    let (tap, reports) = crossbeam_channel::unbounded();
-    log.set_tap(tap);
+    let (dir, clock, log) = new_log();
+    let reports = tap(&log);
     for i in 0..4 {
         let snapshot = log.watch(Bucket::of(deliver_at(i), SegmentMinutes::DEFAULT));
         assert!(snapshot.unwrap().pending.is_empty());
@@ -147,19 +153,14 @@ fn a_full_disk_holds_the_replayer_up_and_loses_nothing() {
     appended.push(next);
 
     log.close().unwrap();
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     check_states(&log, &appended, &cancelled);
 }
 
 #[test]
 fn a_crash_while_the_disk_is_full_loses_and_doubles_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
-    let mut appended: Vec<Appended> = (0..4)
-        .map(|i| append_one(&log, deliver_at(i), "checkpointed"))
-        .collect();
-    log.checkpoint().unwrap();
+    let (dir, clock, log) = new_log();
+    let mut appended = append_checkpointed(&log);
     appended.extend((4..8).map(|i| append_one(&log, deliver_at(i), "replayed")));
     assert!(log.wait_replayed(appended[7].location.seq));
 
@@ -176,7 +177,7 @@ fn a_crash_while_the_disk_is_full_loses_and_doubles_nothing() {
     log.crash();
 
     for reopen in 0..2 {
-        let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+        let log = open(dir.path(), &clock);
         assert_eq!(log.disk_full(), None, "reopen {reopen}");
         check_states(&log, &appended, &cancelled);
         log.crash();
@@ -188,13 +189,8 @@ fn a_crash_while_the_disk_is_full_loses_and_doubles_nothing() {
 /// once there is room everything is filed, once.
 #[test]
 fn an_open_on_a_full_disk_leaves_the_filing_to_the_replayer() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
-    let mut appended: Vec<Appended> = (0..4)
-        .map(|i| append_one(&log, deliver_at(i), "checkpointed"))
-        .collect();
-    log.checkpoint().unwrap();
+    let (dir, clock, log) = new_log();
+    let mut appended = append_checkpointed(&log);
     log.inject_fault(Fault::SegmentWritesFull(u32::MAX));
     appended.extend((4..10).map(|i| append_one(&log, deliver_at(i), "in the WAL only")));
     wait_disk_full_at(&log, "/schedule/");
@@ -220,7 +216,7 @@ fn an_open_on_a_full_disk_leaves_the_filing_to_the_replayer() {
     assert!(log.wait_replayed(appended[10].location.seq));
     check_states(&log, &appended, &[]);
     log.close().unwrap();
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     check_states(&log, &appended, &[]);
 }
 
@@ -228,9 +224,7 @@ fn an_open_on_a_full_disk_leaves_the_filing_to_the_replayer() {
 /// try files everything, and the log is no longer held up.
 #[test]
 fn an_open_on_a_full_disk_heals_at_the_replayers_first_try() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let (dir, clock, log) = new_log();
     log.checkpoint().unwrap();
     log.inject_fault(Fault::SegmentWritesFull(u32::MAX));
     let appended: Vec<Appended> = (0..4)
@@ -261,7 +255,7 @@ fn an_open_on_a_full_disk_heals_at_the_replayers_first_try() {
 fn past_the_backlog_bound_the_writer_refuses_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
-    let log = Arc::new(ScheduleLog::open(dir.path(), options(&clock)).unwrap());
+    let log = Arc::new(open(dir.path(), &clock));
     log.inject_fault(Fault::SegmentWritesFull(u32::MAX));
     // Each append is a group of at least 4 KiB (padded to a block): 40 of them are more than the
     // 128 KiB backlog of a test build.
@@ -297,15 +291,13 @@ fn past_the_backlog_bound_the_writer_refuses_and_loses_nothing() {
     check_states(&log, &appended, &[]);
     let log = Arc::try_unwrap(log).unwrap();
     log.crash();
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     check_states(&log, &appended, &[]);
 }
 
 #[test]
 fn a_failed_segment_sync_poisons_the_log_naming_the_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let (dir, clock, log) = new_log();
     let kept = append_one(&log, T0, "kept");
     let segment = dir
         .path()
@@ -332,7 +324,7 @@ fn a_failed_segment_sync_poisons_the_log_naming_the_file() {
     assert!(again.to_string().contains(&cause), "{again}");
     assert!(log.close().is_err(), "the final checkpoint is refused too");
 
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     assert_eq!(log.poisoned(), None);
     assert!(log.lookup(kept.id).unwrap().is_some());
 }
@@ -366,15 +358,13 @@ fn the_replayers_error_is_the_poison_cause() {
         other => panic!("expected poisoned, got {other:?}"),
     }
     drop(log);
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     assert!(log.lookup(lost_sync.id).unwrap().is_some());
 }
 
 #[test]
 fn a_full_disk_at_rollover_backs_off_for_a_second() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let (dir, clock, log) = new_log();
     // One padded group fills the file's single data block; every later request needs a rollover.
     append_one(&log, T0, "first");
     log.inject_fault(Fault::DiskFullAtRoll);
@@ -409,7 +399,7 @@ fn a_full_disk_at_rollover_backs_off_for_a_second() {
         "the failed requests consumed no seqs"
     );
     log.crash();
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     assert_eq!(
         all_messages(&log).keys().copied().collect::<Vec<_>>(),
         vec![1, 2]
@@ -418,9 +408,7 @@ fn a_full_disk_at_rollover_backs_off_for_a_second() {
 
 #[test]
 fn a_dispatch_append_cut_short_by_a_full_disk_is_retried_cleanly() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let (dir, clock, log) = new_log();
     let a = append_one(&log, T0 + HOUR_MS, "a");
     let b = append_one(&log, T0 + 2 * HOUR_MS, "b");
     let outcome = |appended: &Appended, kind| {
@@ -467,7 +455,7 @@ fn a_dispatch_append_cut_short_by_a_full_disk_is_retried_cleanly() {
     check(&log);
     assert_eq!(log.poisoned(), None);
     log.close().unwrap();
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let log = open(dir.path(), &clock);
     check(&log);
 }
 
@@ -509,9 +497,7 @@ fn a_wal_file_left_by_a_late_rollover_is_deleted_without_new_records() {
 /// lost with the pages the kernel dropped, and writing it again would not tell.
 #[test]
 fn a_failed_dispatch_sync_poisons_the_log() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    let (_dir, _, log) = new_log();
     let a = append_one(&log, T0 + HOUR_MS, "a");
     let delivered = Outcome {
         seq: a.location.seq,

@@ -3,16 +3,14 @@
 use super::*;
 use crate::fault::Fault;
 
+/// A message for `topic`, without key or headers.
 fn topic_message(deliver_at_ms: i64, topic: &str, body: &str) -> EncodedMessage {
     NewMessage {
         deliver_at_ms,
         topic: topic.into(),
-        key: None,
-        headers: Vec::new(),
         sink: "broker".into(),
         body: body.as_bytes().to_vec(),
-        retry_of: None,
-        dedup: false,
+        ..NewMessage::default()
     }
     .encode()
     .unwrap()
@@ -62,9 +60,7 @@ fn all_pages(log: &ScheduleLog, mut query: ListQuery) -> (Vec<String>, usize) {
 
 #[test]
 fn a_listing_goes_bucket_by_bucket_in_due_order_a_page_at_a_time() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, _, log) = new_log();
     // Appended out of due order, over three hourly buckets, two topics; two due at the same time.
     let due = [
         (3 * HOUR_MS + 5, "a"),
@@ -139,9 +135,7 @@ fn a_listing_goes_bucket_by_bucket_in_due_order_a_page_at_a_time() {
 
 #[test]
 fn a_listing_by_status_follows_the_outcomes_and_skips_replaced_attempts() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, _, log) = new_log();
     let at = |i: i64| T0 + HOUR_MS + i * 1000;
     let appended: Vec<Appended> = log
         .append(
@@ -253,9 +247,7 @@ fn a_listing_by_status_follows_the_outcomes_and_skips_replaced_attempts() {
 
 #[test]
 fn a_lookup_reads_outcomes_recorded_after_its_view_was_built_and_never_half_a_frame() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, _, log) = new_log();
     let a = append_one(&log, T0 + HOUR_MS, "a");
     let b = append_one(&log, T0 + HOUR_MS, "b");
     record(&log, &a, OutcomeKind::Cancelled);
@@ -299,9 +291,7 @@ fn a_lookup_reads_outcomes_recorded_after_its_view_was_built_and_never_half_a_fr
 
 #[test]
 fn a_record_stored_after_its_time_is_listed_first_in_its_bucket_by_either_path() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, _, log) = new_log();
     // Due five minutes ago: filed in the bucket of now (T0 is 09:30, so the 09:00 bucket), due before
     // nothing else in it.
     let late = log
@@ -337,9 +327,7 @@ fn a_record_stored_after_its_time_is_listed_first_in_its_bucket_by_either_path()
 
 #[test]
 fn a_bucket_is_not_retired_while_an_attempt_it_leads_to_is_pending() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, clock, log) = new_log();
     let first = append_one(&log, T0 + 60_000, "first");
     record(&log, &first, OutcomeKind::Dead { reason: "r".into() });
     // Requeued (as the API does) to two days later.
@@ -414,9 +402,7 @@ fn retry_into(log: &ScheduleLog, from: &Appended, attempt: u16, due: i64) -> App
 
 #[test]
 fn a_message_pending_in_a_later_hour_keeps_only_its_own_hours() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, clock, log) = new_log();
     // Hour 1: m1, retried into hour 2 and delivered there. Hour 2: m2, retried into hour 3, pending.
     let m1 = append_one(&log, T0 + HOUR_MS, "m1");
     let m2 = append_one(&log, T0 + 2 * HOUR_MS, "m2");
@@ -438,9 +424,7 @@ fn a_message_pending_in_a_later_hour_keeps_only_its_own_hours() {
 
 #[test]
 fn a_retry_written_but_not_filed_keeps_the_bucket_it_came_from() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, clock, log) = new_log();
     // Attempt 0 retried into attempt 1 three hours later, which is retried into attempt 2 at a seq
     // the replayer has not filed (past `filed_below`): as a retry the replayer has not reached, so
     // that no pointer under attempt 0 leads to it yet. The first bucket's link ends at attempt 1.
@@ -471,9 +455,7 @@ fn a_retry_written_but_not_filed_keeps_the_bucket_it_came_from() {
 
 #[test]
 fn outcomes_read_in_steps_count_the_same_before_and_after_they_are_merged() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, _, log) = new_log();
     let appended: Vec<Appended> = log
         .append((0..600).map(|i| message(T0 + HOUR_MS + i, "m")).collect())
         .wait()

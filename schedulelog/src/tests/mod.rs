@@ -89,6 +89,13 @@ pub(crate) fn delivered(bucket: Bucket, seq: u64) -> (Bucket, Outcome) {
     )
 }
 
+/// The replayer's reports of `log` from now on (see [`ScheduleLog::set_tap`]).
+pub(crate) fn tap(log: &ScheduleLog) -> crossbeam_channel::Receiver<Replayed> {
+    let (tap, reports) = crossbeam_channel::unbounded();
+    log.set_tap(tap);
+    reports
+}
+
 /// `options` with a checkpoint every 20 ms (where the test options otherwise checkpoint only on request).
 pub(crate) fn quick_checkpoints(options: Options) -> Options {
     Options {
@@ -116,15 +123,29 @@ pub(crate) fn checkpointed_seq(dir: &Path) -> u64 {
         .next_seq
 }
 
-fn open(dir: &Path, clock: &Arc<ManualClock>) -> ScheduleLog {
+pub(crate) fn open(dir: &Path, clock: &Arc<ManualClock>) -> ScheduleLog {
     ScheduleLog::open(dir, options(clock)).unwrap()
+}
+
+/// A log opened with the test options in a new directory, its manual clock at `T0`. The directory is
+/// deleted when the returned handle is dropped, so a test keeps it (if only as `_dir`) while it runs.
+pub(crate) fn new_log() -> (tempfile::TempDir, Arc<ManualClock>, ScheduleLog) {
+    new_log_with(options)
+}
+
+/// [`new_log`] with other options, made from the test clock (mostly the test options, changed).
+pub(crate) fn new_log_with(
+    options: impl FnOnce(&Arc<ManualClock>) -> Options,
+) -> (tempfile::TempDir, Arc<ManualClock>, ScheduleLog) {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let log = ScheduleLog::open(dir.path(), options(&clock)).unwrap();
+    (dir, clock, log)
 }
 
 #[test]
 fn append_lookup_and_reopen() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (dir, clock, log) = new_log();
     let a = append_one(&log, T0 + 30 * 60_000, "order 42 unpaid");
     let b = append_one(&log, T0 + 3 * HOUR_MS, "later");
     assert_eq!(a.id.first, a.location);
@@ -156,9 +177,7 @@ fn append_lookup_and_reopen() {
 
 #[test]
 fn past_deliver_at_is_filed_under_the_commit_bucket() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, _, log) = new_log();
     let late = append_one(&log, T0 - 48 * HOUR_MS, "overdue");
     assert_eq!(
         late.location.bucket,
@@ -172,9 +191,7 @@ fn past_deliver_at_is_filed_under_the_commit_bucket() {
 
 #[test]
 fn unknown_ids_are_not_found() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (_dir, _, log) = new_log();
     let a = append_one(&log, T0, "x");
     let mut other = a.id;
     other.first.seq += 100;
@@ -186,9 +203,7 @@ fn unknown_ids_are_not_found() {
 
 #[test]
 fn cancel_outcomes_and_retries_show_in_status() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (dir, clock, log) = new_log();
     let cancelled = append_one(&log, T0 + 60_000, "c");
     let delivered = append_one(&log, T0 + 60_000, "d");
     let retried = append_one(&log, T0 + 60_000, "r");
@@ -260,9 +275,7 @@ fn cancel_outcomes_and_retries_show_in_status() {
 /// reported orphaned; the first attempt counts as finished for the loader.
 #[test]
 fn a_retry_whose_outcome_was_never_recorded_is_still_found() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (dir, clock, log) = new_log();
     let first = append_one(&log, T0 + 60_000, "r");
     let retry = |attempt: u16, deliver_at_ms: i64| NewMessage {
         deliver_at_ms,
@@ -374,9 +387,7 @@ fn segment_minutes_is_fixed_per_data_dir() {
 
 #[test]
 fn many_appends_roll_over_wal_files_and_checkpoints_delete_them() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (dir, clock, log) = new_log();
     let body = "x".repeat(300);
     let mut ids = Vec::new();
     for i in 0..40 {
@@ -410,9 +421,7 @@ fn many_appends_roll_over_wal_files_and_checkpoints_delete_them() {
 /// stored checkpoint never goes back.
 #[test]
 fn a_slow_checkpoint_holds_up_neither_the_replayer_nor_a_newer_checkpoint() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = ScheduleLog::open(dir.path(), quick_checkpoints(options(&clock))).unwrap();
+    let (dir, clock, log) = new_log_with(|clock| quick_checkpoints(options(clock)));
     let gate = log.checkpoint_gate();
     let count = |n: &std::sync::atomic::AtomicU32| n.load(std::sync::atomic::Ordering::SeqCst);
     // (The open made a checkpoint already.)
@@ -495,9 +504,7 @@ fn interval_fsync_acks_after_the_periodic_sync() {
 
 #[test]
 fn a_failed_fsync_poisons_the_log_until_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (dir, clock, log) = new_log();
     let kept = append_one(&log, T0, "kept");
     log.inject_fault(Fault::Sync);
     let err = log.append(vec![message(T0, "lost")]).wait().unwrap_err();
@@ -523,9 +530,7 @@ fn a_failed_fsync_poisons_the_log_until_restart() {
 
 #[test]
 fn retirement_waits_for_every_record_and_the_retention() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (dir, clock, log) = new_log();
     let a = append_one(&log, T0 + 60_000, "a");
     let b = append_one(&log, T0 + 120_000, "b");
     let later = append_one(&log, T0 + 5 * HOUR_MS, "later");
@@ -560,9 +565,7 @@ fn retirement_waits_for_every_record_and_the_retention() {
 /// none.
 #[test]
 fn records_are_read_through_a_log_kept_open_until_a_read_fails_or_the_bucket_retires() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (dir, clock, log) = new_log();
     let a = append_one(&log, T0 + 60_000, "a");
     let bucket = a.location.bucket;
     let entry = |seq| {
@@ -630,11 +633,8 @@ fn records_are_read_through_a_log_kept_open_until_a_read_fails_or_the_bucket_ret
 
 #[test]
 fn watch_hands_off_between_snapshot_and_live_reports() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
-    let (tap, reports) = crossbeam_channel::unbounded();
-    log.set_tap(tap);
+    let (_dir, _, log) = new_log();
+    let reports = tap(&log);
     let before = append_one(&log, T0 + 60_000, "before");
     let done = append_one(&log, T0 + 60_000, "done");
     log.record_outcomes(&[(
@@ -774,11 +774,8 @@ fn watched_buckets_are_filed_ahead_in_seq_order_and_once() {
 /// the only place they appear. Reported and in the snapshot, they would be in the wheel twice.
 #[test]
 fn a_failed_watch_leaves_the_bucket_unwatched_so_a_retry_neither_misses_nor_repeats() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
-    let (tap, reports) = crossbeam_channel::unbounded();
-    log.set_tap(tap);
+    let (dir, _, log) = new_log();
+    let reports = tap(&log);
     let first = append_one(&log, T0 + 60_000, "first");
     let bucket = first.location.bucket;
     assert!(log.wait_replayed(first.location.seq));
@@ -812,8 +809,7 @@ fn watch_never_loses_or_doubles_a_record_under_concurrent_appends() {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(T0));
     let log = Arc::new(open(dir.path(), &clock));
-    let (tap, reports) = crossbeam_channel::unbounded();
-    log.set_tap(tap);
+    let reports = tap(&log);
     for round in 0..12i64 {
         let bucket_start = T0 + (round + 1) * HOUR_MS;
         let bucket = Bucket::of(bucket_start, SegmentMinutes::DEFAULT);
@@ -890,9 +886,7 @@ fn keyed(deliver_at_ms: i64, sink: &str, key: &str) -> EncodedMessage {
 
 #[test]
 fn pending_keyed_messages_and_a_sinks_records_since_a_seq_are_read_without_bodies() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let log = open(dir.path(), &clock);
+    let (dir, _, log) = new_log();
     let appended = log
         .append(vec![
             keyed(T0 + 1000, "out", "a"),
