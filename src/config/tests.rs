@@ -9,6 +9,26 @@ fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Writes `text` as `delayd.toml` in a new directory, for `Config::load` to read; the directory goes
+/// when the returned handle is dropped.
+fn config_file(text: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("delayd.toml");
+    std::fs::write(&path, text).unwrap();
+    (dir, path)
+}
+
+/// Loads `text` as the config file, with no variables and no flags.
+fn load(text: &str) -> Result<Config, ConfigError> {
+    let (_dir, path) = config_file(text);
+    Config::load(Some(&path), Vec::new(), &Flags::default())
+}
+
+/// Loads the built-in defaults with the variables `vars` set.
+fn load_env(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    Config::load(None, env(vars), &Flags::default())
+}
+
 #[test]
 fn durations() {
     assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
@@ -62,13 +82,9 @@ fn embedded_defaults() {
 /// The default reserve grows with what the webhook sinks may have open at once; a set one is kept.
 #[test]
 fn reserved_fds_cover_webhook_calls() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("delayd.toml");
-    std::fs::write(
-        &path,
+    let (_dir, path) = config_file(
         "[sinks.billing]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nmax_in_flight = 2\nmax_batch = 10\n",
-    )
-    .unwrap();
+    );
     let config = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap();
     assert_eq!(config.reserved_fds(), 256 + 20);
     let config = Config::load(
@@ -183,20 +199,16 @@ fn kubernetes_service_links_are_not_taken_for_settings() {
         "DELAYD_PORT_HTTP",
         "DELAYD_SERVICE",
     ] {
-        let error = Config::load(None, env(&[(key, "1")]), &Flags::default()).unwrap_err();
+        let error = load_env(&[(key, "1")]).unwrap_err();
         assert!(error.to_string().contains(key), "{key}: {error}");
     }
 }
 
 #[test]
 fn file_then_env_then_flags() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("delayd.toml");
-    std::fs::write(
-        &path,
+    let (_dir, path) = config_file(
         "listen = \"127.0.0.1:1\"\nfsync = \"5ms\"\nmax_delay = \"3d\"\n[limits]\nmax_message_bytes = 1000\n",
-    )
-    .unwrap();
+    );
     let env = env(&[("DELAYD_LISTEN", "127.0.0.1:2"), ("HOME", "/root")]);
     let flags = Flags {
         data_dir: Some("/tmp/x".into()),
@@ -223,78 +235,44 @@ fn file_then_env_then_flags() {
 
 #[test]
 fn mistakes_are_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("bad.toml");
-    std::fs::write(&path, "lisen = \"x\"\n").unwrap();
-    let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+    let err = load("lisen = \"x\"\n").unwrap_err();
     assert!(err.to_string().contains("lisen"), "{err}");
-    let err = Config::load(
-        None,
-        env(&[("DELAYD_SEGMENT_MINUTES", "90")]),
-        &Flags::default(),
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("segment_minutes"), "{err}");
-    let err = Config::load(
-        None,
-        env(&[("DELAYD_FSYNC", "sometimes")]),
-        &Flags::default(),
-    )
-    .unwrap_err();
-    assert!(err.to_string().starts_with("fsync"), "{err}");
-    let err = Config::load(
-        None,
-        env(&[("DELAYD_MIN_FREE_DISK_BYTES", "1000")]),
-        &Flags::default(),
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("min_free_disk_bytes"), "{err}");
-    let err = Config::load(
-        None,
-        env(&[("DELAYD_BROKER_RETENTION", "0s")]),
-        &Flags::default(),
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("broker.retention"), "{err}");
+    // Each error starts with its key, or with the variable where the value cannot be read or the
+    // variable is no setting.
     for (var, value, key) in [
+        ("DELAYD_SEGMENT_MINUTES", "90", "segment_minutes"),
+        ("DELAYD_FSYNC", "sometimes", "fsync"),
+        (
+            "DELAYD_MIN_FREE_DISK_BYTES",
+            "1000",
+            "limits.min_free_disk_bytes",
+        ),
+        ("DELAYD_BROKER_RETENTION", "0s", "broker.retention"),
         ("DELAYD_HEADER_TIMEOUT", "0s", "limits.header_timeout"),
         ("DELAYD_BODY_TIMEOUT", "2h", "limits.body_timeout"),
         ("DELAYD_IDLE_TIMEOUT", "50ms", "limits.idle_timeout"),
         ("DELAYD_MAX_CONNECTIONS", "0", "limits.max_connections"),
         ("DELAYD_RESERVED_FDS", "8", "limits.reserved_fds"),
+        ("DELAYD_HEADER_TIMEOUT", "10", "DELAYD_HEADER_TIMEOUT"),
+        ("DELAYD_NOPE", "1", "DELAYD_NOPE"),
     ] {
-        let err = Config::load(None, env(&[(var, value)]), &Flags::default()).unwrap_err();
+        let err = load_env(&[(var, value)]).unwrap_err();
         assert!(err.to_string().starts_with(key), "{var}={value}: {err}");
     }
-    let err = Config::load(
-        None,
-        env(&[("DELAYD_HEADER_TIMEOUT", "10")]),
-        &Flags::default(),
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("DELAYD_HEADER_TIMEOUT"), "{err}");
-    let err = Config::load(None, env(&[("DELAYD_NOPE", "1")]), &Flags::default()).unwrap_err();
-    assert!(err.to_string().contains("DELAYD_NOPE"), "{err}");
-    std::fs::write(&path, "[sinks.billing]\nkind = \"carrier-pigeon\"\n").unwrap();
-    let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+    let err = load("[sinks.billing]\nkind = \"carrier-pigeon\"\n").unwrap_err();
     assert!(err.to_string().contains("carrier-pigeon"), "{err}");
 }
 
 #[test]
 fn nats_sources_and_sinks_are_checked() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nats.toml");
     let sink = "[sinks.out]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\n";
-    let load = |source: &str| {
-        std::fs::write(
-            &path,
-            format!("{sink}[sources.in]\nkind = \"nats\"\nsink = \"out\"\n{source}"),
-        )
-        .unwrap();
-        Config::load(Some(&path), Vec::new(), &Flags::default())
+    let load_source = |source: &str| {
+        load(&format!(
+            "{sink}[sources.in]\nkind = \"nats\"\nsink = \"out\"\n{source}"
+        ))
     };
     let good = "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\n";
-    let config = load(good).unwrap();
+    let config = load_source(good).unwrap();
     assert!(config.sinks["out"].is_mq());
     match &config.sources["in"].kind {
         SourceKind::Nats(nats) => assert_eq!(nats.group, "delayd"),
@@ -339,22 +317,15 @@ fn nats_sources_and_sinks_are_checked() {
             "sources.in.stream_key",
         ),
     ] {
-        let err = load(source).unwrap_err();
+        let err = load_source(source).unwrap_err();
         assert!(err.to_string().starts_with(key), "{source}: {err}");
     }
-    std::fs::write(&path, "[sinks.out]\nkind = \"nats\"\n").unwrap();
-    let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+    let err = load("[sinks.out]\nkind = \"nats\"\n").unwrap_err();
     assert!(err.to_string().contains("nats sink needs a url"), "{err}");
 }
 
 #[test]
 fn amqp_sources_and_sinks() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("amqp.toml");
-    let load = |text: &str| {
-        std::fs::write(&path, text).unwrap();
-        Config::load(Some(&path), Vec::new(), &Flags::default())
-    };
     let good = "[sinks.out]\nkind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"\"\n\n\
                 [sources.in]\nkind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nqueue = \"delayd.in\"\nsink = \"out\"\nbatch = 64\n";
     let config = load(good).unwrap();
@@ -364,62 +335,60 @@ fn amqp_sources_and_sinks() {
         other => panic!("{other:?}"),
     }
     assert_eq!(config.sources["in"].shared.batch, 64);
-    for (bad, key) in [
-        (
-            good.replace("batch = 64", "batch = 64\nsubject = \"x.>\""),
-            "sources.in.subject",
-        ),
-        (
-            good.replace("queue = \"delayd.in\"\n", ""),
-            "sources.in.queue",
-        ),
-        (
-            good.replace("queue = \"delayd.in\"", "queue = \"amq.x\""),
-            "sources.in.queue",
-        ),
-        (
-            good.replace("queue = \"delayd.in\"", "queue = \"a b\""),
-            "sources.in.queue",
-        ),
-        (
-            good.replace(
+    assert_edits_refused(
+        good,
+        &[
+            (
+                "batch = 64",
+                "batch = 64\nsubject = \"x.>\"",
+                "sources.in.subject",
+            ),
+            ("queue = \"delayd.in\"\n", "", "sources.in.queue"),
+            (
+                "queue = \"delayd.in\"",
+                "queue = \"amq.x\"",
+                "sources.in.queue",
+            ),
+            (
+                "queue = \"delayd.in\"",
+                "queue = \"a b\"",
+                "sources.in.queue",
+            ),
+            (
                 "amqp://guest:guest@127.0.0.1:5672/%2f\"\nqueue",
                 "amqps://127.0.0.1/\"\nqueue",
+                "sources.in.url",
             ),
-            "sources.in.url",
-        ),
-        (
-            good.replace("exchange = \"\"", "exchange = \"no spaces\""),
-            "sinks.out.exchange",
-        ),
-        (
-            good.replace(
+            (
+                "exchange = \"\"",
+                "exchange = \"no spaces\"",
+                "sinks.out.exchange",
+            ),
+            (
                 "amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange",
                 "http://x/\"\nexchange",
+                "sinks.out.url",
             ),
-            "sinks.out.url",
-        ),
-        (
-            good.replace("queue = \"delayd.in\"", "stream_key = \"s\""),
-            "sources.in",
-        ),
-    ] {
+            ("queue = \"delayd.in\"", "stream_key = \"s\"", "sources.in"),
+        ],
+    );
+    let err = load("[sinks.out]\nkind = \"webhook\"\nurl = \"http://x/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nexchange = \"e\"\n").unwrap_err();
+    assert!(err.to_string().starts_with("sinks.out.exchange"), "{err}");
+}
+
+/// Loads `good` with each edit (`from` replaced by `to`) in turn, and asserts that the edit is refused
+/// with an error starting with `key`.
+fn assert_edits_refused(good: &str, edits: &[(&str, &str, &str)]) {
+    for (from, to, key) in edits {
+        let bad = good.replace(from, to);
         let err = load(&bad).unwrap_err();
         assert!(err.to_string().starts_with(key), "{bad}: {err}");
     }
-    let err = load("[sinks.out]\nkind = \"webhook\"\nurl = \"http://x/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nexchange = \"e\"\n").unwrap_err();
-    assert!(err.to_string().starts_with("sinks.out.exchange"), "{err}");
 }
 
 /// Nodes sharing a Redis group each need a consumer name of their own: no default.
 #[test]
 fn a_redis_source_names_this_nodes_consumer() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("redis.toml");
-    let load = |text: &str| {
-        std::fs::write(&path, text).unwrap();
-        Config::load(Some(&path), Vec::new(), &Flags::default())
-    };
     let good = "[sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379/\"\n\n\
                 [sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379/\"\nstream_key = \"in\"\nsink = \"out\"\nconsumer = \"node-1\"\n";
     match &load(good).unwrap().sources["in"].kind {
@@ -446,12 +415,6 @@ fn a_redis_source_names_this_nodes_consumer() {
 
 #[test]
 fn kafka_sources_and_sinks() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("kafka.toml");
-    let load = |text: &str| {
-        std::fs::write(&path, text).unwrap();
-        Config::load(Some(&path), Vec::new(), &Flags::default())
-    };
     let good = "[sinks.out]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092,127.0.0.2:9092\"\n\n\
                 [sources.in]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092\"\ntopics = [\"delayd-in\"]\nsink = \"out\"\nconsumer = \"node-1\"\n";
     let config = load(good).unwrap();
@@ -464,42 +427,30 @@ fn kafka_sources_and_sinks() {
         crate::mq::kafka::bootstrap_servers("kafka://127.0.0.1:9092,127.0.0.2:9092").unwrap(),
         "127.0.0.1:9092,127.0.0.2:9092"
     );
-    for (bad, key) in [
-        (
-            good.replace("topics = [\"delayd-in\"]\n", ""),
-            "sources.in.topics",
-        ),
-        (
-            good.replace("[\"delayd-in\"]", "[\"no spaces\"]"),
-            "sources.in.topics",
-        ),
-        (
-            good.replace(
+    assert_edits_refused(
+        good,
+        &[
+            ("topics = [\"delayd-in\"]\n", "", "sources.in.topics"),
+            ("[\"delayd-in\"]", "[\"no spaces\"]", "sources.in.topics"),
+            (
                 "kafka://127.0.0.1:9092\"\ntopics",
                 "kafka://127.0.0.1\"\ntopics",
+                "sources.in.url",
             ),
-            "sources.in.url",
-        ),
-        (
-            good.replace("consumer = \"node-1\"", "consumer = \"a/b\""),
-            "sources.in",
-        ),
-        (
-            good.replace("consumer = \"node-1\"\n", ""),
-            "sources.in.consumer",
-        ),
-        (
-            good.replace("sink = \"out\"", "sink = \"out\"\nqueue = \"q\""),
-            "sources.in.queue",
-        ),
-        (
-            good.replace("kafka://127.0.0.1:9092,127.0.0.2:9092", "redis://x/"),
-            "sinks.out.url",
-        ),
-    ] {
-        let err = load(&bad).unwrap_err();
-        assert!(err.to_string().starts_with(key), "{bad}: {err}");
-    }
+            ("consumer = \"node-1\"", "consumer = \"a/b\"", "sources.in"),
+            ("consumer = \"node-1\"\n", "", "sources.in.consumer"),
+            (
+                "sink = \"out\"",
+                "sink = \"out\"\nqueue = \"q\"",
+                "sources.in.queue",
+            ),
+            (
+                "kafka://127.0.0.1:9092,127.0.0.2:9092",
+                "redis://x/",
+                "sinks.out.url",
+            ),
+        ],
+    );
     // topics belong to kafka sources only.
     let err = load("[sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\n\n[sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\nstream_key = \"s\"\ntopics = [\"t\"]\nsink = \"out\"\n").unwrap_err();
     assert!(err.to_string().starts_with("sources.in.topics"), "{err}");
@@ -507,8 +458,7 @@ fn kafka_sources_and_sinks() {
 
 #[test]
 fn backoff_caps_stay_within_max_delay() {
-    let config =
-        Config::load(None, env(&[("DELAYD_MAX_DELAY", "10m")]), &Flags::default()).unwrap();
+    let config = load_env(&[("DELAYD_MAX_DELAY", "10m")]).unwrap();
     assert_eq!(
         config.sinks["broker"].lane.backoff_cap.0,
         Duration::from_secs(600)
@@ -519,12 +469,6 @@ fn backoff_caps_stay_within_max_delay() {
 /// and listing the valid ones; so is an unknown kind, listing the kinds.
 #[test]
 fn unknown_keys_and_kinds_are_refused_with_the_valid_ones() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("delayd.toml");
-    let load = |text: &str| {
-        std::fs::write(&path, text).unwrap();
-        Config::load(Some(&path), Vec::new(), &Flags::default())
-    };
     let hook = "[sinks.hooks]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n";
     let source = "[sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\nstream_key = \"s\"\nsink = \"hooks\"\nconsumer = \"node-1\"\n";
     load(&format!("{hook}{source}")).unwrap();
@@ -594,12 +538,6 @@ fn unknown_keys_and_kinds_are_refused_with_the_valid_ones() {
 /// each kind had its own are still accepted by the kinds that ignore them, and still type-checked.
 #[test]
 fn keys_every_table_once_took_still_load() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("delayd.toml");
-    let load = |text: &str| {
-        std::fs::write(&path, text).unwrap();
-        Config::load(Some(&path), Vec::new(), &Flags::default())
-    };
     let text = "[sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1/\"\ntimeout = \"5s\"\nca_file = \"/nowhere.pem\"\n\n\
                 [sinks.broker]\ntimeout = \"5s\"\n\n\
                 [sources.in]\nkind = \"amqp\"\nurl = \"amqp://127.0.0.1:5672/%2f\"\nqueue = \"q\"\nsink = \"out\"\ngroup = \"g\"\nconsumer = \"c\"\nack_wait = \"5s\"\n";
@@ -647,14 +585,10 @@ fn keys_every_table_once_took_still_load() {
 /// and sources, and what the tables depend on (`max_delay` capping each sink's backoff) follows them.
 #[test]
 fn env_overrides_apply_over_sink_and_source_tables() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("delayd.toml");
-    std::fs::write(
-        &path,
+    let (_dir, path) = config_file(
         "max_delay = \"2h\"\n[sinks.out]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nbackoff_cap = \"1h\"\n\n\
          [sources.in]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nstream = \"S\"\nsubject = \"s.>\"\nsink = \"out\"\n",
-    )
-    .unwrap();
+    );
     let vars = env(&[
         ("DELAYD_MAX_DELAY", "10m"),
         ("DELAYD_LISTEN", "127.0.0.1:9"),
