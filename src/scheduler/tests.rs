@@ -11,6 +11,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// A gate a test holds a scheduler task at: it lets one through per permit.
+type Gate = Arc<tokio::sync::Semaphore>;
+
 /// Points where a test holds a scheduler thread or task, to run something else at exactly that moment.
 /// Each is a signal out (the moment has come) and a gate in (a permit, or a message, per pass).
 #[derive(Debug, Default)]
@@ -29,6 +32,24 @@ pub(crate) struct Hooks {
     pub tombstone_written: Option<(Sender<u64>, Arc<tokio::sync::Semaphore>)>,
 }
 
+/// Signals a hook's moment with `value`, then waits at its gate for a permit (one a pass).
+async fn pass<T>(hook: Option<(Sender<T>, Gate)>, value: T) {
+    if let Some((signal, gate)) = hook {
+        let _ = signal.send(value);
+        if let Ok(permit) = gate.acquire().await {
+            permit.forget();
+        }
+    }
+}
+
+/// A gated hook's two ends: the scheduler's (it signals, then waits at the gate) and the test's (the
+/// signals, and the gate, shut, to give a permit a pass).
+fn gated_hook<T>() -> ((Sender<T>, Gate), (Receiver<T>, Gate)) {
+    let (signal, signals) = crossbeam_channel::unbounded();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    ((signal, gate.clone()), (signals, gate))
+}
+
 impl SchedulerState {
     fn hooks(&self) -> std::sync::MutexGuard<'_, Hooks> {
         self.hooks.lock().unwrap_or_else(|p| p.into_inner())
@@ -36,12 +57,7 @@ impl SchedulerState {
 
     pub(crate) async fn hook_retry_written(&self) {
         let hook = self.hooks().retry_written.clone();
-        if let Some((signal, gate)) = hook {
-            let _ = signal.send(());
-            if let Ok(permit) = gate.acquire().await {
-                permit.forget();
-            }
-        }
+        pass(hook, ()).await;
     }
 
     pub(crate) fn hook_loader_marked(&self, bucket: Bucket) {
@@ -54,22 +70,12 @@ impl SchedulerState {
 
     pub(crate) async fn hook_cancel_begun(&self, id: MessageId) {
         let hook = self.hooks().cancel_begun.clone();
-        if let Some((signal, gate)) = hook {
-            let _ = signal.send(id);
-            if let Ok(permit) = gate.acquire().await {
-                permit.forget();
-            }
-        }
+        pass(hook, id).await;
     }
 
     pub(crate) async fn hook_tombstone_written(&self, seq: u64) {
         let hook = self.hooks().tombstone_written.clone();
-        if let Some((signal, gate)) = hook {
-            let _ = signal.send(seq);
-            if let Ok(permit) = gate.acquire().await {
-                permit.forget();
-            }
-        }
+        pass(hook, seq).await;
     }
 
     pub(crate) fn hook_held(&self, id: MessageId) {
@@ -299,18 +305,81 @@ impl Harness {
     }
 
     fn schedule(&self, sink: &str, deliver_at_ms: i64, body: &str) -> MessageId {
-        let message = NewMessage {
-            deliver_at_ms,
-            topic: "t".into(),
-            sink: sink.into(),
-            body: body.as_bytes().to_vec(),
-            ..NewMessage::default()
-        };
+        self.append(message(sink, deliver_at_ms, body))
+    }
+
+    fn append(&self, message: NewMessage) -> MessageId {
         self.log()
             .append(vec![message.encode().unwrap()])
             .wait()
             .unwrap()[0]
             .id
+    }
+
+    /// Sink "a", the only one, delivers under `policy`.
+    fn lane(&mut self, policy: SinkPolicy) {
+        self.sinks = vec![("a", policy, None)];
+    }
+
+    /// Sink "a", the only one, delivers under `policy`, each call held at the gate returned (shut: it
+    /// lets a call through per permit it is given).
+    fn gated_lane(&mut self, policy: SinkPolicy) -> Gate {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        self.sinks = vec![("a", policy, Some(gate.clone()))];
+        gate
+    }
+
+    /// Starts a lane of four one-message batches at once, held at the gate returned, whose first
+    /// message, "A" due at `T0`, finds the destination away (its call let through); `others` (due time
+    /// and body) are scheduled with it. Returns once "A" is postponed, the gate shut again: the gate,
+    /// and the ids of "A" and of `others`.
+    fn start_with_a_found_away(
+        &mut self,
+        others: &[(i64, &str)],
+    ) -> (Gate, MessageId, Vec<MessageId>) {
+        self.script.insert("A".into(), vec![away()]);
+        let gate = self.gated_lane(one_per_batch(4));
+        let a = self.schedule("a", T0, "A");
+        let others = others
+            .iter()
+            .map(|(at, body)| self.schedule("a", *at, body))
+            .collect();
+        gate.add_permits(1);
+        self.start();
+        assert_eq!(self.recv().body, "A");
+        assert_eq!(self.settle(1), vec![(a, Settled::Postponed)]);
+        gate.forget_permits(1);
+        self.entered.recv_timeout(WAIT).unwrap();
+        (gate, a, others)
+    }
+
+    fn scheduler(&self) -> &Scheduler {
+        self.scheduler.as_ref().unwrap()
+    }
+
+    /// Cancels `id` through the scheduler, as the HTTP edge does.
+    fn cancel(&self, id: MessageId) -> Result<Cancelled, CancelError> {
+        self.runtime.block_on(self.scheduler().cancel(id))
+    }
+
+    /// What the log says of `id` now.
+    fn status(&self, id: MessageId) -> schedulelog::MessageStatus {
+        self.log()
+            .lookup(id)
+            .unwrap()
+            .expect("the message is in the log")
+    }
+
+    fn state(&self, id: MessageId) -> MessageState {
+        self.status(id).state
+    }
+
+    /// Why `id` is dead; panics if it is not.
+    fn dead_reason(&self, id: MessageId) -> String {
+        match self.state(id) {
+            MessageState::Dead { reason, .. } => reason,
+            other => panic!("{other:?}"),
+        }
     }
 
     fn recv(&self) -> Received {
@@ -321,6 +390,21 @@ impl Harness {
         (0..n).map(|_| self.recv()).collect()
     }
 
+    /// Receives `n` deliveries and waits until their outcomes are durable.
+    fn recv_settled(&self, n: usize) -> Vec<Received> {
+        let received = self.recv_n(n);
+        self.settle(n);
+        received
+    }
+
+    /// Receives a delivery, `body`, and waits until its outcome is durable: `id` delivered.
+    fn recv_delivered(&self, id: MessageId, body: &str) -> Received {
+        let received = self.recv();
+        assert_eq!(received.body, body);
+        assert_eq!(self.settle(1), vec![(id, Settled::Delivered)]);
+        received
+    }
+
     /// Waits until the outcomes of `n` messages are durable.
     fn settle(&self, n: usize) -> Vec<(MessageId, Settled)> {
         let mut all = Vec::new();
@@ -328,6 +412,15 @@ impl Harness {
             all.extend(self.settled.recv_timeout(WAIT).expect("settled outcomes"));
         }
         all
+    }
+
+    /// Waits for the outcomes of as many messages as `expected` lists, and asserts that they are those,
+    /// in any order.
+    fn settle_as(&self, mut expected: Vec<(MessageId, Settled)>) {
+        let mut settled = self.settle(expected.len());
+        settled.sort();
+        expected.sort();
+        assert_eq!(settled, expected);
     }
 }
 
@@ -352,6 +445,24 @@ impl Drop for Harness {
             self.runtime.block_on(scheduler.shutdown());
         }
     }
+}
+
+/// A message on topic "t" for `sink`.
+fn message(sink: &str, deliver_at_ms: i64, body: &str) -> NewMessage {
+    NewMessage {
+        deliver_at_ms,
+        topic: "t".into(),
+        sink: sink.into(),
+        body: body.as_bytes().to_vec(),
+        ..NewMessage::default()
+    }
+}
+
+/// Watches `channel` for 300 ms, asserting that nothing comes (`what` if something does): a wait that
+/// proves a negative, where there is no event to wait for.
+fn assert_quiet<T: std::fmt::Debug>(channel: &Receiver<T>, what: &str) {
+    let got = channel.recv_timeout(Duration::from_millis(300));
+    assert!(got.is_err(), "{what}: {got:?}");
 }
 
 /// A deterministic stream of numbers for test data.
@@ -450,17 +561,13 @@ fn restart_in_the_middle_of_a_bucket_delivers_the_rest_once() {
 #[test]
 fn restart_after_a_long_outage_catches_up_oldest_first_at_the_rate_limit() {
     let mut h = Harness::manual();
-    h.sinks = vec![(
-        "a",
-        SinkPolicy {
-            rate_per_sec: Some(20.0),
-            burst: 5,
-            max_in_flight: 1,
-            max_batch: 10,
-            ..SinkPolicy::default()
-        },
-        None,
-    )];
+    h.lane(SinkPolicy {
+        rate_per_sec: Some(20.0),
+        burst: 5,
+        max_in_flight: 1,
+        max_batch: 10,
+        ..SinkPolicy::default()
+    });
     // 60 messages over the next two hours, scheduled in shuffled order.
     let mut seed = 3;
     let mut dues: Vec<i64> = (0..60).map(|i| T0 + 1 + i * 2 * MINUTE).collect();
@@ -509,22 +616,16 @@ fn cancels_before_and_after_loading() {
     h.schedule("a", T0 + 2 * HOUR + 1, "kept");
     h.schedule("a", T0, "probe");
     let log = h.log().clone();
-    log.cancel(log.lookup(before).unwrap().unwrap().location)
-        .wait()
-        .unwrap();
+    log.cancel(h.status(before).location).wait().unwrap();
     h.start();
     assert_eq!(h.recv().body, "probe");
     h.settle(1);
     h.set(T0 + MINUTE);
     // The bucket of `after` is loaded (it is the current one, and the probe from it came): cancel it
     // through the scheduler.
-    let scheduler = h.scheduler.as_ref().unwrap();
+    assert_eq!(h.cancel(after).unwrap(), Cancelled::Now);
     assert_eq!(
-        h.runtime.block_on(scheduler.cancel(after)).unwrap(),
-        Cancelled::Now
-    );
-    assert_eq!(
-        h.runtime.block_on(scheduler.cancel(after)).unwrap(),
+        h.cancel(after).unwrap(),
         Cancelled::Already,
         "a second cancel answers the same"
     );
@@ -536,70 +637,44 @@ fn cancels_before_and_after_loading() {
         h.received.try_recv().is_err(),
         "neither cancelled message was delivered"
     );
-    assert!(matches!(
-        log.lookup(before).unwrap().unwrap().state,
-        MessageState::Cancelled { .. }
-    ));
-    assert!(matches!(
-        log.lookup(after).unwrap().unwrap().state,
-        MessageState::Cancelled { .. }
-    ));
+    assert!(matches!(h.state(before), MessageState::Cancelled { .. }));
+    assert!(matches!(h.state(after), MessageState::Cancelled { .. }));
 }
 
 #[test]
 fn retries_backoff_and_dead_letters() {
     let mut h = Harness::manual();
-    let retry = |reason: &str| SinkOutcome::Retry {
-        after: None,
-        reason: reason.into(),
-    };
-    h.script
-        .insert("flaky".into(), vec![retry("503"), retry("503")]);
+    h.script.insert("flaky".into(), vec![retry("503"); 2]);
     h.script.insert("doomed".into(), vec![retry("timeout"); 10]);
-    h.script.insert(
-        "poison".into(),
-        vec![SinkOutcome::Dead {
-            reason: "HTTP 400".into(),
-        }],
-    );
+    h.script.insert("poison".into(), vec![dead("HTTP 400")]);
     h.script.insert(
         "told".into(),
-        vec![SinkOutcome::Retry {
-            after: Some(Duration::from_secs(30)),
-            reason: "429".into(),
-        }],
+        vec![retry_after(Duration::from_secs(30), "429")],
     );
-    h.sinks = vec![(
-        "a",
-        SinkPolicy {
-            max_attempts: 3,
-            ..SinkPolicy::default()
-        },
-        None,
-    )];
+    h.lane(SinkPolicy {
+        max_attempts: 3,
+        ..SinkPolicy::default()
+    });
     let flaky = h.schedule("a", T0, "flaky");
     let doomed = h.schedule("a", T0, "doomed");
     let poison = h.schedule("a", T0, "poison");
     let told = h.schedule("a", T0, "told");
     h.start();
-    let first = h.recv_n(4);
+    let first = h.recv_settled(4);
     assert!(first.iter().all(|r| r.attempt == 0));
-    h.settle(4);
 
     // Attempt 1 of flaky and doomed: backoff 1 s with jitter in [0.5 s, 1 s].
     h.set(T0 + 499);
     assert!(h.received.try_recv().is_err());
     h.set(T0 + 1_000);
-    let second = h.recv_n(2);
+    let second = h.recv_settled(2);
     assert!(second
         .iter()
         .all(|r| r.attempt == 1 && r.deliver_at_ms >= T0 + 500 && r.deliver_at_ms <= T0 + 1_000));
-    h.settle(2);
     // Attempt 2: 2 s backoff, jittered; then flaky is delivered and doomed has no attempts left.
     h.set(T0 + 3_000);
-    let third = h.recv_n(2);
+    let third = h.recv_settled(2);
     assert!(third.iter().all(|r| r.attempt == 2));
-    h.settle(2);
     // `told` asked for 30 s, and gets exactly that.
     h.set(T0 + 29_999);
     assert!(h.received.try_recv().is_err());
@@ -611,24 +686,12 @@ fn retries_backoff_and_dead_letters() {
     );
     h.settle(1);
 
-    let log = h.log();
-    let status = log.lookup(flaky).unwrap().unwrap();
+    let status = h.status(flaky);
     assert!(matches!(status.state, MessageState::Delivered { .. }));
     assert_eq!(status.message.attempt, 2);
-    match log.lookup(doomed).unwrap().unwrap().state {
-        MessageState::Dead { reason, .. } => {
-            assert_eq!(reason, "gave up after 3 attempts: timeout")
-        }
-        other => panic!("{other:?}"),
-    }
-    match log.lookup(poison).unwrap().unwrap().state {
-        MessageState::Dead { reason, .. } => assert_eq!(reason, "HTTP 400"),
-        other => panic!("{other:?}"),
-    }
-    assert!(matches!(
-        log.lookup(told).unwrap().unwrap().state,
-        MessageState::Delivered { .. }
-    ));
+    assert_eq!(h.dead_reason(doomed), "gave up after 3 attempts: timeout");
+    assert_eq!(h.dead_reason(poison), "HTTP 400");
+    assert!(matches!(h.state(told), MessageState::Delivered { .. }));
 }
 
 #[test]
@@ -637,12 +700,7 @@ fn a_message_for_an_unknown_sink_is_dead_with_the_reason() {
     let id = h.schedule("nowhere", T0, "lost");
     h.start();
     assert_eq!(h.settle(1), vec![(id, Settled::Dead)]);
-    match h.log().lookup(id).unwrap().unwrap().state {
-        MessageState::Dead { reason, .. } => {
-            assert_eq!(reason, "no sink named \"nowhere\" is configured")
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_eq!(h.dead_reason(id), "no sink named \"nowhere\" is configured");
 }
 
 #[test]
@@ -682,15 +740,11 @@ fn a_slow_sink_does_not_delay_another() {
 fn real_clock_lateness() {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let mut h = Harness::with_clock(clock.clone(), None);
-    h.sinks = vec![(
-        "a",
-        SinkPolicy {
-            max_in_flight: 8,
-            max_batch: 256,
-            ..SinkPolicy::default()
-        },
-        None,
-    )];
+    h.lane(SinkPolicy {
+        max_in_flight: 8,
+        max_batch: 256,
+        ..SinkPolicy::default()
+    });
     h.start();
     let start = clock.now_ms() + 1_500;
     let count = 10_000;
@@ -698,15 +752,8 @@ fn real_clock_lateness() {
         let batch: Vec<_> = (0..count / 10)
             .map(|i| {
                 let n = chunk * (count / 10) + i;
-                NewMessage {
-                    deliver_at_ms: start + (n as i64 * 3_000) / count as i64,
-                    topic: "t".into(),
-                    sink: "a".into(),
-                    body: format!("{n}").into_bytes(),
-                    ..NewMessage::default()
-                }
-                .encode()
-                .unwrap()
+                let at = start + (n as i64 * 3_000) / count as i64;
+                message("a", at, &n.to_string()).encode().unwrap()
             })
             .collect();
         h.log().append(batch).wait().unwrap();
@@ -740,34 +787,18 @@ fn real_clock_lateness() {
 #[test]
 fn a_cancel_while_an_attempt_is_in_flight_is_refused_not_contradicted() {
     let mut h = Harness::manual();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    h.sinks = vec![("a", SinkPolicy::default(), Some(gate.clone()))];
+    let gate = h.gated_lane(SinkPolicy::default());
     let id = h.schedule("a", T0, "in flight");
     h.start();
     h.entered
         .recv_timeout(WAIT)
         .expect("the attempt reached the sink");
-    let scheduler = h.scheduler.as_ref().unwrap();
-    assert!(matches!(
-        h.runtime.block_on(scheduler.cancel(id)),
-        Err(CancelError::InFlight)
-    ));
-    assert_eq!(
-        h.log().lookup(id).unwrap().unwrap().state,
-        MessageState::Pending,
-        "nothing was written"
-    );
+    assert!(matches!(h.cancel(id), Err(CancelError::InFlight)));
+    assert_eq!(h.state(id), MessageState::Pending, "nothing was written");
     gate.add_permits(1);
-    assert_eq!(h.recv().body, "in flight");
-    assert_eq!(h.settle(1), vec![(id, Settled::Delivered)]);
-    assert!(matches!(
-        h.runtime.block_on(scheduler.cancel(id)),
-        Err(CancelError::AlreadyDelivered)
-    ));
-    assert!(matches!(
-        h.log().lookup(id).unwrap().unwrap().state,
-        MessageState::Delivered { .. }
-    ));
+    h.recv_delivered(id, "in flight");
+    assert!(matches!(h.cancel(id), Err(CancelError::AlreadyDelivered)));
+    assert!(matches!(h.state(id), MessageState::Delivered { .. }));
 }
 
 /// The window of the issue: the lane has written the next attempt through the WAL and not yet recorded
@@ -777,35 +808,22 @@ fn a_cancel_while_an_attempt_is_in_flight_is_refused_not_contradicted() {
 #[test]
 fn a_cancel_between_a_written_retry_and_its_outcome_waits_then_stops_the_series() {
     let mut h = Harness::manual();
-    let retry = SinkOutcome::Retry {
-        after: None,
-        reason: "503".into(),
-    };
-    h.script.insert("racy".into(), vec![retry.clone(), retry]);
+    h.script.insert("racy".into(), vec![retry("503"); 2]);
     // Due only once the hook is in place.
     let id = h.schedule("a", T0 + 1, "racy");
     h.start();
-    let (written_tx, written) = crossbeam_channel::unbounded();
-    let outcome_gate = Arc::new(tokio::sync::Semaphore::new(0));
-    h.scheduler.as_ref().unwrap().shared.hooks().retry_written =
-        Some((written_tx, outcome_gate.clone()));
+    let (hook, (written, outcome_gate)) = gated_hook();
+    h.scheduler().shared.hooks().retry_written = Some(hook);
     h.set(T0 + 1);
     assert_eq!(h.recv().attempt, 0);
     written
         .recv_timeout(WAIT)
         .expect("attempt 1 is durable, its retried outcome is not recorded");
-    let scheduler = h.scheduler.as_ref().unwrap();
-    assert!(matches!(
-        h.runtime.block_on(scheduler.cancel(id)),
-        Err(CancelError::InFlight)
-    ));
+    assert!(matches!(h.cancel(id), Err(CancelError::InFlight)));
     outcome_gate.add_permits(1);
     assert_eq!(h.settle(1), vec![(id, Settled::Retried)]);
-    assert_eq!(
-        h.runtime.block_on(scheduler.cancel(id)).unwrap(),
-        Cancelled::Now
-    );
-    let status = h.log().lookup(id).unwrap().unwrap();
+    assert_eq!(h.cancel(id).unwrap(), Cancelled::Now);
+    let status = h.status(id);
     assert_eq!(status.message.attempt, 1, "the cancel took the new attempt");
     assert!(matches!(status.state, MessageState::Cancelled { .. }));
     // Attempt 1 was due within a second; an hour later only the sentinel has come.
@@ -818,6 +836,32 @@ fn a_cancel_between_a_written_retry_and_its_outcome_waits_then_stops_the_series(
     );
 }
 
+/// Cancels `id`, due at `T0` + 1 s, as it comes due: the cancel is held after it took the message, the
+/// clock set to the due time, and the cancel let on once the lane has held the message back; `meanwhile`
+/// runs while the cancel goes on. Answers the cancel's result.
+fn cancel_as_it_comes_due(
+    h: &Harness,
+    id: MessageId,
+    meanwhile: impl FnOnce(),
+) -> Result<Cancelled, CancelError> {
+    let (hook, (begun, lookup_gate)) = gated_hook();
+    let (held_tx, held) = crossbeam_channel::unbounded();
+    {
+        let mut hooks = h.scheduler().shared.hooks();
+        hooks.cancel_begun = Some(hook);
+        hooks.held = Some(held_tx);
+    }
+    std::thread::scope(|s| {
+        let cancel = s.spawn(|| h.cancel(id));
+        assert_eq!(begun.recv_timeout(WAIT).unwrap(), id);
+        h.set(T0 + 1_000);
+        assert_eq!(held.recv_timeout(WAIT).unwrap(), id, "the lane holds it");
+        lookup_gate.add_permits(1);
+        meanwhile();
+        cancel.join().unwrap()
+    })
+}
+
 /// A message that comes due while its cancel is in progress (taken, not yet looked up) is held by the
 /// lane, not delivered, and dropped when the cancel succeeds.
 #[test]
@@ -825,29 +869,16 @@ fn a_message_due_during_its_cancel_is_held_then_dropped() {
     let mut h = Harness::manual();
     let id = h.schedule("a", T0 + 1_000, "due meanwhile");
     h.start();
-    let scheduler = h.scheduler.as_ref().unwrap();
-    let (begun_tx, begun) = crossbeam_channel::unbounded();
-    let (held_tx, held) = crossbeam_channel::unbounded();
-    let lookup_gate = Arc::new(tokio::sync::Semaphore::new(0));
-    {
-        let mut hooks = scheduler.shared.hooks();
-        hooks.cancel_begun = Some((begun_tx, lookup_gate.clone()));
-        hooks.held = Some(held_tx);
-    }
-    std::thread::scope(|s| {
-        let cancel = s.spawn(|| h.runtime.block_on(scheduler.cancel(id)));
-        assert_eq!(begun.recv_timeout(WAIT).unwrap(), id);
-        h.set(T0 + 1_000);
-        assert_eq!(held.recv_timeout(WAIT).unwrap(), id, "the lane holds it");
-        lookup_gate.add_permits(1);
-        assert_eq!(cancel.join().unwrap().unwrap(), Cancelled::Now);
-    });
+    assert_eq!(
+        cancel_as_it_comes_due(&h, id, || {}).unwrap(),
+        Cancelled::Now
+    );
     assert_eq!(h.settle(1), vec![(id, Settled::Cancelled)]);
     h.schedule("a", T0 + 2_000, "sentinel");
     h.set(T0 + 2_000);
     assert_eq!(h.recv().body, "sentinel");
     assert!(h.received.try_recv().is_err());
-    assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
+    assert_eq!(h.scheduler().shared.registry().cancelled_len(), 0);
 }
 
 /// The replayer may report a cancel's tombstone before the cancel has recorded its seq: the cancel
@@ -858,24 +889,9 @@ fn a_tombstone_reported_before_its_cancel_ends_leaves_nothing_behind() {
     let mut h = Harness::manual();
     let id = h.schedule("a", T0 + 1_000, "due meanwhile");
     h.start();
-    let scheduler = h.scheduler.as_ref().unwrap();
-    let (begun_tx, begun) = crossbeam_channel::unbounded();
-    let (held_tx, held) = crossbeam_channel::unbounded();
-    let (written_tx, written) = crossbeam_channel::unbounded();
-    let lookup_gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let written_gate = Arc::new(tokio::sync::Semaphore::new(0));
-    {
-        let mut hooks = scheduler.shared.hooks();
-        hooks.cancel_begun = Some((begun_tx, lookup_gate.clone()));
-        hooks.held = Some(held_tx);
-        hooks.tombstone_written = Some((written_tx, written_gate.clone()));
-    }
-    std::thread::scope(|s| {
-        let cancel = s.spawn(|| h.runtime.block_on(scheduler.cancel(id)));
-        assert_eq!(begun.recv_timeout(WAIT).unwrap(), id);
-        h.set(T0 + 1_000);
-        assert_eq!(held.recv_timeout(WAIT).unwrap(), id, "the lane holds it");
-        lookup_gate.add_permits(1);
+    let (hook, (written, written_gate)) = gated_hook();
+    h.scheduler().shared.hooks().tombstone_written = Some(hook);
+    let cancelled = cancel_as_it_comes_due(&h, id, || {
         written.recv_timeout(WAIT).unwrap();
         // Filed after the tombstone, so reported after it: once this is delivered, the wheel
         // thread has handled the tombstone's report.
@@ -883,12 +899,12 @@ fn a_tombstone_reported_before_its_cancel_ends_leaves_nothing_behind() {
         h.set(T0 + 1_500);
         assert_eq!(h.recv().body, "after the tombstone");
         written_gate.add_permits(1);
-        assert_eq!(cancel.join().unwrap().unwrap(), Cancelled::Now);
     });
+    assert_eq!(cancelled.unwrap(), Cancelled::Now);
     let settled = h.settle(2);
     assert!(settled.contains(&(id, Settled::Cancelled)), "{settled:?}");
     assert!(h.received.try_recv().is_err());
-    assert_eq!(scheduler.shared.registry().cancelled_len(), 0);
+    assert_eq!(h.scheduler().shared.registry().cancelled_len(), 0);
 }
 
 /// Cancels of messages in buckets not loaded stay on disk (their tombstones keep them out of the
@@ -906,18 +922,12 @@ fn far_future_cancels_stay_on_disk_loaded_ones_in_memory_until_met() {
     h.start();
     assert_eq!(h.recv().body, "probe", "the current bucket is loaded");
     h.settle(1);
-    let scheduler = h.scheduler.as_ref().unwrap();
+    let scheduler = h.scheduler();
     for id in &far {
-        assert_eq!(
-            h.runtime.block_on(scheduler.cancel(*id)).unwrap(),
-            Cancelled::Now
-        );
+        assert_eq!(h.cancel(*id).unwrap(), Cancelled::Now);
     }
     h.log().checkpoint().unwrap(); // every tombstone is filed
-    assert_eq!(
-        h.runtime.block_on(scheduler.cancel(near)).unwrap(),
-        Cancelled::Now
-    );
+    assert_eq!(h.cancel(near).unwrap(), Cancelled::Now);
     {
         let registry = scheduler.shared.registry();
         assert_eq!(
@@ -947,15 +957,14 @@ fn a_cancel_racing_the_load_of_its_bucket_is_honoured() {
     let first = h.schedule("a", due, "first");
     let second = h.schedule("a", due + 1, "second");
     h.schedule("a", due + 2, "sentinel");
-    let bucket = h.log().lookup(first).unwrap().unwrap().location.bucket;
+    let bucket = h.status(first).location.bucket;
     h.start();
-    let scheduler = h.scheduler.as_ref().unwrap();
+    let scheduler = h.scheduler();
     let (marked_tx, marked) = crossbeam_channel::unbounded();
     let (go, go_rx) = crossbeam_channel::unbounded();
-    let (begun_tx, begun) = crossbeam_channel::unbounded();
-    let lookup_gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (hook, (begun, lookup_gate)) = gated_hook();
     scheduler.shared.hooks().loader_marked = Some((marked_tx, go_rx));
-    scheduler.shared.hooks().cancel_begun = Some((begun_tx, lookup_gate.clone()));
+    scheduler.shared.hooks().cancel_begun = Some(hook);
     // Waits for the loader to mark `bucket`, letting it past any other bucket.
     let wait_for_mark = |target: Bucket| loop {
         let bucket = marked.recv_timeout(WAIT).expect("the loader marks buckets");
@@ -966,17 +975,14 @@ fn a_cancel_racing_the_load_of_its_bucket_is_honoured() {
     };
     std::thread::scope(|s| {
         // `second`'s cancel takes the message before the mark and waits before its lookup.
-        let late = s.spawn(|| h.runtime.block_on(scheduler.cancel(second)));
+        let late = s.spawn(|| h.cancel(second));
         assert_eq!(begun.recv_timeout(WAIT).unwrap(), second);
         scheduler.shared.hooks().cancel_begun = None;
         // 10:55: one pass marks 10:00, then 11:00, in that order.
         h.set(T0 + HOUR + 25 * MINUTE);
         wait_for_mark(bucket);
         // Marked, no snapshot yet: `first`'s cancel is acknowledged now.
-        assert_eq!(
-            h.runtime.block_on(scheduler.cancel(first)).unwrap(),
-            Cancelled::Now
-        );
+        assert_eq!(h.cancel(first).unwrap(), Cancelled::Now);
         go.send(()).unwrap();
         // The loader marks 11:00 only after it took 10:00's snapshot (with `second` in it).
         wait_for_mark(bucket.next(h.log().segment_minutes()));
@@ -1012,10 +1018,7 @@ fn a_sink_that_delivers_in_place_is_called_on_the_lanes_thread_and_a_panic_there
     h.in_place = Some(1);
     h.script.insert(
         "flaky".into(),
-        vec![SinkOutcome::Retry {
-            after: Some(Duration::from_secs(2)),
-            reason: "busy".into(),
-        }],
+        vec![retry_after(Duration::from_secs(2), "busy")],
     );
     let id = h.schedule("a", T0, "flaky");
     h.start();
@@ -1075,13 +1078,7 @@ impl Sink for FlakyLetters {
             let mut calls = self.calls.lock().unwrap();
             *calls += 1;
             if *calls == 1 {
-                return vec![
-                    SinkOutcome::Retry {
-                        after: None,
-                        reason: "disk full".into()
-                    };
-                    batch.len()
-                ];
+                return vec![retry("disk full"); batch.len()];
             }
             let mut stored = self.stored.lock().unwrap();
             stored.extend(batch.iter().map(|d| d.message.topic.clone()));
@@ -1095,25 +1092,14 @@ fn a_dead_letter_that_cannot_be_stored_at_once_is_stored_later_not_delivered_aga
     let mut h = Harness::manual();
     let letters = Arc::new(FlakyLetters::default());
     h.dead_letters = Some(letters.clone());
-    h.script.insert(
-        "poison".into(),
-        vec![
-            SinkOutcome::Dead {
-                reason: "HTTP 400".into()
-            };
-            2
-        ],
-    );
+    h.script.insert("poison".into(), vec![dead("HTTP 400"); 2]);
     let id = h.schedule("a", T0, "poison");
     h.start();
     assert_eq!(h.recv().attempt, 0);
     // The dead letter could not be stored the first time: it is stored again (not the message delivered
     // again, which would repeat the receiver's 400), then the outcome is written.
     assert_eq!(h.settle(1), vec![(id, Settled::Dead)]);
-    assert!(matches!(
-        h.log().lookup(id).unwrap().unwrap().state,
-        MessageState::Dead { .. }
-    ));
+    assert!(matches!(h.state(id), MessageState::Dead { .. }));
     assert_eq!(*letters.stored.lock().unwrap(), vec!["$dead".to_string()]);
     assert_eq!(*letters.calls.lock().unwrap(), 2);
     // Had it come round again it would be due a second later: a message due after that comes first.
@@ -1149,10 +1135,10 @@ fn an_unreadable_due_message_is_handed_back_not_forgotten() {
     h.start();
     assert_eq!(h.recv().body, "probe", "the bucket is loaded");
     h.settle(1);
-    let scheduler = h.scheduler.as_ref().unwrap();
+    let scheduler = h.scheduler();
     let (failed_tx, failed) = crossbeam_channel::unbounded();
     scheduler.shared.hooks().read_failed = Some(failed_tx);
-    let bucket = h.log().lookup(fragile).unwrap().unwrap().location.bucket;
+    let bucket = h.status(fragile).location.bucket;
     let segment = h.dir.path().join("schedule").join(format!("{bucket}.log"));
     let whole = std::fs::read(&segment).unwrap();
 
@@ -1174,9 +1160,8 @@ fn an_unreadable_due_message_is_handed_back_not_forgotten() {
     );
     std::fs::write(&segment, &whole).unwrap();
     h.set(T0 + MINUTE + 1_000);
-    let r = h.recv();
-    assert_eq!((r.body.as_str(), r.at_ms), ("fragile", T0 + MINUTE + 1_000));
-    assert_eq!(h.settle(1), vec![(fragile, Settled::Delivered)]);
+    let r = h.recv_delivered(fragile, "fragile");
+    assert_eq!(r.at_ms, T0 + MINUTE + 1_000);
     assert!(scheduler.shared.unreadable().is_empty(), "read at last");
 
     // A corrupt record: tried again every 10 minutes, delivered once repaired.
@@ -1186,10 +1171,7 @@ fn an_unreadable_due_message_is_handed_back_not_forgotten() {
     assert!(error.starts_with("corrupt log"), "{error}");
     flip_byte_of(&segment, b"Corrupt-me");
     assert!(
-        matches!(
-            h.log().lookup(corrupt).unwrap().unwrap().state,
-            MessageState::Pending
-        ),
+        matches!(h.state(corrupt), MessageState::Pending),
         "still pending"
     );
     // Before the 10 minutes are up only a sentinel comes.
@@ -1207,32 +1189,20 @@ fn an_unreadable_due_message_is_handed_back_not_forgotten() {
 #[test]
 fn a_sinks_retry_delay_is_capped_by_the_backoff_cap() {
     let mut h = Harness::manual();
-    h.sinks = vec![(
-        "a",
-        SinkPolicy {
-            backoff: crate::sink::Backoff {
-                cap: Duration::from_secs(60),
-                ..crate::sink::Backoff::default()
-            },
-            ..SinkPolicy::default()
+    h.lane(SinkPolicy {
+        backoff: crate::sink::Backoff {
+            cap: Duration::from_secs(60),
+            ..crate::sink::Backoff::default()
         },
-        None,
-    )];
-    h.script.insert(
-        "patient".into(),
-        vec![SinkOutcome::Retry {
-            after: Some(Duration::from_secs(99_999_999_999)),
-            reason: "HTTP 503".into(),
-        }],
-    );
+        ..SinkPolicy::default()
+    });
+    let patient = retry_after(Duration::from_secs(99_999_999_999), "HTTP 503");
+    h.script.insert("patient".into(), vec![patient]);
     let id = h.schedule("a", T0, "patient");
     h.start();
     assert_eq!(h.recv().attempt, 0);
     assert_eq!(h.settle(1), vec![(id, Settled::Retried)]);
-    assert_eq!(
-        h.log().lookup(id).unwrap().unwrap().message.deliver_at_ms,
-        T0 + 60_000
-    );
+    assert_eq!(h.status(id).message.deliver_at_ms, T0 + 60_000);
     h.set(T0 + 60_000);
     let r = h.recv();
     assert_eq!((r.attempt, r.at_ms), (1, T0 + 60_000));
@@ -1243,38 +1213,24 @@ fn a_sinks_retry_delay_is_capped_by_the_backoff_cap() {
 #[test]
 fn finished_messages_with_an_idempotency_key_are_reported() {
     let mut h = Harness::manual();
-    h.script.insert(
-        "dies".into(),
-        vec![SinkOutcome::Dead {
-            reason: "HTTP 400".into(),
-        }],
-    );
+    h.script.insert("dies".into(), vec![dead("HTTP 400")]);
     let keyed = |h: &Harness, at: i64, body: &str| {
-        let message = NewMessage {
-            deliver_at_ms: at,
-            topic: "t".into(),
+        h.append(NewMessage {
             key: Some(body.to_string()),
-            sink: "a".into(),
-            body: body.as_bytes().to_vec(),
             dedup: true,
-            ..NewMessage::default()
-        };
-        h.log()
-            .append(vec![message.encode().unwrap()])
-            .wait()
-            .unwrap()[0]
-            .id
+            ..message("a", at, body)
+        })
     };
     let delivered = keyed(&h, T0, "delivered");
     let dies = keyed(&h, T0, "dies");
     let cancelled = keyed(&h, T0 + HOUR, "cancelled");
     h.schedule("a", T0, "no key");
     h.start();
-    let scheduler = h.scheduler.as_ref().unwrap();
+    let scheduler = h.scheduler();
     let mut finished = scheduler.take_finished_keys().unwrap();
     assert!(scheduler.take_finished_keys().is_none(), "handed out once");
     h.settle(3);
-    h.runtime.block_on(scheduler.cancel(cancelled)).unwrap();
+    h.cancel(cancelled).unwrap();
     let mut got: Vec<(String, MessageId)> = (0..3)
         .map(|_| {
             let key = finished.try_recv().expect("a finished key");
@@ -1301,16 +1257,11 @@ fn finished_messages_with_an_idempotency_key_are_reported() {
 #[test]
 fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
     let mut h = Harness::manual();
-    let unreachable = away();
-    h.script.insert("away".into(), vec![unreachable.clone(); 4]);
-    h.sinks = vec![(
-        "a",
-        SinkPolicy {
-            max_attempts: 2,
-            ..SinkPolicy::default()
-        },
-        None,
-    )];
+    h.script.insert("away".into(), vec![away(); 4]);
+    h.lane(SinkPolicy {
+        max_attempts: 2,
+        ..SinkPolicy::default()
+    });
     let id = h.schedule("a", T0, "away");
     h.start();
     assert_eq!(h.recv().attempt, 0);
@@ -1326,7 +1277,7 @@ fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
         assert_eq!((r.body.as_str(), r.attempt), ("away", 0), "no attempt used");
     }
     assert_eq!(h.settle(1), vec![(id, Settled::Delivered)]);
-    let status = h.log().lookup(id).unwrap().unwrap();
+    let status = h.status(id);
     assert!(matches!(status.state, MessageState::Delivered { .. }));
     assert_eq!(
         status.history.len(),
@@ -1337,8 +1288,34 @@ fn an_unreachable_destination_uses_no_attempt_and_the_wait_grows() {
 
 /// What a sink answers for a message whose destination it could not reach.
 fn away() -> SinkOutcome {
+    unreachable("connection refused")
+}
+
+fn unreachable(reason: &str) -> SinkOutcome {
     SinkOutcome::Unreachable {
-        reason: "connection refused".into(),
+        reason: reason.into(),
+    }
+}
+
+/// A retry after the sink's backoff.
+fn retry(reason: &str) -> SinkOutcome {
+    SinkOutcome::Retry {
+        after: None,
+        reason: reason.into(),
+    }
+}
+
+/// A retry after the delay the sink was told (an HTTP `Retry-After`).
+fn retry_after(after: Duration, reason: &str) -> SinkOutcome {
+    SinkOutcome::Retry {
+        after: Some(after),
+        reason: reason.into(),
+    }
+}
+
+fn dead(reason: &str) -> SinkOutcome {
+    SinkOutcome::Dead {
+        reason: reason.into(),
     }
 }
 
@@ -1357,19 +1334,13 @@ fn one_per_batch(in_flight: usize) -> SinkPolicy {
 #[test]
 fn a_destination_that_answers_for_some_keeps_the_lane_going() {
     let mut h = Harness::manual();
-    h.script.insert(
-        "stuck".into(),
-        vec![SinkOutcome::Unreachable {
-            reason: "message timed out".into(),
-        }],
-    );
+    h.script
+        .insert("stuck".into(), vec![unreachable("message timed out")]);
     // One slot, held by a first call until both are due: they then make one batch.
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let policy = SinkPolicy {
+    let gate = h.gated_lane(SinkPolicy {
         max_in_flight: 1,
         ..SinkPolicy::default()
-    };
-    h.sinks = vec![("a", policy, Some(gate.clone()))];
+    });
     let block = h.schedule("a", T0, "block");
     let stuck = h.schedule("a", T0 + 5, "stuck");
     let fine = h.schedule("a", T0 + 5, "fine");
@@ -1378,30 +1349,24 @@ fn a_destination_that_answers_for_some_keeps_the_lane_going() {
     h.entered.recv_timeout(WAIT).unwrap();
     h.set(T0 + 5);
     gate.add_permits(1);
-    assert_eq!(h.recv().body, "block");
-    assert_eq!(h.settle(1), vec![(block, Settled::Delivered)]);
+    h.recv_delivered(block, "block");
     let mut first = h.recv_n(2);
     first.sort_by(|x, y| x.body.cmp(&y.body));
     assert_eq!(
         (first[0].body.as_str(), first[1].body.as_str()),
         ("fine", "stuck")
     );
-    let mut settled = h.settle(2);
-    settled.sort();
-    let mut expected = vec![(stuck, Settled::Postponed), (fine, Settled::Delivered)];
-    expected.sort();
-    assert_eq!(settled, expected);
+    h.settle_as(vec![
+        (stuck, Settled::Postponed),
+        (fine, Settled::Delivered),
+    ]);
     assert_eq!(first[0].at_ms, first[1].at_ms, "one batch");
     // Not held: due 5 ms later, it goes at once.
     h.set(T0 + 10);
-    let r = h.recv();
-    assert_eq!((r.body.as_str(), r.at_ms), ("later", T0 + 10));
-    assert_eq!(h.settle(1), vec![(later, Settled::Delivered)]);
+    assert_eq!(h.recv_delivered(later, "later").at_ms, T0 + 10);
     // The unanswered one comes round after the backoff's first step (0.5 to 1 s), attempt 0 still.
     h.set(T0 + 1_000);
-    let r = h.recv();
-    assert_eq!((r.body.as_str(), r.attempt), ("stuck", 0));
-    assert_eq!(h.settle(1), vec![(stuck, Settled::Delivered)]);
+    assert_eq!(h.recv_delivered(stuck, "stuck").attempt, 0);
 }
 
 /// The batches out together when the destination goes away come back unanswered together: the wait
@@ -1409,13 +1374,11 @@ fn a_destination_that_answers_for_some_keeps_the_lane_going() {
 #[test]
 fn batches_out_at_an_outage_start_one_wait() {
     let mut h = Harness::manual();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let bodies = ["A", "B", "C", "D"];
     for body in bodies {
         h.script.insert(body.into(), vec![away()]);
     }
-    let policy = one_per_batch(4);
-    h.sinks = vec![("a", policy, Some(gate.clone()))];
+    let gate = h.gated_lane(one_per_batch(4));
     for body in bodies {
         h.schedule("a", T0, body);
     }
@@ -1455,8 +1418,7 @@ fn a_refused_target_does_not_end_an_outage() {
     let refuse = crate::sink::forbidden("not in targets");
     h.script.insert("refused".into(), vec![refuse]);
     // One at a time, in order: at the same due time, the one written first goes first.
-    let policy = one_per_batch(1);
-    h.sinks = vec![("a", policy, None)];
+    h.lane(one_per_batch(1));
     let refused = h.schedule("a", T0 + 400, "refused");
     let a = h.schedule("a", T0, "A");
     h.start();
@@ -1470,22 +1432,12 @@ fn a_refused_target_does_not_end_an_outage() {
         (got[0].body.as_str(), got[1].body.as_str()),
         ("refused", "A")
     );
-    let mut settled = h.settle(2);
-    settled.sort();
-    let mut expected = vec![(refused, Settled::Dead), (a, Settled::Postponed)];
-    expected.sort();
-    assert_eq!(settled, expected);
+    h.settle_as(vec![(refused, Settled::Dead), (a, Settled::Postponed)]);
     // A second wait in a row: 1 to 2 s (a first step again would be over by T0 + 2 s).
     h.set(T0 + 1_999);
-    let quiet = Duration::from_millis(300);
-    assert!(
-        h.received.recv_timeout(quiet).is_err(),
-        "tried again too soon"
-    );
+    assert_quiet(&h.received, "tried again too soon");
     h.set(T0 + 3_000);
-    let r = h.recv();
-    assert_eq!((r.body.as_str(), r.attempt), ("A", 0));
-    assert_eq!(h.settle(1), vec![(a, Settled::Delivered)]);
+    assert_eq!(h.recv_delivered(a, "A").attempt, 0);
 }
 
 /// A stop while batches wait for a probe's answer ends once the probe is answered: the waiting ones
@@ -1493,21 +1445,12 @@ fn a_refused_target_does_not_end_an_outage() {
 #[test]
 fn a_stop_during_a_probe_leaves_the_waiting_batches_pending() {
     let mut h = Harness::manual();
-    let gate = Arc::new(tokio::sync::Semaphore::new(1));
-    h.script.insert("A".into(), vec![away()]);
-    let policy = one_per_batch(4);
-    h.sinks = vec![("a", policy, Some(gate.clone()))];
-    let a = h.schedule("a", T0, "A");
-    let b = h.schedule("a", T0 + 1_000, "B");
-    h.start();
-    assert_eq!(h.recv().body, "A");
-    assert_eq!(h.settle(1), vec![(a, Settled::Postponed)]);
-    gate.forget_permits(1);
-    h.entered.recv_timeout(WAIT).unwrap();
+    let (gate, a, others) = h.start_with_a_found_away(&[(T0 + 1_000, "B")]);
+    let b = others[0];
     // Both due: one is the probe (held at the gate), the other waits for its answer.
     h.set(T0 + 1_000);
     h.entered.recv_timeout(WAIT).expect("the probe");
-    let shared = h.scheduler.as_ref().unwrap().shared.clone();
+    let shared = h.scheduler().shared.clone();
     let (received, settled) = (h.received.clone(), h.settled.clone());
     let probe = std::thread::scope(|scope| {
         let stopping = scope.spawn(|| h.stop());
@@ -1557,34 +1500,18 @@ fn a_stop_during_a_probe_leaves_the_waiting_batches_pending() {
 #[test]
 fn batches_wait_unread_for_an_unreachable_destination_and_one_tries_it() {
     let mut h = Harness::manual();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    h.script.insert("A".into(), vec![away()]);
-    let policy = one_per_batch(4);
-    h.sinks = vec![("a", policy, Some(gate.clone()))];
-    let a = h.schedule("a", T0, "A");
-    h.schedule("a", T0 + 100, "B");
-    h.schedule("a", T0 + 100, "C");
-    gate.add_permits(1);
-    h.start();
-    assert_eq!(h.recv().body, "A");
-    assert_eq!(h.settle(1), vec![(a, Settled::Postponed)]);
-    gate.forget_permits(1);
-    h.entered.recv_timeout(WAIT).unwrap();
+    let (gate, _, _) = h.start_with_a_found_away(&[(T0 + 100, "B"), (T0 + 100, "C")]);
     // B and C come due during the wait (500 ms to 1 s): held, not handed to the sink.
     h.set(T0 + 100);
-    let quiet = Duration::from_millis(300);
-    assert!(
-        h.entered.recv_timeout(quiet).is_err(),
-        "a call during the wait"
-    );
+    assert_quiet(&h.entered, "a call during the wait");
     // After it, one batch tries the destination (held at the gate); the others wait for its answer.
     h.set(T0 + 1_000);
     h.entered
         .recv_timeout(WAIT)
         .expect("the batch after the wait");
-    assert!(
-        h.entered.recv_timeout(quiet).is_err(),
-        "a second batch went out before the first was answered"
+    assert_quiet(
+        &h.entered,
+        "a second batch went out before the first was answered",
     );
     gate.add_permits(1);
     let mut got: Vec<Received> = h.recv_n(3);
