@@ -683,23 +683,22 @@ fn a_failed_append_leaves_nothing_behind() {
 
 /// Starts one thread per call while the main store is held, waits until every call is queued, lets
 /// go, and answers each call's result in order.
-fn appended_together(broker: &Arc<Broker>, calls: Vec<Vec<Incoming>>) -> Vec<Placed> {
+fn appended_together(broker: &Broker, calls: Vec<Vec<Incoming>>) -> Vec<Placed> {
     let count = calls.len();
     let held = broker.main.lock();
-    let callers: Vec<_> = calls
-        .into_iter()
-        .map(|messages| {
-            let broker = broker.clone();
-            std::thread::spawn(move || broker.append(messages))
-        })
-        .collect();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while broker.main.queued() < count {
-        assert!(std::time::Instant::now() < deadline, "every append queues");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    drop(held);
-    callers.into_iter().map(|c| c.join().unwrap()).collect()
+    std::thread::scope(|scope| {
+        let callers: Vec<_> = calls
+            .into_iter()
+            .map(|messages| scope.spawn(|| broker.append(messages)))
+            .collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while broker.main.queued() < count {
+            assert!(std::time::Instant::now() < deadline, "every append queues");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(held);
+        callers.into_iter().map(|c| c.join().unwrap()).collect()
+    })
 }
 
 /// Opens its gate when dropped, however the test ends: a job held at it would hold up the store's
@@ -873,7 +872,7 @@ fn offsets_now_answer_busy_rather_than_wait_for_a_held_store() {
 #[test]
 fn appends_that_arrive_together_share_one_write() {
     let dir = tempfile::tempdir().unwrap();
-    let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
+    let broker = Broker::open(dir.path(), options(1)).unwrap();
     broker.append(vec![incoming("t", None, "first")]).unwrap();
     let writes_before = broker.main.lock().log.writes.len();
     let bodies_of = |n: usize| [format!("{n}a"), format!("{n}b")];
@@ -910,7 +909,7 @@ fn appends_that_arrive_together_share_one_write() {
 #[test]
 fn a_caller_that_fails_in_a_group_fails_alone() {
     let dir = tempfile::tempdir().unwrap();
-    let broker = Arc::new(Broker::open(dir.path(), options(1)).unwrap());
+    let broker = Broker::open(dir.path(), options(1)).unwrap();
     broker.append(vec![incoming("t", None, "first")]).unwrap();
     // A file where the topic's consume queues would go.
     fs::write(dir.path().join("broker/consumequeue/blocked"), b"").unwrap();
@@ -947,7 +946,7 @@ fn a_caller_that_fails_in_a_group_fails_alone() {
 #[test]
 fn a_write_that_fails_for_a_group_fails_every_caller_in_it() {
     let dir = tempfile::tempdir().unwrap();
-    let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
+    let broker = Broker::open(dir.path(), small(1)).unwrap();
     broker
         .append(vec![incoming("t", None, &"a".repeat(60 << 10))])
         .unwrap();
