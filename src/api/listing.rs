@@ -269,6 +269,7 @@ pub struct ListedMessage {
     #[schema(format = DateTime)]
     deliver_at: String,
     status: MessageState,
+    /// How many attempts were handed to the sink so far (`attempt` numbers one, 0 first).
     attempts: u16,
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(format = DateTime, nullable = false)]
