@@ -3,6 +3,8 @@
 //! be, and which targets a sink may publish to. Sources and sinks are siblings; what they share about
 //! an MQ lives here, below both.
 
+use crate::setting::{invalid, ConfigError};
+
 /// An MQ that could not be reached, or refused: what it said.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -16,7 +18,7 @@ pub const EXCHANGE_HEADER: &str = "delayd-exchange";
 /// header of that name is refused for a Redis sink rather than written as a second `body` field.
 pub const REDIS_BODY: &str = "body";
 
-/// The MQs an MQ sink publishes to.
+/// The MQs an MQ sink publishes to and an MQ source consumes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MqKind {
     Nats,
@@ -35,6 +37,31 @@ impl MqKind {
             "kafka" => Some(MqKind::Kafka),
             _ => None,
         }
+    }
+
+    /// Checks a URL of this MQ, as a configuration gives it.
+    pub fn check_url(self, url: &str) -> Result<(), String> {
+        match self {
+            MqKind::Nats => nats::check_url(url),
+            MqKind::Amqp => amqp::check_url(url),
+            MqKind::Redis => redis::check_url(url),
+            MqKind::Kafka => kafka::bootstrap_servers(url).map(drop),
+        }
+    }
+
+    /// The `url` every MQ sink's and MQ source's table requires, checked by the MQ's own check.
+    /// `key`: the table's (`sinks.NAME`); `missing`: what to say when it has none.
+    pub fn required_url(
+        self,
+        key: &str,
+        url: &Option<String>,
+        missing: &str,
+    ) -> Result<(), ConfigError> {
+        let Some(url) = url else {
+            return Err(invalid(key, missing));
+        };
+        self.check_url(url)
+            .map_err(|e| invalid(&format!("{key}.url"), e))
     }
 
     /// Prefixes of the names an MQ keeps for itself: its API, its internal streams and topics, reply
@@ -148,6 +175,13 @@ pub mod redis {
     use super::MqError;
     use redis::aio::MultiplexedConnection;
     use std::time::Duration;
+
+    /// Checks a `redis://` URL.
+    pub fn check_url(url: &str) -> Result<(), String> {
+        redis::Client::open(url)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
 
     /// A connection whose commands time out a while after the longest block asked for.
     pub async fn connect(client: &redis::Client) -> Result<MultiplexedConnection, MqError> {

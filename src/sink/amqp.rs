@@ -49,13 +49,11 @@ pub struct AmqpSinkConfig {
 impl AmqpSinkConfig {
     /// `key`: the table's (`sinks.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        let Some(url) = &self.url else {
-            return Err(invalid(
-                key,
-                "an amqp sink needs a url (amqp://user:password@host:5672/vhost) and takes no secret",
-            ));
-        };
-        crate::mq::amqp::check_url(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        MqKind::Amqp.required_url(
+            key,
+            &self.url,
+            "an amqp sink needs a url (amqp://user:password@host:5672/vhost) and takes no secret",
+        )?;
         if self.exchange.as_ref().is_some_and(|e| !valid_name(e)) {
             return Err(invalid(
                 &format!("{key}.exchange"),

@@ -14,7 +14,7 @@ use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
 use crate::connection::ConnectionState;
 use crate::mq::kafka::client_config;
 use crate::mq::{MqError, MqKind, Targets};
-use crate::setting::{invalid, ConfigError};
+use crate::setting::ConfigError;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -37,13 +37,11 @@ pub struct KafkaSinkConfig {
 impl KafkaSinkConfig {
     /// `key`: the table's (`sinks.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        let Some(url) = &self.url else {
-            return Err(invalid(
-                key,
-                "a kafka sink needs a url (kafka://host:9092) and takes no secret",
-            ));
-        };
-        crate::mq::kafka::bootstrap_servers(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        MqKind::Kafka.required_url(
+            key,
+            &self.url,
+            "a kafka sink needs a url (kafka://host:9092) and takes no secret",
+        )?;
         check_targets(key, &self.targets)
     }
 

@@ -16,7 +16,7 @@ use super::{check_targets, forbidden, BoxFuture, Delivery, Sink, SinkContext, Si
 use crate::connection::ConnectionState;
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::{MqKind, Targets};
-use crate::setting::{invalid, ConfigError};
+use crate::setting::ConfigError;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use std::str::FromStr;
@@ -35,13 +35,11 @@ pub struct NatsSinkConfig {
 impl NatsSinkConfig {
     /// `key`: the table's (`sinks.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        let Some(url) = &self.url else {
-            return Err(invalid(
-                key,
-                "a nats sink needs a url (nats://host:4222) and takes no secret",
-            ));
-        };
-        crate::mq::nats::check_url(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        MqKind::Nats.required_url(
+            key,
+            &self.url,
+            "a nats sink needs a url (nats://host:4222) and takes no secret",
+        )?;
         check_targets(key, &self.targets)
     }
 

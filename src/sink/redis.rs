@@ -14,7 +14,7 @@ use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
 use crate::connection::ConnectionState;
 use crate::mq::redis::connect;
 use crate::mq::{MqKind, Targets, REDIS_BODY};
-use crate::setting::{invalid, ConfigError};
+use crate::setting::ConfigError;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
 use tokio::sync::Mutex;
@@ -32,11 +32,11 @@ pub struct RedisSinkConfig {
 impl RedisSinkConfig {
     /// `key`: the table's (`sinks.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        let Some(url) = &self.url else {
-            return Err(invalid(key, "a redis sink needs a url and takes no secret"));
-        };
-        redis::Client::open(url.as_str())
-            .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
+        MqKind::Redis.required_url(
+            key,
+            &self.url,
+            "a redis sink needs a url and takes no secret",
+        )?;
         check_targets(key, &self.targets)
     }
 

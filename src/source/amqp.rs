@@ -28,6 +28,7 @@
 
 use super::{Request, SourceContext, Transport, TransportError};
 use crate::mq::amqp::{close, connect, CONNECT_TIMEOUT};
+use crate::mq::MqKind;
 use crate::setting::{invalid, ConfigError};
 use crate::sink::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
@@ -48,13 +49,11 @@ pub struct AmqpSourceConfig {
 impl AmqpSourceConfig {
     /// `key`: the table's (`sources.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        let Some(url) = &self.url else {
-            return Err(invalid(
-                key,
-                "an amqp source needs url (amqp://user:password@host:5672/vhost) and queue, and has no stream_key",
-            ));
-        };
-        crate::mq::amqp::check_url(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        MqKind::Amqp.required_url(
+            key,
+            &self.url,
+            "an amqp source needs url (amqp://user:password@host:5672/vhost) and queue, and has no stream_key",
+        )?;
         match self.queue.as_deref() {
             Some(queue)
                 if crate::mq::amqp::valid_name(queue)

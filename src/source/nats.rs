@@ -18,6 +18,7 @@
 use super::{default_group, Request, SourceContext, Transport, TransportError};
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::nats::{valid_name, valid_subject};
+use crate::mq::MqKind;
 use crate::setting::{invalid, ConfigError, Millis};
 use crate::sink::BoxFuture;
 use async_nats::jetstream::{self, consumer, stream};
@@ -60,10 +61,11 @@ impl Default for NatsSourceConfig {
 impl NatsSourceConfig {
     /// `key`: the table's (`sources.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        let Some(url) = &self.url else {
-            return Err(invalid(key, "a nats source needs url, stream and subject"));
-        };
-        crate::mq::nats::check_url(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        MqKind::Nats.required_url(
+            key,
+            &self.url,
+            "a nats source needs url, stream and subject",
+        )?;
         if !self.stream.as_deref().is_some_and(valid_name) {
             return Err(invalid(
                 &format!("{key}.stream"),

@@ -13,7 +13,7 @@
 
 use super::{default_group, Request, SourceContext, Transport, TransportError};
 use crate::mq::redis::connect;
-use crate::mq::REDIS_BODY;
+use crate::mq::{MqKind, REDIS_BODY};
 use crate::setting::{invalid, ConfigError};
 use crate::sink::BoxFuture;
 use redis::aio::MultiplexedConnection;
@@ -50,20 +50,11 @@ impl Default for RedisSourceConfig {
 impl RedisSourceConfig {
     /// `key`: the table's (`sources.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        let (Some(url), Some(stream_key)) = (&self.url, &self.stream_key) else {
-            return Err(invalid(
-                key,
-                "a redis source needs url and stream_key (and has no queue)",
-            ));
-        };
-        if stream_key.is_empty() {
-            return Err(invalid(
-                key,
-                "a redis source needs url and stream_key (and has no queue)",
-            ));
+        let needs = "a redis source needs url and stream_key (and has no queue)";
+        if self.stream_key.as_deref().is_none_or(str::is_empty) {
+            return Err(invalid(key, needs));
         }
-        redis::Client::open(url.as_str())
-            .map_err(|e| invalid(&format!("{key}.url"), e.to_string()))?;
+        MqKind::Redis.required_url(key, &self.url, needs)?;
         // Two nodes under one consumer name read each other's pending entries again on every
         // reconnect: no shared default.
         match self.consumer.as_deref() {

@@ -33,7 +33,7 @@ mod epochs;
 
 use super::{default_group, Request, SourceContext, Transport, TransportError};
 use crate::mq::kafka::client_config;
-use crate::mq::valid_client_name;
+use crate::mq::{valid_client_name, MqKind};
 use crate::setting::{invalid, ConfigError};
 use crate::sink::BoxFuture;
 use base64::Engine;
@@ -183,13 +183,11 @@ impl Default for KafkaSourceConfig {
 impl KafkaSourceConfig {
     /// `key`: the table's (`sources.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        let Some(url) = &self.url else {
-            return Err(invalid(
-                key,
-                "a kafka source needs url (kafka://host:9092) and topics, and has no stream_key",
-            ));
-        };
-        crate::mq::kafka::bootstrap_servers(url).map_err(|e| invalid(&format!("{key}.url"), e))?;
+        MqKind::Kafka.required_url(
+            key,
+            &self.url,
+            "a kafka source needs url (kafka://host:9092) and topics, and has no stream_key",
+        )?;
         if self.topics.is_empty() || !self.topics.iter().all(|t| valid_client_name(t)) {
             return Err(invalid(
                 &format!("{key}.topics"),
