@@ -13,7 +13,7 @@
 //! that cannot be reached (refused, the connection lost, no confirm within 30 s) said nothing about the
 //! messages: they wait for it without using an attempt (`SinkOutcome::Unreachable`).
 
-use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
+use super::{check_targets, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome};
 use crate::connection::ConnectionState;
 use crate::mq::amqp::{close, connect, valid_name, CONNECT_TIMEOUT};
 use crate::mq::{MqKind, Targets, EXCHANGE_HEADER};
@@ -76,16 +76,16 @@ impl AmqpSinkConfig {
     }
 
     pub fn build(&self, context: &SinkContext) -> (AmqpSink, ConnectionState) {
-        let connection_state = context.connection_state("amqp");
+        let reporter = context.reporter("amqp");
+        let connection = reporter.connection().clone();
         let sink = AmqpSink::new(
             self.url.as_deref().unwrap_or_default(),
             self.exchange.as_deref().unwrap_or(""),
             self.targets(),
             context.max_in_flight,
-            connection_state.clone(),
-            context.clock.clone(),
+            reporter,
         );
-        (sink, connection_state)
+        (sink, connection)
     }
 }
 
@@ -101,15 +101,14 @@ pub struct AmqpSink {
     channels: Vec<Mutex<Option<Channel>>>,
     /// The channel the next batch tries first.
     next: std::sync::atomic::AtomicUsize,
-    connection_state: ConnectionState,
-    clock: std::sync::Arc<dyn schedulelog::Clock>,
+    reporter: Reporter,
 }
 
 impl std::fmt::Debug for AmqpSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmqpSink")
             .field("exchange", &self.exchange)
-            .field("connection_state", &self.connection_state)
+            .field("reporter", &self.reporter)
             .finish_non_exhaustive()
     }
 }
@@ -135,8 +134,7 @@ impl AmqpSink {
         exchange: &str,
         targets: Targets,
         channels: usize,
-        connection_state: ConnectionState,
-        clock: std::sync::Arc<dyn schedulelog::Clock>,
+        reporter: Reporter,
     ) -> AmqpSink {
         AmqpSink {
             url: url.to_string(),
@@ -147,8 +145,7 @@ impl AmqpSink {
                 .map(|_| Mutex::new(None))
                 .collect(),
             next: std::sync::atomic::AtomicUsize::new(0),
-            connection_state,
-            clock,
+            reporter,
         }
     }
 
@@ -377,27 +374,10 @@ async fn confirming(connection: &Connection) -> Result<Channel, String> {
 
 impl Sink for AmqpSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
-        Box::pin(async move {
-            let sent = self.send(batch).await;
-            super::reported(
-                &self.connection_state,
-                self.clock.now_ms(),
-                "amqp",
-                batch,
-                sent,
-            )
-        })
+        Box::pin(self.reporter.reported(batch, self.send(batch)))
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            let answered = self.ping().await;
-            super::probed(
-                &self.connection_state,
-                self.clock.now_ms(),
-                "amqp",
-                answered,
-            );
-        })
+        Box::pin(self.reporter.probed(self.ping()))
     }
 }

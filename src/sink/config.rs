@@ -2,7 +2,7 @@
 //! a sink adapter is given to build itself, and the check every MQ sink makes of its `targets`. Each
 //! kind's own keys are its adapter's (`WebhookSinkConfig`, `RedisSinkConfig`, ...).
 
-use super::{Backoff, SinkPolicy};
+use super::{Backoff, Reporter, SinkPolicy};
 use crate::connection::ConnectionState;
 use crate::setting::{invalid, ConfigError, Millis};
 use serde::Deserialize;
@@ -106,9 +106,11 @@ pub struct SinkContext {
 }
 
 impl SinkContext {
-    /// The state of an MQ sink's connection, as `GET /v1/sinks` and `delayd_sink_connected` show it.
-    pub fn connection_state(&self, kind: &str) -> ConnectionState {
-        ConnectionState::new("sink", &self.name, kind)
+    /// What an MQ sink of `kind` tells the state of its connection, as `GET /v1/sinks` and
+    /// `delayd_sink_connected` show it.
+    pub fn reporter(&self, kind: &'static str) -> Reporter {
+        let connection = ConnectionState::new("sink", &self.name, kind);
+        Reporter::new(kind, connection, self.clock.clone())
     }
 }
 

@@ -10,7 +10,7 @@
 //! which is dead at once. No broker answering (the record timed out in the producer, no broker
 //! reachable) uses no attempt: the record waits for one (`SinkOutcome::Unreachable`).
 
-use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
+use super::{check_targets, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome};
 use crate::connection::ConnectionState;
 use crate::mq::kafka::client_config;
 use crate::mq::{MqError, MqKind, Targets};
@@ -51,15 +51,15 @@ impl KafkaSinkConfig {
     }
 
     pub fn build(&self, context: &SinkContext) -> Result<(KafkaSink, ConnectionState), MqError> {
-        let connection_state = context.connection_state("kafka");
+        let reporter = context.reporter("kafka");
+        let connection = reporter.connection().clone();
         let sink = KafkaSink::new(
             self.url.as_deref().unwrap_or_default(),
             context.max_message_bytes,
             self.targets(),
-            connection_state.clone(),
-            context.clock.clone(),
+            reporter,
         )?;
-        Ok((sink, connection_state))
+        Ok((sink, connection))
     }
 }
 
@@ -69,14 +69,13 @@ pub struct KafkaSink {
     /// Made anew after a fatal error (an idempotent producer's sequence lost): until then every send
     /// fails.
     producer: std::sync::Mutex<FutureProducer>,
-    connection_state: ConnectionState,
-    clock: std::sync::Arc<dyn schedulelog::Clock>,
+    reporter: Reporter,
 }
 
 impl std::fmt::Debug for KafkaSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KafkaSink")
-            .field("connection_state", &self.connection_state)
+            .field("reporter", &self.reporter)
             .finish_non_exhaustive()
     }
 }
@@ -88,8 +87,7 @@ impl KafkaSink {
         url: &str,
         max_message_bytes: usize,
         targets: Targets,
-        connection_state: ConnectionState,
-        clock: std::sync::Arc<dyn schedulelog::Clock>,
+        reporter: Reporter,
     ) -> Result<KafkaSink, MqError> {
         let mut config = client_config(url)?;
         config
@@ -110,8 +108,7 @@ impl KafkaSink {
             config,
             targets,
             producer: std::sync::Mutex::new(producer),
-            connection_state,
-            clock,
+            reporter,
         })
     }
 
@@ -173,6 +170,34 @@ impl KafkaSink {
             .map(|_| ())
             .map_err(|(error, _)| error)
     }
+
+    /// Each record's outcome, from its delivery report: never `Err`, as a broker away shows in the
+    /// reports (the records time out in the producer).
+    async fn send(&self, batch: &[Delivery]) -> Result<Vec<SinkOutcome>, String> {
+        let producer = self.producer();
+        let refusals: Vec<Option<SinkOutcome>> = (batch.iter())
+            .map(|d| self.targets.check(&d.message.topic, None).err())
+            .map(|why| why.map(|why| super::forbidden(&why)))
+            .collect();
+        let sent = batch.iter().zip(&refusals).filter(|(_, r)| r.is_none());
+        let results =
+            futures_util::future::join_all(sent.map(|(d, _)| self.produce(&producer, d))).await;
+        let mut results = results.iter();
+        let outcomes: Vec<SinkOutcome> = refusals
+            .into_iter()
+            .map(|refusal| {
+                refusal.unwrap_or_else(|| match results.next() {
+                    Some(Ok(())) => SinkOutcome::Delivered,
+                    Some(Err(error)) => outcome(error),
+                    None => SinkOutcome::Retry {
+                        after: None,
+                        reason: "kafka: no delivery report".into(),
+                    },
+                })
+            })
+            .collect();
+        Ok(outcomes)
+    }
 }
 
 /// What a failed produce means for the message: no broker answered (the record timed out in the
@@ -202,44 +227,11 @@ fn outcome(error: &KafkaError) -> SinkOutcome {
 
 impl Sink for KafkaSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
-        Box::pin(async move {
-            let producer = self.producer();
-            let refusals: Vec<Option<SinkOutcome>> = (batch.iter())
-                .map(|d| self.targets.check(&d.message.topic, None).err())
-                .map(|why| why.map(|why| super::forbidden(&why)))
-                .collect();
-            let sent = batch.iter().zip(&refusals).filter(|(_, r)| r.is_none());
-            let results =
-                futures_util::future::join_all(sent.map(|(d, _)| self.produce(&producer, d))).await;
-            let mut results = results.iter();
-            let outcomes: Vec<SinkOutcome> = refusals
-                .into_iter()
-                .map(|refusal| {
-                    refusal.unwrap_or_else(|| match results.next() {
-                        Some(Ok(())) => SinkOutcome::Delivered,
-                        Some(Err(error)) => outcome(error),
-                        None => SinkOutcome::Retry {
-                            after: None,
-                            reason: "kafka: no delivery report".into(),
-                        },
-                    })
-                })
-                .collect();
-            super::report(&self.connection_state, self.clock.now_ms(), &outcomes);
-            outcomes
-        })
+        Box::pin(self.reporter.reported(batch, self.send(batch)))
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            let answered = self.metadata().await;
-            super::probed(
-                &self.connection_state,
-                self.clock.now_ms(),
-                "kafka",
-                answered,
-            );
-        })
+        Box::pin(self.reporter.probed(self.metadata()))
     }
 }
 

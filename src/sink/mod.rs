@@ -137,11 +137,7 @@ pub fn is_forbidden(outcome: &SinkOutcome) -> bool {
 /// Tells the state of an MQ sink's connection what a batch's outcomes say of it: down (and how many
 /// deliveries wait) when some found the MQ unreachable and it took none; up when it answered for all,
 /// or took some (those it did not answer for are counted as waiting).
-pub fn report(
-    connection: &crate::connection::ConnectionState,
-    now_ms: i64,
-    outcomes: &[SinkOutcome],
-) {
+fn report(connection: &crate::connection::ConnectionState, now_ms: i64, outcomes: &[SinkOutcome]) {
     let mut unreachable = outcomes.iter().filter_map(|o| match o {
         SinkOutcome::Unreachable { reason } => Some(reason),
         _ => None,
@@ -160,36 +156,60 @@ pub fn report(
     }
 }
 
-/// An MQ sink's outcomes for a batch, reported to its connection: those `sent` gives, or, when the MQ could
-/// not be reached at all (`Err`), [`SinkOutcome::Unreachable`] for every delivery. `kind` prefixes the
-/// reason (`redis: ...`).
-pub fn reported(
-    connection: &crate::connection::ConnectionState,
-    now_ms: i64,
-    kind: &str,
-    batch: &[Delivery],
-    sent: Result<Vec<SinkOutcome>, String>,
-) -> Vec<SinkOutcome> {
-    let outcomes = sent.unwrap_or_else(|error| {
-        let unreachable = SinkOutcome::Unreachable {
-            reason: format!("{kind}: {error}"),
-        };
-        vec![unreachable; batch.len()]
-    });
-    report(connection, now_ms, &outcomes);
-    outcomes
+/// What an MQ sink tells the state of its connection (`GET /v1/sinks`, `delayd_sink_connected`): each
+/// batch's outcomes and each probe's answer, at the time its clock says, with its `kind` before the
+/// reason (`redis: ...`). Every MQ sink delivers and probes through one, so that they say the same.
+#[derive(Debug, Clone)]
+pub struct Reporter {
+    kind: &'static str,
+    connection: crate::connection::ConnectionState,
+    clock: Arc<dyn schedulelog::Clock>,
 }
 
-/// What an MQ sink's probe of its MQ found, told to its connection.
-pub fn probed(
-    connection: &crate::connection::ConnectionState,
-    now_ms: i64,
-    kind: &str,
-    answered: Result<(), String>,
-) {
-    match answered {
-        Ok(()) => connection.up(),
-        Err(error) => connection.down(now_ms, &format!("{kind}: {error}")),
+impl Reporter {
+    pub fn new(
+        kind: &'static str,
+        connection: crate::connection::ConnectionState,
+        clock: Arc<dyn schedulelog::Clock>,
+    ) -> Reporter {
+        Reporter {
+            kind,
+            connection,
+            clock,
+        }
+    }
+
+    /// The state of the connection it tells.
+    pub fn connection(&self) -> &crate::connection::ConnectionState {
+        &self.connection
+    }
+
+    /// A batch's outcomes, reported to the connection: those `send` gives, or, when the MQ could not
+    /// be reached at all (`Err`), [`SinkOutcome::Unreachable`] for every delivery.
+    pub async fn reported(
+        &self,
+        batch: &[Delivery],
+        send: impl Future<Output = Result<Vec<SinkOutcome>, String>>,
+    ) -> Vec<SinkOutcome> {
+        let outcomes = send.await.unwrap_or_else(|error| {
+            let unreachable = SinkOutcome::Unreachable {
+                reason: format!("{}: {error}", self.kind),
+            };
+            vec![unreachable; batch.len()]
+        });
+        report(&self.connection, self.clock.now_ms(), &outcomes);
+        outcomes
+    }
+
+    /// What a probe of the MQ (`ping`) found, told to the connection.
+    pub async fn probed(&self, ping: impl Future<Output = Result<(), String>>) {
+        match ping.await {
+            Ok(()) => self.connection.up(),
+            Err(error) => {
+                let reason = format!("{}: {error}", self.kind);
+                self.connection.down(self.clock.now_ms(), &reason)
+            }
+        }
     }
 }
 

@@ -12,7 +12,9 @@
 //! or an empty token, a header NATS cannot carry or a message over the server's `max_payload` is dead at
 //! once: no retry can fix it.
 
-use super::{check_targets, forbidden, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
+use super::{
+    check_targets, forbidden, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome,
+};
 use crate::connection::ConnectionState;
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::{MqKind, Targets};
@@ -49,14 +51,14 @@ impl NatsSinkConfig {
     }
 
     pub fn build(&self, context: &SinkContext) -> (NatsSink, ConnectionState) {
-        let connection_state = context.connection_state("nats");
+        let reporter = context.reporter("nats");
+        let connection = reporter.connection().clone();
         let sink = NatsSink::new(
             self.url.as_deref().unwrap_or_default(),
             self.targets(),
-            connection_state.clone(),
-            context.clock.clone(),
+            reporter,
         );
-        (sink, connection_state)
+        (sink, connection)
     }
 }
 
@@ -65,8 +67,7 @@ pub struct NatsSink {
     url: String,
     targets: Targets,
     connection: Mutex<Option<(async_nats::Client, async_nats::jetstream::Context)>>,
-    connection_state: ConnectionState,
-    clock: std::sync::Arc<dyn schedulelog::Clock>,
+    reporter: Reporter,
 }
 
 /// The headers a message is published with, or why it cannot be.
@@ -107,18 +108,12 @@ fn publishable(subject: &str) -> bool {
 }
 
 impl NatsSink {
-    pub fn new(
-        url: &str,
-        targets: Targets,
-        connection_state: ConnectionState,
-        clock: std::sync::Arc<dyn schedulelog::Clock>,
-    ) -> NatsSink {
+    pub fn new(url: &str, targets: Targets, reporter: Reporter) -> NatsSink {
         NatsSink {
             url: url.to_string(),
             targets,
             connection: Mutex::new(None),
-            connection_state,
-            clock,
+            reporter,
         }
     }
 
@@ -219,28 +214,11 @@ fn outcome(subject: &str, kind: PublishErrorKind, error: &dyn std::fmt::Display)
 
 impl Sink for NatsSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
-        Box::pin(async move {
-            let sent = self.send(batch).await;
-            super::reported(
-                &self.connection_state,
-                self.clock.now_ms(),
-                "nats",
-                batch,
-                sent,
-            )
-        })
+        Box::pin(self.reporter.reported(batch, self.send(batch)))
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            let answered = self.ping().await;
-            super::probed(
-                &self.connection_state,
-                self.clock.now_ms(),
-                "nats",
-                answered,
-            );
-        })
+        Box::pin(self.reporter.probed(self.ping()))
     }
 }
 

@@ -10,7 +10,7 @@
 //! second `body` field; the intake refuses both, this catches messages taken before the configuration
 //! changed).
 
-use super::{check_targets, BoxFuture, Delivery, Sink, SinkContext, SinkOutcome};
+use super::{check_targets, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome};
 use crate::connection::ConnectionState;
 use crate::mq::redis::connect;
 use crate::mq::{MqKind, Targets, REDIS_BODY};
@@ -49,14 +49,14 @@ impl RedisSinkConfig {
         &self,
         context: &SinkContext,
     ) -> Result<(RedisSink, ConnectionState), redis::RedisError> {
-        let connection_state = context.connection_state("redis");
+        let reporter = context.reporter("redis");
+        let connection = reporter.connection().clone();
         let sink = RedisSink::new(
             self.url.as_deref().unwrap_or_default(),
             self.targets(),
-            connection_state.clone(),
-            context.clock.clone(),
+            reporter,
         )?;
-        Ok((sink, connection_state))
+        Ok((sink, connection))
     }
 }
 
@@ -65,23 +65,20 @@ pub struct RedisSink {
     client: redis::Client,
     targets: Targets,
     connection: Mutex<Option<MultiplexedConnection>>,
-    connection_state: ConnectionState,
-    clock: std::sync::Arc<dyn schedulelog::Clock>,
+    reporter: Reporter,
 }
 
 impl RedisSink {
     pub fn new(
         url: &str,
         targets: Targets,
-        connection_state: ConnectionState,
-        clock: std::sync::Arc<dyn schedulelog::Clock>,
+        reporter: Reporter,
     ) -> Result<RedisSink, redis::RedisError> {
         Ok(RedisSink {
             client: redis::Client::open(url)?,
             targets,
             connection: Mutex::new(None),
-            connection_state,
-            clock,
+            reporter,
         })
     }
 
@@ -180,27 +177,10 @@ impl RedisSink {
 
 impl Sink for RedisSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
-        Box::pin(async move {
-            let sent = self.send(batch).await;
-            super::reported(
-                &self.connection_state,
-                self.clock.now_ms(),
-                "redis",
-                batch,
-                sent,
-            )
-        })
+        Box::pin(self.reporter.reported(batch, self.send(batch)))
     }
 
     fn probe(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            let answered = self.ping().await;
-            super::probed(
-                &self.connection_state,
-                self.clock.now_ms(),
-                "redis",
-                answered,
-            );
-        })
+        Box::pin(self.reporter.probed(self.ping()))
     }
 }
