@@ -26,7 +26,7 @@
 //!   queue through the default exchange), which would bring the message back to delayd.
 //! - Only `amqp://` (no TLS): delayd is built without a TLS stack for AMQP.
 
-use super::{Request, SourceContext, Transport, TransportError};
+use super::{Acked, Received, Request, SourceContext, Transport, TransportError};
 use crate::mq::amqp::{close, connect, CONNECT_TIMEOUT};
 use crate::mq::MqKind;
 use crate::setting::{invalid, ConfigError};
@@ -135,10 +135,7 @@ impl AmqpTransport {
         if self.sent.is_empty() {
             return Ok(Vec::new());
         }
-        let open = self
-            .open
-            .as_ref()
-            .ok_or_else(|| TransportError("not connected".into()))?;
+        let open = super::connected(self.open.as_ref())?;
         tokio::time::timeout(
             CONNECT_TIMEOUT,
             open.channel
@@ -186,10 +183,7 @@ impl AmqpTransport {
 
     /// Replaces the channel: what the old one had unacknowledged is delivered again.
     async fn reopen(&mut self) -> Result<(), TransportError> {
-        let open = self
-            .open
-            .take()
-            .ok_or_else(|| TransportError("not connected".into()))?;
+        let open = super::connected(self.open.take())?;
         let _ = tokio::time::timeout(
             Duration::from_secs(1),
             open.channel.close(200, ShortString::from("delayd rewinds")),
@@ -329,19 +323,12 @@ impl Transport for AmqpTransport {
         })
     }
 
-    fn receive(
-        &mut self,
-        max: usize,
-        wait: Duration,
-    ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>> {
+    fn receive(&mut self, max: usize, wait: Duration) -> Received<'_> {
         Box::pin(async move {
             if self.reopen {
                 self.reopen().await?;
             }
-            let open = self
-                .open
-                .as_mut()
-                .ok_or_else(|| TransportError("not connected".into()))?;
+            let open = super::connected(self.open.as_mut())?;
             let mut deliveries = Vec::new();
             let gone = || TransportError("the broker cancelled the consumer".into());
             match tokio::time::timeout(wait, next(&mut open.consumer)).await {
@@ -365,18 +352,12 @@ impl Transport for AmqpTransport {
         })
     }
 
-    fn ack<'a>(
-        &'a mut self,
-        receipts: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>> {
+    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> Acked<'a> {
         Box::pin(async move {
             if receipts.is_empty() {
                 return Ok(Vec::new());
             }
-            let open = self
-                .open
-                .as_ref()
-                .ok_or_else(|| TransportError("not connected".into()))?;
+            let open = super::connected(self.open.as_ref())?;
             let (tags, multiple) = ack_plan(receipts)?;
             for tag in tags {
                 open.channel
@@ -393,7 +374,7 @@ impl Transport for AmqpTransport {
         })
     }
 
-    fn flush(&mut self) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+    fn flush(&mut self) -> Acked<'_> {
         Box::pin(self.confirm())
     }
 

@@ -105,27 +105,32 @@ impl From<MqError> for TransportError {
     }
 }
 
+/// What [`Transport::receive`] gives: the requests received.
+pub type Received<'a> = BoxFuture<'a, Result<Vec<Request>, TransportError>>;
+
+/// What [`Transport::ack`] and [`Transport::flush`] give: the receipts acknowledged.
+pub type Acked<'a> = BoxFuture<'a, Result<Vec<String>, TransportError>>;
+
+/// What a transport holds while it is connected, or the error of a call that needs it before
+/// `connect` made it (or after it was dropped).
+pub fn connected<T>(held: Option<T>) -> Result<T, TransportError> {
+    held.ok_or_else(|| TransportError("not connected".into()))
+}
+
 /// What an MQ must do for a source.
 pub trait Transport: Send + Sync + std::fmt::Debug + 'static {
     /// Connects (again); afterwards `receive` first returns the requests delivered to this consumer before
     /// and not acknowledged.
     fn connect(&mut self) -> BoxFuture<'_, Result<(), TransportError>>;
     /// At most `max` requests, waiting up to `wait` for the first; none when there were none.
-    fn receive(
-        &mut self,
-        max: usize,
-        wait: Duration,
-    ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>>;
+    fn receive(&mut self, max: usize, wait: Duration) -> Received<'_>;
     /// Acknowledges requests to the MQ by their receipts: it will not deliver them again. Returns the
     /// receipts acknowledged now: all of these, for a transport that acknowledges at once; a transport
     /// whose acknowledgement is costly (Kafka's offset commit) may put some off and return them from
     /// a later call, or from [`Transport::flush`].
-    fn ack<'a>(
-        &'a mut self,
-        receipts: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>>;
+    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> Acked<'a>;
     /// Acknowledges what `ack` put off, now (the source is idle, or stops); returns those receipts.
-    fn flush(&mut self) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+    fn flush(&mut self) -> Acked<'_> {
         Box::pin(async { Ok(Vec::new()) })
     }
     /// After a failed write: the requests not acknowledged are to be received again.

@@ -15,7 +15,7 @@
 //! - An existing consumer is updated to this config (filter, ack policy, `ack_wait`); one that cannot
 //!   be (a push consumer under the same name) is an error said in the log and `GET /v1/sources`.
 
-use super::{default_group, Request, SourceContext, Transport, TransportError};
+use super::{default_group, Acked, Received, Request, SourceContext, Transport, TransportError};
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::nats::{valid_name, valid_subject};
 use crate::mq::MqKind;
@@ -144,10 +144,7 @@ impl NatsTransport {
     }
 
     fn connected(&self) -> Result<&(async_nats::Client, consumer::PullConsumer), TransportError> {
-        let connected = self
-            .connected
-            .as_ref()
-            .ok_or_else(|| TransportError("not connected".into()))?;
+        let connected = super::connected(self.connected.as_ref())?;
         if connected.0.connection_state() != async_nats::connection::State::Connected {
             return Err(TransportError("the connection to NATS was lost".into()));
         }
@@ -281,11 +278,7 @@ impl Transport for NatsTransport {
         })
     }
 
-    fn receive(
-        &mut self,
-        max: usize,
-        wait: Duration,
-    ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>> {
+    fn receive(&mut self, max: usize, wait: Duration) -> Received<'_> {
         Box::pin(async move {
             let max = max.max(1);
             // The server answers a pull at once or at its expiry; this bounds a pull whose answer
@@ -322,10 +315,7 @@ impl Transport for NatsTransport {
         })
     }
 
-    fn ack<'a>(
-        &'a mut self,
-        receipts: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>> {
+    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> Acked<'a> {
         Box::pin(async move {
             let (client, _) = self.connected()?;
             let acks = receipts.iter().filter(|r| !r.is_empty()).map(|receipt| {

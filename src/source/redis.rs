@@ -11,7 +11,7 @@
 //! acknowledgement is confirmed. What was read so is pending for this consumer like anything read, so a
 //! connection lost before it is handled loses nothing.
 
-use super::{default_group, Request, SourceContext, Transport, TransportError};
+use super::{default_group, Acked, Received, Request, SourceContext, Transport, TransportError};
 use crate::mq::redis::connect;
 use crate::mq::{MqKind, REDIS_BODY};
 use crate::setting::{invalid, ConfigError};
@@ -226,20 +226,13 @@ impl Transport for RedisTransport {
         })
     }
 
-    fn receive(
-        &mut self,
-        max: usize,
-        wait: Duration,
-    ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>> {
+    fn receive(&mut self, max: usize, wait: Duration) -> Received<'_> {
         Box::pin(async move {
             self.max = max.max(1);
             if !self.prefetched.is_empty() {
                 return Ok(std::mem::take(&mut self.prefetched));
             }
-            let connection = self
-                .connection
-                .as_mut()
-                .ok_or_else(|| TransportError("not connected".into()))?;
+            let connection = super::connected(self.connection.as_mut())?;
             let mut command = redis::cmd("XREADGROUP");
             command
                 .arg("GROUP")
@@ -270,18 +263,12 @@ impl Transport for RedisTransport {
         })
     }
 
-    fn ack<'a>(
-        &'a mut self,
-        receipts: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>> {
+    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> Acked<'a> {
         Box::pin(async move {
             if receipts.is_empty() {
                 return Ok(Vec::new());
             }
-            let connection = self
-                .connection
-                .as_mut()
-                .ok_or_else(|| TransportError("not connected".into()))?;
+            let connection = super::connected(self.connection.as_mut())?;
             let mut pipe = redis::pipe();
             pipe.cmd("XACK")
                 .arg(&self.stream_key)

@@ -31,7 +31,7 @@
 
 mod epochs;
 
-use super::{default_group, Request, SourceContext, Transport, TransportError};
+use super::{default_group, Acked, Received, Request, SourceContext, Transport, TransportError};
 use crate::mq::kafka::client_config;
 use crate::mq::{valid_client_name, MqKind};
 use crate::setting::{invalid, ConfigError};
@@ -278,9 +278,7 @@ impl KafkaTransport {
     }
 
     fn consumer(&self) -> Result<Arc<KafkaConsumer>, TransportError> {
-        self.consumer
-            .clone()
-            .ok_or_else(|| TransportError("not connected".into()))
+        super::connected(self.consumer.clone())
     }
 
     /// Sets each request's position, looking up its partition's epoch where it is not known yet (see
@@ -562,11 +560,7 @@ impl Transport for KafkaTransport {
         })
     }
 
-    fn receive(
-        &mut self,
-        max: usize,
-        wait: Duration,
-    ) -> BoxFuture<'_, Result<Vec<Request>, TransportError>> {
+    fn receive(&mut self, max: usize, wait: Duration) -> Received<'_> {
         Box::pin(async move {
             if wait.is_zero() {
                 return Ok(Vec::new()); // no read-ahead: see the module's doc
@@ -608,10 +602,7 @@ impl Transport for KafkaTransport {
 
     /// Puts the commit off (see the module doc) until the oldest request waiting is `COMMIT_EVERY` old,
     /// then commits in the background.
-    fn ack<'a>(
-        &'a mut self,
-        receipts: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<String>, TransportError>> {
+    fn ack<'a>(&'a mut self, receipts: &'a [String]) -> Acked<'a> {
         Box::pin(async move {
             let consumer = self.consumer()?;
             let due = {
@@ -628,7 +619,7 @@ impl Transport for KafkaTransport {
         })
     }
 
-    fn flush(&mut self) -> BoxFuture<'_, Result<Vec<String>, TransportError>> {
+    fn flush(&mut self) -> Acked<'_> {
         Box::pin(async move {
             let consumer = self.consumer()?;
             let mut confirmed = self.harvest(&consumer, true).await?;
