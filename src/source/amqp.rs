@@ -193,16 +193,21 @@ impl AmqpTransport {
             tokio::time::timeout(CONNECT_TIMEOUT, self.consume(&open.connection))
                 .await
                 .map_err(|_| TransportError("reopening the channel timed out".into()))??;
-        self.open = Some(Open {
+        self.opened(Open {
             connection: open.connection,
             channel,
             consumer,
         });
+        Ok(())
+    }
+
+    /// Holds a new channel (after a connect or a reopen). The acknowledgements sent and not
+    /// confirmed went with the old one: unconfirmed, their requests come again (and are recognised).
+    fn opened(&mut self, open: Open) {
+        self.open = Some(open);
         self.reopen = false;
-        // Their channel is gone: unconfirmed, they come again (and are recognised).
         self.sent.clear();
         self.sent_since = None;
-        Ok(())
     }
 
     fn request(&self, delivery: lapin::message::Delivery) -> Request {
@@ -311,14 +316,11 @@ impl Transport for AmqpTransport {
                         return Err(TransportError("declaring and consuming timed out".into()));
                     }
                 };
-            self.open = Some(Open {
+            self.opened(Open {
                 connection,
                 channel,
                 consumer,
             });
-            self.reopen = false;
-            self.sent.clear();
-            self.sent_since = None;
             Ok(())
         })
     }
