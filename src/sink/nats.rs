@@ -228,12 +228,16 @@ mod tests {
 
     #[test]
     fn only_concrete_subjects_are_publishable() {
-        assert!(publishable("orders.out"));
-        assert!(publishable("orders"));
-        assert!(!publishable("orders.*"));
-        assert!(!publishable("orders.>"));
-        assert!(!publishable("orders..out"));
-        assert!(!publishable(".orders"));
-        assert!(!publishable(""));
+        for (subject, concrete) in [
+            ("orders.out", true),
+            ("orders", true),
+            ("orders.*", false),
+            ("orders.>", false),
+            ("orders..out", false),
+            (".orders", false),
+            ("", false),
+        ] {
+            assert_eq!(publishable(subject), concrete, "{subject:?}");
+        }
     }
 }
