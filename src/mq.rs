@@ -39,6 +39,26 @@ impl MqKind {
         }
     }
 
+    /// The MQ's `kind`, as a table writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            MqKind::Nats => "nats",
+            MqKind::Amqp => "amqp",
+            MqKind::Redis => "redis",
+            MqKind::Kafka => "kafka",
+        }
+    }
+
+    /// What a `url` of this MQ looks like, for the error that asks for one.
+    pub fn url_example(self) -> &'static str {
+        match self {
+            MqKind::Nats => "nats://host:4222",
+            MqKind::Amqp => "amqp://user:password@host:5672/vhost",
+            MqKind::Redis => "redis://host:6379/",
+            MqKind::Kafka => "kafka://host:9092",
+        }
+    }
+
     /// Checks a URL of this MQ, as a configuration gives it.
     pub fn check_url(self, url: &str) -> Result<(), String> {
         match self {

@@ -4,14 +4,14 @@
 
 use crate::broker::{Broker, BrokerSinkConfig};
 use crate::connection::ConnectionState;
-use crate::mq::Targets;
+use crate::mq::{MqKind, Targets};
 use crate::setting::{invalid, ConfigError, TableReader};
 use crate::sink::amqp::AmqpSinkConfig;
-use crate::sink::kafka::KafkaSinkConfig;
-use crate::sink::nats::NatsSinkConfig;
-use crate::sink::redis::RedisSinkConfig;
+use crate::sink::kafka::KafkaSink;
+use crate::sink::nats::NatsSink;
+use crate::sink::redis::RedisSink;
 use crate::sink::webhook::WebhookSinkConfig;
-use crate::sink::{LaneConfig, Sink, SinkContext, SinkPolicy, UnusedSinkKeys};
+use crate::sink::{LaneConfig, MqSinkConfig, Sink, SinkContext, SinkPolicy, UnusedSinkKeys};
 use std::sync::Arc;
 
 /// One `[sinks.NAME]` table.
@@ -29,10 +29,10 @@ pub enum SinkKind {
     /// The built-in store.
     Broker(BrokerSinkConfig),
     Webhook(WebhookSinkConfig),
-    Redis(RedisSinkConfig),
-    Nats(NatsSinkConfig),
+    Redis(MqSinkConfig),
+    Nats(MqSinkConfig),
     Amqp(AmqpSinkConfig),
-    Kafka(KafkaSinkConfig),
+    Kafka(MqSinkConfig),
 }
 
 impl Default for SinkKind {
@@ -93,10 +93,10 @@ impl SinkConfig {
         match &self.kind {
             SinkKind::Broker(_) => Ok(()),
             SinkKind::Webhook(webhook) => webhook.validate(key),
-            SinkKind::Redis(redis) => redis.validate(key),
-            SinkKind::Nats(nats) => nats.validate(key),
+            SinkKind::Redis(redis) => redis.validate(MqKind::Redis, key),
+            SinkKind::Nats(nats) => nats.validate(MqKind::Nats, key),
             SinkKind::Amqp(amqp) => amqp.validate(key),
-            SinkKind::Kafka(kafka) => kafka.validate(key),
+            SinkKind::Kafka(kafka) => kafka.validate(MqKind::Kafka, key),
         }
     }
 
@@ -123,10 +123,10 @@ impl SinkConfig {
     pub fn targets(&self) -> Option<Targets> {
         match &self.kind {
             SinkKind::Broker(_) | SinkKind::Webhook(_) => None,
-            SinkKind::Redis(redis) => Some(redis.targets()),
-            SinkKind::Nats(nats) => Some(nats.targets()),
+            SinkKind::Redis(redis) => Some(redis.targets(MqKind::Redis)),
+            SinkKind::Nats(nats) => Some(nats.targets(MqKind::Nats)),
             SinkKind::Amqp(amqp) => Some(amqp.targets()),
-            SinkKind::Kafka(kafka) => Some(kafka.targets()),
+            SinkKind::Kafka(kafka) => Some(kafka.targets(MqKind::Kafka)),
         }
     }
 
@@ -148,11 +148,11 @@ impl SinkConfig {
             SinkKind::Broker(config) => (Arc::new(config.build(broker.clone())), None),
             SinkKind::Webhook(config) => (Arc::new(config.build(clock.clone())?), None),
             SinkKind::Redis(config) => {
-                let (sink, connection) = config.build(&context)?;
+                let (sink, connection) = RedisSink::build(config, &context)?;
                 (Arc::new(sink), Some(connection))
             }
             SinkKind::Nats(config) => {
-                let (sink, connection) = config.build(&context);
+                let (sink, connection) = NatsSink::build(config, &context);
                 (Arc::new(sink), Some(connection))
             }
             SinkKind::Amqp(config) => {
@@ -160,7 +160,7 @@ impl SinkConfig {
                 (Arc::new(sink), Some(connection))
             }
             SinkKind::Kafka(config) => {
-                let (sink, connection) = config.build(&context)?;
+                let (sink, connection) = KafkaSink::build(config, &context)?;
                 (Arc::new(sink), Some(connection))
             }
         };

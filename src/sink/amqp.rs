@@ -13,7 +13,9 @@
 //! that cannot be reached (refused, the connection lost, no confirm within 30 s) said nothing about the
 //! messages: they wait for it without using an attempt (`SinkOutcome::Unreachable`).
 
-use super::{check_targets, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome};
+use super::{
+    check_targets, require_url, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome,
+};
 use crate::connection::ConnectionState;
 use crate::mq::amqp::{close, connect, valid_name, CONNECT_TIMEOUT};
 use crate::mq::{MqKind, Targets, EXCHANGE_HEADER};
@@ -49,11 +51,7 @@ pub struct AmqpSinkConfig {
 impl AmqpSinkConfig {
     /// `key`: the table's (`sinks.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        MqKind::Amqp.required_url(
-            key,
-            &self.url,
-            "an amqp sink needs a url (amqp://user:password@host:5672/vhost) and takes no secret",
-        )?;
+        require_url(MqKind::Amqp, key, &self.url)?;
         if self.exchange.as_ref().is_some_and(|e| !valid_name(e)) {
             return Err(invalid(
                 &format!("{key}.exchange"),

@@ -1,14 +1,53 @@
 //! What every `[sinks.NAME]` table has whatever its kind (its lane: pacing, batching, retries), what
-//! a sink adapter is given to build itself, and the check every MQ sink makes of its `targets`. Each
-//! kind's own keys are its adapter's (`WebhookSinkConfig`, `RedisSinkConfig`, ...).
+//! a sink adapter is given to build itself, and what every MQ sink's table has: a `url` and the
+//! `targets` a request may name. The NATS, Redis and Kafka sinks take just that ([`MqSinkConfig`]);
+//! the other kinds' keys are their adapters' (`WebhookSinkConfig`, `AmqpSinkConfig`, ...).
 
 use super::{Backoff, Reporter, SinkPolicy};
 use crate::connection::ConnectionState;
+use crate::mq::{MqKind, Targets};
 use crate::setting::{invalid, ConfigError, Millis};
 use serde::Deserialize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// A `[sinks.NAME]` table of kind `nats`, `redis` or `kafka`: where the MQ is and what a request may
+/// name there.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MqSinkConfig {
+    /// Where the MQ is: `nats://127.0.0.1:4222` (several servers comma-separated),
+    /// `redis://127.0.0.1:6379/`, `kafka://host:9092[,host:9092...]`; required.
+    pub url: Option<String>,
+    /// Glob patterns (`*`, `?`) of the subjects, stream keys or topics a request may name; empty: any
+    /// but the MQ's own.
+    pub targets: Vec<String>,
+}
+
+impl MqSinkConfig {
+    /// `key`: the table's (`sinks.NAME`).
+    pub fn validate(&self, kind: MqKind, key: &str) -> Result<(), ConfigError> {
+        require_url(kind, key, &self.url)?;
+        check_targets(key, &self.targets)
+    }
+
+    /// Where the sink may publish.
+    pub fn targets(&self, kind: MqKind) -> Targets {
+        Targets::new(kind, &self.targets, "", &[])
+    }
+}
+
+/// The `url` every MQ sink's table requires, checked by the MQ's own check.
+pub fn require_url(kind: MqKind, key: &str, url: &Option<String>) -> Result<(), ConfigError> {
+    let name = kind.name();
+    let article = crate::setting::article(name);
+    let missing = format!(
+        "{article} {name} sink needs a url ({}) and takes no secret",
+        kind.url_example()
+    );
+    kind.required_url(key, url, &missing)
+}
 
 /// The keys every sink takes: how the scheduler paces, batches and retries its deliveries.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

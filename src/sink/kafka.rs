@@ -10,11 +10,10 @@
 //! which is dead at once. No broker answering (the record timed out in the producer, no broker
 //! reachable) uses no attempt: the record waits for one (`SinkOutcome::Unreachable`).
 
-use super::{check_targets, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome};
+use super::{BoxFuture, Delivery, MqSinkConfig, Reporter, Sink, SinkContext, SinkOutcome};
 use crate::connection::ConnectionState;
 use crate::mq::kafka::client_config;
 use crate::mq::{MqError, MqKind, Targets};
-use crate::setting::ConfigError;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -23,45 +22,6 @@ use std::time::Duration;
 /// How long a record may wait for a place in the producer's queue (it is full when the broker is slow
 /// or away); the delivery report comes within `message.timeout.ms` after that.
 const QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// A `[sinks.NAME]` table of kind `kafka`.
-#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct KafkaSinkConfig {
-    /// The brokers, `kafka://host:9092[,host:9092...]`; required.
-    pub url: Option<String>,
-    /// Glob patterns (`*`, `?`) of the topics a request may name; empty: any but Kafka's own.
-    pub targets: Vec<String>,
-}
-
-impl KafkaSinkConfig {
-    /// `key`: the table's (`sinks.NAME`).
-    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        MqKind::Kafka.required_url(
-            key,
-            &self.url,
-            "a kafka sink needs a url (kafka://host:9092) and takes no secret",
-        )?;
-        check_targets(key, &self.targets)
-    }
-
-    /// Where the sink may publish.
-    pub fn targets(&self) -> Targets {
-        Targets::new(MqKind::Kafka, &self.targets, "", &[])
-    }
-
-    pub fn build(&self, context: &SinkContext) -> Result<(KafkaSink, ConnectionState), MqError> {
-        let reporter = context.reporter("kafka");
-        let connection = reporter.connection().clone();
-        let sink = KafkaSink::new(
-            self.url.as_deref().unwrap_or_default(),
-            context.max_message_bytes,
-            self.targets(),
-            reporter,
-        )?;
-        Ok((sink, connection))
-    }
-}
 
 pub struct KafkaSink {
     config: rdkafka::ClientConfig,
@@ -81,6 +41,22 @@ impl std::fmt::Debug for KafkaSink {
 }
 
 impl KafkaSink {
+    /// The sink a `[sinks.NAME]` table of kind `kafka` describes, and the state of its connection.
+    pub fn build(
+        config: &MqSinkConfig,
+        context: &SinkContext,
+    ) -> Result<(KafkaSink, ConnectionState), MqError> {
+        let reporter = context.reporter("kafka");
+        let connection = reporter.connection().clone();
+        let sink = KafkaSink::new(
+            config.url.as_deref().unwrap_or_default(),
+            context.max_message_bytes,
+            config.targets(MqKind::Kafka),
+            reporter,
+        )?;
+        Ok((sink, connection))
+    }
+
     /// `max_message_bytes`: the largest body delayd takes (`limits.max_message_bytes`); the producer
     /// takes records that large, with room for the headers.
     pub fn new(

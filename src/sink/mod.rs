@@ -11,7 +11,9 @@ pub mod nats;
 pub mod redis;
 pub mod webhook;
 
-pub use config::{check_targets, LaneConfig, SinkContext, UnusedSinkKeys};
+pub use config::{
+    check_targets, require_url, LaneConfig, MqSinkConfig, SinkContext, UnusedSinkKeys,
+};
 
 use schedulelog::record::sink_tag;
 use schedulelog::{Location, Message, MessageId};

@@ -13,54 +13,15 @@
 //! once: no retry can fix it.
 
 use super::{
-    check_targets, forbidden, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome,
+    forbidden, BoxFuture, Delivery, MqSinkConfig, Reporter, Sink, SinkContext, SinkOutcome,
 };
 use crate::connection::ConnectionState;
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::{MqKind, Targets};
-use crate::setting::ConfigError;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use std::str::FromStr;
 use tokio::sync::Mutex;
-
-/// A `[sinks.NAME]` table of kind `nats`.
-#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct NatsSinkConfig {
-    /// Where NATS is, `nats://127.0.0.1:4222` (several servers comma-separated); required.
-    pub url: Option<String>,
-    /// Glob patterns (`*`, `?`) of the subjects a request may name; empty: any but NATS's own.
-    pub targets: Vec<String>,
-}
-
-impl NatsSinkConfig {
-    /// `key`: the table's (`sinks.NAME`).
-    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        MqKind::Nats.required_url(
-            key,
-            &self.url,
-            "a nats sink needs a url (nats://host:4222) and takes no secret",
-        )?;
-        check_targets(key, &self.targets)
-    }
-
-    /// Where the sink may publish.
-    pub fn targets(&self) -> Targets {
-        Targets::new(MqKind::Nats, &self.targets, "", &[])
-    }
-
-    pub fn build(&self, context: &SinkContext) -> (NatsSink, ConnectionState) {
-        let reporter = context.reporter("nats");
-        let connection = reporter.connection().clone();
-        let sink = NatsSink::new(
-            self.url.as_deref().unwrap_or_default(),
-            self.targets(),
-            reporter,
-        );
-        (sink, connection)
-    }
-}
 
 #[derive(Debug)]
 pub struct NatsSink {
@@ -108,6 +69,18 @@ fn publishable(subject: &str) -> bool {
 }
 
 impl NatsSink {
+    /// The sink a `[sinks.NAME]` table of kind `nats` describes, and the state of its connection.
+    pub fn build(config: &MqSinkConfig, context: &SinkContext) -> (NatsSink, ConnectionState) {
+        let reporter = context.reporter("nats");
+        let connection = reporter.connection().clone();
+        let sink = NatsSink::new(
+            config.url.as_deref().unwrap_or_default(),
+            config.targets(MqKind::Nats),
+            reporter,
+        );
+        (sink, connection)
+    }
+
     pub fn new(url: &str, targets: Targets, reporter: Reporter) -> NatsSink {
         NatsSink {
             url: url.to_string(),

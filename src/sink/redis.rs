@@ -10,55 +10,13 @@
 //! second `body` field; the intake refuses both, this catches messages taken before the configuration
 //! changed).
 
-use super::{check_targets, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome};
+use super::{BoxFuture, Delivery, MqSinkConfig, Reporter, Sink, SinkContext, SinkOutcome};
 use crate::connection::ConnectionState;
 use crate::mq::redis::connect;
 use crate::mq::{MqKind, Targets, REDIS_BODY};
-use crate::setting::ConfigError;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
 use tokio::sync::Mutex;
-
-/// A `[sinks.NAME]` table of kind `redis`.
-#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RedisSinkConfig {
-    /// Where Redis is, `redis://127.0.0.1:6379/`; required.
-    pub url: Option<String>,
-    /// Glob patterns (`*`, `?`) of the stream keys a request may name; empty: any.
-    pub targets: Vec<String>,
-}
-
-impl RedisSinkConfig {
-    /// `key`: the table's (`sinks.NAME`).
-    pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        MqKind::Redis.required_url(
-            key,
-            &self.url,
-            "a redis sink needs a url and takes no secret",
-        )?;
-        check_targets(key, &self.targets)
-    }
-
-    /// Where the sink may publish.
-    pub fn targets(&self) -> Targets {
-        Targets::new(MqKind::Redis, &self.targets, "", &[])
-    }
-
-    pub fn build(
-        &self,
-        context: &SinkContext,
-    ) -> Result<(RedisSink, ConnectionState), redis::RedisError> {
-        let reporter = context.reporter("redis");
-        let connection = reporter.connection().clone();
-        let sink = RedisSink::new(
-            self.url.as_deref().unwrap_or_default(),
-            self.targets(),
-            reporter,
-        )?;
-        Ok((sink, connection))
-    }
-}
 
 #[derive(Debug)]
 pub struct RedisSink {
@@ -69,6 +27,21 @@ pub struct RedisSink {
 }
 
 impl RedisSink {
+    /// The sink a `[sinks.NAME]` table of kind `redis` describes, and the state of its connection.
+    pub fn build(
+        config: &MqSinkConfig,
+        context: &SinkContext,
+    ) -> Result<(RedisSink, ConnectionState), redis::RedisError> {
+        let reporter = context.reporter("redis");
+        let connection = reporter.connection().clone();
+        let sink = RedisSink::new(
+            config.url.as_deref().unwrap_or_default(),
+            config.targets(MqKind::Redis),
+            reporter,
+        )?;
+        Ok((sink, connection))
+    }
+
     pub fn new(
         url: &str,
         targets: Targets,
