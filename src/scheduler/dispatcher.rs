@@ -386,7 +386,7 @@ impl Lane {
                     records.push((delivery.location.bucket, delivered));
                     Settled::Delivered
                 }
-                SinkOutcome::Dead { reason } => {
+                SinkOutcome::Dead { reason } | SinkOutcome::Refused { reason } => {
                     dead.push((*entry, dead_letter(delivery, &reason, now)));
                     records.push((
                         delivery.location.bucket,
@@ -645,9 +645,10 @@ impl Lane {
     fn unreachable_wait(&self, outcomes: &[&SinkOutcome]) -> i64 {
         let unreachable = |o: &&SinkOutcome| matches!(o, SinkOutcome::Unreachable { .. });
         let answered = |o: &&SinkOutcome| match o {
-            SinkOutcome::Delivered | SinkOutcome::Retry { .. } => true,
-            SinkOutcome::Dead { .. } => !crate::sink::is_forbidden(o),
-            SinkOutcome::Postpone { .. } | SinkOutcome::Unreachable { .. } => false,
+            SinkOutcome::Delivered | SinkOutcome::Retry { .. } | SinkOutcome::Dead { .. } => true,
+            SinkOutcome::Refused { .. }
+            | SinkOutcome::Postpone { .. }
+            | SinkOutcome::Unreachable { .. } => false,
         };
         let took_some = outcomes.iter().any(|o| matches!(o, SinkOutcome::Delivered));
         let any_unreachable = outcomes.iter().any(unreachable);

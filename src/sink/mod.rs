@@ -20,12 +20,11 @@ use schedulelog::{Location, Message, MessageId};
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 /// The future a [`Sink`] returns.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub use futures_core::future::BoxFuture;
 
 /// One message handed to a sink.
 #[derive(Debug, Clone)]
@@ -53,6 +52,11 @@ pub enum SinkOutcome {
     },
     /// Never deliverable; the reason is kept in the message's status.
     Dead {
+        reason: String,
+    },
+    /// Refused by the sink itself before anything was sent (a target it may not publish to, see
+    /// [`forbidden`]): dead as for `Dead`, but it says nothing of whether the destination answers.
+    Refused {
         reason: String,
     },
     /// Not taken for a reason of delayd's own, not the destination's (the built-in broker's disk is
@@ -125,15 +129,9 @@ const FORBIDDEN_TARGET: &str = "forbidden_target";
 /// A message whose target the sink may not publish to (`crate::mq::Targets`): dead, with the code
 /// `forbidden_target` a request gets for it.
 pub fn forbidden(why: &str) -> SinkOutcome {
-    SinkOutcome::Dead {
+    SinkOutcome::Refused {
         reason: format!("{FORBIDDEN_TARGET}: {why}"),
     }
-}
-
-/// Whether an outcome is the sink's own refusal of a target ([`forbidden`]): given before anything is
-/// sent, it says nothing of whether the MQ answers.
-pub fn is_forbidden(outcome: &SinkOutcome) -> bool {
-    matches!(outcome, SinkOutcome::Dead { reason } if reason.starts_with(FORBIDDEN_TARGET))
 }
 
 /// Tells the state of an MQ sink's connection what a batch's outcomes say of it: down (and how many
@@ -153,7 +151,12 @@ fn report(connection: &crate::connection::ConnectionState, now_ms: i64, outcomes
             connection.up();
             connection.postponed(1 + unreachable.count());
         }
-        None if !outcomes.iter().all(is_forbidden) => connection.up(),
+        None if !outcomes
+            .iter()
+            .all(|o| matches!(o, SinkOutcome::Refused { .. })) =>
+        {
+            connection.up()
+        }
         None => {}
     }
 }
@@ -395,11 +398,13 @@ mod tests {
         report(&connection, 3, &[SinkOutcome::Delivered, away]);
         assert!(connection.is_up(), "it took one");
         assert_eq!(connection.snapshot().postponed, 2);
-        assert!(is_forbidden(&forbidden("x")));
-        let nack = SinkOutcome::Dead {
-            reason: "nack".into(),
+        let SinkOutcome::Refused { reason } = forbidden("x") else {
+            panic!("a refused target is the sink's own refusal");
         };
-        assert!(!is_forbidden(&nack));
+        assert_eq!(
+            reason, "forbidden_target: x",
+            "the code a request gets for it"
+        );
     }
 
     #[test]

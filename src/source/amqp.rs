@@ -30,7 +30,7 @@ use super::{Acked, Received, Request, SourceContext, Transport, TransportError};
 use crate::mq::amqp::{close, connect, CONNECT_TIMEOUT};
 use crate::mq::MqKind;
 use crate::setting::{invalid, ConfigError};
-use crate::sink::BoxFuture;
+use futures_core::future::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection, Consumer};

@@ -39,8 +39,8 @@ use crate::intake::{
 };
 use crate::mq::{MqError, EXCHANGE_HEADER};
 use crate::scheduler::{CancelError, BODY_BYTES_HEADER, DEAD_ON_ARRIVAL_HEADER};
-use crate::sink::BoxFuture;
 use base64::Engine;
+use futures_core::future::BoxFuture;
 use mark::Mark;
 use schedulelog::{EncodedMessage, MessageRef};
 use std::collections::HashMap;

@@ -20,8 +20,8 @@ use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::nats::{valid_name, valid_subject};
 use crate::mq::MqKind;
 use crate::setting::{invalid, ConfigError, Millis};
-use crate::sink::BoxFuture;
 use async_nats::jetstream::{self, consumer, stream};
+use futures_core::future::BoxFuture;
 use futures_util::StreamExt;
 use std::time::Duration;
 

@@ -15,7 +15,7 @@ use super::{default_group, Acked, Received, Request, SourceContext, Transport, T
 use crate::mq::redis::connect;
 use crate::mq::{MqKind, REDIS_BODY};
 use crate::setting::{invalid, ConfigError};
-use crate::sink::BoxFuture;
+use futures_core::future::BoxFuture;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
 use std::time::Duration;

@@ -35,9 +35,9 @@ use super::{default_group, Acked, Received, Request, SourceContext, Transport, T
 use crate::mq::kafka::client_config;
 use crate::mq::{valid_client_name, MqKind};
 use crate::setting::{invalid, ConfigError};
-use crate::sink::BoxFuture;
 use base64::Engine;
 use epochs::Epochs;
+use futures_core::future::BoxFuture;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
