@@ -110,9 +110,10 @@ impl SinkConfig {
         self.lane.policy(default_batch)
     }
 
-    /// A sink that publishes to another message queue whose names are not topic names (a Redis
-    /// stream key may hold `:`, a NATS subject `.`-separated tokens). Kafka's targets are topics.
-    pub fn is_mq(&self) -> bool {
+    /// Whether a message's topic is checked as a target on another message queue (1 to 255 bytes, no
+    /// whitespace: a Redis stream key may hold `:`, a NATS subject `$`) rather than as a topic name. A
+    /// Kafka sink's targets are Kafka topics, checked as topic names.
+    pub fn topic_is_target(&self) -> bool {
         matches!(
             self.kind,
             SinkKind::Redis(_) | SinkKind::Nats(_) | SinkKind::Amqp(_)

@@ -271,7 +271,7 @@ fn nats_sources_and_sinks_are_checked() {
     };
     let good = "url = \"nats://127.0.0.1:4222\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\n";
     let config = load_source(good).unwrap();
-    assert!(config.sinks["out"].is_mq());
+    assert!(config.sinks["out"].topic_is_target());
     match &config.sources["in"].kind {
         SourceKind::Nats(nats) => assert_eq!(nats.group, "delayd"),
         other => panic!("{other:?}"),
@@ -327,7 +327,7 @@ fn amqp_sources_and_sinks() {
     let good = "[sinks.out]\nkind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"\"\n\n\
                 [sources.in]\nkind = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nqueue = \"delayd.in\"\nsink = \"out\"\nbatch = 64\n";
     let config = load(good).unwrap();
-    assert!(config.sinks["out"].is_mq());
+    assert!(config.sinks["out"].topic_is_target());
     match &config.sources["in"].kind {
         SourceKind::Amqp(amqp) => assert_eq!(amqp.queue.as_deref(), Some("delayd.in")),
         other => panic!("{other:?}"),
@@ -416,7 +416,7 @@ fn kafka_sources_and_sinks() {
     let good = "[sinks.out]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092,127.0.0.2:9092\"\n\n\
                 [sources.in]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092\"\ntopics = [\"delayd-in\"]\nsink = \"out\"\nconsumer = \"node-1\"\n";
     let config = load(good).unwrap();
-    assert!(!config.sinks["out"].is_mq(), "targets are topic names");
+    assert!(!config.sinks["out"].topic_is_target(), "targets are topic names");
     match &config.sources["in"].kind {
         SourceKind::Kafka(kafka) => assert_eq!(kafka.topics, ["delayd-in"]),
         other => panic!("{other:?}"),

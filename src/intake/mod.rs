@@ -107,14 +107,14 @@ impl Draft<'_> {
     /// Every check but the delivery time's parsing (the caller's, as its format differs).
     pub fn check(&self, config: &Config, now_ms: i64) -> Result<(), Rejection> {
         let sink = config.sinks.get(self.sink);
-        let mq = sink.is_some_and(|s| s.is_mq());
-        if mq && !valid_target(self.topic) {
+        let is_target = sink.is_some_and(|s| s.topic_is_target());
+        if is_target && !valid_target(self.topic) {
             return Err(Rejection::new(
                 "invalid_target",
                 "the target must have 1 to 255 bytes and no whitespace or control characters",
             ));
         }
-        if !mq && !valid_name(self.topic) {
+        if !is_target && !valid_name(self.topic) {
             return Err(Rejection::new(
                 "invalid_topic",
                 "topic must match [A-Za-z0-9._-]{1,200} and not be only dots",
