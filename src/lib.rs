@@ -135,7 +135,7 @@ pub async fn run_with_ready(
         );
         Arc::new(
             tokio::task::spawn_blocking(move || {
-                intake::Intake::open(log, scheduler, config, clock, disk)
+                intake::Intake::open(log, scheduler, config.admission(), clock, disk)
             })
             .await??,
         )

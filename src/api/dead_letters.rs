@@ -191,7 +191,7 @@ fn requeueable(
         body: Cow::Borrowed(&message.body),
         dedup: false,
     };
-    match draft.check(&state.config, now_ms) {
+    match draft.check(&state.intake.admission, now_ms) {
         Ok(()) => Ok(()),
         Err(rejection) => refuse(rejection.to_string()),
     }

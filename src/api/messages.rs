@@ -336,7 +336,7 @@ fn validate<'a>(
         body,
         dedup: request.dedup,
     };
-    draft.check(config, now_ms)?;
+    draft.check(&state.intake.admission, now_ms)?;
     Ok(draft)
 }
 

@@ -330,6 +330,25 @@ impl Config {
         Ok(())
     }
 
+    /// What every new message is checked against, from the HTTP API or a source.
+    pub fn admission(&self) -> crate::intake::Admission {
+        let sinks = (self.sinks.iter())
+            .map(|(name, sink)| {
+                let rules = crate::intake::SinkRules {
+                    topic_is_target: sink.topic_is_target(),
+                    targets: sink.targets(),
+                    body_header_reserved: matches!(sink.kind, SinkKind::Redis(_)),
+                };
+                (name.clone(), rules)
+            })
+            .collect();
+        crate::intake::Admission {
+            max_delay_ms: self.max_delay.as_ms(),
+            max_message_bytes: self.limits.max_message_bytes,
+            sinks,
+        }
+    }
+
     /// File descriptors HTTP connections leave free: `limits.reserved_fds`, or by default 256 for the
     /// storage engine and the broker (the WAL and its next file, the open buckets' segments, indexes and
     /// dispatch logs, readers, checkpoints, a commit log and a consume-queue file per queue of each new

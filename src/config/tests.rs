@@ -416,7 +416,10 @@ fn kafka_sources_and_sinks() {
     let good = "[sinks.out]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092,127.0.0.2:9092\"\n\n\
                 [sources.in]\nkind = \"kafka\"\nurl = \"kafka://127.0.0.1:9092\"\ntopics = [\"delayd-in\"]\nsink = \"out\"\nconsumer = \"node-1\"\n";
     let config = load(good).unwrap();
-    assert!(!config.sinks["out"].topic_is_target(), "targets are topic names");
+    assert!(
+        !config.sinks["out"].topic_is_target(),
+        "targets are topic names"
+    );
     match &config.sources["in"].kind {
         SourceKind::Kafka(kafka) => assert_eq!(kafka.topics, ["delayd-in"]),
         other => panic!("{other:?}"),

@@ -15,9 +15,8 @@
 
 mod keys;
 
-use crate::config::Config;
 use crate::disk::DiskWatch;
-use crate::mq::{EXCHANGE_HEADER, REDIS_BODY};
+use crate::mq::{Targets, EXCHANGE_HEADER, REDIS_BODY};
 use crate::names::{valid_name, valid_target};
 use crate::scheduler::{FinishedKey, Scheduler};
 use crate::timestamp::parse_rfc3339;
@@ -27,6 +26,7 @@ use schedulelog::{
     MessageStatus, ScheduleLog,
 };
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,7 +87,7 @@ pub fn delay_from_text(text: &str) -> Result<Duration, Rejection> {
             .map(Duration::from_millis)
             .map_err(|_| Rejection::new("invalid_delay", format!("{text:?} is out of range")));
     }
-    crate::config::parse_duration(text).map_err(|e| Rejection::new("invalid_delay", e))
+    crate::setting::parse_duration(text).map_err(|e| Rejection::new("invalid_delay", e))
 }
 
 /// A message to schedule, borrowing from the request it came in.
@@ -103,11 +103,33 @@ pub struct Draft<'a> {
     pub dedup: bool,
 }
 
+/// What a new message is checked against: the limits and each configured sink's rules. Made once
+/// from the configuration (`Config::admission`).
+#[derive(Debug, Clone, Default)]
+pub struct Admission {
+    /// The delivery time may be at most this far away.
+    pub max_delay_ms: i64,
+    pub max_message_bytes: usize,
+    /// By sink name; a message naming another sink is refused (`unknown_sink`).
+    pub sinks: HashMap<String, SinkRules>,
+}
+
+/// What a sink asks of the messages it is given.
+#[derive(Debug, Clone)]
+pub struct SinkRules {
+    /// The topic is checked as a target on another MQ rather than as a topic name.
+    pub topic_is_target: bool,
+    /// Where an MQ sink may publish; `None`: anywhere its topic check allows.
+    pub targets: Option<Targets>,
+    /// A header named `body` is refused (a Redis entry's body field).
+    pub body_header_reserved: bool,
+}
+
 impl Draft<'_> {
     /// Every check but the delivery time's parsing (the caller's, as its format differs).
-    pub fn check(&self, config: &Config, now_ms: i64) -> Result<(), Rejection> {
-        let sink = config.sinks.get(self.sink);
-        let is_target = sink.is_some_and(|s| s.topic_is_target());
+    pub fn check(&self, admission: &Admission, now_ms: i64) -> Result<(), Rejection> {
+        let sink = admission.sinks.get(self.sink);
+        let is_target = sink.is_some_and(|s| s.topic_is_target);
         if is_target && !valid_target(self.topic) {
             return Err(Rejection::new(
                 "invalid_target",
@@ -120,20 +142,20 @@ impl Draft<'_> {
                 "topic must match [A-Za-z0-9._-]{1,200} and not be only dots",
             ));
         }
-        if self.deliver_at_ms.saturating_sub(now_ms) > config.max_delay.as_ms() {
+        if self.deliver_at_ms.saturating_sub(now_ms) > admission.max_delay_ms {
             return Err(Rejection::new(
                 "delay_too_long",
                 format!(
                     "the delivery time is more than max_delay ({} ms) away",
-                    config.max_delay.as_ms()
+                    admission.max_delay_ms
                 ),
             ));
         }
-        if self.body.len() > config.limits.max_message_bytes {
+        if self.body.len() > admission.max_message_bytes {
             return Err(Rejection::too_large(format!(
                 "the body has {} bytes; limits.max_message_bytes is {}",
                 self.body.len(),
-                config.limits.max_message_bytes
+                admission.max_message_bytes
             )));
         }
         if let Some(key) = self.key {
@@ -177,7 +199,7 @@ impl Draft<'_> {
                 format!("no sink named {:?} is configured", self.sink),
             ));
         };
-        if let Some(targets) = sink.targets() {
+        if let Some(targets) = &sink.targets {
             let exchange = self
                 .headers
                 .iter()
@@ -187,7 +209,7 @@ impl Draft<'_> {
                 .check(self.topic, exchange)
                 .map_err(|why| Rejection::new("forbidden_target", why))?;
         }
-        if matches!(sink.kind, crate::config::SinkKind::Redis(_)) {
+        if sink.body_header_reserved {
             if let Some((name, _)) = self.headers.iter().find(|(name, _)| *name == REDIS_BODY) {
                 return Err(Rejection::new(
                     "invalid_header",
@@ -278,7 +300,7 @@ impl Keys {
 pub struct Intake {
     pub log: Arc<ScheduleLog>,
     pub scheduler: Arc<Scheduler>,
-    pub config: Arc<Config>,
+    pub admission: Admission,
     pub clock: Arc<dyn Clock>,
     /// Whether new messages are refused for want of disk space.
     pub disk: Arc<DiskWatch>,
@@ -294,7 +316,7 @@ impl Intake {
     pub fn open(
         log: Arc<ScheduleLog>,
         scheduler: Arc<Scheduler>,
-        config: Arc<Config>,
+        admission: Admission,
         clock: Arc<dyn Clock>,
         disk: Arc<DiskWatch>,
     ) -> Result<Intake, schedulelog::Error> {
@@ -315,7 +337,7 @@ impl Intake {
         Ok(Intake {
             log,
             scheduler,
-            config,
+            admission,
             clock,
             disk,
             keys: Arc::new(tokio::sync::Mutex::new(keys)),
@@ -613,7 +635,7 @@ mod tests {
         let intake = Intake {
             log,
             scheduler: Arc::new(scheduler),
-            config: Arc::new(Config::default()),
+            admission: Admission::default(),
             clock,
             disk: Arc::new(DiskWatch::new(dir.path().into(), 0)),
             keys: Arc::new(tokio::sync::Mutex::new(Keys {

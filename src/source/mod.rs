@@ -745,7 +745,7 @@ impl Writer {
     /// Makes a batch durable; then every request of it may be acknowledged.
     async fn handle(&mut self, requests: &[Request]) -> Result<(), NotStored> {
         let now = self.intake.clock.now_ms();
-        let config = self.intake.config.clone();
+        let intake = self.intake.clone();
         let bytes: usize = requests.iter().map(|r| r.body.len()).sum();
         if self.intake.disk.admit(bytes).is_err() {
             return Err(NotStored(
@@ -794,7 +794,10 @@ impl Writer {
                         body: std::borrow::Cow::Borrowed(&request.body),
                         dedup: key.is_some(),
                     };
-                    match draft.check(&config, now).and_then(|()| draft.encode()) {
+                    match draft
+                        .check(&intake.admission, now)
+                        .and_then(|()| draft.encode())
+                    {
                         Ok(encoded) => {
                             let key = key.map(|key| MessageKey {
                                 sink: self.settings.sink.clone(),
@@ -1025,7 +1028,7 @@ impl Writer {
         }
         // Too large for the log: the body cut; then, if the headers are what is too large, only the
         // position and the reason, each cut to 1 KiB; then no body (a few KiB: always fits).
-        let max = self.intake.config.limits.max_message_bytes;
+        let max = self.intake.admission.max_message_bytes;
         let cut = &request.body[..request.body.len().min(max)];
         let body_bytes = (
             BODY_BYTES_HEADER.to_string(),
