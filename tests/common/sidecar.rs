@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// A message read from an MQ's target: its headers, its body, when it was read (unix ms), and what the
@@ -81,6 +81,17 @@ pub fn client_runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// Starts `command` in a process group of its own, which a watchdog can kill whole, without stdio.
+pub fn spawn_in_own_group(command: &mut Command) -> Child {
+    command
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
 /// Runs the shell `script` as a watchdog in a process group of its own, detached from this test
 /// process, which it is meant to outlive (to kill a server once the test process is gone, however it
 /// ended).
@@ -89,14 +100,7 @@ pub fn client_runtime() -> tokio::runtime::Runtime {
     reason = "the watchdog must outlive this process; init takes it over"
 )]
 pub fn spawn_watchdog(script: &str) {
-    Command::new("sh")
-        .args(["-c", script])
-        .process_group(0)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    spawn_in_own_group(Command::new("sh").args(["-c", script]));
 }
 
 /// `delayd serve --config CONFIG` on `data`.
@@ -159,8 +163,12 @@ pub fn publish_orders(mq: &mut impl Mq, count: i64, keyed: bool) -> BTreeMap<Str
     due
 }
 
+/// The headers of a request that delayd consumes on every MQ: none reaches the target.
+const CONSUMED_ON_EVERY_MQ: [&str; 3] = ["delayd-delay", "delayd-target", "delayd-source-position"];
+
 /// The messages `due` (body → unix ms) arrive at the target, none early, each without the headers
-/// delayd `consumed`, an `order I` with its `trace: tI`, and with a `delayd-id` the HTTP API knows as
+/// delayd consumes (those of [`CONSUMED_ON_EVERY_MQ`], and the MQ's own forms in `consumed`), an
+/// `order I` with its `trace: tI`, and with a `delayd-id` the HTTP API knows as
 /// delivered (`check` checks what the MQ adds, against that status); every request is acknowledged and
 /// counted as scheduled, and the source and the sink are connected. `how` says how arrivals were timed.
 /// Returns what arrived.
@@ -175,7 +183,7 @@ pub fn assert_arrive_on_time<M: Mq>(
     let got = mq.read_target(due.len(), Duration::from_secs(30));
     assert_eq!(got.len(), due.len(), "{got:?}");
     for message in &got {
-        for name in consumed {
+        for name in CONSUMED_ON_EVERY_MQ.iter().chain(consumed) {
             assert!(
                 !message.headers.contains_key(*name),
                 "{name} in {message:?}"
@@ -211,6 +219,34 @@ pub fn assert_arrive_on_time<M: Mq>(
     assert_eq!(metrics[r#"delayd_source_connected{source="in"}"#], 1.0);
     assert_eq!(metrics[r#"delayd_sink_connected{sink="out"}"#], 1.0);
     got
+}
+
+/// The bad requests every MQ's source refuses alike, as (headers, the dead letter's code): one without
+/// a target, one without a delivery time for `target`, one whose delay is not one.
+pub fn bad_requests_of_every_mq(target: &str) -> Vec<(Vec<(&str, &str)>, &'static str)> {
+    vec![
+        (vec![("delayd-delay", "1s")], "missing_target"),
+        (vec![("delayd-target", target)], "missing_deliver_time"),
+        (
+            vec![("delayd-target", target), ("delayd-delay", "soon")],
+            "invalid_delay",
+        ),
+    ]
+}
+
+/// Publishes the `bad` requests (headers, the dead letter's code) with the body `bad`, then
+/// [`assert_dead_letters_and_cancel_by_key`] with their codes.
+pub fn assert_bad_requests_dead_and_cancels_by_key_hold(
+    mq: &mut impl Mq,
+    base: &str,
+    bad: &[(Vec<(&str, &str)>, &str)],
+    counts: (f64, f64, f64),
+) {
+    for (headers, _) in bad {
+        mq.publish(headers, "bad");
+    }
+    let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
+    assert_dead_letters_and_cancel_by_key(mq, base, &codes, counts);
 }
 
 /// After the caller published its bad requests (body `bad`, one for each code in `codes`): a message

@@ -10,11 +10,12 @@
 //! and fails under `CI=true`.
 
 use super::common::sidecar::{
-    assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_scheduled_once,
-    assert_outage_loses_nothing, client_runtime, publish_orders, source_count as count,
-    spawn_watchdog, spawn_with_config as start_delayd, Got, Mq,
+    assert_arrive_on_time, assert_bad_requests_dead_and_cancels_by_key_hold,
+    assert_each_scheduled_once, assert_outage_loses_nothing, bad_requests_of_every_mq,
+    client_runtime, publish_orders, source_count as count, spawn_watchdog,
+    spawn_with_config as start_delayd, Got, Mq,
 };
-use super::common::{free_port, now_ms, request, server_installed, wait_for};
+use super::common::{free_port, now_ms, request, server_installed, wait_for, Process};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -25,6 +26,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tempfile::TempDir;
 
 const INSTALL: &str = "cargo install tansu --version 0.6.0 --locked --features libsql";
 
@@ -98,13 +100,16 @@ impl Tansu {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        self.producer = Some(
-            self.config()
-                .set("acks", "all")
-                .set("enable.idempotence", "true")
-                .create()
-                .unwrap(),
-        );
+        self.producer = Some(self.new_producer());
+    }
+
+    /// A producer as an application's: idempotent, `acks=all`.
+    fn new_producer(&self) -> FutureProducer {
+        self.config()
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            .create()
+            .unwrap()
     }
 
     fn config(&self) -> ClientConfig {
@@ -157,13 +162,7 @@ impl Tansu {
             let output = Command::new("tansu").args(&args).output().unwrap();
             assert!(output.status.success(), "tansu {args:?}: {output:?}");
         }
-        self.producer = Some(
-            self.config()
-                .set("acks", "all")
-                .set("enable.idempotence", "true")
-                .create()
-                .unwrap(),
-        );
+        self.producer = Some(self.new_producer());
     }
 
     /// Produces a request and waits for its delivery report.
@@ -405,19 +404,32 @@ fn wait_until_consuming(tansu: &Tansu, base: &str) {
     });
 }
 
+/// delayd as the consumer `node` (see [`config`]), its data in `dir`'s `NODE`.
+fn start_node(dir: &Path, tansu: &Tansu, node: &str) -> Process {
+    start_delayd(&dir.join(node), &config(dir, tansu, node))
+}
+
+/// A test's directory, a `tansu` in it with `topics` (name, partitions), and delayd on it (the
+/// consumer `a`) once it consumes; None without tansu. (Bound in this order, delayd is dropped first
+/// and the directory last.)
+fn tansu_and_delayd(topics: &[(&str, i32)]) -> Option<(TempDir, Tansu, Process)> {
+    let dir = tempfile::tempdir().unwrap();
+    let tansu = Tansu::start(dir.path())?;
+    tansu.create_topics(topics);
+    let delayd = start_node(dir.path(), &tansu, "a");
+    wait_until_consuming(&tansu, &delayd.base);
+    Some((dir, tansu, delayd))
+}
+
 /// Requests due 1–3 s ahead arrive at their target topic, none early, with the application's headers,
 /// without delayd's or the migration ones, with `delayd-id` (which the HTTP API knows as delivered) and
 /// with their record key; etf1/kafka-message-scheduler's headers are honoured.
 #[test]
 fn requests_through_kafka_arrive_on_time_with_their_headers_and_key() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut tansu) = Tansu::start(dir.path()) else {
+    let Some((_dir, mut tansu, delayd)) = tansu_and_delayd(&[(SOURCE, 2), (TARGET, 2)]) else {
         return;
     };
-    tansu.create_topics(&[(SOURCE, 2), (TARGET, 2)]);
     tansu.follow_target();
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &tansu, "a"));
-    wait_until_consuming(&tansu, &delayd.base);
     let mut due = publish_orders(&mut tansu, 20, true);
     // One in etf1/kafka-message-scheduler's form: unix seconds, a target topic and key.
     let epoch_s = now_ms() / 1000 + 2;
@@ -431,9 +443,6 @@ fn requests_through_kafka_arrive_on_time_with_their_headers_and_key() {
     );
     due.insert("migrated".into(), epoch_s * 1000);
     let consumed = [
-        "delayd-delay",
-        "delayd-target",
-        "delayd-source-position",
         "scheduler-epoch",
         "scheduler-target-topic",
         "scheduler-target-key",
@@ -460,32 +469,18 @@ fn requests_through_kafka_arrive_on_time_with_their_headers_and_key() {
 /// target and key (the record key standing for `delayd-key`) keeps its message from being delivered.
 #[test]
 fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut tansu) = Tansu::start(dir.path()) else {
+    let Some((_dir, mut tansu, delayd)) = tansu_and_delayd(&[(SOURCE, 1), (TARGET, 1)]) else {
         return;
     };
-    tansu.create_topics(&[(SOURCE, 1), (TARGET, 1)]);
     tansu.follow_target();
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &tansu, "a"));
-    wait_until_consuming(&tansu, &delayd.base);
-    let bad: [(&[(&str, &str)], &str); 4] = [
-        (&[("delayd-delay", "1s")], "missing_target"),
-        (&[("delayd-target", "t")], "missing_deliver_time"),
-        (
-            &[("delayd-target", "t"), ("delayd-delay", "soon")],
-            "invalid_delay",
-        ),
-        (
-            &[("delayd-target", "t"), ("scheduler-epoch", "tomorrow")],
-            "invalid_deliver_at",
-        ),
-    ];
-    for (headers, _) in &bad {
-        tansu.publish(headers, "bad");
-    }
-    let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
+    let mut bad = bad_requests_of_every_mq("t");
+    bad.push((
+        vec![("delayd-target", "t"), ("scheduler-epoch", "tomorrow")],
+        "invalid_deliver_at",
+    ));
     // Two cancels: the warm-up's and the test's.
-    assert_dead_letters_and_cancel_by_key(&mut tansu, &delayd.base, &codes, (4.0, 2.0, 2.0));
+    let counts = (4.0, 2.0, 2.0);
+    assert_bad_requests_dead_and_cancels_by_key_hold(&mut tansu, &delayd.base, &bad, counts);
 }
 
 /// A crash in the middle of a backlog: the broker is frozen (SIGSTOP) while delayd takes it, then delayd
@@ -515,9 +510,7 @@ fn a_kill_with_the_broker_frozen_loses_nothing_and_schedules_each_request_once()
             &format!("order {i}"),
         );
     }
-    let data = dir.path().join("data");
-    let config = config(dir.path(), &tansu, "a");
-    let mut delayd = start_delayd(&data, &config);
+    let mut delayd = start_node(dir.path(), &tansu, "a");
     wait_for("a third to be scheduled", Duration::from_secs(60), || {
         count(&delayd.base, "scheduled") >= 1000.0
     });
@@ -535,7 +528,7 @@ fn a_kill_with_the_broker_frozen_loses_nothing_and_schedules_each_request_once()
     // Both killed: the commit waiting in the frozen broker's socket is lost with it.
     delayd.kill();
     tansu.restart();
-    delayd = start_delayd(&data, &config);
+    delayd = start_node(dir.path(), &tansu, "a");
     let restarted = Instant::now();
     wait_for(
         "the restarted source to take requests",
@@ -570,7 +563,7 @@ fn a_rebalance_between_two_nodes_loses_nothing_and_schedules_nothing_twice() {
     };
     tansu.create_topics(&[("delayd-in", 4), ("orders-out", 2)]);
     let mut reader = tansu.reader("orders-out");
-    let a = start_delayd(&dir.path().join("a"), &config(dir.path(), &tansu, "a"));
+    let a = start_node(dir.path(), &tansu, "a");
     wait_until_consuming(&tansu, &a.base);
     let mut produced = 0;
     let mut produce = || {
@@ -586,7 +579,7 @@ fn a_rebalance_between_two_nodes_loses_nothing_and_schedules_nothing_twice() {
     for _ in 0..300 {
         produce();
     }
-    let b = start_delayd(&dir.path().join("b"), &config(dir.path(), &tansu, "b"));
+    let b = start_node(dir.path(), &tansu, "b");
     // b takes a share only of what comes after its join (until then a takes everything), and a join
     // takes tansu seconds: requests keep coming, paced, until b has taken some.
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -615,13 +608,9 @@ fn a_rebalance_between_two_nodes_loses_nothing_and_schedules_nothing_twice() {
 /// broker was away is delivered late, not lost.
 #[test]
 fn the_broker_restarted_mid_run_loses_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut tansu) = Tansu::start(dir.path()) else {
+    let Some((_dir, mut tansu, delayd)) = tansu_and_delayd(&[(SOURCE, 1), (TARGET, 1)]) else {
         return;
     };
-    tansu.create_topics(&[(SOURCE, 1), (TARGET, 1)]);
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &tansu, "a"));
-    wait_until_consuming(&tansu, &delayd.base);
     assert_outage_loses_nothing(&mut tansu, &delayd.base, "3s");
 }
 
@@ -630,17 +619,11 @@ fn the_broker_restarted_mid_run_loses_nothing() {
 /// holds a killed member's partitions otherwise.
 #[test]
 fn a_node_killed_and_restarted_gets_its_partitions_back_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(tansu) = Tansu::start(dir.path()) else {
+    let Some((dir, tansu, mut delayd)) = tansu_and_delayd(&[("delayd-in", 2)]) else {
         return;
     };
-    tansu.create_topics(&[("delayd-in", 2)]);
-    let data = dir.path().join("data");
-    let config = config(dir.path(), &tansu, "a");
-    let mut delayd = start_delayd(&data, &config);
-    wait_until_consuming(&tansu, &delayd.base);
     delayd.kill();
-    delayd = start_delayd(&data, &config);
+    delayd = start_node(dir.path(), &tansu, "a");
     let restarted = Instant::now();
     wait_until_consuming(&tansu, &delayd.base);
     let took = restarted.elapsed();
@@ -661,21 +644,15 @@ fn a_node_killed_and_restarted_gets_its_partitions_back_at_once() {
 /// skipped), and its requests are scheduled, not taken for the old topic's.
 #[test]
 fn a_topic_made_again_starts_a_new_order_of_positions() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut tansu) = Tansu::start(dir.path()) else {
-        return;
-    };
     // The target is made after the topic is made again: tansu answers Unknown topic for topics made
     // before a deletion.
-    tansu.create_topics(&[("delayd-in", 1)]);
-    let data = dir.path().join("data");
-    let config = config(dir.path(), &tansu, "a");
-    let mut delayd = start_delayd(&data, &config);
-    wait_until_consuming(&tansu, &delayd.base);
+    let Some((dir, mut tansu, mut delayd)) = tansu_and_delayd(&[("delayd-in", 1)]) else {
+        return;
+    };
     // delayd committed in the partition (the warm-up): a group without a committed offset for it after
     // the restart means the topic was made again.
     wait_for("a commit", Duration::from_secs(30), || {
-        std::fs::read_to_string(data.join("sources/in~kafka-epochs"))
+        std::fs::read_to_string(dir.path().join("a/sources/in~kafka-epochs"))
             .is_ok_and(|epochs| epochs.contains("\"committed\":true"))
     });
     // Due after the restart (a consumer takes seconds to join); the keyed one later still.
@@ -716,7 +693,7 @@ fn a_topic_made_again_starts_a_new_order_of_positions() {
             &format!("new {i}"),
         );
     }
-    let delayd = start_delayd(&data, &config);
+    let delayd = start_node(dir.path(), &tansu, "a");
     wait_for("the cancel", Duration::from_secs(120), || {
         count(&delayd.base, "cancelled") == 1.0
     });

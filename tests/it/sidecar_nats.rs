@@ -6,17 +6,19 @@
 //! Without `nats-server` a test prints why it is skipped, and fails under `CI=true`.
 
 use super::common::sidecar::{
-    assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_delivered_once,
-    assert_outage_loses_nothing, bodies, client_runtime, publish_orders, source_count,
-    source_state, spawn_with_config as start_delayd, Got, Mq,
+    assert_arrive_on_time, assert_bad_requests_dead_and_cancels_by_key_hold,
+    assert_each_delivered_once, assert_outage_loses_nothing, bad_requests_of_every_mq, bodies,
+    client_runtime, publish_orders, source_count, source_state, spawn_with_config as start_delayd,
+    Got, Mq,
 };
-use super::common::{free_port, now_ms, request, server_installed, wait_for};
+use super::common::{free_port, now_ms, request, server_installed, wait_for, Process};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tempfile::TempDir;
 
 /// Users for the crash test: `noack` may not publish acks.
 const USERS: &str = r#"authorization {
@@ -111,16 +113,21 @@ impl NatsServer {
         jetstream::new(self.client.clone().unwrap())
     }
 
-    /// The target stream the sink publishes to.
-    fn create_target_stream(&self) {
+    /// Makes the stream `name` over the subjects `subject`, unless it exists.
+    fn create_stream(&self, name: &str, subject: &str) {
         let js = self.jetstream();
         self.runtime
             .block_on(js.get_or_create_stream(stream::Config {
-                name: "OUT".into(),
-                subjects: vec!["orders.>".into()],
+                name: name.into(),
+                subjects: vec![subject.into()],
                 ..Default::default()
             }))
             .unwrap();
+    }
+
+    /// The target stream the sink publishes to.
+    fn create_target_stream(&self) {
+        self.create_stream("OUT", "orders.>");
     }
 
     /// Requests delivered to delayd's consumer and not acknowledged, and requests not yet delivered;
@@ -146,16 +153,18 @@ impl NatsServer {
         self.runtime.block_on(js.delete_stream(name)).unwrap();
     }
 
+    /// [`NatsServer::start`], with the target stream and the source stream made, for requests
+    /// published before delayd first runs.
+    fn start_with_streams(dir: &Path) -> Option<NatsServer> {
+        let nats = NatsServer::start(dir)?;
+        nats.create_target_stream();
+        nats.create_source_stream();
+        Some(nats)
+    }
+
     /// The source stream as delayd creates it, for requests published before delayd first runs.
     fn create_source_stream(&self) {
-        let js = self.jetstream();
-        self.runtime
-            .block_on(js.get_or_create_stream(stream::Config {
-                name: "DELAYS".into(),
-                subjects: vec!["delayd.>".into()],
-                ..Default::default()
-            }))
-            .unwrap();
+        self.create_stream("DELAYS", "delayd.>");
     }
 }
 
@@ -279,6 +288,36 @@ fn config(dir: &Path, nats: &NatsServer, user: &str, ack_wait: &str) -> PathBuf 
     path
 }
 
+/// delayd on `dir`'s `data` with [`config`] as `user`.
+fn start_delayd_as(dir: &Path, nats: &NatsServer, user: &str, ack_wait: &str) -> Process {
+    start_delayd(&dir.join("data"), &config(dir, nats, user, ack_wait))
+}
+
+/// A test's directory, a `nats-server` in it with both streams, and delayd on it as the user `delayd`
+/// (whose acks pass); None without nats-server. (Bound in this order, delayd is dropped first and the
+/// directory last.)
+fn nats_and_delayd() -> Option<(TempDir, NatsServer, Process)> {
+    let dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start_with_streams(dir.path())?;
+    let delayd = start_delayd_as(dir.path(), &nats, "delayd", "60s");
+    Some((dir, nats, delayd))
+}
+
+/// delayd as the user `noack` (`ack_wait` 2 s), once it scheduled the `count` requests published
+/// before it started and failed to acknowledge them: they are durable in delayd and not in JetStream.
+fn start_delayd_whose_acks_fail(dir: &Path, nats: &NatsServer, count: u32) -> Process {
+    let delayd = start_delayd_as(dir, nats, "noack", "2s");
+    wait_for(
+        "the requests to be scheduled",
+        Duration::from_secs(30),
+        || source_count(&delayd.base, "scheduled") == f64::from(count),
+    );
+    wait_for("the failed ack", Duration::from_secs(30), || {
+        source_state(&delayd.base)["last_error"].as_str().is_some()
+    });
+    delayd
+}
+
 /// RFC 3339 (UTC, whole seconds) for unix ms.
 fn rfc3339(ms: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp(ms / 1000)
@@ -297,10 +336,7 @@ fn requests_through_nats_arrive_on_time_with_their_headers() {
         return;
     };
     nats.create_target_stream();
-    let delayd = start_delayd(
-        &dir.path().join("data"),
-        &config(dir.path(), &nats, "delayd", "60s"),
-    );
+    let delayd = start_delayd_as(dir.path(), &nats, "delayd", "60s");
     // delayd creates the source stream.
     wait_for("the source to connect", Duration::from_secs(30), || {
         source_state(&delayd.base)["connected"] == true
@@ -316,13 +352,7 @@ fn requests_through_nats_arrive_on_time_with_their_headers() {
         "migrated",
     );
     due.insert("migrated".into(), at_ms);
-    let consumed = [
-        "delayd-delay",
-        "delayd-target",
-        "Nats-Schedule",
-        "Nats-Schedule-Target",
-        "delayd-source-position",
-    ];
+    let consumed = ["Nats-Schedule", "Nats-Schedule-Target"];
     let how = "as this consumer received them";
     assert_arrive_on_time(
         &mut nats,
@@ -348,33 +378,21 @@ fn requests_through_nats_arrive_on_time_with_their_headers() {
 /// a cancel by target and key keeps its message from being delivered.
 #[test]
 fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut nats) = NatsServer::start(dir.path()) else {
+    let Some((_dir, mut nats, delayd)) = nats_and_delayd() else {
         return;
     };
-    nats.create_target_stream();
-    nats.create_source_stream();
-    let delayd = start_delayd(
-        &dir.path().join("data"),
-        &config(dir.path(), &nats, "delayd", "60s"),
-    );
-    let bad: [(&[(&str, &str)], &str); 6] = [
-        (&[("delayd-delay", "1s")], "missing_target"),
+    let mut bad = bad_requests_of_every_mq("orders.out");
+    bad.extend([
         // Published with delayd's rights, it would delete the source's own stream.
         (
-            &[
+            vec![
                 ("delayd-delay", "1s"),
                 ("delayd-target", "$JS.API.STREAM.DELETE.DELAYS"),
             ],
             "forbidden_target",
         ),
-        (&[("delayd-target", "orders.out")], "missing_deliver_time"),
         (
-            &[("delayd-target", "orders.out"), ("delayd-delay", "soon")],
-            "invalid_delay",
-        ),
-        (
-            &[
+            vec![
                 ("delayd-target", "orders.out"),
                 ("delayd-delay", "1s"),
                 ("Nats-Schedule", "@at 2026-01-01T00:00:00Z"),
@@ -382,19 +400,15 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
             "conflicting_time_fields",
         ),
         (
-            &[
+            vec![
                 ("Nats-Schedule-Target", "orders.out"),
                 ("Nats-Schedule", "@every 5m"),
             ],
             "invalid_deliver_at",
         ),
-    ];
-    for (headers, _) in &bad {
-        nats.publish(headers, "bad");
-    }
-    let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
+    ]);
     let counts = (bad.len() as f64, 1.0, 2.0);
-    assert_dead_letters_and_cancel_by_key(&mut nats, &delayd.base, &codes, counts);
+    assert_bad_requests_dead_and_cancels_by_key_hold(&mut nats, &delayd.base, &bad, counts);
     // The same through HTTP: refused.
     let sent = request(
         &delayd.base,
@@ -454,12 +468,9 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
 #[test]
 fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut nats) = NatsServer::start(dir.path()) else {
+    let Some(mut nats) = NatsServer::start_with_streams(dir.path()) else {
         return;
     };
-    nats.create_target_stream();
-    nats.create_source_stream();
-    let data = dir.path().join("data");
     let count = 20;
     for i in 0..count {
         nats.publish(
@@ -467,19 +478,11 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
             &format!("once {i}"),
         );
     }
-    let mut delayd = start_delayd(&data, &config(dir.path(), &nats, "noack", "2s"));
-    wait_for(
-        "the requests to be scheduled",
-        Duration::from_secs(30),
-        || source_count(&delayd.base, "scheduled") == f64::from(count),
-    );
+    let mut delayd = start_delayd_whose_acks_fail(dir.path(), &nats, count);
     // The acks failed (denied, then timed out), and none is recorded.
-    wait_for("the failed ack", Duration::from_secs(30), || {
-        source_state(&delayd.base)["last_error"].as_str().is_some()
-    });
     assert_eq!(nats.unacknowledged(), Some((count as usize, 0)));
     delayd.kill();
-    let delayd = start_delayd(&data, &config(dir.path(), &nats, "delayd", "2s"));
+    let delayd = start_delayd_as(dir.path(), &nats, "delayd", "2s");
     wait_for(
         "the redelivered requests to be recognised",
         Duration::from_secs(30),
@@ -500,12 +503,9 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
 #[test]
 fn a_stream_made_again_starts_a_new_order_of_positions() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(mut nats) = NatsServer::start(dir.path()) else {
+    let Some(mut nats) = NatsServer::start_with_streams(dir.path()) else {
         return;
     };
-    nats.create_target_stream();
-    nats.create_source_stream();
-    let data = dir.path().join("data");
     // Due after the restart (the failed acks take seconds), the keyed one first.
     for i in 0..3 {
         nats.publish(
@@ -521,15 +521,7 @@ fn a_stream_made_again_starts_a_new_order_of_positions() {
         ],
         "old keyed",
     );
-    let mut delayd = start_delayd(&data, &config(dir.path(), &nats, "noack", "2s"));
-    wait_for(
-        "the requests to be scheduled",
-        Duration::from_secs(30),
-        || source_count(&delayd.base, "scheduled") == 4.0,
-    );
-    wait_for("the failed ack", Duration::from_secs(30), || {
-        source_state(&delayd.base)["last_error"].as_str().is_some()
-    });
+    let mut delayd = start_delayd_whose_acks_fail(dir.path(), &nats, 4);
     delayd.kill();
     nats.delete_stream("DELAYS");
     nats.create_source_stream();
@@ -548,7 +540,7 @@ fn a_stream_made_again_starts_a_new_order_of_positions() {
             &format!("new {i}"),
         );
     }
-    let delayd = start_delayd(&data, &config(dir.path(), &nats, "delayd", "2s"));
+    let delayd = start_delayd_as(dir.path(), &nats, "delayd", "2s");
     let got = nats.read_target(6, Duration::from_secs(60));
     // (The cancelled one was due a second before the old ones.)
     assert_eq!(
@@ -571,15 +563,8 @@ fn a_stream_made_again_starts_a_new_order_of_positions() {
 /// delivered.
 #[test]
 fn nats_restarted_mid_run_loses_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut nats) = NatsServer::start(dir.path()) else {
+    let Some((_dir, mut nats, delayd)) = nats_and_delayd() else {
         return;
     };
-    nats.create_target_stream();
-    nats.create_source_stream();
-    let delayd = start_delayd(
-        &dir.path().join("data"),
-        &config(dir.path(), &nats, "delayd", "60s"),
-    );
     assert_outage_loses_nothing(&mut nats, &delayd.base, "6s");
 }

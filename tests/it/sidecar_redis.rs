@@ -6,13 +6,14 @@
 //! Without `redis-server` a test prints why it is skipped, and fails under `CI=true`.
 
 use super::common::sidecar::{
-    assert_arrive_on_time, assert_dead_letters_and_cancel_by_key, assert_each_delivered_once,
-    assert_outage_loses_nothing, bodies, publish_orders, sink_state, source_count, source_state,
-    spawn_with_config as start_delayd, Got, Mq,
+    assert_arrive_on_time, assert_bad_requests_dead_and_cancels_by_key_hold,
+    assert_each_delivered_once, assert_outage_loses_nothing, bad_requests_of_every_mq, bodies,
+    publish_orders, sink_state, source_count, source_state, spawn_with_config as start_delayd, Got,
+    Mq,
 };
 use super::common::{
     assert_dead_letters, free_port, now_ms, request, scrape, serve_until_exit, server_installed,
-    wait_for,
+    wait_for, Process,
 };
 use redis::Value;
 use serde_json::json;
@@ -20,6 +21,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tempfile::TempDir;
 
 /// The stream the sink writes to, and the requests name.
 const TARGET: &str = "orders:out";
@@ -243,15 +245,22 @@ fn config_with_sink(dir: &Path, redis: &RedisServer, sink_keys: &str) -> PathBuf
     path
 }
 
+/// A test's directory, a `redis-server` in it, and delayd on it with [`config`]; None without
+/// redis-server. (Bound in this order, delayd is dropped first and the directory last.)
+fn redis_and_delayd() -> Option<(TempDir, RedisServer, Process)> {
+    let dir = tempfile::tempdir().unwrap();
+    let redis = RedisServer::start(dir.path())?;
+    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
+    Some((dir, redis, delayd))
+}
+
 /// Requests due 1–3 s ahead arrive at their target stream, none early, with the application's fields,
 /// without delayd's, and with `delayd-id`, which the HTTP API knows as delivered.
 #[test]
 fn requests_through_redis_arrive_on_time_with_their_fields() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut redis) = RedisServer::start(dir.path()) else {
+    let Some((_dir, mut redis, delayd)) = redis_and_delayd() else {
         return;
     };
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
     let mut due = publish_orders(&mut redis, 30, false);
     // One in the delayed-message exchange's form.
     let published = now_ms();
@@ -260,12 +269,7 @@ fn requests_through_redis_arrive_on_time_with_their_fields() {
         "migrated",
     );
     due.insert("migrated".into(), published + 1500);
-    let consumed = [
-        "delayd-delay",
-        "delayd-target",
-        "x-delay",
-        "delayd-source-position",
-    ];
+    let consumed = ["x-delay"];
     let how = "including this reader's 100 ms polls";
     assert_arrive_on_time(
         &mut redis,
@@ -288,32 +292,20 @@ fn requests_through_redis_arrive_on_time_with_their_fields() {
 /// a cancel by target and key keeps its message from being delivered.
 #[test]
 fn bad_requests_are_dead_letters_and_cancels_by_key_hold() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut redis) = RedisServer::start(dir.path()) else {
+    let Some((_dir, mut redis, delayd)) = redis_and_delayd() else {
         return;
     };
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
-    let bad: [(&[(&str, &str)], &str); 4] = [
-        (&[("delayd-delay", "1s")], "missing_target"),
-        (&[("delayd-target", "t")], "missing_deliver_time"),
-        (
-            &[("delayd-target", "t"), ("delayd-delay", "soon")],
-            "invalid_delay",
-        ),
-        (
-            &[
-                ("delayd-target", "t"),
-                ("delayd-delay", "1s"),
-                ("delayd-deliver-at", "0"),
-            ],
-            "conflicting_time_fields",
-        ),
-    ];
-    for (fields, _) in &bad {
-        redis.publish(fields, "bad");
-    }
-    let codes: Vec<&str> = bad.iter().map(|(_, code)| *code).collect();
-    assert_dead_letters_and_cancel_by_key(&mut redis, &delayd.base, &codes, (4.0, 1.0, 2.0));
+    let mut bad = bad_requests_of_every_mq("t");
+    bad.push((
+        vec![
+            ("delayd-target", "t"),
+            ("delayd-delay", "1s"),
+            ("delayd-deliver-at", "0"),
+        ],
+        "conflicting_time_fields",
+    ));
+    let counts = (4.0, 1.0, 2.0);
+    assert_bad_requests_dead_and_cancels_by_key_hold(&mut redis, &delayd.base, &bad, counts);
 }
 
 /// The worst moment for a crash: requests are durable in delayd and not acknowledged to Redis (here its
@@ -387,11 +379,9 @@ fn a_crash_between_the_fsync_and_the_ack_schedules_each_request_once() {
 /// is back, what was scheduled before and what is published after is delivered.
 #[test]
 fn redis_restarted_mid_run_loses_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut redis) = RedisServer::start(dir.path()) else {
+    let Some((_dir, mut redis, delayd)) = redis_and_delayd() else {
         return;
     };
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
     assert_outage_loses_nothing(&mut redis, &delayd.base, "6s");
 }
 
@@ -442,11 +432,9 @@ fn a_cancel_and_a_new_message_with_its_key_in_one_batch_keep_their_order() {
 /// `body` field) are refused, through the source and through HTTP.
 #[test]
 fn keys_belong_to_their_sink_and_targets_are_checked() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut redis) = RedisServer::start(dir.path()) else {
+    let Some((_dir, mut redis, delayd)) = redis_and_delayd() else {
         return;
     };
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
     let post = |body: serde_json::Value| {
         request(
             &delayd.base,
@@ -648,11 +636,9 @@ fn an_outage_longer_than_the_backoff_series_kills_nothing() {
 /// is back (delayd checks an idle sink every 2 s).
 #[test]
 fn the_sinks_state_follows_redis_without_deliveries() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut redis) = RedisServer::start(dir.path()) else {
+    let Some((_dir, mut redis, delayd)) = redis_and_delayd() else {
         return;
     };
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
     let connected = || sink_state(&delayd.base)["connected"].as_bool().unwrap();
     wait_for(
         "the sink to be connected",
@@ -686,11 +672,9 @@ fn the_sinks_state_follows_redis_without_deliveries() {
 /// new message may not have.
 #[test]
 fn a_sources_dead_letter_is_found_listed_and_requeued() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(mut redis) = RedisServer::start(dir.path()) else {
+    let Some((_dir, mut redis, delayd)) = redis_and_delayd() else {
         return;
     };
-    let delayd = start_delayd(&dir.path().join("data"), &config(dir.path(), &redis));
     let _: String = redis::cmd("XADD")
         .arg("delayd:in")
         .arg("*")
