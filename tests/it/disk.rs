@@ -67,6 +67,27 @@ impl SmallFs {
         }
     }
 
+    /// [`SmallFs::mount`], or None where it cannot be (without root), saying why the test is skipped.
+    fn mount_or_skip(mib: u64) -> Option<SmallFs> {
+        SmallFs::mount(mib)
+            .inspect_err(|why| println!("skipped: cannot mount a small file system ({why})"))
+            .ok()
+    }
+
+    /// Fills it with the operator's own file `spare`, whose deletion later makes room (enough for the
+    /// WAL's next 64 MiB file once the backlog is filed). What is left after the WAL's two
+    /// preallocated 64 MiB files (the second is prepared while the node opens, so they must fit) fills
+    /// after about 16 of the tests' 512 KiB messages. Measured, not assumed: mkfs keeps a share that
+    /// varies. Returns the spare file.
+    fn fill_but_for_the_wal(&self) -> PathBuf {
+        let room = schedulelog::available_bytes(self.path()).unwrap();
+        let spare = self.path().join("spare");
+        let wal_files = 128 * MIB;
+        assert!(room > wal_files + 96 * MIB, "{room} bytes free");
+        ballast(&spare, room - wal_files - 16 * MIB);
+        spare
+    }
+
     fn path(&self) -> &Path {
         self.mount_point.path()
     }
@@ -103,33 +124,33 @@ fn post(base: &str, body: &Value) -> Answer {
     request(base, "POST", "/v1/messages", Some(&body.to_string()), None)
 }
 
-/// Reads every queue of `topic` from the start until `done` says enough, for at most two minutes;
-/// returns how often each id arrived. (A few messages a pull: they are large.)
-fn consume(
-    base: &str,
-    topic: &str,
-    done: impl Fn(&BTreeMap<String, u32>) -> bool,
-) -> BTreeMap<String, u32> {
+fn cancel_message(base: &str, id: &str) -> Answer {
+    request(base, "DELETE", &format!("/v1/messages/{id}"), None, None)
+}
+
+/// Posts `message` again and again, adding each acknowledged id to `acked`, until one is refused
+/// (507); returns that answer. Fails on any other answer, and after 1000 acknowledged (`never`: what
+/// never happened).
+fn post_until_refused(base: &str, message: &Value, acked: &mut Vec<String>, never: &str) -> Answer {
+    loop {
+        assert!(acked.len() < 1_000, "{never}");
+        let answer = post(base, message);
+        match answer.status {
+            201 => acked.push(answer.json["id"].as_str().unwrap().to_string()),
+            507 => return answer,
+            other => panic!("answered {other}: {}", answer.json),
+        }
+    }
+}
+
+/// Reads every queue of `topic` from the start until each of the `wanted` ids arrived, for at most
+/// two minutes; returns how often each id arrived. (A few messages a pull: they are large.)
+fn consume(base: &str, topic: &str, wanted: &[String]) -> BTreeMap<String, u32> {
+    let done = |seen: &BTreeMap<String, u32>| wanted.iter().all(|id| seen.contains_key(id));
     let mut seen = BTreeMap::new();
     let mut offsets = [0u64; 4];
     let pull = |seen: &mut BTreeMap<String, u32>, queue: usize, offset: &mut u64| {
-        let path =
-            format!("/v1/topics/{topic}/queues/{queue}/messages?offset={offset}&max=8&wait_ms=100");
-        let answer = request(base, "GET", &path, None, None);
-        if answer.status == 404 {
-            return; // the topic exists once the first message is stored
-        }
-        assert_eq!(answer.status, 200, "{}", answer.json);
-        for message in answer.json["messages"].as_array().unwrap() {
-            assert!(
-                parse(&message["delivered_at"]) >= parse(&message["deliver_at"]),
-                "never early"
-            );
-            *seen
-                .entry(message["id"].as_str().unwrap().to_string())
-                .or_default() += 1;
-        }
-        *offset = answer.json["next_offset"].as_u64().unwrap();
+        pull_counting(base, topic, queue, offset, "max=8&wait_ms=100", seen);
     };
     let deadline = Instant::now() + Duration::from_secs(120);
     while !done(&seen) && Instant::now() < deadline {
@@ -155,23 +176,11 @@ fn consume(
 /// deletes a file, the node heals without a restart and delivers every acknowledged message once.
 #[test]
 fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
-    let fs = match SmallFs::mount(320) {
-        Ok(fs) => fs,
-        Err(why) => {
-            println!("skipped: cannot mount a small file system ({why})");
-            return;
-        }
+    let Some(fs) = SmallFs::mount_or_skip(320) else {
+        return;
     };
     let outside = tempfile::tempdir().unwrap();
-    // The operator's own files: deleting them later makes room (enough for the WAL's next 64 MiB file
-    // once the backlog is filed). What is left after the WAL's two preallocated 64 MiB files (the
-    // second is prepared while the node opens, so they must fit) fills after about 16 of the messages
-    // below. Measured, not assumed: mkfs keeps a share that varies.
-    let room = schedulelog::available_bytes(fs.path()).unwrap();
-    let spare = fs.path().join("spare");
-    let wal_files = 128 * MIB;
-    assert!(room > wal_files + 96 * MIB, "{room} bytes free");
-    ballast(&spare, room - wal_files - 16 * MIB);
+    let spare = fs.fill_but_for_the_wal();
     let config = config_file(outside.path(), "[broker]\nsegment_bytes = 1048576\n");
     let process = spawn(
         &fs.path().join("data"),
@@ -189,15 +198,8 @@ fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
     // 512 KiB messages due at once: the schedule segment and the broker each take a copy.
     let body = "f".repeat(512 << 10);
     let mut acked = Vec::new();
-    let refused = loop {
-        assert!(acked.len() < 1_000, "the disk never filled");
-        let answer = post(&base, &json!({"topic": "full", "body": body, "delay": 0}));
-        match answer.status {
-            201 => acked.push(answer.json["id"].as_str().unwrap().to_string()),
-            507 => break answer,
-            other => panic!("a full disk answered {other}: {}", answer.json),
-        }
-    };
+    let message = json!({"topic": "full", "body": body, "delay": 0});
+    let refused = post_until_refused(&base, &message, &mut acked, "the disk never filled");
     assert_eq!(refused.json["code"], "disk_full");
     assert_eq!(refused.content_type, "application/problem+json");
     println!("{} messages acknowledged before the first 507", acked.len());
@@ -232,13 +234,7 @@ fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
     let again = post(&base, &json!({"topic": "full", "body": body, "delay": 0}));
     assert_eq!(again.status, 507, "{}", again.json);
     // A cancel needs only a few bytes of the WAL: it works now or once space is back.
-    let cancel = request(
-        &base,
-        "DELETE",
-        &format!("/v1/messages/{later}"),
-        None,
-        None,
-    );
+    let cancel = cancel_message(&base, &later);
     assert!([200, 507].contains(&cancel.status), "{}", cancel.json);
 
     // The operator frees space: writes resume, without a restart.
@@ -260,21 +256,12 @@ fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
     );
     assert_eq!(process.pid(), pid);
     if cancel.status != 200 {
-        let cancel = request(
-            &base,
-            "DELETE",
-            &format!("/v1/messages/{later}"),
-            None,
-            None,
-        );
+        let cancel = cancel_message(&base, &later);
         assert_eq!(cancel.status, 200, "{}", cancel.json);
     }
 
     // Every acknowledged message is delivered exactly once; the cancelled one never.
-    let wanted = acked.clone();
-    let seen = consume(&base, "full", |seen| {
-        wanted.iter().all(|id| seen.contains_key(id))
-    });
+    let seen = consume(&base, "full", &acked);
     let missing: Vec<&String> = acked.iter().filter(|id| !seen.contains_key(*id)).collect();
     assert!(
         missing.is_empty(),
@@ -302,12 +289,8 @@ fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
 /// new messages are accepted again, on their own.
 #[test]
 fn below_the_reserve_new_messages_wait_while_deliveries_and_cancels_go_on() {
-    let fs = match SmallFs::mount(384) {
-        Ok(fs) => fs,
-        Err(why) => {
-            println!("skipped: cannot mount a small file system ({why})");
-            return;
-        }
+    let Some(fs) = SmallFs::mount_or_skip(384) else {
+        return;
     };
     let outside = tempfile::tempdir().unwrap();
     let spare = fs.path().join("spare");
@@ -361,18 +344,8 @@ fn below_the_reserve_new_messages_wait_while_deliveries_and_cancels_go_on() {
         Duration::from_secs(10),
         || free() <= before - f64::from(4 * (512 << 10)),
     );
-    let refused = loop {
-        assert!(acked.len() < 1_000, "the reserve was never reached");
-        let answer = post(
-            &base,
-            &json!({"topic": "reserve", "body": body, "deliver_at": due}),
-        );
-        match answer.status {
-            201 => acked.push(answer.json["id"].as_str().unwrap().to_string()),
-            507 => break answer,
-            other => panic!("answered {other}: {}", answer.json),
-        }
-    };
+    let message = json!({"topic": "reserve", "body": body, "deliver_at": due});
+    let refused = post_until_refused(&base, &message, &mut acked, "the reserve was never reached");
     let refused_at = now_ms();
     assert_eq!(refused.json["code"], "disk_full");
     // Refused in time: by the reserve, not by a write that found no space (a burst cannot run through
@@ -412,19 +385,10 @@ fn below_the_reserve_new_messages_wait_while_deliveries_and_cancels_go_on() {
         ready.json
     );
     // A cancel takes a few bytes of the WAL: it goes through while new messages are refused.
-    let cancel = request(
-        &base,
-        "DELETE",
-        &format!("/v1/messages/{later}"),
-        None,
-        None,
-    );
+    let cancel = cancel_message(&base, &later);
     assert_eq!(cancel.status, 200, "{}", cancel.json);
     // What was accepted is delivered all the same, into the reserve.
-    let wanted = acked.clone();
-    let seen = consume(&base, "reserve", |seen| {
-        wanted.iter().all(|id| seen.contains_key(id))
-    });
+    let seen = consume(&base, "reserve", &acked);
     assert!(
         acked.iter().all(|id| seen.get(id) == Some(&1)),
         "each acknowledged message once"
@@ -470,19 +434,11 @@ fn below_the_reserve_new_messages_wait_while_deliveries_and_cancels_go_on() {
 /// log back at the start and fail the whole start while the replayer waited for space.)
 #[test]
 fn a_node_with_a_source_starts_on_a_full_disk_and_heals() {
-    let fs = match SmallFs::mount(320) {
-        Ok(fs) => fs,
-        Err(why) => {
-            println!("skipped: cannot mount a small file system ({why})");
-            return;
-        }
+    let Some(fs) = SmallFs::mount_or_skip(320) else {
+        return;
     };
     let outside = tempfile::tempdir().unwrap();
-    let room = schedulelog::available_bytes(fs.path()).unwrap();
-    let spare = fs.path().join("spare");
-    let wal_files = 128 * MIB;
-    assert!(room > wal_files + 96 * MIB, "{room} bytes free");
-    ballast(&spare, room - wal_files - 16 * MIB);
+    let spare = fs.fill_but_for_the_wal();
     // The source's MQ is not there (a closed port): what matters here is its start.
     let closed = common::free_port();
     let config = config_file(
@@ -500,18 +456,8 @@ fn a_node_with_a_source_starts_on_a_full_disk_and_heals() {
     // Due in an hour: they stay in their schedule segment, which the disk cannot hold.
     let body = "f".repeat(512 << 10);
     let mut acked = Vec::new();
-    loop {
-        assert!(acked.len() < 1_000, "the disk never filled");
-        let answer = post(
-            &process.base,
-            &json!({"topic": "full", "body": body, "delay": "1h"}),
-        );
-        match answer.status {
-            201 => acked.push(answer.json["id"].as_str().unwrap().to_string()),
-            507 => break,
-            other => panic!("a full disk answered {other}: {}", answer.json),
-        }
-    }
+    let message = json!({"topic": "full", "body": body, "delay": "1h"});
+    post_until_refused(&process.base, &message, &mut acked, "the disk never filled");
     process.kill();
     let process = spawn(&data, &args);
     let base = process.base.clone();

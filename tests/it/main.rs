@@ -40,6 +40,36 @@ fn runtime_and_listener(workers: usize) -> (tokio::runtime::Runtime, tokio::net:
     (runtime, listener)
 }
 
+/// Pulls one page of `topic`'s `queue` from `offset` (`page`: the rest of the query, `max` and
+/// `wait_ms`), counting each message's id in `seen` and checking that none was delivered before it
+/// was due; moves `offset` past the page. A topic that does not exist yet (404: nothing of it was
+/// delivered yet) has no page.
+fn pull_counting(
+    base: &str,
+    topic: &str,
+    queue: usize,
+    offset: &mut u64,
+    page: &str,
+    seen: &mut std::collections::BTreeMap<String, u32>,
+) {
+    let path = format!("/v1/topics/{topic}/queues/{queue}/messages?offset={offset}&{page}");
+    let answer = request(base, "GET", &path, None, None);
+    if answer.status == 404 {
+        return;
+    }
+    assert_eq!(answer.status, 200, "{}", answer.json);
+    for message in answer.json["messages"].as_array().unwrap() {
+        assert!(
+            parse(&message["delivered_at"]) >= parse(&message["deliver_at"]),
+            "never early"
+        );
+        *seen
+            .entry(message["id"].as_str().unwrap().to_string())
+            .or_default() += 1;
+    }
+    *offset = answer.json["next_offset"].as_u64().unwrap();
+}
+
 /// The service running in-process on port 0.
 struct Server {
     base: String,
@@ -702,23 +732,8 @@ fn kill_nine_after_acks_then_restart_delivers_every_acknowledged_message() {
     let deadline = Instant::now() + Duration::from_secs(60);
     while acked.keys().any(|id| !seen.contains_key(id)) && Instant::now() < deadline {
         for (queue, offset) in offsets.iter_mut().enumerate() {
-            let path = format!(
-                "/v1/topics/soak/queues/{queue}/messages?offset={offset}&max=1000&wait_ms=500"
-            );
-            let answer = request(&process.base, "GET", &path, None, None);
-            if answer.status == 404 {
-                continue; // the topic exists once the first delivery is stored
-            }
-            for message in answer.json["messages"].as_array().unwrap() {
-                assert!(
-                    parse(&message["delivered_at"]) >= parse(&message["deliver_at"]),
-                    "never early"
-                );
-                *seen
-                    .entry(message["id"].as_str().unwrap().to_string())
-                    .or_default() += 1;
-            }
-            *offset = answer.json["next_offset"].as_u64().unwrap();
+            let page = "max=1000&wait_ms=500";
+            pull_counting(&process.base, "soak", queue, offset, page, &mut seen);
         }
     }
     let lost: Vec<_> = acked
