@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{agent, now_ms, parse, request, spawn};
+use common::{agent, env_number, now_ms, parse, request, spawn, Draws};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,22 +37,6 @@ const ACKS_BEFORE_KILL: (u64, u64) = (100, 10_000);
 const ROUND_WITHIN: Duration = Duration::from_secs(60);
 /// The independent consumer's deadline for reading everything after the last restart.
 const CONSUME_WITHIN: Duration = Duration::from_secs(120);
-
-/// xorshift64: reproducible draws from `SOAK_SEED`.
-struct Draws(u64);
-
-impl Draws {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn between(&mut self, (low, high): (u64, u64)) -> u64 {
-        low + self.next() % (high - low)
-    }
-}
 
 /// What the producers were told: acknowledged ids with their due times, counted per round.
 #[derive(Default)]
@@ -76,7 +60,7 @@ struct Shared {
 /// or a non-2xx answer (the server was killed, is restarting, or is overloaded) is followed by a short
 /// pause and a fresh connection; it never ends the producer.
 fn produce(base: &str, name: &str, batched: bool, seed: u64, shared: &Shared, stop: &AtomicBool) {
-    let mut draws = Draws(seed | 1);
+    let mut draws = Draws::new(seed);
     let mut client = agent(Duration::from_secs(10));
     let mut sequence = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -138,19 +122,12 @@ fn produce(base: &str, name: &str, batched: bool, seed: u64, shared: &Shared, st
     }
 }
 
-fn env_number(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?}")))
-        .unwrap_or(default)
-}
-
 #[test]
 fn crash_soak_with_kill_nine_under_load() {
     let started = Instant::now();
     let kills = env_number("SOAK_KILLS", 5);
     let seed = env_number("SOAK_SEED", 0x5eed);
-    let mut draws = Draws(seed | 1);
+    let mut draws = Draws::new(seed);
     let dir = tempfile::tempdir().unwrap();
     // Small broker segments (1 MiB, and so consume-queue files of 1,024 units): the kills land in the middle of
     // rolling over to a new segment or queue file too.

@@ -16,8 +16,8 @@
 
 mod common;
 
-use common::slowloris::SlowLoris;
-use common::{agent, now_ms, parse, scrape, spawn_with_ulimit};
+use common::slowloris::{self, Met, SlowLoris};
+use common::{agent, env_number, now_ms, parse, scrape, Draws};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,13 +29,6 @@ const QUEUES: usize = 4;
 /// How far ahead a message is due, in ms.
 const DUE_IN_MS: (u64, u64) = (200, 1_700);
 const BATCH: usize = 50;
-
-fn env_number(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?}")))
-        .unwrap_or(default)
-}
 
 /// What the legitimate clients saw.
 #[derive(Debug, Default)]
@@ -54,54 +47,34 @@ struct Ledger {
     caps_seen: Vec<u64>,
 }
 
-/// Sends until answered with anything but a clean 503 `overloaded`; None after a transport error or
-/// when `give_up` is set (recorded or not worth recording).
+/// Records something the soak fails on.
+fn record_other(ledger: &Mutex<Ledger>, what: String) {
+    ledger.lock().unwrap().other.push(what);
+}
+
+/// [`slowloris::until_answered`] until `give_up` is set, counted in `ledger`.
 fn until_answered(
     ledger: &Mutex<Ledger>,
     give_up: &AtomicBool,
-    mut send: impl FnMut() -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    send: impl FnMut() -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
 ) -> Option<(u16, Value)> {
-    while !give_up.load(Ordering::Relaxed) {
-        let mut response = match send() {
-            Ok(response) => response,
-            Err(error) => {
-                ledger.lock().unwrap().other.push(error.to_string());
-                return None;
-            }
-        };
-        let status = response.status().as_u16();
-        let retry_after = response.headers().get("retry-after").is_some();
-        let body: Value = response.body_mut().read_json().unwrap_or(Value::Null);
-        if status == 503 && body["code"] == "overloaded" && retry_after {
-            ledger.lock().unwrap().overloaded += 1;
-            // Sooner than the Retry-After second: the soak wants pressure, not politeness.
-            std::thread::sleep(Duration::from_millis(50));
-            continue;
+    let go_on = || !give_up.load(Ordering::Relaxed);
+    slowloris::until_answered(send, go_on, Duration::from_millis(50), |met| {
+        let mut ledger = ledger.lock().unwrap();
+        match met {
+            Met::Error(error) => ledger.other.push(error.to_string()),
+            Met::Overloaded => ledger.overloaded += 1,
+            Met::Success => ledger.requests_2xx += 1,
+            // Not worth recording: the soak is over.
+            Met::GaveUp => {}
         }
-        if (200..300).contains(&status) {
-            ledger.lock().unwrap().requests_2xx += 1;
-        }
-        return Some((status, body));
-    }
-    None
-}
-
-/// xorshift64 draws.
-struct Draws(u64);
-
-impl Draws {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
+    })
 }
 
 /// One producer until `stop`: `kind` 0 sends one message per request on a fresh connection each time,
 /// 1 one per request on a keep-alive connection, 2 batches of [`BATCH`] on a keep-alive connection.
 fn produce(base: &str, kind: u8, seed: u64, ledger: &Mutex<Ledger>, stop: &AtomicBool) {
-    let mut draws = Draws(seed | 1);
+    let mut draws = Draws::new(seed);
     let kept = agent(Duration::from_secs(30));
     let mut sequence = 0u64;
     let never = AtomicBool::new(false);
@@ -111,7 +84,7 @@ fn produce(base: &str, kind: u8, seed: u64, ledger: &Mutex<Ledger>, stop: &Atomi
             .map(|_| {
                 sequence += 1;
                 let topic = draws.next() as usize % TOPICS;
-                let delay = DUE_IN_MS.0 + draws.next() % (DUE_IN_MS.1 - DUE_IN_MS.0);
+                let delay = draws.between(DUE_IN_MS);
                 json!({"topic": format!("soak.edge.{topic}"), "body": format!("{kind}-{seed}-{sequence}"), "delay": delay})
             })
             .collect();
@@ -121,32 +94,12 @@ fn produce(base: &str, kind: u8, seed: u64, ledger: &Mutex<Ledger>, stop: &Atomi
             } else {
                 kept.clone()
             };
-            if kind == 2 {
-                client
-                    .post(&format!("{base}/v1/messages/batch"))
-                    .send_json(json!({ "messages": messages }))
-            } else {
-                client
-                    .post(&format!("{base}/v1/messages"))
-                    .send_json(&messages[0])
-            }
+            slowloris::post_messages(&client, base, &messages)
         });
-        let answer = match answer {
-            Some((200 | 201, answer)) => answer,
-            Some((status, answer)) => {
-                ledger
-                    .lock()
-                    .unwrap()
-                    .other
-                    .push(format!("{status}: {answer}"));
-                continue;
-            }
-            None => continue,
+        let other = |what| record_other(ledger, what);
+        let Some(results) = slowloris::acknowledged(answer, other) else {
+            continue;
         };
-        let results = answer["results"]
-            .as_array()
-            .cloned()
-            .unwrap_or_else(|| vec![answer]);
         let mut ledger = ledger.lock().unwrap();
         for result in results {
             if let Some(id) = result["id"].as_str() {
@@ -172,18 +125,7 @@ fn slow_loris_and_a_low_fd_limit_beside_normal_load_deliver_everything_on_time()
     let load_for = Duration::from_secs(env_number("SOAK_EDGE_SECS", 10));
     let attackers = env_number("SOAK_EDGE_ATTACKERS", 400) as usize;
     let dir = tempfile::tempdir().unwrap();
-    // The broker's default segments: it keeps each commit-log segment open until retention deletes it,
-    // so small ones would take this limit's descriptors by themselves, whatever the HTTP edge does.
-    let process = spawn_with_ulimit(
-        dir.path(),
-        &[],
-        &[
-            ("DELAYD_MIN_FREE_DISK_BYTES", "0"),
-            ("DELAYD_RESERVED_FDS", "64"),
-            ("DELAYD_HEADER_TIMEOUT", "1s"),
-        ],
-        "-n 256",
-    );
+    let process = slowloris::spawn_with_256_fds(dir.path());
     let base = process.base.clone();
     let attack = SlowLoris::start(
         base.strip_prefix("http://").unwrap().parse().unwrap(),
@@ -218,12 +160,8 @@ fn slow_loris_and_a_low_fd_limit_beside_normal_load_deliver_everything_on_time()
                         ledger.probes_ready += 1;
                         ledger.probe_ms.push(sent.elapsed().as_millis() as i64);
                     }
-                    Ok(r) => ledger
-                        .lock()
-                        .unwrap()
-                        .other
-                        .push(format!("/readyz {}", r.status())),
-                    Err(e) => ledger.lock().unwrap().other.push(format!("/readyz {e}")),
+                    Ok(r) => record_other(&ledger, format!("/readyz {}", r.status())),
+                    Err(e) => record_other(&ledger, format!("/readyz {e}")),
                 }
                 // Once a second, the cap (a scrape past the cap is answered 503: skipped).
                 if round.is_multiple_of(5) {
@@ -267,11 +205,7 @@ fn slow_loris_and_a_low_fd_limit_beside_normal_load_deliver_everything_on_time()
                                 Some((200, answer)) => answer,
                                 Some((404, _)) | None => continue, // not delivered to yet, or stopping
                                 Some((status, answer)) => {
-                                    ledger
-                                        .lock()
-                                        .unwrap()
-                                        .other
-                                        .push(format!("pull {status}: {answer}"));
+                                    record_other(&ledger, format!("pull {status}: {answer}"));
                                     continue;
                                 }
                             };

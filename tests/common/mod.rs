@@ -29,6 +29,37 @@ pub fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
+/// The number in the environment variable `name` (a soak's setting), or `default` where it is not
+/// set.
+pub fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .map(|v| v.parse().unwrap_or_else(|_| panic!("{name}={v:?}")))
+        .unwrap_or(default)
+}
+
+/// xorshift64: reproducible draws from a seed, for the soaks' loads.
+pub struct Draws(u64);
+
+impl Draws {
+    pub fn new(seed: u64) -> Draws {
+        // xorshift never leaves 0.
+        Draws(seed | 1)
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A draw in `low..high`.
+    pub fn between(&mut self, (low, high): (u64, u64)) -> u64 {
+        low + self.next() % (high - low)
+    }
+}
+
 /// An RFC 3339 time from an answer, as unix milliseconds.
 pub fn parse(value: &Value) -> i64 {
     let text = value.as_str().unwrap();

@@ -1,9 +1,14 @@
 //! Slow-loris clients for tests of the HTTP edge: connections that send the start of a request head and
 //! then stall, each reopened as soon as the server closes it, so that the pressure lasts as long as the
 //! attack does. One thread polls every socket (non-blocking) and reports what the server did with them.
+//! Beside them, [`until_answered`] sends a legitimate client's request through the clean 503s an
+//! overloaded server answers with.
 
+use super::{spawn_with_ulimit, Process};
+use serde_json::Value;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -163,4 +168,108 @@ fn attack(
         std::thread::sleep(Duration::from_millis(20));
     }
     report
+}
+
+/// What [`until_answered`] met on the way to an answer, for the caller to count.
+pub enum Met {
+    /// A transport error: the request is given up.
+    Error(ureq::Error),
+    /// A clean 503 `overloaded` with `Retry-After`: retried.
+    Overloaded,
+    /// A 2xx answer.
+    Success,
+    /// `go_on` said to stop before an answer came.
+    GaveUp,
+}
+
+/// Sends until answered with anything but a clean 503 `overloaded` (with `Retry-After`), each of
+/// those retried after `pause` (sooner than the Retry-After second: the tests want pressure, not
+/// politeness), for as long as `go_on` holds; tells `met` what it met. The answer's status and JSON;
+/// None after a transport error or once `go_on` stopped it.
+pub fn until_answered(
+    mut send: impl FnMut() -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    mut go_on: impl FnMut() -> bool,
+    pause: Duration,
+    mut met: impl FnMut(Met),
+) -> Option<(u16, Value)> {
+    while go_on() {
+        let mut response = match send() {
+            Ok(response) => response,
+            Err(error) => {
+                met(Met::Error(error));
+                return None;
+            }
+        };
+        let status = response.status().as_u16();
+        let retry_after = response.headers().get("retry-after").is_some();
+        let body: Value = response.body_mut().read_json().unwrap_or(Value::Null);
+        if status == 503 && body["code"] == "overloaded" && retry_after {
+            met(Met::Overloaded);
+            std::thread::sleep(pause);
+            continue;
+        }
+        if (200..300).contains(&status) {
+            met(Met::Success);
+        }
+        return Some((status, body));
+    }
+    met(Met::GaveUp);
+    None
+}
+
+/// The real binary as the slow-loris tests attack it: under `ulimit -n 256` (soft and hard), with 64
+/// descriptors reserved for storage and a 1 s header timeout. (The broker's segments are the default
+/// ones: it keeps each commit-log segment open until retention deletes it, so small ones would take
+/// this limit's descriptors by themselves, whatever the HTTP edge does.)
+pub fn spawn_with_256_fds(dir: &Path) -> Process {
+    spawn_with_ulimit(
+        dir,
+        &[],
+        &[
+            ("DELAYD_MIN_FREE_DISK_BYTES", "0"),
+            ("DELAYD_RESERVED_FDS", "64"),
+            ("DELAYD_HEADER_TIMEOUT", "1s"),
+        ],
+        "-n 256",
+    )
+}
+
+/// Posts `messages` to the server at `base` through `client` as a legitimate producer does: one
+/// alone, more as a batch.
+pub fn post_messages(
+    client: &ureq::Agent,
+    base: &str,
+    messages: &[Value],
+) -> Result<ureq::http::Response<ureq::Body>, ureq::Error> {
+    if let [message] = messages {
+        client
+            .post(&format!("{base}/v1/messages"))
+            .send_json(message)
+    } else {
+        client
+            .post(&format!("{base}/v1/messages/batch"))
+            .send_json(serde_json::json!({ "messages": messages }))
+    }
+}
+
+/// What a producer's answered post (see [`until_answered`]) acknowledged: a batch's results (200), or
+/// the one message's answer (201). None where nothing came (a transport error, recorded already) or
+/// another answer, which is given to `other`.
+pub fn acknowledged(
+    answer: Option<(u16, Value)>,
+    other: impl FnOnce(String),
+) -> Option<Vec<Value>> {
+    match answer {
+        Some((200 | 201, answer)) => Some(
+            answer["results"]
+                .as_array()
+                .cloned()
+                .unwrap_or_else(|| vec![answer]),
+        ),
+        Some((status, answer)) => {
+            other(format!("{status}: {answer}"));
+            None
+        }
+        None => None,
+    }
 }

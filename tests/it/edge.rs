@@ -7,7 +7,7 @@
 //! something to happen, and their upper bounds leave room for a busy machine.
 
 use super::*;
-use common::slowloris::SlowLoris;
+use common::slowloris::{self, Met, SlowLoris};
 use common::{agent, serve_until_exit, spawn_with_env, spawn_with_ulimit};
 use std::collections::{HashMap, HashSet};
 use std::io::{ErrorKind, Read, Write};
@@ -437,40 +437,30 @@ struct Legitimate {
     other: Vec<String>,
 }
 
-/// Sends `request` until it is answered with anything but a clean 503 `overloaded` (with
-/// `Retry-After`): each of those is counted and retried after a short pause. The answer's status and
-/// JSON; None after a transport error (recorded).
+/// Records something the slow-loris test fails on.
+fn record_other(legit: &Mutex<Legitimate>, what: String) {
+    legit.lock().unwrap().other.push(what);
+}
+
+/// [`slowloris::until_answered`] for up to a minute, counted in `legit` (a minute without an answer
+/// too).
 fn until_answered(
     legit: &Mutex<Legitimate>,
-    mut request: impl FnMut() -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    request: impl FnMut() -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
 ) -> Option<(u16, Value)> {
     let deadline = Instant::now() + seconds(60.0);
-    while Instant::now() < deadline {
-        let mut response = match request() {
-            Ok(response) => response,
-            Err(error) => {
-                legit.lock().unwrap().other.push(error.to_string());
-                return None;
-            }
-        };
-        let status = response.status().as_u16();
-        let retry_after = response.headers().get("retry-after").is_some();
-        let body: Value = response.body_mut().read_json().unwrap_or(Value::Null);
+    let go_on = || Instant::now() < deadline;
+    // The answer said to come back in a second; a tenth of it keeps the test short.
+    let pause = Duration::from_millis(100);
+    slowloris::until_answered(request, go_on, pause, |met| {
         let mut seen = legit.lock().unwrap();
-        if status == 503 && body["code"] == "overloaded" && retry_after {
-            seen.overloaded += 1;
-        } else {
-            if (200..300).contains(&status) {
-                seen.answered_2xx += 1;
-            }
-            return Some((status, body));
+        match met {
+            Met::Error(error) => seen.other.push(error.to_string()),
+            Met::Overloaded => seen.overloaded += 1,
+            Met::Success => seen.answered_2xx += 1,
+            Met::GaveUp => seen.other.push("never answered".into()),
         }
-        drop(seen);
-        // The answer said to come back in a second; a tenth of it keeps the test short.
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    legit.lock().unwrap().other.push("never answered".into());
-    None
+    })
 }
 
 /// Slow-loris clients against the real binary under a low open-file limit (256, soft and hard): they
@@ -484,16 +474,7 @@ fn slow_loris_clients_against_a_low_fd_limit_leave_storage_and_requests_working(
     const HEADER_TIMEOUT_S: f64 = 1.0;
     let started = Instant::now();
     let dir = tempfile::tempdir().unwrap();
-    let process = spawn_with_ulimit(
-        dir.path(),
-        &[],
-        &[
-            ("DELAYD_MIN_FREE_DISK_BYTES", "0"),
-            ("DELAYD_RESERVED_FDS", "64"),
-            ("DELAYD_HEADER_TIMEOUT", "1s"),
-        ],
-        "-n 256",
-    );
+    let process = slowloris::spawn_with_256_fds(dir.path());
     let address = process
         .base
         .strip_prefix("http://")
@@ -511,12 +492,8 @@ fn slow_loris_clients_against_a_low_fd_limit_leave_storage_and_requests_working(
                 // A fresh connection each time, as an orchestrator's probe.
                 match agent(seconds(30.0)).get(&format!("{base}/readyz")).call() {
                     Ok(r) if r.status() == 200 => legit.lock().unwrap().probes_ready += 1,
-                    Ok(r) => legit
-                        .lock()
-                        .unwrap()
-                        .other
-                        .push(format!("/readyz {}", r.status())),
-                    Err(e) => legit.lock().unwrap().other.push(format!("/readyz {e}")),
+                    Ok(r) => record_other(&legit, format!("/readyz {}", r.status())),
+                    Err(e) => record_other(&legit, format!("/readyz {e}")),
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
@@ -540,25 +517,12 @@ fn slow_loris_clients_against_a_low_fd_limit_leave_storage_and_requests_working(
                         .collect();
                     let answer = until_answered(&legit, || {
                         let client = if p < 2 { agent(seconds(30.0)) } else { kept.clone() };
-                        if per_request == 1 {
-                            client
-                                .post(&format!("{base}/v1/messages"))
-                                .send_json(&messages[0])
-                        } else {
-                            client
-                                .post(&format!("{base}/v1/messages/batch"))
-                                .send_json(json!({ "messages": messages }))
-                        }
+                        slowloris::post_messages(&client, &base, &messages)
                     });
-                    let answer = match answer {
-                        Some((200 | 201, answer)) => answer,
-                        Some((status, answer)) => {
-                            legit.lock().unwrap().other.push(format!("{status}: {answer}"));
-                            return;
-                        }
-                        None => return,
+                    let other = |what| record_other(&legit, what);
+                    let Some(results) = slowloris::acknowledged(answer, other) else {
+                        return;
                     };
-                    let results = answer["results"].as_array().cloned().unwrap_or(vec![answer]);
                     let mut seen = legit.lock().unwrap();
                     for result in results {
                         let id = result["id"].as_str().unwrap().to_string();
@@ -590,11 +554,7 @@ fn slow_loris_clients_against_a_low_fd_limit_leave_storage_and_requests_working(
                 // The topic exists once the first delivery is stored.
                 Some((404, _)) => continue,
                 Some((status, answer)) => {
-                    legit
-                        .lock()
-                        .unwrap()
-                        .other
-                        .push(format!("{status}: {answer}"));
+                    record_other(&legit, format!("{status}: {answer}"));
                     continue;
                 }
                 None => continue,
