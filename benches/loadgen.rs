@@ -504,6 +504,31 @@ impl Target for Sidecar {
     }
 }
 
+/// One read of a target's `reader` (its one consumer task's): waits a little for a first message,
+/// then takes what else is already here, up to 1000, as `parse` reads each (None: nothing to count).
+/// Fails with `ended` if the reader ends.
+async fn take_ready<S: futures_util::Stream + Unpin>(
+    reader: &mut S,
+    ended: &str,
+    mut parse: impl FnMut(S::Item) -> anyhow::Result<Option<(u64, i64)>>,
+) -> anyhow::Result<Vec<(u64, i64)>> {
+    use futures_util::{FutureExt, StreamExt};
+    let mut got = Vec::new();
+    let mut next = match tokio::time::timeout(Duration::from_millis(200), reader.next()).await {
+        Ok(Some(message)) => Some(message),
+        Ok(None) => anyhow::bail!("{ended}"),
+        Err(_) => None,
+    };
+    while let Some(message) = next {
+        got.extend(parse(message)?);
+        if got.len() >= 1000 {
+            break;
+        }
+        next = reader.next().now_or_never().flatten();
+    }
+    Ok(got)
+}
+
 // ---------------------------------------------------------------- delayd as a NATS JetStream sidecar
 
 /// The NATS path: requests published through JetStream to delayd's source subject (a batch published,
@@ -628,28 +653,18 @@ impl Target for NatsSidecar {
     }
 
     async fn consume(&self, _consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
-        use futures_util::{FutureExt, StreamExt};
         let mut reader = self.reader.lock().await;
-        let mut got = Vec::new();
-        // Wait a little for one message, then take what else is already here.
-        let mut next = match tokio::time::timeout(Duration::from_millis(200), reader.next()).await {
-            Ok(Some(message)) => Some(message),
-            Ok(None) => anyhow::bail!("the target stream's reader ended"),
-            Err(_) => None,
-        };
-        while let Some(message) = next {
-            match message {
-                Ok(message) => got.push(parse_body(&String::from_utf8_lossy(&message.payload))),
-                // A missed heartbeat under load, say: the reader goes on; a message it lost would
-                // show as lost.
-                Err(error) => eprintln!("\nreading the target stream: {error}"),
+        let ended = "the target stream's reader ended";
+        take_ready(&mut *reader, ended, |message| match message {
+            Ok(message) => Ok(Some(parse_body(&String::from_utf8_lossy(&message.payload)))),
+            // A missed heartbeat under load, say: the reader goes on; a message it lost would show
+            // as lost.
+            Err(error) => {
+                eprintln!("\nreading the target stream: {error}");
+                Ok(None)
             }
-            if got.len() >= 1000 {
-                break;
-            }
-            next = reader.next().now_or_never().flatten();
-        }
-        Ok(got)
+        })
+        .await
     }
 }
 
@@ -672,9 +687,7 @@ struct AmqpSidecar {
     channels: Vec<lapin::Channel>,
     next: AtomicU64,
     reader: tokio::sync::Mutex<lapin::Consumer>,
-    produced: AtomicU64,
-    /// delayd's HTTP API, for its metrics.
-    http: Http,
+    produced: Produced,
 }
 
 /// The source queue as `benches/sidecar.sh` configures delayd, and the target queue.
@@ -732,22 +745,48 @@ impl AmqpSidecar {
             channels: opened,
             next: AtomicU64::new(0),
             reader: tokio::sync::Mutex::new(reader),
-            produced: AtomicU64::new(0),
-            http: Http::new(delayd)?,
+            produced: Produced::new(delayd)?,
         })
     }
 }
 
-/// Requests delayd made durable (at `http`): the sum of `delayd_source_messages_total` over its
-/// sources and outcomes.
-async fn taken(http: &Http) -> anyhow::Result<u64> {
-    let (status, text) = http.request("GET", "/metrics", "").await?;
-    anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}");
-    Ok(text
-        .lines()
-        .filter(|l| l.starts_with("delayd_source_messages_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64)
+/// The requests produced to an MQ delayd reads, beside delayd's HTTP API, whose metrics count those
+/// it made durable: what [`Target::settled`] waits for where the MQ does not tell.
+struct Produced {
+    count: AtomicU64,
+    /// delayd's HTTP API, for its metrics.
+    http: Http,
+}
+
+impl Produced {
+    fn new(delayd: &str) -> anyhow::Result<Produced> {
+        Ok(Produced {
+            count: AtomicU64::new(0),
+            http: Http::new(delayd)?,
+        })
+    }
+
+    /// Counts `count` more requests produced; returns how many were before.
+    fn add(&self, count: u64) -> u64 {
+        self.count.fetch_add(count, Ordering::Relaxed)
+    }
+
+    /// Requests delayd made durable: the sum of `delayd_source_messages_total` over its sources and
+    /// outcomes.
+    async fn taken(&self) -> anyhow::Result<u64> {
+        let (status, text) = self.http.request("GET", "/metrics", "").await?;
+        anyhow::ensure!(status == 200, "GET /metrics: HTTP {status}");
+        Ok(text
+            .lines()
+            .filter(|l| l.starts_with("delayd_source_messages_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64)
+    }
+
+    /// Whether delayd made every request produced so far durable.
+    async fn all_taken(&self) -> anyhow::Result<bool> {
+        Ok(self.taken().await? >= self.count.load(Ordering::Relaxed))
+    }
 }
 
 impl Target for AmqpSidecar {
@@ -790,13 +829,11 @@ impl Target for AmqpSidecar {
         for confirm in confirms {
             anyhow::ensure!(confirm.await?.is_ack(), "the broker nacked a request");
         }
-        self.produced
-            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        self.produced.add(jobs.len() as u64);
         Ok(())
     }
 
     async fn settled(&self) -> anyhow::Result<()> {
-        let produced = self.produced.load(Ordering::Relaxed);
         loop {
             let queue = self.channels[0]
                 .queue_declare(
@@ -808,7 +845,7 @@ impl Target for AmqpSidecar {
                     lapin::types::FieldTable::default(),
                 )
                 .await?;
-            if queue.message_count() == 0 && taken(&self.http).await? >= produced {
+            if queue.message_count() == 0 && self.produced.all_taken().await? {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -816,22 +853,12 @@ impl Target for AmqpSidecar {
     }
 
     async fn consume(&self, _consumer: usize) -> anyhow::Result<Vec<(u64, i64)>> {
-        use futures_util::{FutureExt, StreamExt};
         let mut reader = self.reader.lock().await;
-        let mut got = Vec::new();
-        let mut next = match tokio::time::timeout(Duration::from_millis(200), reader.next()).await {
-            Ok(Some(delivery)) => Some(delivery),
-            Ok(None) => anyhow::bail!("the target queue's consumer ended"),
-            Err(_) => None,
-        };
-        while let Some(delivery) = next {
-            got.push(parse_body(&String::from_utf8_lossy(&delivery?.data)));
-            if got.len() >= 1000 {
-                break;
-            }
-            next = reader.next().now_or_never().flatten();
-        }
-        Ok(got)
+        let ended = "the target queue's consumer ended";
+        take_ready(&mut *reader, ended, |delivery| {
+            Ok(Some(parse_body(&String::from_utf8_lossy(&delivery?.data))))
+        })
+        .await
     }
 }
 
@@ -849,8 +876,7 @@ struct KafkaSidecar {
     /// Straight, with a request's headers (`--with-headers`).
     with_headers: bool,
     reader: rdkafka::consumer::StreamConsumer,
-    produced: AtomicU64,
-    http: Http,
+    produced: Produced,
 }
 
 /// The source topic as `benches/sidecar.sh` configures delayd, and the target topic.
@@ -911,8 +937,7 @@ impl KafkaSidecar {
             straight,
             with_headers,
             reader,
-            produced: AtomicU64::new(0),
-            http: Http::new(delayd)?,
+            produced: Produced::new(delayd)?,
         })
     }
 
@@ -957,13 +982,13 @@ impl KafkaSidecar {
             .send(record, Duration::from_secs(60))
             .await
             .map_err(|(e, _)| e)?;
-        let before = self.produced.fetch_add(1, Ordering::Relaxed);
+        let before = self.produced.add(1);
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             // Polling the reader is what lets it join (nothing is on its fresh topic yet).
             let _ = tokio::time::timeout(Duration::from_millis(100), self.reader.recv()).await;
             let joined = self.reader.assignment()?.count() > 0;
-            if joined && taken(&self.http).await? > before {
+            if joined && self.produced.taken().await? > before {
                 return Ok(());
             }
             anyhow::ensure!(
@@ -999,15 +1024,13 @@ impl Target for KafkaSidecar {
         for sent in futures_util::future::join_all(sends).await {
             sent.map_err(|(e, _)| e)?;
         }
-        self.produced
-            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
+        self.produced.add(jobs.len() as u64);
         Ok(())
     }
 
     async fn settled(&self) -> anyhow::Result<()> {
-        let produced = self.produced.load(Ordering::Relaxed);
         loop {
-            if taken(&self.http).await? >= produced {
+            if self.produced.all_taken().await? {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;

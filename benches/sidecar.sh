@@ -110,62 +110,28 @@ trap cleanup EXIT
 cargo build --release --benches -q 2>/dev/null || cargo build --release --benches
 LOADGEN=$(ls -t target/release/deps/loadgen-* | grep -v '\.d$' | head -1)
 
-cat >"$WORK/redis.toml" <<TOML
+# config KIND URL SINK_KEYS SOURCE_KEYS: $WORK/KIND.toml, a KIND source `in` on the MQ at URL feeding a
+# KIND sink `out` there, each with its own keys (lines) beside the ones they share.
+config() {
+  cat >"$WORK/$1.toml" <<TOML
 [sinks.out]
-kind = "redis"
-url = "redis://127.0.0.1:6398/"
+kind = "$1"
+url = "$2"
 max_in_flight = 8
+$3
 
 [sources.in]
-kind = "redis"
-url = "redis://127.0.0.1:6398/"
-stream_key = "delayd:in"
-consumer = "bench"
+kind = "$1"
+url = "$2"
+$4
 sink = "out"
 batch = 1024
 TOML
-cat >"$WORK/nats.toml" <<TOML
-[sinks.out]
-kind = "nats"
-url = "nats://127.0.0.1:4298"
-max_in_flight = 8
-
-[sources.in]
-kind = "nats"
-url = "nats://127.0.0.1:4298"
-stream = "DELAYS"
-subject = "delayd.>"
-sink = "out"
-batch = 1024
-TOML
-cat >"$WORK/kafka.toml" <<TOML
-[sinks.out]
-kind = "kafka"
-url = "kafka://127.0.0.1:9498"
-max_in_flight = 8
-
-[sources.in]
-kind = "kafka"
-url = "kafka://127.0.0.1:9498"
-topics = ["delayd-in"]
-consumer = "bench"
-sink = "out"
-batch = 1024
-TOML
-cat >"$WORK/amqp.toml" <<TOML
-[sinks.out]
-kind = "amqp"
-url = "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"
-exchange = ""
-max_in_flight = 8
-
-[sources.in]
-kind = "amqp"
-url = "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f"
-queue = "delayd.in"
-sink = "out"
-batch = 1024
-TOML
+}
+config redis "redis://127.0.0.1:6398/" "" $'stream_key = "delayd:in"\nconsumer = "bench"'
+config nats "nats://127.0.0.1:4298" "" $'stream = "DELAYS"\nsubject = "delayd.>"'
+config kafka "kafka://127.0.0.1:9498" "" $'topics = ["delayd-in"]\nconsumer = "bench"'
+config amqp "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f" 'exchange = ""' 'queue = "delayd.in"'
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
