@@ -45,8 +45,8 @@ export HYPOTHESIS_STORAGE_DIRECTORY=$WORK/hypothesis
 # One bearer token, so that every /v1 operation is checked behind it (and `ignored_auth` checks that it
 # is required). Long polls end within 200 ms: a generated wait_ms must not hold the run for 30 s. How full
 # this machine's disk is must not decide the run. A webhook sink and a Redis source and sink whose
-# servers are absent (port 1 of the loopback refuses connections): dead letters to requeue and discard,
-# and connections that say why they are down in /v1/sources and /v1/sinks.
+# servers are absent (tests/unreachable_connections.toml): dead letters to requeue and discard, and
+# connections that say why they are down in /v1/sources and /v1/sinks.
 cat >"$WORK/delayd.toml" <<EOF
 data_dir = "$WORK/data"
 listen = "127.0.0.1:0"
@@ -56,21 +56,8 @@ tokens = ["$TOKEN"]
 max_wait = "200ms"
 [limits]
 min_free_disk_bytes = 0
-[sinks.unreachable]
-kind = "webhook"
-url = "http://127.0.0.1:1/"
-secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-max_attempts = 1
-[sinks.redis-out]
-kind = "redis"
-url = "redis://127.0.0.1:1/"
-[sources.redis-in]
-kind = "redis"
-url = "redis://127.0.0.1:1/"
-stream_key = "in"
-consumer = "schemathesis"
-sink = "redis-out"
 EOF
+cat tests/unreachable_connections.toml >>"$WORK/delayd.toml"
 "$BIN" serve --config "$WORK/delayd.toml" >"$WORK/server.log" 2>&1 &
 SERVER=$!
 

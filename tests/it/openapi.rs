@@ -494,28 +494,8 @@ fn the_conformance_check_finds_what_differs() {
 fn every_answer_conforms_to_its_documented_schema() {
     // A webhook sink that cannot connect (dead letters), and a Redis source and sink whose server is
     // absent (connections that say why they are down), as tests/schemathesis.sh configures them.
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("delayd.toml");
-    std::fs::write(
-        &file,
-        r#"
-[sinks.unreachable]
-kind = "webhook"
-url = "http://127.0.0.1:1/"
-secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-max_attempts = 1
-[sinks.redis-out]
-kind = "redis"
-url = "redis://127.0.0.1:1/"
-[sources.redis-in]
-kind = "redis"
-url = "redis://127.0.0.1:1/"
-stream_key = "in"
-consumer = "conformance"
-sink = "redis-out"
-"#,
-    )
-    .unwrap();
+    let file =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/unreachable_connections.toml");
     let flags = delayd::config::Flags::default();
     let connections = delayd::config::Config::load(Some(&file), Vec::new(), &flags).unwrap();
     let server = Server::start(|c| {
