@@ -172,6 +172,18 @@ pub struct Answer {
     pub json: Value,
 }
 
+impl Answer {
+    /// Asserts that this is the problem `code` with the HTTP `status`.
+    pub fn assert_problem(&self, status: u16, code: &str) {
+        assert_eq!(
+            (self.status, self.json["code"].as_str()),
+            (status, Some(code)),
+            "{}",
+            self.json
+        );
+    }
+}
+
 /// One request on a fresh connection (60 s at most); panics on a transport error.
 pub fn request(
     base: &str,

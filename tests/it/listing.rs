@@ -45,12 +45,7 @@ fn pending_messages_are_listed_by_due_time_counted_per_hour_and_purged_by_topic(
         .iter()
         .map(|(topic, at)| json!({"topic": topic, "body": "x", "deliver_at": at}))
         .collect();
-    let answer = server.call(
-        "POST",
-        "/v1/messages/batch",
-        Some(json!({"messages": messages})),
-    );
-    assert_eq!(answer.status, 200, "{}", answer.json);
+    let answer = server.batch(&messages);
     let id_of: std::collections::HashMap<String, (String, i64)> = answer.json["results"]
         .as_array()
         .unwrap()

@@ -133,6 +133,18 @@ impl Server {
             None,
         )
     }
+
+    /// Schedules `messages` in one batch request: its answer, which must be a 200 (the batch was
+    /// read; each result says how its message fared).
+    fn batch(&self, messages: &[Value]) -> Answer {
+        let answer = self.call(
+            "POST",
+            "/v1/messages/batch",
+            Some(json!({ "messages": messages })),
+        );
+        assert_eq!(answer.status, 200, "{}", answer.json);
+        answer
+    }
 }
 
 impl Drop for Server {
@@ -192,10 +204,7 @@ fn a_message_is_invisible_before_deliver_at_and_visible_after() {
     assert_eq!(status.json["delivered_at"], message["delivered_at"]);
     // Cancelling a delivered message is a conflict.
     let cancel = server.call("DELETE", &format!("/v1/messages/{id}"), None);
-    assert_eq!(
-        (cancel.status, cancel.json["code"].as_str()),
-        (409, Some("already_delivered"))
-    );
+    cancel.assert_problem(409, "already_delivered");
 }
 
 /// A delay is read as people write it: `1m30s` is ninety seconds, also over HTTP.
@@ -220,10 +229,7 @@ fn a_compound_delay_is_read_as_written() {
         "/v1/messages",
         Some(json!({"topic": "t", "body": "x", "delay": "30s1m"})),
     );
-    assert_eq!(
-        (wrong.status, wrong.json["code"].as_str()),
-        (400, Some("invalid_delay"))
-    );
+    wrong.assert_problem(400, "invalid_delay");
 }
 
 #[test]
@@ -274,10 +280,14 @@ fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
         (&answer["next_offset"], &answer["skipped"]),
         (&json!(2), &json!(0))
     );
-    let binary = messages
-        .iter()
-        .find(|m| m["id"] == ids[0].as_str())
-        .unwrap();
+    // The message sent `i`th.
+    let sent_as = |i: usize| {
+        messages
+            .iter()
+            .find(|m| m["id"] == ids[i].as_str())
+            .unwrap()
+    };
+    let binary = sent_as(0);
     assert_eq!(binary["body_base64"], "AAEC/w==");
     // No key given: none in the answer (not null); no `body` beside `body_base64`.
     let binary_keys = [
@@ -291,10 +301,7 @@ fn a_binary_body_is_pulled_as_base64_and_a_text_one_as_text() {
         "topic",
     ];
     assert_eq!(keys(binary), binary_keys, "{binary}");
-    let text = messages
-        .iter()
-        .find(|m| m["id"] == ids[1].as_str())
-        .unwrap();
+    let text = sent_as(1);
     assert_eq!(text["body"], "text");
     let text_keys = [
         "attempt",
@@ -449,10 +456,7 @@ fn batches_status_cancel_and_group_offsets() {
         "the topic has one queue"
     );
     let past = put("offsets.t", 0, 13);
-    assert_eq!(
-        (past.status, past.json["code"].as_str()),
-        (400, Some("invalid_offset"))
-    );
+    past.assert_problem(400, "invalid_offset");
     let stored = put("offsets.t", 0, 1);
     assert_eq!(stored.status, 200, "{}", stored.json);
     let got = server.call("GET", "/v1/groups/g1/offsets/offsets.t", None);
@@ -680,15 +684,9 @@ fn every_class_of_bad_input_gets_its_code() {
         Some(r#"{"topic":"t","body":"x","delay":1}"#),
         Some("wrong-token-wrong-token"),
     );
-    assert_eq!(
-        (wrong.status, wrong.json["code"].as_str()),
-        (401, Some("unauthorized"))
-    );
+    wrong.assert_problem(401, "unauthorized");
     let missing = request(&server.base, "GET", "/v1/topics", None, None);
-    assert_eq!(
-        (missing.status, missing.json["code"].as_str()),
-        (401, Some("unauthorized"))
-    );
+    missing.assert_problem(401, "unauthorized");
     // Operations routes stay open.
     assert_eq!(
         request(&server.base, "GET", "/healthz", None, None).status,
@@ -941,10 +939,7 @@ fn dedup_keys_return_the_pending_message_even_across_restarts() {
         "/v1/messages",
         Some(json!({"topic": "t", "body": "x", "delay": 1, "dedup": true})),
     );
-    assert_eq!(
-        (keyless.status, keyless.json["code"].as_str()),
-        (400, Some("invalid_key"))
-    );
+    keyless.assert_problem(400, "invalid_key");
     let batch = server.call("POST", "/v1/messages/batch", Some(json!({"messages": [{"topic": "t", "body": "x", "delay": 1, "key": "k", "dedup": true}]})));
     assert_eq!(
         batch.json["results"][0]["error"]["code"],
@@ -1045,8 +1040,24 @@ fn send_due_at(base: &str, topic: &str, bodies: &[String], at_ms: i64) {
         .all(|r| r["status"] == "scheduled"));
 }
 
-/// `count` lines of a tail's stdout, each a message; their bodies, sorted.
-fn tailed_bodies(tail: &common::Background, count: usize, deadline: Instant) -> Vec<String> {
+/// `delayd tail ARGS` against `base`, once it reported where it starts (its first line on stderr,
+/// which contains `start`): only then is a message the test sends "after tail started".
+fn start_tail(base: &str, args: &[&str], start: &str, deadline: Instant) -> common::Background {
+    let mut tail_args = vec!["tail"];
+    tail_args.extend(args);
+    let tail = spawn_cli(base, &tail_args);
+    let started = tail
+        .stderr
+        .next_before(deadline)
+        .expect("tail reports its start");
+    assert!(started.contains(start), "{started}");
+    tail
+}
+
+/// The tail prints a message for each of the `sent` bodies (in any order), then exits by itself,
+/// successfully, having printed nothing more.
+fn assert_tail_prints(tail: &mut common::Background, mut sent: Vec<String>, deadline: Instant) {
+    let count = sent.len();
     let mut bodies: Vec<String> = (0..count)
         .map(|i| {
             let line = tail
@@ -1058,7 +1069,11 @@ fn tailed_bodies(tail: &common::Background, count: usize, deadline: Instant) -> 
         })
         .collect();
     bodies.sort();
-    bodies
+    sent.sort();
+    assert_eq!(bodies, sent);
+    let (rest, status) = tail.finish_before(deadline);
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert!(rest.is_empty(), "{rest:?}");
 }
 
 /// A new group on a topic that does not exist yet misses nothing: every queue starts at offset 0, however
@@ -1069,32 +1084,18 @@ fn tail_of_a_topic_that_does_not_exist_yet_prints_its_first_messages() {
     let dir = tempfile::tempdir().unwrap();
     let process = spawn(dir.path(), &[]);
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut tail = spawn_cli(
-        &process.base,
-        &[
-            "tail",
-            "--topic",
-            "fresh.topic",
-            "--group",
-            "fresh-group",
-            "--count",
-            "20",
-        ],
-    );
-    // Tail reports where it starts once that is fixed; only then is the test's message "after tail
-    // started".
-    let started = tail
-        .stderr
-        .next_before(deadline)
-        .expect("tail reports its start");
-    assert!(started.contains("does not exist yet"), "{started}");
-    let mut sent: Vec<String> = (0..20).map(|i| format!("m{i:02}")).collect();
+    let args = [
+        "--topic",
+        "fresh.topic",
+        "--group",
+        "fresh-group",
+        "--count",
+        "20",
+    ];
+    let mut tail = start_tail(&process.base, &args, "does not exist yet", deadline);
+    let sent: Vec<String> = (0..20).map(|i| format!("m{i:02}")).collect();
     send_due_at(&process.base, "fresh.topic", &sent, now_ms() + 300);
-    sent.sort();
-    assert_eq!(tailed_bodies(&tail, 20, deadline), sent);
-    let (rest, status) = tail.finish_before(deadline);
-    assert!(status.is_some_and(|s| s.success()), "{status:?}");
-    assert!(rest.is_empty(), "{rest:?}");
+    assert_tail_prints(&mut tail, sent, deadline);
     // The group committed every queue past what was printed.
     let committed = request(
         &process.base,
@@ -1129,28 +1130,9 @@ fn tail_from_end_prints_only_what_arrives_after_it_started() {
         assert!(Instant::now() < deadline, "{}", info.json);
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut tail = spawn_cli(
-        &process.base,
-        &[
-            "tail",
-            "--topic",
-            "busy.topic",
-            "--from",
-            "end",
-            "--count",
-            "3",
-        ],
-    );
-    let started = tail
-        .stderr
-        .next_before(deadline)
-        .expect("tail reports its start");
-    assert!(started.contains("from queue:offset"), "{started}");
-    let mut new: Vec<String> = (0..3).map(|i| format!("new{i}")).collect();
+    let args = ["--topic", "busy.topic", "--from", "end", "--count", "3"];
+    let mut tail = start_tail(&process.base, &args, "from queue:offset", deadline);
+    let new: Vec<String> = (0..3).map(|i| format!("new{i}")).collect();
     send_due_at(&process.base, "busy.topic", &new, now_ms());
-    new.sort();
-    assert_eq!(tailed_bodies(&tail, 3, deadline), new);
-    let (rest, status) = tail.finish_before(deadline);
-    assert!(status.is_some_and(|s| s.success()), "{status:?}");
-    assert!(rest.is_empty(), "{rest:?}");
+    assert_tail_prints(&mut tail, new, deadline);
 }

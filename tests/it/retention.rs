@@ -93,12 +93,7 @@ fn the_data_dir_levels_off_under_a_steady_load_of_deliveries() {
                     json!({"topic": topic, "body": body, "deliver_at": start + 1 + n * (HOUR - 2) / per_hour})
                 })
                 .collect();
-            let answer = server.call(
-                "POST",
-                "/v1/messages/batch",
-                Some(json!({"messages": messages})),
-            );
-            assert_eq!(answer.status, 200, "{}", answer.json);
+            let answer = server.batch(&messages);
             first_id.get_or_init(|| {
                 answer.json["results"][0]["id"]
                     .as_str()

@@ -419,12 +419,7 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
         ),
         None,
     );
-    assert_eq!(
-        (sent.status, sent.json["code"].as_str()),
-        (400, Some("forbidden_target")),
-        "{}",
-        sent.json
-    );
+    sent.assert_problem(400, "forbidden_target");
     assert!(
         nats.stream_exists("DELAYS"),
         "the source's stream is still there"

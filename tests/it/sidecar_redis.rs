@@ -510,12 +510,7 @@ fn keys_belong_to_their_sink_and_targets_are_checked() {
         ),
     ] {
         let refused = post(body);
-        assert_eq!(
-            (refused.status, refused.json["code"].as_str()),
-            (400, Some(code)),
-            "{}",
-            refused.json
-        );
+        refused.assert_problem(400, code);
     }
 }
 

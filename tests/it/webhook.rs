@@ -702,15 +702,9 @@ fn a_dead_letter_is_listed_then_requeued_and_delivered_or_discarded() {
         format!("/v1/messages/{again}/requeue"),
         json!({"delay": "soon"}),
     );
-    assert_eq!(
-        (answer.status, answer.json["code"].as_str()),
-        (400, Some("invalid_delay"))
-    );
+    answer.assert_problem(400, "invalid_delay");
     let answer = call(format!("/v1/messages/{pending}/requeue"), json!({}));
-    assert_eq!(
-        (answer.status, answer.json["code"].as_str()),
-        (409, Some("not_dead"))
-    );
+    answer.assert_problem(409, "not_dead");
     // In the words its lookup shows.
     let detail = answer.json["detail"].as_str().unwrap_or_default();
     assert!(detail.contains("is scheduled, not dead"), "{detail}");
@@ -744,10 +738,7 @@ fn a_dead_letter_is_listed_then_requeued_and_delivered_or_discarded() {
     assert_eq!(history[1]["outcome"], "delivered");
     // Twice is refused: it is not dead any more.
     let answer = call(format!("/v1/messages/{again}/requeue"), json!({}));
-    assert_eq!(
-        (answer.status, answer.json["code"].as_str()),
-        (409, Some("not_dead"))
-    );
+    answer.assert_problem(409, "not_dead");
 
     // A discard keeps it dead and takes it off the dead-letter list.
     let answer = call(format!("/v1/messages/{away}/discard"), json!({}));
