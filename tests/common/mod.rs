@@ -116,7 +116,7 @@ pub fn assert_dead_letters(base: &str, body: &str, codes: &[&str]) {
         assert_eq!(letter["body"], body);
         let reason = letter["headers"]["delayd-dead-reason"].as_str().unwrap();
         let id = letter["id"].as_str().unwrap();
-        let status = request(base, "GET", &format!("/v1/messages/{id}"), None, None);
+        let status = get_message(base, id);
         assert_eq!(status.json["status"], "dead", "{}", status.json);
         assert_eq!(status.json["reason"], reason, "{}", status.json);
         assert!(listed.contains(&id), "{id} listed as dead");
@@ -233,6 +233,11 @@ pub fn request(
         content_type,
         json: serde_json::from_str(&text).unwrap_or(Value::Null),
     }
+}
+
+/// The message `id` as `GET /v1/messages/{id}` shows it.
+pub fn get_message(base: &str, id: &str) -> Answer {
+    request(base, "GET", &format!("/v1/messages/{id}"), None, None)
 }
 
 /// The series of a Prometheus text exposition (`GET /metrics`) and their values, e.g.

@@ -8,7 +8,8 @@
 //! headers, exchanges, record keys) and how it acknowledges.
 
 use super::{
-    assert_dead_letters, assert_none_early, now_ms, request, scrape, spawn, wait_for, Process,
+    assert_dead_letters, assert_none_early, get_message, now_ms, request, scrape, spawn, wait_for,
+    Process,
 };
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -163,15 +164,27 @@ pub fn publish_orders(mq: &mut impl Mq, count: i64, keyed: bool) -> BTreeMap<Str
     due
 }
 
+/// Publishes `count` requests for the target due `delay` ahead, without keys, with the bodies
+/// `PREFIX 0`, `PREFIX 1`, ...
+pub fn publish_numbered(mq: &mut impl Mq, count: usize, delay: &str, prefix: &str) {
+    let target = mq.target();
+    for i in 0..count {
+        mq.publish(
+            &[("delayd-delay", delay), ("delayd-target", &target)],
+            &format!("{prefix} {i}"),
+        );
+    }
+}
+
 /// The headers of a request that delayd consumes on every MQ: none reaches the target.
 const CONSUMED_ON_EVERY_MQ: [&str; 3] = ["delayd-delay", "delayd-target", "delayd-source-position"];
 
 /// The messages `due` (body → unix ms) arrive at the target, none early, each without the headers
 /// delayd consumes (those of [`CONSUMED_ON_EVERY_MQ`], and the MQ's own forms in `consumed`), an
-/// `order I` with its `trace: tI`, and with a `delayd-id` the HTTP API knows as
-/// delivered (`check` checks what the MQ adds, against that status); every request is acknowledged and
-/// counted as scheduled, and the source and the sink are connected. `how` says how arrivals were timed.
-/// Returns what arrived.
+/// `order I` with its `trace: tI`, and with a `delayd-id` the HTTP API knows as delivered (`check`
+/// checks what the MQ adds, against that status); every request is acknowledged and counted as
+/// scheduled, and the source and the sink are connected. `how` says how arrivals were timed. Returns
+/// what arrived.
 pub fn assert_arrive_on_time<M: Mq>(
     mq: &mut M,
     base: &str,
@@ -192,13 +205,7 @@ pub fn assert_arrive_on_time<M: Mq>(
         if let Some(i) = message.body.strip_prefix("order ") {
             assert_eq!(message.headers["trace"], format!("t{i}"), "{message:?}");
         }
-        let status = request(
-            base,
-            "GET",
-            &format!("/v1/messages/{}", message.id()),
-            None,
-            None,
-        );
+        let status = get_message(base, message.id());
         assert_eq!(status.json["status"], "delivered", "{}", status.json);
         check(message, &status.json);
     }

@@ -3,7 +3,7 @@
 //! it the tests say so and pass without running.
 
 use super::*;
-use common::{spawn_with_env, wait_for};
+use common::{get_message, spawn_with_env, wait_for};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -275,7 +275,7 @@ fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
         acked.len(),
         "only acknowledged messages were delivered"
     );
-    let status = request(&base, "GET", &format!("/v1/messages/{later}"), None, None);
+    let status = get_message(&base, &later);
     assert_eq!(status.json["status"], "cancelled");
     wait_for("/readyz to recover", Duration::from_secs(30), || {
         request(&base, "GET", "/readyz", None, None).json == json!({"status": "ready"})
@@ -423,7 +423,7 @@ fn below_the_reserve_new_messages_wait_while_deliveries_and_cancels_go_on() {
     wait_for("/readyz to recover", Duration::from_secs(30), || {
         request(&base, "GET", "/readyz", None, None).json == json!({"status": "ready"})
     });
-    let status = request(&base, "GET", &format!("/v1/messages/{later}"), None, None);
+    let status = get_message(&base, &later);
     assert_eq!(status.json["status"], "cancelled");
     drop(process);
 }
@@ -497,7 +497,7 @@ fn a_node_with_a_source_starts_on_a_full_disk_and_heals() {
         },
     );
     for id in &acked {
-        let status = request(&base, "GET", &format!("/v1/messages/{id}"), None, None);
+        let status = get_message(&base, id);
         assert_eq!(status.json["status"], "scheduled", "{}", status.json);
     }
 }

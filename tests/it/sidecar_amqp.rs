@@ -17,7 +17,9 @@ use super::common::sidecar::{
     assert_outage_loses_nothing, ids_by_body, publish_orders, source_count, spawn_in_own_group,
     spawn_watchdog, spawn_with_config as start_delayd, Got, Mq,
 };
-use super::common::{free_port, now_ms, request, scrape, server_installed, wait_for, Process};
+use super::common::{
+    free_port, get_message, now_ms, request, scrape, server_installed, wait_for, Process,
+};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -483,6 +485,18 @@ fn queues_and_delayd(
     Some((dir, queues, delayd))
 }
 
+/// A test's directory, and a client of the shared node with `queues` declared; None without
+/// RabbitMQ.
+fn shared_client(queues: &[&str]) -> Option<(TempDir, &'static Rabbit, Client)> {
+    let rabbit = shared()?;
+    let dir = tempfile::tempdir().unwrap();
+    let client = Client::new(&rabbit.url());
+    for queue in queues {
+        client.declare(queue);
+    }
+    Some((dir, rabbit, client))
+}
+
 /// A test's source queue and target queue on a node, with its client: what the harness drives.
 struct Queues {
     url: String,
@@ -735,11 +749,11 @@ fn bad_amqp_requests_are_dead_letters_and_cancels_by_key_hold() {
 /// as delivered, and its status says why; once a queue exists it is delivered, once.
 #[test]
 fn an_unroutable_amqp_target_is_retried_until_a_queue_exists() {
-    let Some(rabbit) = shared() else { return };
-    let dir = tempfile::tempdir().unwrap();
     let (in_queue, out_queue) = ("delayd.in.unroutable", "orders.out.unroutable");
-    let client = Client::new(&rabbit.url());
-    client.declare(in_queue);
+    // The target queue is declared later.
+    let Some((dir, rabbit, client)) = shared_client(&[in_queue]) else {
+        return;
+    };
     let delayd = start_delayd_on(dir.path(), &rabbit.url(), in_queue);
     // Through the source and through HTTP (whose answer gives the id) to the same AMQP sink.
     client.publish(
@@ -790,13 +804,7 @@ fn an_unroutable_amqp_target_is_retried_until_a_queue_exists() {
     assert_eq!(got[0].body, "pair routable");
     let mut reason = String::new();
     wait_for("retries with a reason", Duration::from_secs(20), || {
-        let status = request(
-            &delayd.base,
-            "GET",
-            &format!("/v1/messages/{id}"),
-            None,
-            None,
-        );
+        let status = get_message(&delayd.base, &id);
         reason = status.json["reason"]
             .as_str()
             .unwrap_or_default()
@@ -845,13 +853,7 @@ fn an_unroutable_amqp_target_is_retried_until_a_queue_exists() {
     assert!(client
         .read(&mut consumer, 1, Duration::from_millis(1500))
         .is_empty());
-    let status = request(
-        &delayd.base,
-        "GET",
-        &format!("/v1/messages/{id}"),
-        None,
-        None,
-    );
+    let status = get_message(&delayd.base, &id);
     assert_eq!(status.json["status"], "delivered", "{}", status.json);
 }
 
@@ -860,12 +862,10 @@ fn an_unroutable_amqp_target_is_retried_until_a_queue_exists() {
 /// id; a redelivered request is counted as a duplicate instead).
 #[test]
 fn amqp_requests_survive_delayd_killed_under_load_and_are_scheduled_once() {
-    let Some(rabbit) = shared() else { return };
-    let dir = tempfile::tempdir().unwrap();
     let (in_queue, out_queue) = ("delayd.in.crash", "orders.out.crash");
-    let client = Client::new(&rabbit.url());
-    client.declare(in_queue);
-    client.declare(out_queue);
+    let Some((dir, rabbit, client)) = shared_client(&[in_queue, out_queue]) else {
+        return;
+    };
     let data = dir.path().join("data");
     let config = config(dir.path(), &rabbit.url(), in_queue);
     let count = 400;

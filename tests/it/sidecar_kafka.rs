@@ -12,7 +12,7 @@
 use super::common::sidecar::{
     assert_arrive_on_time, assert_bad_requests_dead_and_cancels_by_key_hold,
     assert_each_scheduled_once, assert_outage_loses_nothing, bad_requests_of_every_mq,
-    client_runtime, publish_orders, source_count as count, spawn_watchdog,
+    client_runtime, publish_numbered, publish_orders, source_count as count, spawn_watchdog,
     spawn_with_config as start_delayd, Got, Mq,
 };
 use super::common::{free_port, now_ms, request, server_installed, wait_for, Process};
@@ -656,14 +656,7 @@ fn a_topic_made_again_starts_a_new_order_of_positions() {
             .is_ok_and(|epochs| epochs.contains("\"committed\":true"))
     });
     // Due after the restart (a consumer takes seconds to join); the keyed one later still.
-    for i in 0..3 {
-        tansu.produce(
-            "delayd-in",
-            None,
-            &[("delayd-delay", "20s"), ("delayd-target", "orders-out")],
-            &format!("old {i}"),
-        );
-    }
+    publish_numbered(&mut tansu, 3, "20s", "old");
     tansu.produce(
         "delayd-in",
         Some("k"),
@@ -685,14 +678,7 @@ fn a_topic_made_again_starts_a_new_order_of_positions() {
         &[("delayd-target", "orders-out"), ("delayd-cancel", "true")],
         "",
     );
-    for i in 0..3 {
-        tansu.produce(
-            "delayd-in",
-            None,
-            &[("delayd-delay", "1s"), ("delayd-target", "orders-out")],
-            &format!("new {i}"),
-        );
-    }
+    publish_numbered(&mut tansu, 3, "1s", "new");
     let delayd = start_node(dir.path(), &tansu, "a");
     wait_for("the cancel", Duration::from_secs(120), || {
         count(&delayd.base, "cancelled") == 1.0

@@ -8,8 +8,8 @@
 use super::common::sidecar::{
     assert_arrive_on_time, assert_bad_requests_dead_and_cancels_by_key_hold,
     assert_each_delivered_once, assert_outage_loses_nothing, bad_requests_of_every_mq, bodies,
-    client_runtime, publish_orders, source_count, source_state, spawn_with_config as start_delayd,
-    Got, Mq,
+    client_runtime, publish_numbered, publish_orders, source_count, source_state,
+    spawn_with_config as start_delayd, Got, Mq,
 };
 use super::common::{free_port, now_ms, request, server_installed, wait_for, Process};
 use async_nats::jetstream::{self, consumer, stream};
@@ -467,12 +467,7 @@ fn a_crash_between_the_fsync_and_the_jetstream_ack_schedules_each_request_once()
         return;
     };
     let count = 20;
-    for i in 0..count {
-        nats.publish(
-            &[("delayd-delay", "3s"), ("delayd-target", "orders.out")],
-            &format!("once {i}"),
-        );
-    }
+    publish_numbered(&mut nats, count as usize, "3s", "once");
     let mut delayd = start_delayd_whose_acks_fail(dir.path(), &nats, count);
     // The acks failed (denied, then timed out), and none is recorded.
     assert_eq!(nats.unacknowledged(), Some((count as usize, 0)));
@@ -502,12 +497,7 @@ fn a_stream_made_again_starts_a_new_order_of_positions() {
         return;
     };
     // Due after the restart (the failed acks take seconds), the keyed one first.
-    for i in 0..3 {
-        nats.publish(
-            &[("delayd-delay", "15s"), ("delayd-target", "orders.out")],
-            &format!("old {i}"),
-        );
-    }
+    publish_numbered(&mut nats, 3, "15s", "old");
     nats.publish(
         &[
             ("delayd-delay", "14s"),
@@ -529,12 +519,7 @@ fn a_stream_made_again_starts_a_new_order_of_positions() {
         ],
         "",
     );
-    for i in 0..3 {
-        nats.publish(
-            &[("delayd-delay", "1s"), ("delayd-target", "orders.out")],
-            &format!("new {i}"),
-        );
-    }
+    publish_numbered(&mut nats, 3, "1s", "new");
     let delayd = start_delayd_as(dir.path(), &nats, "delayd", "2s");
     let got = nats.read_target(6, Duration::from_secs(60));
     // (The cancelled one was due a second before the old ones.)

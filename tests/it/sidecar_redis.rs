@@ -8,12 +8,12 @@
 use super::common::sidecar::{
     assert_arrive_on_time, assert_bad_requests_dead_and_cancels_by_key_hold,
     assert_each_delivered_once, assert_outage_loses_nothing, bad_requests_of_every_mq, bodies,
-    publish_orders, sink_state, source_count, source_state, spawn_with_config as start_delayd, Got,
-    Mq,
+    publish_numbered, publish_orders, sink_state, source_count, source_state,
+    spawn_with_config as start_delayd, Got, Mq,
 };
 use super::common::{
-    assert_dead_letters, free_port, now_ms, request, scrape, serve_until_exit, server_installed,
-    wait_for, Process,
+    assert_dead_letters, free_port, get_message, now_ms, request, scrape, serve_until_exit,
+    server_installed, wait_for, Process,
 };
 use redis::Value;
 use serde_json::json;
@@ -486,15 +486,7 @@ fn keys_belong_to_their_sink_and_targets_are_checked() {
     assert_dead_letters(&delayd.base, "bad", &["forbidden_target"]);
     // The HTTP message is delivered; the cancelled Redis one never reaches its stream.
     wait_for("the HTTP message", Duration::from_secs(10), || {
-        request(
-            &delayd.base,
-            "GET",
-            &format!("/v1/messages/{http}"),
-            None,
-            None,
-        )
-        .json["status"]
-            == "delivered"
+        get_message(&delayd.base, &http).json["status"] == "delivered"
     });
     assert!(redis
         .read("orders", 1, Duration::from_millis(500))
@@ -577,12 +569,7 @@ fn an_outage_longer_than_the_backoff_series_kills_nothing() {
     let config = config_with_sink(dir.path(), &redis, "max_attempts = 3\n");
     let delayd = start_delayd(&dir.path().join("data"), &config);
     let count = 20;
-    for i in 0..count {
-        redis.publish(
-            &[("delayd-delay", "2s"), ("delayd-target", TARGET)],
-            &format!("m{i}"),
-        );
-    }
+    publish_numbered(&mut redis, count as usize, "2s", "m");
     wait_for("the requests", Duration::from_secs(10), || {
         source_count(&delayd.base, "scheduled") == count as f64 && redis.pending() == 0
     });
