@@ -14,6 +14,8 @@ struct SmallFs {
     mount_point: tempfile::TempDir,
     /// The directory holding the ext4 image, when it is one.
     _image_dir: Option<tempfile::TempDir>,
+    /// A directory outside it, for the config file.
+    outside: tempfile::TempDir,
 }
 
 fn run(program: &str, args: &[&str]) -> Result<(), String> {
@@ -37,6 +39,7 @@ impl SmallFs {
     /// space statvfs reports), or a tmpfs of that size where loop devices are not available.
     fn mount(mib: u64) -> Result<SmallFs, String> {
         let mount_point = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let outside = tempfile::tempdir().map_err(|e| e.to_string())?;
         let target = mount_point.path().to_str().unwrap().to_string();
         let image_dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let image = image_dir.path().join("fs.img");
@@ -54,6 +57,7 @@ impl SmallFs {
             Ok(()) => Ok(SmallFs {
                 mount_point,
                 _image_dir: Some(image_dir),
+                outside,
             }),
             Err(ext4) => {
                 let size = format!("size={mib}m");
@@ -62,6 +66,7 @@ impl SmallFs {
                 Ok(SmallFs {
                     mount_point,
                     _image_dir: None,
+                    outside,
                 })
             }
         }
@@ -88,6 +93,13 @@ impl SmallFs {
         spare
     }
 
+    /// A config file with `text`, outside the small file system.
+    fn config_file(&self, text: &str) -> PathBuf {
+        let path = self.outside.path().join("delayd.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
     fn path(&self) -> &Path {
         self.mount_point.path()
     }
@@ -111,13 +123,6 @@ fn ballast(path: &Path, bytes: u64) {
         std::io::Write::write_all(&mut file, &chunk).unwrap();
     }
     file.sync_all().unwrap();
-}
-
-/// A config file outside the small file system.
-fn config_file(dir: &Path, text: &str) -> PathBuf {
-    let path = dir.join("delayd.toml");
-    std::fs::write(&path, text).unwrap();
-    path
 }
 
 fn post(base: &str, body: &Value) -> Answer {
@@ -179,9 +184,8 @@ fn a_disk_filled_to_the_last_block_refuses_then_heals_without_a_restart() {
     let Some(fs) = SmallFs::mount_or_skip(320) else {
         return;
     };
-    let outside = tempfile::tempdir().unwrap();
     let spare = fs.fill_but_for_the_wal();
-    let config = config_file(outside.path(), "[broker]\nsegment_bytes = 1048576\n");
+    let config = fs.config_file("[broker]\nsegment_bytes = 1048576\n");
     let process = spawn(
         &fs.path().join("data"),
         &["--config", config.to_str().unwrap()],
@@ -292,10 +296,9 @@ fn below_the_reserve_new_messages_wait_while_deliveries_and_cancels_go_on() {
     let Some(fs) = SmallFs::mount_or_skip(384) else {
         return;
     };
-    let outside = tempfile::tempdir().unwrap();
     let spare = fs.path().join("spare");
     ballast(&spare, 48 * MIB);
-    let config = config_file(outside.path(), "[broker]\nsegment_bytes = 1048576\n");
+    let config = fs.config_file("[broker]\nsegment_bytes = 1048576\n");
     let reserve = (128 * MIB).to_string();
     let process = spawn_with_env(
         &fs.path().join("data"),
@@ -437,19 +440,15 @@ fn a_node_with_a_source_starts_on_a_full_disk_and_heals() {
     let Some(fs) = SmallFs::mount_or_skip(320) else {
         return;
     };
-    let outside = tempfile::tempdir().unwrap();
     let spare = fs.fill_but_for_the_wal();
     // The source's MQ is not there (a closed port): what matters here is its start.
     let closed = common::free_port();
-    let config = config_file(
-        outside.path(),
-        &format!(
-            "[broker]\nsegment_bytes = 1048576\n\n\
+    let config = fs.config_file(&format!(
+        "[broker]\nsegment_bytes = 1048576\n\n\
              [sinks.out]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:{closed}/\"\n\n\
              [sources.in]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:{closed}/\"\n\
              stream_key = \"in\"\nconsumer = \"node-1\"\nsink = \"out\"\n"
-        ),
-    );
+    ));
     let data = fs.path().join("data");
     let args = ["--config", config.to_str().unwrap()];
     let mut process = spawn(&data, &args);
