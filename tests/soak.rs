@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{agent, env_number, now_ms, parse, request, spawn, Draws};
+use common::{agent, env_number, now_ms, parse, request, spawn, write_file, Draws};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -132,8 +132,11 @@ fn crash_soak_with_kill_nine_under_load() {
     // Small broker segments (1 MiB, and so consume-queue files of 1,024 units): the kills land in the middle of
     // rolling over to a new segment or queue file too.
     let config_dir = tempfile::tempdir().unwrap();
-    let config = config_dir.path().join("delayd.toml");
-    std::fs::write(&config, "[broker]\nsegment_bytes = 1048576\n").unwrap();
+    let config = write_file(
+        config_dir.path(),
+        "delayd.toml",
+        "[broker]\nsegment_bytes = 1048576\n",
+    );
     let args = ["--config", config.to_str().unwrap()];
     let shared = Arc::new(Shared::default());
     for round in 0..kills {

@@ -14,7 +14,7 @@ pub mod slowloris;
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -233,6 +233,13 @@ pub fn request(
         content_type,
         json: serde_json::from_str(&text).unwrap_or(Value::Null),
     }
+}
+
+/// Writes `text` to the file `name` in `dir` (a config file, say); its path.
+pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
 }
 
 /// The message `id` as `GET /v1/messages/{id}` shows it.

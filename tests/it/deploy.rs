@@ -3,7 +3,7 @@
 //! container health check (`delayd probe`) tells a ready service from an absent one; `--version`.
 //! The files themselves are checked by their own tools in `deploy/check.sh`.
 
-use crate::common::{free_port, request, scrape, spawn_with_env, wait_for};
+use crate::common::{free_port, request, scrape, spawn_with_env, wait_for, write_file};
 use std::collections::BTreeSet;
 use std::os::unix::net::UnixDatagram;
 use std::process::Command;
@@ -66,16 +66,12 @@ fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
     assert!(named.len() >= 25, "{named:?}");
 
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("delayd.toml");
     let nothing = format!("redis://127.0.0.1:{}/", free_port());
-    std::fs::write(
-        &config,
-        format!(
-            "[sinks.out]\nkind = \"redis\"\nurl = \"{nothing}\"\n\n\
-             [sources.in]\nkind = \"redis\"\nurl = \"{nothing}\"\nstream_key = \"in\"\nconsumer = \"node-a\"\nsink = \"out\"\n"
-        ),
-    )
-    .unwrap();
+    let text = format!(
+        "[sinks.out]\nkind = \"redis\"\nurl = \"{nothing}\"\n\n\
+         [sources.in]\nkind = \"redis\"\nurl = \"{nothing}\"\nstream_key = \"in\"\nconsumer = \"node-a\"\nsink = \"out\"\n"
+    );
+    let config = write_file(dir.path(), "delayd.toml", &text);
     let process = spawn_with_env(
         &dir.path().join("data"),
         &["--config", config.to_str().unwrap()],

@@ -3,7 +3,7 @@
 //! it the tests say so and pass without running.
 
 use super::*;
-use common::{get_message, spawn_with_env, wait_for};
+use common::{get_message, spawn_with_env, wait_for, write_file};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -95,9 +95,7 @@ impl SmallFs {
 
     /// A config file with `text`, outside the small file system.
     fn config_file(&self, text: &str) -> PathBuf {
-        let path = self.outside.path().join("delayd.toml");
-        std::fs::write(&path, text).unwrap();
-        path
+        write_file(self.outside.path(), "delayd.toml", text)
     }
 
     fn path(&self) -> &Path {

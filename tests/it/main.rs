@@ -952,12 +952,11 @@ fn dedup_keys_return_the_pending_message_even_across_restarts() {
 #[test]
 fn every_bounded_series_exists_at_zero_from_the_start() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("delayd.toml");
-    std::fs::write(
-        &config,
+    let config = common::write_file(
+        dir.path(),
+        "delayd.toml",
         "[sinks.billing]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/hooks\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n",
-    )
-    .unwrap();
+    );
     let data_dir = dir.path().join("data");
     let mut at_zero = Vec::new();
     for sink in ["broker", "billing"] {

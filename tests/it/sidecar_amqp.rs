@@ -18,7 +18,8 @@ use super::common::sidecar::{
     spawn_watchdog, spawn_with_config as start_delayd, Got, Mq,
 };
 use super::common::{
-    free_port, get_message, now_ms, request, scrape, server_installed, wait_for, Process,
+    free_port, get_message, now_ms, request, scrape, server_installed, wait_for, write_file,
+    Process,
 };
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
@@ -454,17 +455,12 @@ fn text(value: &str) -> AMQPValue {
 
 /// A config with an AMQP source `in` (queue `in_queue`) feeding an AMQP sink `out` (default exchange).
 fn config(dir: &Path, url: &str, in_queue: &str) -> PathBuf {
-    let path = dir.join("delayd.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[sinks.out]\nkind = \"amqp\"\nurl = \"{url}\"\nexchange = \"\"\nexchanges = [\"amq.direct\"]\n\
-             backoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
-             [sources.in]\nkind = \"amqp\"\nurl = \"{url}\"\nqueue = \"{in_queue}\"\nsink = \"out\"\nbatch = 64\n"
-        ),
-    )
-    .unwrap();
-    path
+    let text = format!(
+        "[sinks.out]\nkind = \"amqp\"\nurl = \"{url}\"\nexchange = \"\"\nexchanges = [\"amq.direct\"]\n\
+         backoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
+         [sources.in]\nkind = \"amqp\"\nurl = \"{url}\"\nqueue = \"{in_queue}\"\nsink = \"out\"\nbatch = 64\n"
+    );
+    write_file(dir, "delayd.toml", &text)
 }
 
 /// delayd with [`config`] for `in_queue` on the node at `url`, its data in `dir`'s `data`.

@@ -15,7 +15,7 @@ use super::common::sidecar::{
     client_runtime, publish_numbered, publish_orders, source_count as count, spawn_watchdog,
     spawn_with_config as start_delayd, Got, Mq,
 };
-use super::common::{free_port, now_ms, request, server_installed, wait_for, Process};
+use super::common::{free_port, now_ms, request, server_installed, wait_for, write_file, Process};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -372,17 +372,12 @@ impl Drop for Reader {
 
 /// A config with a Kafka source `in` (topic `delayd-in`, consumer `node`) feeding a Kafka sink `out`.
 fn config(dir: &Path, tansu: &Tansu, node: &str) -> PathBuf {
-    let path = dir.join(format!("delayd-{node}.toml"));
-    std::fs::write(
-        &path,
-        format!(
-            "[sinks.out]\nkind = \"kafka\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
-             [sources.in]\nkind = \"kafka\"\nurl = \"{url}\"\ntopics = [\"delayd-in\"]\nsink = \"out\"\nconsumer = \"{node}\"\n",
-            url = tansu.url()
-        ),
-    )
-    .unwrap();
-    path
+    let text = format!(
+        "[sinks.out]\nkind = \"kafka\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
+         [sources.in]\nkind = \"kafka\"\nurl = \"{url}\"\ntopics = [\"delayd-in\"]\nsink = \"out\"\nconsumer = \"{node}\"\n",
+        url = tansu.url()
+    );
+    write_file(dir, &format!("delayd-{node}.toml"), &text)
 }
 
 /// Waits until delayd's source consumes (its group joined and given the partitions: a Kafka consumer

@@ -11,7 +11,7 @@ use super::common::sidecar::{
     client_runtime, publish_numbered, publish_orders, source_count, source_state,
     spawn_with_config as start_delayd, Got, Mq,
 };
-use super::common::{free_port, now_ms, request, server_installed, wait_for, Process};
+use super::common::{free_port, now_ms, request, server_installed, wait_for, write_file, Process};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use std::collections::BTreeMap;
@@ -274,18 +274,13 @@ impl Drop for NatsServer {
 /// A config with a NATS source `in` (stream `DELAYS`, subjects `delayd.>`) feeding a NATS sink `out`,
 /// both as `user`.
 fn config(dir: &Path, nats: &NatsServer, user: &str, ack_wait: &str) -> PathBuf {
-    let path = dir.join(format!("delayd-{user}.toml"));
-    std::fs::write(
-        &path,
-        format!(
-            "[sinks.out]\nkind = \"nats\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
-             [sources.in]\nkind = \"nats\"\nurl = \"{url}\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\n\
-             group = \"delayd\"\nack_wait = \"{ack_wait}\"\nsink = \"out\"\n",
-            url = nats.url(user)
-        ),
-    )
-    .unwrap();
-    path
+    let text = format!(
+        "[sinks.out]\nkind = \"nats\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\n\
+         [sources.in]\nkind = \"nats\"\nurl = \"{url}\"\nstream = \"DELAYS\"\nsubject = \"delayd.>\"\n\
+         group = \"delayd\"\nack_wait = \"{ack_wait}\"\nsink = \"out\"\n",
+        url = nats.url(user)
+    );
+    write_file(dir, &format!("delayd-{user}.toml"), &text)
 }
 
 /// delayd on `dir`'s `data` with [`config`] as `user`.

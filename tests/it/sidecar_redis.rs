@@ -13,7 +13,7 @@ use super::common::sidecar::{
 };
 use super::common::{
     assert_dead_letters, free_port, get_message, now_ms, request, scrape, serve_until_exit,
-    server_installed, wait_for, Process,
+    server_installed, wait_for, write_file, Process,
 };
 use redis::Value;
 use serde_json::json;
@@ -231,18 +231,13 @@ fn config(dir: &Path, redis: &RedisServer) -> PathBuf {
 
 /// [`config`] with more keys for the sink.
 fn config_with_sink(dir: &Path, redis: &RedisServer, sink_keys: &str) -> PathBuf {
-    let path = dir.join("delayd.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[sinks.out]\nkind = \"redis\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\
-             targets = [\"orders:*\", \"orders\"]\n{sink_keys}\n\
-             [sources.in]\nkind = \"redis\"\nurl = \"{url}\"\nstream_key = \"delayd:in\"\nconsumer = \"node-a\"\nsink = \"out\"\n",
-            url = redis.url()
-        ),
-    )
-    .unwrap();
-    path
+    let text = format!(
+        "[sinks.out]\nkind = \"redis\"\nurl = \"{url}\"\nbackoff_initial = \"100ms\"\nbackoff_cap = \"1s\"\n\
+         targets = [\"orders:*\", \"orders\"]\n{sink_keys}\n\
+         [sources.in]\nkind = \"redis\"\nurl = \"{url}\"\nstream_key = \"delayd:in\"\nconsumer = \"node-a\"\nsink = \"out\"\n",
+        url = redis.url()
+    );
+    write_file(dir, "delayd.toml", &text)
 }
 
 /// A test's directory, a `redis-server` in it, and delayd on it with [`config`]; None without
