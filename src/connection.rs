@@ -1,8 +1,8 @@
 //! The state of a connection to another message queue, kept by each MQ source and MQ sink: whether it
 //! is up and the last error. `GET /v1/sources` and `GET /v1/sinks` show it, the gauges
 //! `delayd_source_connected{source}` / `delayd_sink_connected{sink}` follow it, and the log says each
-//! change once (not every failed retry while the MQ stays away). A source's connection also counts its requests
-//! by outcome since the start.
+//! change once (not every failed retry while the MQ stays away). A source's connection state also
+//! counts its requests by outcome since the start.
 
 use std::sync::{Arc, Mutex};
 

@@ -122,7 +122,7 @@ pub struct Requeued {
     status: RequeuedState,
     #[schema(format = DateTime)]
     deliver_at: String,
-    /// How many attempts were handed to the sink so far (`attempt` numbers one, 0 first).
+    /// How many attempts were made: each one delivered, retried, dead or discarded (`attempt` numbers one, 0 first).
     attempts: u16,
 }
 

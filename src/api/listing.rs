@@ -149,7 +149,12 @@ fn status_param(value: Option<&str>) -> Result<StatusFilter, ApiError> {
         ApiError::bad_request(
             "invalid_query",
             format!(
-                "status {wanted:?} is not one of pending (scheduled or retrying), scheduled, retrying, delivered, dead, cancelled, discarded, all"
+                "status {wanted:?} is not one of pending (scheduled or retrying), {}",
+                STATUSES[1..]
+                    .iter()
+                    .map(|(name, _)| *name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         )
     })
@@ -269,7 +274,7 @@ pub struct ListedMessage {
     #[schema(format = DateTime)]
     deliver_at: String,
     status: MessageState,
-    /// How many attempts were handed to the sink so far (`attempt` numbers one, 0 first).
+    /// How many attempts were made: each one delivered, retried, dead or discarded (`attempt` numbers one, 0 first).
     attempts: u16,
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(format = DateTime, nullable = false)]

@@ -765,7 +765,7 @@ pub struct MessageStatus {
     #[schema(format = DateTime)]
     deliver_at: String,
     status: MessageState,
-    /// How many attempts were handed to the sink so far (`attempt` numbers one, 0 first).
+    /// How many attempts were made: each one delivered, retried, dead or discarded (`attempt` numbers one, 0 first).
     attempts: u16,
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(format = DateTime, nullable = false)]
@@ -836,7 +836,7 @@ impl Outcome {
     }
 }
 
-/// A message's `status`, its `attempts` (handed to the sink so far) and when and why it ended: the fields
+/// A message's `status`, its `attempts` (made so far) and when and why it ended: the fields
 /// [`MessageStatus`] and a listing's `ListedMessage` share.
 pub(super) struct Described {
     pub status: MessageState,

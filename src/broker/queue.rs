@@ -112,7 +112,7 @@ pub(crate) struct Queue {
     units_per_file: u64,
     /// The first queue offset of each file, oldest first; the last one is `active`.
     files: BTreeSet<u64>,
-    /// SchedulerState with a checkpoint job syncing it off the store's lock (see `take_unsynced`).
+    /// Shared with a checkpoint job syncing it off the store's lock (see `take_unsynced`).
     active: Arc<File>,
     /// Queue offset of the next unit (the queue's `max_offset`).
     pub units: u64,

@@ -318,8 +318,20 @@ fn nats_sources_and_sinks_are_checked() {
         let err = load_source(source).unwrap_err();
         assert!(err.to_string().starts_with(key), "{source}: {err}");
     }
-    let err = load("[sinks.out]\nkind = \"nats\"\n").unwrap_err();
-    assert!(err.to_string().contains("nats sink needs a url"), "{err}");
+    // Each MQ sink without a url is told what one looks like.
+    for (kind, example) in [
+        ("nats", "nats://host:4222"),
+        ("redis", "redis://host:6379/"),
+        ("amqp", "amqp://user:password@host:5672/vhost"),
+        ("kafka", "kafka://host:9092"),
+    ] {
+        let err = load(&format!("[sinks.out]\nkind = \"{kind}\"\n")).unwrap_err();
+        let article = crate::setting::article(kind);
+        assert_eq!(
+            err.to_string(),
+            format!("sinks.out: {article} {kind} sink needs a url ({example}) and takes no secret"),
+        );
+    }
 }
 
 #[test]

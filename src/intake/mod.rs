@@ -104,8 +104,9 @@ pub struct Draft<'a> {
 }
 
 /// What a new message is checked against: the limits and each configured sink's rules. Made once
-/// from the configuration (`Config::admission`).
-#[derive(Debug, Clone, Default)]
+/// from the configuration (`Config::admission`). A test's default refuses every message.
+#[derive(Debug, Clone)]
+#[cfg_attr(test, derive(Default))]
 pub struct Admission {
     /// The delivery time may be at most this far away.
     pub max_delay_ms: i64,

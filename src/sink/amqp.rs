@@ -14,7 +14,7 @@
 //! messages: they wait for it without using an attempt (`SinkOutcome::Unreachable`).
 
 use super::{
-    check_targets, require_url, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome,
+    check_targets, require_sink_url, BoxFuture, Delivery, Reporter, Sink, SinkContext, SinkOutcome,
 };
 use crate::connection::ConnectionState;
 use crate::mq::amqp::{close, connect, valid_name, CONNECT_TIMEOUT};
@@ -51,7 +51,7 @@ pub struct AmqpSinkConfig {
 impl AmqpSinkConfig {
     /// `key`: the table's (`sinks.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        require_url(MqKind::Amqp, key, &self.url)?;
+        require_sink_url(MqKind::Amqp, key, &self.url)?;
         if self.exchange.as_ref().is_some_and(|e| !valid_name(e)) {
             return Err(invalid(
                 &format!("{key}.exchange"),

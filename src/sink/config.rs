@@ -28,7 +28,7 @@ pub struct MqSinkConfig {
 impl MqSinkConfig {
     /// `key`: the table's (`sinks.NAME`).
     pub fn validate(&self, kind: MqKind, key: &str) -> Result<(), ConfigError> {
-        require_url(kind, key, &self.url)?;
+        require_sink_url(kind, key, &self.url)?;
         check_targets(key, &self.targets)
     }
 
@@ -39,7 +39,7 @@ impl MqSinkConfig {
 }
 
 /// The `url` every MQ sink's table requires, checked by the MQ's own check.
-pub fn require_url(kind: MqKind, key: &str, url: &Option<String>) -> Result<(), ConfigError> {
+pub fn require_sink_url(kind: MqKind, key: &str, url: &Option<String>) -> Result<(), ConfigError> {
     let name = kind.name();
     let article = crate::setting::article(name);
     let missing = format!(

@@ -12,7 +12,7 @@ pub mod redis;
 pub mod webhook;
 
 pub use config::{
-    check_targets, require_url, LaneConfig, MqSinkConfig, SinkContext, UnusedSinkKeys,
+    check_targets, require_sink_url, LaneConfig, MqSinkConfig, SinkContext, UnusedSinkKeys,
 };
 
 use schedulelog::record::sink_tag;
@@ -54,8 +54,8 @@ pub enum SinkOutcome {
     Dead {
         reason: String,
     },
-    /// Refused by the sink itself before anything was sent (a target it may not publish to, see
-    /// [`forbidden`]): dead as for `Dead`, but it says nothing of whether the destination answers.
+    /// A target the sink may not publish to ([`forbidden`]), refused before anything was sent: dead as
+    /// for `Dead`, but it says nothing of whether the destination answers.
     Refused {
         reason: String,
     },
@@ -395,9 +395,16 @@ mod tests {
         assert!(!connection.is_up());
         report(&connection, 2, &[forbidden("$JS.API.x")]);
         assert!(!connection.is_up(), "a refused target is no answer");
-        report(&connection, 3, &[SinkOutcome::Delivered, away]);
+        report(&connection, 3, &[SinkOutcome::Delivered, away.clone()]);
         assert!(connection.is_up(), "it took one");
         assert_eq!(connection.snapshot().postponed, 2);
+        let nack = SinkOutcome::Dead {
+            reason: "nack".into(),
+        };
+        report(&connection, 4, &[away]);
+        assert!(!connection.is_up());
+        report(&connection, 5, &[nack]);
+        assert!(connection.is_up(), "a nack is an answer");
         let SinkOutcome::Refused { reason } = forbidden("x") else {
             panic!("a refused target is the sink's own refusal");
         };

@@ -49,11 +49,11 @@ pub struct AmqpSourceConfig {
 impl AmqpSourceConfig {
     /// `key`: the table's (`sources.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        MqKind::Amqp.required_url(
-            key,
-            &self.url,
-            "an amqp source needs url (amqp://user:password@host:5672/vhost) and queue, and has no stream_key",
-        )?;
+        let missing = format!(
+            "an amqp source needs url ({}) and queue, and has no stream_key",
+            MqKind::Amqp.url_example()
+        );
+        MqKind::Amqp.required_url(key, &self.url, &missing)?;
         match self.queue.as_deref() {
             Some(queue)
                 if crate::mq::amqp::valid_name(queue)

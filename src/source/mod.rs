@@ -21,8 +21,8 @@
 //!   are neither taken for redeliveries of the old one's nor ordered against them.
 //! - A request that cannot be scheduled (no or a bad time, no target, too large, a bad header) is never
 //!   dropped and never delivered: it becomes a dead letter with the reason, and is acknowledged.
-//! - An MQ that is away never stops delayd: the runner reconnects with backoff; its connection state (connection.rs)
-//!   shows the state.
+//! - An MQ that is away never stops delayd: the runner reconnects with backoff, and its connection
+//!   state (connection.rs) shows it.
 
 pub mod amqp;
 mod config;

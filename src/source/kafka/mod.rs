@@ -183,11 +183,11 @@ impl Default for KafkaSourceConfig {
 impl KafkaSourceConfig {
     /// `key`: the table's (`sources.NAME`).
     pub fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        MqKind::Kafka.required_url(
-            key,
-            &self.url,
-            "a kafka source needs url (kafka://host:9092) and topics, and has no stream_key",
-        )?;
+        let missing = format!(
+            "a kafka source needs url ({}) and topics, and has no stream_key",
+            MqKind::Kafka.url_example()
+        );
+        MqKind::Kafka.required_url(key, &self.url, &missing)?;
         if self.topics.is_empty() || !self.topics.iter().all(|t| valid_client_name(t)) {
             return Err(invalid(
                 &format!("{key}.topics"),
