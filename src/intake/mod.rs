@@ -370,18 +370,23 @@ impl Intake {
     ) -> Result<Keyed, IntakeError> {
         self.start_pruning();
         // Check and append under one lock, so that two requests with one key make one message.
-        let mut keys = self.keys.lock().await;
+        let mut keys = self.keys.clone().lock_owned().await;
         let index = keys.complete()?;
         let hash = index.hash(&key.sink, &key.topic, &key.key);
         if let Some((id, status)) = self.pending_of(index, hash, key).await? {
             return Ok(Keyed::Pending(id, status));
         }
-        let appended = self.log.append(vec![message]).await?;
+        let ack = self.log.append(vec![message]);
+        let appended = file_when_durable(ack, keys, move |index, appended| {
+            if let Some(one) = appended.first() {
+                index.insert(hash, one.id);
+            }
+        })
+        .await?;
         let appended = appended
             .into_iter()
             .next()
             .ok_or_else(|| IntakeError::Interrupted("an append returned no id".into()))?;
-        index.insert(hash, appended.id);
         Ok(Keyed::Scheduled(appended))
     }
 
@@ -394,7 +399,7 @@ impl Intake {
         self.start_pruning();
         // Checked and appended under one lock, as `schedule_keyed`, when any message has a key.
         let mut keys = match messages.iter().any(|(key, _)| key.is_some()) {
-            true => Some(self.keys.lock().await),
+            true => Some(self.keys.clone().lock_owned().await),
             false => None,
         };
         let mut index = match keys.as_mut() {
@@ -421,23 +426,32 @@ impl Intake {
             }
             kept.push(filed);
         }
-        let mut appended = match encoded.is_empty() {
-            true => Vec::new(),
-            false => self.log.append(encoded).await?,
-        }
-        .into_iter();
+        let hashes: Vec<Option<KeyHash>> = kept.iter().flatten().copied().collect();
+        let appended = match (encoded.is_empty(), keys) {
+            (true, _) => Vec::new(),
+            (false, Some(keys)) => {
+                let ack = self.log.append(encoded);
+                file_when_durable(ack, keys, move |index, appended| {
+                    for (hash, one) in hashes.iter().zip(appended) {
+                        if let Some(hash) = hash {
+                            index.insert(*hash, one.id);
+                        }
+                    }
+                })
+                .await?
+            }
+            (false, None) => self.log.append(encoded).await?,
+        };
+        let mut appended = appended.into_iter();
         let mut answers = Vec::with_capacity(kept.len());
         for filed in kept {
-            let Some(hash) = filed else {
+            if filed.is_none() {
                 answers.push(None);
                 continue;
-            };
+            }
             let one = appended
                 .next()
                 .ok_or_else(|| IntakeError::Interrupted("an append returned too few ids".into()))?;
-            if let (Some(hash), Some(index)) = (hash, index.as_mut()) {
-                index.insert(hash, one.id);
-            }
             answers.push(Some(one));
         }
         Ok(answers)
@@ -511,6 +525,25 @@ fn rebuild_keys(log: &ScheduleLog) -> Result<KeyIndex, schedulelog::Error> {
 fn report_size(index: &KeyIndex) {
     metrics::gauge!("delayd_key_index_entries").set(index.len() as f64);
     metrics::gauge!("delayd_key_index_bytes").set(index.heap_bytes() as f64);
+}
+
+/// Waits for an append made under the index's lock, and files its ids in the index (`file`) before the
+/// lock is let go, in a task of its own: a caller that stops waiting (an HTTP client gone, a handler
+/// dropped) must not leave messages it appended out of the index, where a retry with their key would
+/// not find them and would schedule each again.
+async fn file_when_durable(
+    ack: schedulelog::Ack<Vec<Appended>>,
+    mut keys: tokio::sync::OwnedMutexGuard<Keys>,
+    file: impl FnOnce(&mut KeyIndex, &[Appended]) + Send + 'static,
+) -> Result<Vec<Appended>, IntakeError> {
+    let filed = tokio::spawn(async move {
+        let appended = ack.await?;
+        file(&mut keys.index, &appended);
+        Ok(appended)
+    });
+    filed
+        .await
+        .map_err(|e| IntakeError::Interrupted(format!("filing keyed messages failed: {e}")))?
 }
 
 /// Rebuilds the index if the start could not (retrying each second), then drops each finished
@@ -612,10 +645,17 @@ mod tests {
         assert_eq!(keys.index.len(), 3);
     }
 
-    /// Two keys under one hash (a collision, forced here): each finds its own pending message and never
-    /// the other's, and a candidate of the other key is kept, not pruned.
-    #[test]
-    fn keys_that_share_a_hash_stay_apart() {
+    /// An intake over a new log in a temporary dir, with a runtime to drive it and a clock that does
+    /// not move.
+    struct Harness {
+        runtime: tokio::runtime::Runtime,
+        intake: Intake,
+        _dir: tempfile::TempDir,
+    }
+
+    const NOW: i64 = 1_796_117_400_000;
+
+    fn harness(index: KeyIndex) -> Harness {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -623,8 +663,7 @@ mod tests {
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let log = Arc::new(ScheduleLog::open(dir.path(), schedulelog::Options::default()).unwrap());
-        let now = 1_796_117_400_000;
-        let clock: Arc<dyn Clock> = Arc::new(schedulelog::ManualClock::new(now));
+        let clock: Arc<dyn Clock> = Arc::new(schedulelog::ManualClock::new(NOW));
         let scheduler = Scheduler::start(
             log.clone(),
             &crate::sink::SinkRegistry::new(),
@@ -640,29 +679,49 @@ mod tests {
             clock,
             disk: Arc::new(DiskWatch::new(dir.path().into(), 0)),
             keys: Arc::new(tokio::sync::Mutex::new(Keys {
-                index: KeyIndex::colliding(),
+                index,
                 complete: true,
             })),
         };
-        let key = |key: &str| MessageKey {
+        Harness {
+            runtime,
+            intake,
+            _dir: dir,
+        }
+    }
+
+    fn key(key: &str) -> MessageKey {
+        MessageKey {
             sink: "s".into(),
             topic: "t".into(),
             key: key.into(),
-        };
-        // Due in an hour: pending all through the test (the clock does not move).
-        let message = |key: &str| {
-            MessageRef {
-                deliver_at_ms: now + 3_600_000,
-                topic: "t",
-                key: Some(key),
-                sink: "s",
-                body: key.as_bytes(),
-                dedup: true,
-                ..Default::default()
-            }
-            .encode()
-            .unwrap()
-        };
+        }
+    }
+
+    /// Due in an hour: pending all through a test (the clock does not move).
+    fn message(key: &str) -> EncodedMessage {
+        MessageRef {
+            deliver_at_ms: NOW + 3_600_000,
+            topic: "t",
+            key: Some(key),
+            sink: "s",
+            body: key.as_bytes(),
+            dedup: true,
+            ..Default::default()
+        }
+        .encode()
+        .unwrap()
+    }
+
+    /// Two keys under one hash (a collision, forced here): each finds its own pending message and never
+    /// the other's, and a candidate of the other key is kept, not pruned.
+    #[test]
+    fn keys_that_share_a_hash_stay_apart() {
+        let Harness {
+            runtime,
+            intake,
+            _dir,
+        } = harness(KeyIndex::colliding());
         runtime.block_on(async {
             let scheduled = |keyed| match keyed {
                 Keyed::Scheduled(appended) => appended.id,
@@ -703,6 +762,49 @@ mod tests {
             assert!(all[1].is_some(), "c is new, though its hash is a's and b's");
             assert!(all[2].is_none(), "c twice in one call");
             assert_eq!(intake.keys.lock().await.index.len(), 3);
+        });
+    }
+
+    /// Polls a future once: whether it finished then, and with what.
+    async fn poll_once<F: std::future::Future>(
+        mut call: std::pin::Pin<&mut F>,
+    ) -> std::task::Poll<F::Output> {
+        std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx))).await
+    }
+
+    /// A caller that stops waiting for its keyed append (an HTTP client that went away) still leaves
+    /// the message in the index once it is durable: a retry with the key finds it, and makes no second.
+    #[test]
+    fn a_keyed_append_whose_caller_stopped_waiting_is_still_indexed() {
+        let Harness {
+            runtime,
+            intake,
+            _dir,
+        } = harness(KeyIndex::new());
+        runtime.block_on(async {
+            for (name, schedule) in [("keyed", true), ("batch", false)] {
+                let k = key(name);
+                let submitted = match schedule {
+                    true => {
+                        let call = intake.schedule_keyed(&k, message(name));
+                        tokio::pin!(call);
+                        poll_once(call.as_mut()).await.is_pending()
+                    }
+                    false => {
+                        let call = intake.schedule_all(vec![(Some(k.clone()), message(name))]);
+                        tokio::pin!(call);
+                        poll_once(call.as_mut()).await.is_pending()
+                    }
+                };
+                assert!(submitted, "{name}: the append waits for its fsync");
+                // The call is dropped; its append goes on, and is found by its key once durable.
+                let found = intake.pending_with_key(&k).await.unwrap();
+                let found = found.unwrap_or_else(|| panic!("{name}: the appended message is lost"));
+                match intake.schedule_keyed(&k, message(name)).await.unwrap() {
+                    Keyed::Pending(id, _) => assert_eq!(id, found, "{name}"),
+                    Keyed::Scheduled(_) => panic!("{name}: a second message for the key"),
+                }
+            }
         });
     }
 
