@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod mq;
 pub mod names;
 pub mod notify;
+pub mod peer;
 pub mod scheduler;
 pub mod setting;
 pub mod sink;
