@@ -717,12 +717,9 @@ mod tests {
     /// the other's, and a candidate of the other key is kept, not pruned.
     #[test]
     fn keys_that_share_a_hash_stay_apart() {
-        let Harness {
-            runtime,
-            intake,
-            _dir,
-        } = harness(KeyIndex::colliding());
-        runtime.block_on(async {
+        let harness = harness(KeyIndex::colliding());
+        let intake = &harness.intake;
+        harness.runtime.block_on(async {
             let scheduled = |keyed| match keyed {
                 Keyed::Scheduled(appended) => appended.id,
                 Keyed::Pending(id, _) => panic!("taken for the pending {id}"),
@@ -776,12 +773,9 @@ mod tests {
     /// the message in the index once it is durable: a retry with the key finds it, and makes no second.
     #[test]
     fn a_keyed_append_whose_caller_stopped_waiting_is_still_indexed() {
-        let Harness {
-            runtime,
-            intake,
-            _dir,
-        } = harness(KeyIndex::new());
-        runtime.block_on(async {
+        let harness = harness(KeyIndex::new());
+        let intake = &harness.intake;
+        harness.runtime.block_on(async {
             for (name, schedule) in [("keyed", true), ("batch", false)] {
                 let k = key(name);
                 let submitted = match schedule {
