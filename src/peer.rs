@@ -1,36 +1,44 @@
 //! Peer traffic between cluster members (DESIGN.md §10): an authenticated request/response link on a
 //! listener of its own (`cluster.listen`), so that client load and the HTTP edge's limits never starve
 //! it. What travels over it (Raft's votes, appends and snapshots) is its callers' business: a request
-//! is a kind byte and a payload, an answer a payload or an error text.
+//! is a kind byte and a payload, an answer a payload or an error text. Not wired to anything yet: the
+//! Raft layer (issue 33) will be its first user.
 //!
 //! ```text
-//! handshake (both sides prove they hold the secret; neither shows its proof to a side that has not)
-//!   client → server  b"DLYDPEER", version u16 LE, client's node id u64 LE, client nonce [32]
-//!   server → client  server nonce [32], HMAC-SHA256(secret, "server" | client nonce | server nonce | id)
-//!   client → server  HMAC-SHA256(secret, "client" | server nonce | client nonce | id)
-//!   server → client  1 byte: 1 accepted (a refused client is disconnected without an answer)
-//! then, one request at a time per connection (a client keeps a few connections per peer)
+//! handshake: the caller proves the secret first, then the member it called does
+//!   caller → member  b"DLYDPEER", version u16 LE, caller's id u64 LE, member's id u64 LE (as the
+//!                    caller expects it), caller nonce [32]
+//!   member → caller  member nonce [32]
+//!   caller → member  HMAC-SHA256(secret, "caller" | member nonce | caller nonce | caller id | member id)
+//!   member → caller  HMAC-SHA256(secret, "member" | caller nonce | member nonce | caller id | member id)
+//! then, one request at a time per connection (a caller keeps a few idle connections per member)
 //!   request          len u32 LE (of what follows), kind u8, payload
 //!   answer           len u32 LE (of what follows), status u8 (0 ok, 1 error: the payload is its text),
 //!                    payload
 //! ```
 //!
 //! Invariants:
-//! - Nothing but a handshake is read from a connection that has not proved the secret, and a handshake
-//!   that does not finish within [`PeerOptions::handshake_timeout`] ends the connection; proofs are
-//!   compared in constant time. The secret never crosses the wire, and each proof covers both sides'
-//!   fresh random nonces, so a recorded one is worth nothing later.
-//! - A request or answer longer than [`PeerOptions::max_frame_bytes`] is refused before it is read.
-//! - Peer traffic is authenticated, not encrypted: like Raft's own traffic in most deployments it
-//!   belongs on a private network.
-//! - Every call has a deadline ([`PeerOptions::request_timeout`]); a connection whose call failed or
-//!   timed out is dropped, never reused (its stream may hold the late answer).
+//! - A member shows nothing verifiable before its caller proved the secret: a stranger who reaches
+//!   the listener learns only a random nonce, so it cannot test guesses of the secret offline. (One
+//!   who poses as a member can test them against a caller's proof: the secret must be random, at least
+//!   [`MIN_SECRET_BYTES`] long, e.g. `openssl rand -hex 32`.)
+//! - Proofs are compared in constant time, cover both sides' fresh nonces (a recorded one is worth
+//!   nothing later) and both ids (a caller that reached the wrong member learns it).
+//! - Before a caller proved itself, a member reads only the fixed-size handshake, within
+//!   [`PeerOptions::handshake_timeout`], and at most [`MAX_HANDSHAKES`] such connections at once.
+//! - A request or answer longer than [`PeerOptions::max_frame_bytes`] is refused before it is sent or
+//!   read. Every call has a deadline ([`PeerOptions::request_timeout`]), on both sides; a member closes
+//!   a connection idle for [`PeerOptions::idle_timeout`].
+//! - A connection whose call failed or timed out is dropped, never reused (it may hold a late answer);
+//!   an idle one is checked before reuse and dropped if the member closed it.
+//! - Dropping the future [`serve`] returns stops its connections too.
+//! - Peer traffic is authenticated, not encrypted: it belongs on a private network.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -38,12 +46,15 @@ const MAGIC: &[u8; 8] = b"DLYDPEER";
 const VERSION: u16 = 1;
 const NONCE_LEN: usize = 32;
 const PROOF_LEN: usize = 32;
-const ACCEPTED: u8 = 1;
+const HELLO_LEN: usize = 8 + 2 + 8 + 8 + NONCE_LEN;
 const STATUS_OK: u8 = 0;
 const STATUS_ERROR: u8 = 1;
 
-/// The shortest `cluster.secret` a member starts with: anything shorter is guessable.
+/// The shortest `cluster.secret` a member takes.
 pub const MIN_SECRET_BYTES: usize = 16;
+
+/// The most connections a member lets try the handshake at once; more are closed at once.
+pub const MAX_HANDSHAKES: usize = 64;
 
 /// How long peer traffic may take.
 #[derive(Debug, Clone)]
@@ -51,10 +62,13 @@ pub struct PeerOptions {
     pub connect_timeout: Duration,
     /// For a connection to prove itself, on both sides.
     pub handshake_timeout: Duration,
-    /// For one call: its request written and its answer read.
+    /// For one call: its request written and its answer read; on a member, for the answer.
     pub request_timeout: Duration,
+    /// A member closes a connection that sent no request for this long; a caller reuses an idle one
+    /// for half of it.
+    pub idle_timeout: Duration,
     pub max_frame_bytes: usize,
-    /// Idle connections a client keeps per peer.
+    /// Idle connections a caller keeps per member.
     pub pool: usize,
 }
 
@@ -64,13 +78,14 @@ impl Default for PeerOptions {
             connect_timeout: Duration::from_secs(1),
             handshake_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
             max_frame_bytes: 64 << 20,
             pool: 4,
         }
     }
 }
 
-/// What went wrong on the link to a peer.
+/// What went wrong on the link to a member.
 #[derive(Debug, thiserror::Error)]
 pub enum PeerError {
     #[error("cluster.secret must have at least {MIN_SECRET_BYTES} bytes")]
@@ -88,7 +103,13 @@ pub enum PeerError {
     },
     #[error("peer {peer} refused: {why}")]
     Refused { peer: SocketAddr, why: String },
-    /// The peer took the request and answered with an error of its own.
+    #[error("peer {peer}: a request of {bytes} bytes is over max_frame_bytes ({max})")]
+    TooLarge {
+        peer: SocketAddr,
+        bytes: usize,
+        max: usize,
+    },
+    /// The member took the request and answered with an error of its own.
     #[error("peer {peer} answered an error: {text}")]
     Answered { peer: SocketAddr, text: String },
 }
@@ -103,6 +124,14 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// What one handshake's proofs cover besides the role: the nonces in the prover's order, and both ids.
+struct Handshake<'a> {
+    caller_nonce: &'a [u8],
+    member_nonce: &'a [u8],
+    caller: u64,
+    member: u64,
+}
+
 impl Secret {
     fn new(secret: &str) -> Result<Secret, PeerError> {
         match secret.len() >= MIN_SECRET_BYTES {
@@ -111,28 +140,35 @@ impl Secret {
         }
     }
 
-    fn mac(&self, role: &[u8], first: &[u8], second: &[u8], id: u64) -> Hmac<Sha256> {
+    /// The MAC of a role's proof: each role puts the other side's nonce first, so that no proof can be
+    /// passed off as the other role's.
+    fn mac(&self, caller_proves: bool, hs: &Handshake<'_>) -> Hmac<Sha256> {
         let mut mac =
             Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
-        mac.update(role);
-        mac.update(first);
-        mac.update(second);
-        mac.update(&id.to_le_bytes());
+        match caller_proves {
+            true => {
+                mac.update(b"caller");
+                mac.update(hs.member_nonce);
+                mac.update(hs.caller_nonce);
+            }
+            false => {
+                mac.update(b"member");
+                mac.update(hs.caller_nonce);
+                mac.update(hs.member_nonce);
+            }
+        }
+        mac.update(&hs.caller.to_le_bytes());
+        mac.update(&hs.member.to_le_bytes());
         mac
     }
 
-    fn proof(&self, role: &[u8], first: &[u8], second: &[u8], id: u64) -> [u8; PROOF_LEN] {
-        self.mac(role, first, second, id)
-            .finalize()
-            .into_bytes()
-            .into()
+    fn proof(&self, caller_proves: bool, hs: &Handshake<'_>) -> [u8; PROOF_LEN] {
+        self.mac(caller_proves, hs).finalize().into_bytes().into()
     }
 
     /// Whether `proof` is this secret's, compared in constant time.
-    fn verify(&self, role: &[u8], first: &[u8], second: &[u8], id: u64, proof: &[u8]) -> bool {
-        self.mac(role, first, second, id)
-            .verify_slice(proof)
-            .is_ok()
+    fn verify(&self, caller_proves: bool, hs: &Handshake<'_>, proof: &[u8]) -> bool {
+        self.mac(caller_proves, hs).verify_slice(proof).is_ok()
     }
 }
 
@@ -142,7 +178,7 @@ fn nonce() -> [u8; NONCE_LEN] {
     nonce
 }
 
-/// Answers the requests of authenticated peers.
+/// Answers the requests of authenticated callers.
 pub trait PeerService: Send + Sync + 'static {
     /// The answer to a request of `kind` from the member `from`, or the error text the caller gets.
     fn handle(
@@ -153,19 +189,26 @@ pub trait PeerService: Send + Sync + 'static {
     ) -> futures_core::future::BoxFuture<'_, Result<Vec<u8>, String>>;
 }
 
-/// Serves peers on `listener` until the returned future is dropped: each connection proves the secret,
-/// then its requests go to `service` one at a time. Refuses a secret shorter than [`MIN_SECRET_BYTES`]
-/// before anything is served.
+/// Serves callers on `listener` as the member `id` until the returned future is dropped, which ends
+/// its connections too: each connection proves the secret, then its requests go to `service` one at
+/// a time. Refuses a secret shorter than [`MIN_SECRET_BYTES`] before anything is served.
 pub fn serve(
     listener: TcpListener,
+    id: u64,
     secret: &str,
     options: PeerOptions,
     service: Arc<dyn PeerService>,
 ) -> Result<impl std::future::Future<Output = ()> + Send + 'static, PeerError> {
     let secret = Secret::new(secret)?;
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     Ok(async move {
+        let mut connections = tokio::task::JoinSet::new();
         loop {
-            let (stream, addr) = match listener.accept().await {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            };
+            let (stream, addr) = match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors, most likely: wait for some to be let go, not spin.
@@ -174,10 +217,19 @@ pub fn serve(
                     continue;
                 }
             };
+            let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+                tracing::warn!(peer = %addr, "too many peer connections proving themselves; closed");
+                continue;
+            };
             let (secret, options, service) = (secret.clone(), options.clone(), service.clone());
-            tokio::spawn(async move {
+            connections.spawn(async move {
                 let _ = stream.set_nodelay(true);
-                if let Err(e) = serve_connection(stream, addr, &secret, &options, service).await {
+                let link = Link {
+                    stream,
+                    addr,
+                    options,
+                };
+                if let Err(e) = link.serve(id, &secret, handshake, service).await {
                     tracing::debug!(peer = %addr, error = %e, "peer connection ended");
                 }
             });
@@ -185,66 +237,104 @@ pub fn serve(
     })
 }
 
-async fn serve_connection(
-    mut stream: TcpStream,
+/// A member's end of one connection.
+struct Link {
+    stream: TcpStream,
     addr: SocketAddr,
-    secret: &Secret,
-    options: &PeerOptions,
-    service: Arc<dyn PeerService>,
-) -> Result<(), PeerError> {
-    let io = |source| PeerError::Io { peer: addr, source };
-    let from = within(addr, "the handshake", options.handshake_timeout, async {
-        let mut hello = [0u8; 8 + 2 + 8 + NONCE_LEN];
-        stream.read_exact(&mut hello).await.map_err(io)?;
-        let refused = |why: &str| PeerError::Refused {
-            peer: addr,
-            why: why.into(),
+    options: PeerOptions,
+}
+
+impl Link {
+    fn io(&self) -> impl Fn(std::io::Error) -> PeerError {
+        let peer = self.addr;
+        move |source| PeerError::Io { peer, source }
+    }
+
+    async fn serve(
+        mut self,
+        id: u64,
+        secret: &Secret,
+        handshake: tokio::sync::OwnedSemaphorePermit,
+        service: Arc<dyn PeerService>,
+    ) -> Result<(), PeerError> {
+        let (addr, after) = (self.addr, self.options.handshake_timeout);
+        let from = within(addr, "the handshake", after, self.prove(id, secret)).await?;
+        drop(handshake);
+        loop {
+            let io = self.io();
+            let max = self.options.max_frame_bytes;
+            let idle = self.options.idle_timeout;
+            let Ok(next) = tokio::time::timeout(idle, read_frame(&mut self.stream, max)).await
+            else {
+                return Ok(()); // idle too long: the caller connects again when it needs to
+            };
+            let Some((kind, payload)) = next.map_err(&io)? else {
+                return Ok(()); // the caller closed between requests
+            };
+            let after = self.options.request_timeout;
+            let answered = tokio::time::timeout(after, service.handle(from, kind, payload)).await;
+            let (status, answer) = match answered {
+                Ok(Ok(answer)) if answer.len() > max => (
+                    STATUS_ERROR,
+                    format!(
+                        "the answer has {} bytes, over max_frame_bytes",
+                        answer.len()
+                    )
+                    .into_bytes(),
+                ),
+                Ok(Ok(answer)) => (STATUS_OK, answer),
+                Ok(Err(text)) => (STATUS_ERROR, text.into_bytes()),
+                Err(_) => (
+                    STATUS_ERROR,
+                    format!("no answer within {after:?}").into_bytes(),
+                ),
+            };
+            let written = write_frame(&mut self.stream, status, &answer);
+            within(addr, "an answer", after, async {
+                written.await.map_err(io)
+            })
+            .await?;
+        }
+    }
+
+    /// The member's side of the handshake: the caller's id once it proved the secret.
+    async fn prove(&mut self, id: u64, secret: &Secret) -> Result<u64, PeerError> {
+        let io = self.io();
+        let refused = |why: String| PeerError::Refused {
+            peer: self.addr,
+            why,
         };
+        let mut hello = [0u8; HELLO_LEN];
+        self.stream.read_exact(&mut hello).await.map_err(&io)?;
         if &hello[..8] != MAGIC {
-            return Err(refused("not a delayd peer"));
+            return Err(refused("not a delayd peer".into()));
         }
         let version = u16::from_le_bytes([hello[8], hello[9]]);
         if version != VERSION {
-            return Err(refused(&format!(
+            return Err(refused(format!(
                 "peer protocol version {version}, this member speaks {VERSION}"
             )));
         }
-        let from = u64::from_le_bytes(hello[10..18].try_into().expect("8 bytes"));
-        let client_nonce = &hello[18..];
-        let server_nonce = nonce();
-        let mut answer = [0u8; NONCE_LEN + PROOF_LEN];
-        answer[..NONCE_LEN].copy_from_slice(&server_nonce);
-        answer[NONCE_LEN..].copy_from_slice(&secret.proof(
-            b"server",
-            client_nonce,
-            &server_nonce,
-            from,
-        ));
-        stream.write_all(&answer).await.map_err(io)?;
+        let caller = u64::from_le_bytes(hello[10..18].try_into().expect("8 bytes"));
+        let expected = u64::from_le_bytes(hello[18..26].try_into().expect("8 bytes"));
+        let member_nonce = nonce();
+        let hs = Handshake {
+            caller_nonce: &hello[26..],
+            member_nonce: &member_nonce,
+            caller,
+            member: id,
+        };
+        self.stream.write_all(&member_nonce).await.map_err(&io)?;
         let mut proof = [0u8; PROOF_LEN];
-        stream.read_exact(&mut proof).await.map_err(io)?;
-        if !secret.verify(b"client", &server_nonce, client_nonce, from, &proof) {
-            tracing::warn!(peer = %addr, "a peer connection did not prove cluster.secret; closed");
-            return Err(refused("wrong cluster.secret"));
+        self.stream.read_exact(&mut proof).await.map_err(&io)?;
+        if expected != id || !secret.verify(true, &hs, &proof) {
+            // A wrong id is told apart only in the log: the caller learns nothing but the close.
+            tracing::warn!(peer = %self.addr, caller, expected, id, "a peer connection did not prove cluster.secret for this member; closed");
+            return Err(refused("no proof of cluster.secret for this member".into()));
         }
-        stream.write_all(&[ACCEPTED]).await.map_err(io)?;
-        Ok(from)
-    })
-    .await?;
-    loop {
-        let Some((kind, payload)) = read_frame(&mut stream, options.max_frame_bytes)
-            .await
-            .map_err(io)?
-        else {
-            return Ok(()); // the client closed between requests
-        };
-        let (status, answer) = match service.handle(from, kind, payload).await {
-            Ok(answer) => (STATUS_OK, answer),
-            Err(text) => (STATUS_ERROR, text.into_bytes()),
-        };
-        write_frame(&mut stream, status, &answer)
-            .await
-            .map_err(io)?;
+        let proof = secret.proof(false, &hs);
+        self.stream.write_all(&proof).await.map_err(&io)?;
+        Ok(caller)
     }
 }
 
@@ -260,7 +350,7 @@ async fn read_frame(stream: &mut TcpStream, max: usize) -> std::io::Result<Optio
     if len == 0 || len - 1 > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("a frame of {len} bytes (at most {} are taken)", max + 1),
+            format!("a frame of {len} bytes (its payload may have at most {max})"),
         ));
     }
     let mut frame = vec![0u8; len];
@@ -290,27 +380,38 @@ async fn within<T>(
         .unwrap_or(Err(PeerError::Timeout { peer, what, after }))
 }
 
-/// Calls one peer: connects and proves the secret when it has no idle connection, keeps a few.
+/// Whether an idle connection is still open: nothing to read and no end seen.
+fn still_open(stream: &TcpStream) -> bool {
+    matches!(stream.try_read(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
+
+/// Calls one member: connects and proves the secret when it has no idle connection, keeps a few.
 #[derive(Debug)]
 pub struct PeerClient {
     peer: SocketAddr,
-    /// This member's id, which the peer is told.
+    /// This member's id, which the called member is told.
     id: u64,
+    /// The called member's id, which it proves.
+    member: u64,
     secret: Secret,
     options: PeerOptions,
-    idle: Mutex<Vec<TcpStream>>,
+    /// Idle connections, each with when it was last used.
+    idle: Mutex<Vec<(TcpStream, Instant)>>,
 }
 
 impl PeerClient {
+    /// A caller with the id `id` of the member `member` at `peer`.
     pub fn new(
         peer: SocketAddr,
         id: u64,
+        member: u64,
         secret: &str,
         options: PeerOptions,
     ) -> Result<PeerClient, PeerError> {
         Ok(PeerClient {
             peer,
             id,
+            member,
             secret: Secret::new(secret)?,
             options,
             idle: Mutex::new(Vec::new()),
@@ -319,15 +420,17 @@ impl PeerClient {
 
     /// Sends a request of `kind` and waits for its answer.
     pub async fn call(&self, kind: u8, payload: &[u8]) -> Result<Vec<u8>, PeerError> {
-        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let mut stream = match idle {
+        let (peer, max) = (self.peer, self.options.max_frame_bytes);
+        if payload.len() > max {
+            let bytes = payload.len();
+            return Err(PeerError::TooLarge { peer, bytes, max });
+        }
+        let mut stream = match self.take_idle() {
             Some(stream) => stream,
             None => self.connect().await?,
         };
-        let peer = self.peer;
         let io = |source| PeerError::Io { peer, source };
-        let max = self.options.max_frame_bytes;
-        let answered = within(peer, "a request", self.options.request_timeout, async {
+        let (status, answer) = within(peer, "a request", self.options.request_timeout, async {
             write_frame(&mut stream, kind, payload).await.map_err(io)?;
             match read_frame(&mut stream, max).await.map_err(io)? {
                 Some(answer) => Ok(answer),
@@ -335,19 +438,38 @@ impl PeerClient {
             }
         })
         .await?;
+        let answer = match status {
+            STATUS_OK => Ok(answer),
+            STATUS_ERROR => Err(PeerError::Answered {
+                peer,
+                text: String::from_utf8_lossy(&answer).into_owned(),
+            }),
+            other => {
+                let what = format!("an answer of status {other}");
+                return Err(io(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    what,
+                )));
+            }
+        };
         // Only a connection whose call ended cleanly goes back to the pool.
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < self.options.pool {
-            idle.push(stream);
+            idle.push((stream, Instant::now()));
         }
-        drop(idle);
-        match answered {
-            (STATUS_OK, answer) => Ok(answer),
-            (_, text) => Err(PeerError::Answered {
-                peer,
-                text: String::from_utf8_lossy(&text).into_owned(),
-            }),
+        answer
+    }
+
+    /// The most recently used idle connection that is still open and not near the member's idle
+    /// timeout; the others are dropped.
+    fn take_idle(&self) -> Option<TcpStream> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some((stream, used)) = idle.pop() {
+            if used.elapsed() < self.options.idle_timeout / 2 && still_open(&stream) {
+                return Some(stream);
+            }
         }
+        None
     }
 
     async fn connect(&self) -> Result<TcpStream, PeerError> {
@@ -358,44 +480,41 @@ impl PeerClient {
         })
         .await?;
         let _ = stream.set_nodelay(true);
-        within(
-            peer,
-            "the handshake",
-            self.options.handshake_timeout,
-            async {
-                let client_nonce = nonce();
-                let mut hello = Vec::with_capacity(8 + 2 + 8 + NONCE_LEN);
-                hello.extend_from_slice(MAGIC);
-                hello.extend_from_slice(&VERSION.to_le_bytes());
-                hello.extend_from_slice(&self.id.to_le_bytes());
-                hello.extend_from_slice(&client_nonce);
-                stream.write_all(&hello).await.map_err(io)?;
-                let mut answer = [0u8; NONCE_LEN + PROOF_LEN];
-                stream.read_exact(&mut answer).await.map_err(io)?;
-                let (server_nonce, proof) = answer.split_at(NONCE_LEN);
-                if !self
-                    .secret
-                    .verify(b"server", &client_nonce, server_nonce, self.id, proof)
-                {
-                    return Err(PeerError::Refused {
-                        peer,
-                        why: "it did not prove cluster.secret".into(),
-                    });
-                }
-                let proof = self
-                    .secret
-                    .proof(b"client", server_nonce, &client_nonce, self.id);
-                stream.write_all(&proof).await.map_err(io)?;
-                let mut accepted = [0u8; 1];
-                match stream.read_exact(&mut accepted).await {
-                    Ok(_) if accepted[0] == ACCEPTED => Ok(()),
-                    _ => Err(PeerError::Refused {
-                        peer,
-                        why: "it refused this member's proof of cluster.secret".into(),
-                    }),
-                }
-            },
-        )
+        within(peer, "the handshake", self.options.handshake_timeout, async {
+            let caller_nonce = nonce();
+            let mut hello = Vec::with_capacity(HELLO_LEN);
+            hello.extend_from_slice(MAGIC);
+            hello.extend_from_slice(&VERSION.to_le_bytes());
+            hello.extend_from_slice(&self.id.to_le_bytes());
+            hello.extend_from_slice(&self.member.to_le_bytes());
+            hello.extend_from_slice(&caller_nonce);
+            stream.write_all(&hello).await.map_err(io)?;
+            let mut member_nonce = [0u8; NONCE_LEN];
+            stream.read_exact(&mut member_nonce).await.map_err(io)?;
+            let hs = Handshake {
+                caller_nonce: &caller_nonce,
+                member_nonce: &member_nonce,
+                caller: self.id,
+                member: self.member,
+            };
+            stream.write_all(&self.secret.proof(true, &hs)).await.map_err(io)?;
+            let mut proof = [0u8; PROOF_LEN];
+            match stream.read_exact(&mut proof).await {
+                Ok(_) if self.secret.verify(false, &hs, &proof) => Ok(()),
+                Ok(_) => Err(PeerError::Refused {
+                    peer,
+                    why: "it did not prove cluster.secret".into(),
+                }),
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(PeerError::Refused {
+                    peer,
+                    why: format!(
+                        "it closed on this member's proof: another cluster.secret, or not member {}",
+                        self.member
+                    ),
+                }),
+                Err(e) => Err(io(e)),
+            }
+        })
         .await?;
         Ok(stream)
     }
@@ -407,6 +526,7 @@ mod tests {
     use futures_core::future::BoxFuture;
 
     const SECRET: &str = "a long random string";
+    const MEMBER: u64 = 1;
 
     /// Answers kind 0 with the caller's id and the payload, kind 1 with an error, kind 2 never.
     struct Echo;
@@ -428,39 +548,70 @@ mod tests {
         }
     }
 
-    fn quick() -> PeerOptions {
+    /// Generous deadlines: only a test that waits for a timeout on purpose sets a short one.
+    fn options() -> PeerOptions {
         PeerOptions {
-            handshake_timeout: Duration::from_millis(500),
-            request_timeout: Duration::from_millis(500),
             max_frame_bytes: 1024,
             ..PeerOptions::default()
         }
     }
 
-    /// A member serving [`Echo`] on a loopback port, until the test ends.
-    async fn member(secret: &str) -> (SocketAddr, tokio::task::JoinHandle<()>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    /// Member 1 serving [`Echo`] on `listener` (a free loopback port if `None`), until the handle is
+    /// aborted or the test ends.
+    async fn member(
+        listener: Option<TcpListener>,
+        options: PeerOptions,
+    ) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+        let listener = match listener {
+            Some(listener) => listener,
+            None => TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        };
         let addr = listener.local_addr().unwrap();
-        let served = serve(listener, secret, quick(), Arc::new(Echo)).unwrap();
+        let served = serve(listener, MEMBER, SECRET, options, Arc::new(Echo)).unwrap();
         (addr, tokio::spawn(served))
     }
 
-    /// The member closes `raw` without sending it a byte (a reset counts: it closes with unread bytes).
-    async fn assert_closed_unanswered(mut raw: TcpStream) {
-        let mut rest = Vec::new();
-        let read = tokio::time::timeout(Duration::from_secs(10), raw.read_to_end(&mut rest)).await;
+    fn caller(addr: SocketAddr, secret: &str) -> PeerClient {
+        PeerClient::new(addr, 7, MEMBER, secret, options()).unwrap()
+    }
+
+    fn local_ports(client: &PeerClient) -> Vec<u16> {
+        let idle = client.idle.lock().unwrap();
+        let mut ports: Vec<u16> = idle
+            .iter()
+            .map(|(s, _)| s.local_addr().unwrap().port())
+            .collect();
+        ports.sort_unstable();
+        ports
+    }
+
+    /// The member closes `raw` having sent it exactly `expected` bytes (a reset counts as a close: it
+    /// closes with unread bytes).
+    async fn assert_closed_after(mut raw: TcpStream, expected: usize) {
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), raw.read_to_end(&mut got)).await;
         let reset = |e: &std::io::Error| e.kind() == std::io::ErrorKind::ConnectionReset;
         match read {
-            Ok(Ok(0)) => {}
-            Ok(Err(e)) if reset(&e) && rest.is_empty() => {}
-            other => panic!("not closed unanswered: {other:?}, {rest:?}"),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if reset(&e) => {}
+            other => panic!("not closed: {other:?}"),
         }
+        assert_eq!(got.len(), expected, "{got:?}");
+    }
+
+    fn hello(caller: u64, member: u64) -> Vec<u8> {
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&VERSION.to_le_bytes());
+        hello.extend_from_slice(&caller.to_le_bytes());
+        hello.extend_from_slice(&member.to_le_bytes());
+        hello.extend_from_slice(&[0u8; NONCE_LEN]);
+        hello
     }
 
     #[tokio::test]
-    async fn an_authenticated_peer_gets_its_answers_over_a_few_connections() {
-        let (addr, _served) = member(SECRET).await;
-        let client = Arc::new(PeerClient::new(addr, 7, SECRET, quick()).unwrap());
+    async fn an_authenticated_caller_gets_its_answers_and_reuses_its_connections() {
+        let (addr, _served) = member(None, options()).await;
+        let client = Arc::new(caller(addr, SECRET));
         let calls = (0..16u8).map(|i| {
             let client = client.clone();
             tokio::spawn(async move { (i, client.call(0, &[i; 3]).await) })
@@ -468,92 +619,191 @@ mod tests {
         for call in calls {
             let (i, answer) = call.await.unwrap();
             let answer = answer.unwrap();
-            assert_eq!(answer[..8], 7u64.to_le_bytes(), "the peer knows who called");
+            assert_eq!(
+                answer[..8],
+                7u64.to_le_bytes(),
+                "the member knows who called"
+            );
             assert_eq!(answer[8..], [i; 3]);
         }
-        let idle = client.idle.lock().unwrap().len();
-        assert!(
-            (1..=quick().pool).contains(&idle),
-            "{idle} idle connections kept"
+        let pooled = local_ports(&client);
+        assert!((1..=options().pool).contains(&pooled.len()), "{pooled:?}");
+        for i in 0..10u8 {
+            assert_eq!(client.call(0, &[i]).await.unwrap()[8..], [i]);
+        }
+        assert_eq!(
+            local_ports(&client),
+            pooled,
+            "calls one at a time reuse the pooled connections"
         );
         match client.call(1, b"x").await {
             Err(PeerError::Answered { text, .. }) => assert_eq!(text, "refused on purpose"),
             other => panic!("{other:?}"),
         }
-        assert_eq!(client.call(0, b"after").await.unwrap()[8..], *b"after");
+        assert_eq!(
+            local_ports(&client),
+            pooled,
+            "an error answer keeps its connection"
+        );
     }
 
     #[tokio::test]
-    async fn a_wrong_secret_is_refused_whichever_side_holds_it() {
-        let (addr, _served) = member(SECRET).await;
-        let stranger = PeerClient::new(addr, 7, "another long random string", quick()).unwrap();
+    async fn a_stranger_learns_nothing_it_could_test_a_guess_against() {
+        let (addr, _served) = member(None, options()).await;
+        let stranger = caller(addr, "another long random string");
         match stranger.call(0, b"x").await {
+            Err(PeerError::Refused { why, .. }) => assert!(why.contains("closed on"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // By hand: the member sends its nonce, and after a wrong proof closes without another byte.
+        let mut raw = TcpStream::connect(addr).await.unwrap();
+        raw.write_all(&hello(7, MEMBER)).await.unwrap();
+        let mut member_nonce = [0u8; NONCE_LEN];
+        raw.read_exact(&mut member_nonce).await.unwrap();
+        raw.write_all(&[0u8; PROOF_LEN]).await.unwrap();
+        assert_closed_after(raw, 0).await;
+        // A caller that expects another member is refused though it holds the secret.
+        let wrong = PeerClient::new(addr, 7, MEMBER + 1, SECRET, options()).unwrap();
+        match wrong.call(0, b"x").await {
+            Err(PeerError::Refused { why, .. }) => assert!(why.contains("not member 2"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_member_that_is_not_what_it_claims_is_refused() {
+        // A listener that answers the hello with a nonce and then a proof it cannot make.
+        let fake = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = fake.local_addr().unwrap();
+        let faking = tokio::spawn(async move {
+            let (mut stream, _) = fake.accept().await.unwrap();
+            let mut hello = [0u8; HELLO_LEN];
+            stream.read_exact(&mut hello).await.unwrap();
+            stream.write_all(&[1u8; NONCE_LEN]).await.unwrap();
+            let mut proof = [0u8; PROOF_LEN];
+            stream.read_exact(&mut proof).await.unwrap();
+            stream.write_all(&proof).await.unwrap(); // the caller's own proof, reflected
+            stream
+        });
+        match caller(addr, SECRET).call(0, b"x").await {
             Err(PeerError::Refused { why, .. }) => assert!(why.contains("did not prove"), "{why}"),
             other => panic!("{other:?}"),
         }
-        // A client that answers the server's proof with a wrong one of its own is closed on, unanswered.
-        let mut raw = TcpStream::connect(addr).await.unwrap();
-        let mut hello = MAGIC.to_vec();
-        hello.extend_from_slice(&VERSION.to_le_bytes());
-        hello.extend_from_slice(&7u64.to_le_bytes());
-        hello.extend_from_slice(&[0u8; NONCE_LEN]);
-        raw.write_all(&hello).await.unwrap();
-        let mut answer = [0u8; NONCE_LEN + PROOF_LEN];
-        raw.read_exact(&mut answer).await.unwrap();
-        raw.write_all(&[0u8; PROOF_LEN]).await.unwrap();
-        assert_closed_unanswered(raw).await;
+        drop(faking.await.unwrap());
     }
 
     #[tokio::test]
     async fn a_short_secret_is_refused_at_the_start() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let served = serve(listener, "short", quick(), Arc::new(Echo));
+        let short = "x".repeat(MIN_SECRET_BYTES - 1);
+        let served = serve(listener, MEMBER, &short, options(), Arc::new(Echo));
         assert!(matches!(served, Err(PeerError::WeakSecret)));
-        let client = PeerClient::new(addr, 1, "", quick());
+        let client = PeerClient::new(addr, 7, MEMBER, &short, options());
         assert!(matches!(client, Err(PeerError::WeakSecret)));
+        assert!(PeerClient::new(addr, 7, MEMBER, &"x".repeat(MIN_SECRET_BYTES), options()).is_ok());
     }
 
     #[tokio::test]
     async fn silence_ends_in_a_timeout_on_both_sides() {
-        let (addr, _served) = member(SECRET).await;
-        let client = PeerClient::new(addr, 7, SECRET, quick()).unwrap();
-        match client.call(2, b"x").await {
+        let short = PeerOptions {
+            handshake_timeout: Duration::from_millis(300),
+            request_timeout: Duration::from_millis(300),
+            idle_timeout: Duration::from_millis(300),
+            ..options()
+        };
+        let (addr, _served) = member(None, short.clone()).await;
+        // The member gives up on a handler that does not answer, and says so.
+        let patient = caller(addr, SECRET);
+        match patient.call(2, b"x").await {
+            Err(PeerError::Answered { text, .. }) => {
+                assert!(text.contains("no answer within"), "{text}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // A caller that waits less than the member gives up first, and keeps no connection.
+        let hasty = PeerClient::new(
+            addr,
+            7,
+            MEMBER,
+            SECRET,
+            PeerOptions {
+                request_timeout: Duration::from_millis(100),
+                ..options()
+            },
+        )
+        .unwrap();
+        match hasty.call(2, b"x").await {
             Err(PeerError::Timeout { what, .. }) => assert_eq!(what, "a request"),
             other => panic!("{other:?}"),
         }
         assert!(
-            client.idle.lock().unwrap().is_empty(),
+            local_ports(&hasty).is_empty(),
             "a timed-out connection is not kept"
         );
-        assert_eq!(client.call(0, b"y").await.unwrap()[8..], *b"y");
         // A listener that accepts and says nothing: the handshake times out.
         let mute = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let client = PeerClient::new(mute.local_addr().unwrap(), 7, SECRET, quick()).unwrap();
+        let client = PeerClient::new(mute.local_addr().unwrap(), 7, MEMBER, SECRET, short).unwrap();
         match client.call(0, b"x").await {
             Err(PeerError::Timeout { what, .. }) => assert_eq!(what, "the handshake"),
             other => panic!("{other:?}"),
         }
-        // A connection that never proves itself is closed by the member.
-        let raw = TcpStream::connect(addr).await.unwrap();
-        assert_closed_unanswered(raw).await;
+        // A connection that never proves itself is closed by the member, and so is an idle one.
+        assert_closed_after(TcpStream::connect(addr).await.unwrap(), 0).await;
+        let idle = caller(addr, SECRET);
+        idle.call(0, b"x").await.unwrap();
+        let (stream, _) = idle.idle.lock().unwrap().pop().unwrap();
+        assert_closed_after(stream, 0).await;
     }
 
     #[tokio::test]
-    async fn strangers_and_oversized_frames_are_refused() {
-        let (addr, _served) = member(SECRET).await;
+    async fn a_restarted_member_is_called_on_new_connections() {
+        let (addr, served) = member(None, options()).await;
+        let client = caller(addr, SECRET);
+        client.call(0, b"before").await.unwrap();
+        served.abort();
+        let _ = served.await;
+        // Its connections ended with it: the pooled one is found closed, and nothing listens.
+        assert!(matches!(
+            client.call(0, b"x").await,
+            Err(PeerError::Io { .. })
+        ));
+        let listener = TcpListener::bind(addr).await.unwrap();
+        let (_, _served) = member(Some(listener), options()).await;
+        assert_eq!(client.call(0, b"after").await.unwrap()[8..], *b"after");
+    }
+
+    #[tokio::test]
+    async fn strangers_and_frames_over_the_limit_are_refused() {
+        let (addr, _served) = member(None, options()).await;
         let mut raw = TcpStream::connect(addr).await.unwrap();
-        raw.write_all(
-            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
-        )
-        .await
-        .unwrap();
-        assert_closed_unanswered(raw).await;
-        let client = PeerClient::new(addr, 7, SECRET, quick()).unwrap();
-        match client.call(0, &[0u8; 2048]).await {
-            Err(PeerError::Io { .. }) => {}
-            other => panic!("a frame past max_frame_bytes: {other:?}"),
+        let mut http = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec();
+        http.resize(HELLO_LEN, b' ');
+        raw.write_all(&http).await.unwrap();
+        assert_closed_after(raw, 0).await;
+        let client = caller(addr, SECRET);
+        let max = options().max_frame_bytes;
+        match client.call(0, &vec![0u8; max + 1]).await {
+            Err(PeerError::TooLarge { bytes, .. }) => assert_eq!(bytes, max + 1),
+            other => panic!("{other:?}"),
         }
-        assert_eq!(client.call(0, b"small").await.unwrap()[8..], *b"small");
+        // The answer carries 8 more bytes than the request: at the limit, it is refused by the member.
+        assert_eq!(
+            client.call(0, &vec![0u8; max - 8]).await.unwrap().len(),
+            max
+        );
+        match client.call(0, &vec![0u8; max]).await {
+            Err(PeerError::Answered { text, .. }) => {
+                assert!(text.contains("over max_frame_bytes"), "{text}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // A frame over the limit sent by hand ends the connection: the member does not read it.
+        let mut authed = client.take_idle().expect("a pooled connection");
+        authed
+            .write_all(&(max as u32 + 2).to_le_bytes())
+            .await
+            .unwrap();
+        assert_closed_after(authed, 0).await;
     }
 }
