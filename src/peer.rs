@@ -25,17 +25,22 @@
 //! - Proofs are compared in constant time, cover both sides' fresh nonces (a recorded one is worth
 //!   nothing later) and both ids (a caller that reached the wrong member learns it).
 //! - Before a caller proved itself, a member reads only the fixed-size handshake, within
-//!   [`PeerOptions::handshake_timeout`], and at most [`MAX_HANDSHAKES`] such connections at once.
+//!   [`PeerOptions::handshake_timeout`], and at most [`MAX_HANDSHAKES`] such connections at once
+//!   ([`MAX_HANDSHAKES_PER_ADDRESS`] from one address).
 //! - A request or answer longer than [`PeerOptions::max_frame_bytes`] is refused before it is sent or
 //!   read. Every call has a deadline ([`PeerOptions::request_timeout`]), on both sides; a member closes
 //!   a connection idle for [`PeerOptions::idle_timeout`].
-//! - A connection whose call failed or timed out is dropped, never reused (it may hold a late answer);
-//!   an idle one is checked before reuse and dropped if the member closed it.
-//! - Dropping the future [`serve`] returns stops its connections too.
-//! - Peer traffic is authenticated, not encrypted: it belongs on a private network.
+//! - A connection whose call failed or timed out is dropped, never reused (it may hold a late answer),
+//!   and so are the caller's other idle ones to that member (a member that rebooted or was cut off
+//!   left them all stale); an idle one is checked on its socket before reuse.
+//! - Dropping the future [`serve`] returns stops its connections too (their tasks are aborted).
+//! - Only a connection's setup is authenticated; its frames are neither signed nor encrypted: peer
+//!   traffic belongs on a private network.
+//! - Both sides of a link must be given the same [`PeerOptions::idle_timeout`].
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -56,6 +61,10 @@ pub const MIN_SECRET_BYTES: usize = 16;
 /// The most connections a member lets try the handshake at once; more are closed at once.
 pub const MAX_HANDSHAKES: usize = 64;
 
+/// The most of them from one address, so that one stranger cannot hold every handshake (members on
+/// one host, each with at most [`PeerOptions::pool`] connections to a member, stay under it).
+pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 16;
+
 /// How long peer traffic may take.
 #[derive(Debug, Clone)]
 pub struct PeerOptions {
@@ -68,7 +77,7 @@ pub struct PeerOptions {
     /// for half of it.
     pub idle_timeout: Duration,
     pub max_frame_bytes: usize,
-    /// Idle connections a caller keeps per member.
+    /// Connections a caller has to one member at most, in use or idle: more calls at once wait.
     pub pool: usize,
 }
 
@@ -178,7 +187,8 @@ fn nonce() -> [u8; NONCE_LEN] {
     nonce
 }
 
-/// Answers the requests of authenticated callers.
+/// Answers the requests of authenticated callers. A handler's future is dropped when it outlives
+/// [`PeerOptions::request_timeout`] or the member stops serving: it must be safe to cancel.
 pub trait PeerService: Send + Sync + 'static {
     /// The answer to a request of `kind` from the member `from`, or the error text the caller gets.
     fn handle(
@@ -201,12 +211,18 @@ pub fn serve(
 ) -> Result<impl std::future::Future<Output = ()> + Send + 'static, PeerError> {
     let secret = Secret::new(secret)?;
     let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let proving = Arc::new(Mutex::new(HashMap::new()));
     Ok(async move {
         let mut connections = tokio::task::JoinSet::new();
         loop {
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
-                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+                Some(ended) = connections.join_next(), if !connections.is_empty() => {
+                    if let Err(e) = ended.map_err(|e| e.try_into_panic()) {
+                        tracing::error!(panic = ?e.ok(), "a peer connection's task panicked");
+                    }
+                    continue;
+                }
             };
             let (stream, addr) = match accepted {
                 Ok(accepted) => accepted,
@@ -217,8 +233,8 @@ pub fn serve(
                     continue;
                 }
             };
-            let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
-                tracing::warn!(peer = %addr, "too many peer connections proving themselves; closed");
+            let Some(handshake) = Proving::admit(&handshakes, &proving, addr) else {
+                tracing::debug!(peer = %addr, "too many peer connections proving themselves; closed");
                 continue;
             };
             let (secret, options, service) = (secret.clone(), options.clone(), service.clone());
@@ -235,6 +251,47 @@ pub fn serve(
             });
         }
     })
+}
+
+/// A connection's place among those proving themselves, given back when it is dropped.
+struct Proving {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    by_address: Arc<Mutex<HashMap<std::net::IpAddr, usize>>>,
+    address: std::net::IpAddr,
+}
+
+impl Proving {
+    /// A place for a connection from `addr`, if there is one overall and for its address.
+    fn admit(
+        handshakes: &Arc<tokio::sync::Semaphore>,
+        by_address: &Arc<Mutex<HashMap<std::net::IpAddr, usize>>>,
+        addr: SocketAddr,
+    ) -> Option<Proving> {
+        let permit = handshakes.clone().try_acquire_owned().ok()?;
+        let mut counts = by_address.lock().unwrap_or_else(|p| p.into_inner());
+        let count = counts.entry(addr.ip()).or_insert(0);
+        if *count >= MAX_HANDSHAKES_PER_ADDRESS {
+            return None;
+        }
+        *count += 1;
+        Some(Proving {
+            _permit: permit,
+            by_address: by_address.clone(),
+            address: addr.ip(),
+        })
+    }
+}
+
+impl Drop for Proving {
+    fn drop(&mut self) {
+        let mut counts = self.by_address.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = counts.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.address);
+            }
+        }
+    }
 }
 
 /// A member's end of one connection.
@@ -254,7 +311,7 @@ impl Link {
         mut self,
         id: u64,
         secret: &Secret,
-        handshake: tokio::sync::OwnedSemaphorePermit,
+        handshake: Proving,
         service: Arc<dyn PeerService>,
     ) -> Result<(), PeerError> {
         let (addr, after) = (self.addr, self.options.handshake_timeout);
@@ -264,14 +321,15 @@ impl Link {
             let io = self.io();
             let max = self.options.max_frame_bytes;
             let idle = self.options.idle_timeout;
-            let Ok(next) = tokio::time::timeout(idle, read_frame(&mut self.stream, max)).await
-            else {
+            let Ok(next) = tokio::time::timeout(idle, read_len(&mut self.stream, max)).await else {
                 return Ok(()); // idle too long: the caller connects again when it needs to
             };
-            let Some((kind, payload)) = next.map_err(&io)? else {
+            let Some(len) = next.map_err(&io)? else {
                 return Ok(()); // the caller closed between requests
             };
             let after = self.options.request_timeout;
+            let body = async { read_body(&mut self.stream, len).await.map_err(&io) };
+            let (kind, payload) = within(addr, "a request", after, body).await?;
             let answered = tokio::time::timeout(after, service.handle(from, kind, payload)).await;
             let (status, answer) = match answered {
                 Ok(Ok(answer)) if answer.len() > max => (
@@ -340,12 +398,19 @@ impl Link {
 
 /// Reads one frame: `None` if the stream ended before it began.
 async fn read_frame(stream: &mut TcpStream, max: usize) -> std::io::Result<Option<(u8, Vec<u8>)>> {
-    let mut len = [0u8; 4];
-    match stream.read_exact(&mut len).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
+    match read_len(stream, max).await? {
+        Some(len) => read_body(stream, len).await.map(Some),
+        None => Ok(None),
     }
+}
+
+/// Reads a frame's length: `None` if the stream ended before it (not within it).
+async fn read_len(stream: &mut TcpStream, max: usize) -> std::io::Result<Option<usize>> {
+    let mut len = [0u8; 4];
+    if stream.read(&mut len[..1]).await? == 0 {
+        return Ok(None);
+    }
+    stream.read_exact(&mut len[1..]).await?;
     let len = u32::from_le_bytes(len) as usize;
     if len == 0 || len - 1 > max {
         return Err(std::io::Error::new(
@@ -353,10 +418,15 @@ async fn read_frame(stream: &mut TcpStream, max: usize) -> std::io::Result<Optio
             format!("a frame of {len} bytes (its payload may have at most {max})"),
         ));
     }
-    let mut frame = vec![0u8; len];
-    stream.read_exact(&mut frame).await?;
-    let payload = frame.split_off(1);
-    Ok(Some((frame[0], payload)))
+    Ok(Some(len))
+}
+
+/// Reads the kind and payload of a frame of `len` bytes.
+async fn read_body(stream: &mut TcpStream, len: usize) -> std::io::Result<(u8, Vec<u8>)> {
+    let kind = stream.read_u8().await?;
+    let mut payload = vec![0u8; len - 1];
+    stream.read_exact(&mut payload).await?;
+    Ok((kind, payload))
 }
 
 async fn write_frame(stream: &mut TcpStream, kind: u8, payload: &[u8]) -> std::io::Result<()> {
@@ -380,9 +450,13 @@ async fn within<T>(
         .unwrap_or(Err(PeerError::Timeout { peer, what, after }))
 }
 
-/// Whether an idle connection is still open: nothing to read and no end seen.
+/// Whether an idle connection is still open: asked of its socket (tokio's readiness may not have seen
+/// the member's close yet), without taking a byte. An idle connection has nothing to read, so any
+/// byte, end or error means it is not fit for a call.
 fn still_open(stream: &TcpStream) -> bool {
-    matches!(stream.try_read(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    let mut byte = [std::mem::MaybeUninit::uninit()];
+    let peeked = socket2::SockRef::from(stream).peek(&mut byte);
+    matches!(peeked, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
 
 /// Calls one member: connects and proves the secret when it has no idle connection, keeps a few.
@@ -397,6 +471,8 @@ pub struct PeerClient {
     options: PeerOptions,
     /// Idle connections, each with when it was last used.
     idle: Mutex<Vec<(TcpStream, Instant)>>,
+    /// One permit per connection it may have ([`PeerOptions::pool`]), held by each call.
+    slots: tokio::sync::Semaphore,
 }
 
 impl PeerClient {
@@ -413,6 +489,7 @@ impl PeerClient {
             id,
             member,
             secret: Secret::new(secret)?,
+            slots: tokio::sync::Semaphore::new(options.pool.max(1)),
             options,
             idle: Mutex::new(Vec::new()),
         })
@@ -425,19 +502,32 @@ impl PeerClient {
             let bytes = payload.len();
             return Err(PeerError::TooLarge { peer, bytes, max });
         }
+        let after = self.options.request_timeout;
+        let _slot = within(peer, "waiting for a connection", after, async {
+            Ok(self
+                .slots
+                .acquire()
+                .await
+                .expect("the semaphore is never closed"))
+        })
+        .await?;
         let mut stream = match self.take_idle() {
             Some(stream) => stream,
             None => self.connect().await?,
         };
         let io = |source| PeerError::Io { peer, source };
-        let (status, answer) = within(peer, "a request", self.options.request_timeout, async {
+        let exchanged = within(peer, "a request", self.options.request_timeout, async {
             write_frame(&mut stream, kind, payload).await.map_err(io)?;
             match read_frame(&mut stream, max).await.map_err(io)? {
                 Some(answer) => Ok(answer),
                 None => Err(io(std::io::ErrorKind::UnexpectedEof.into())),
             }
         })
-        .await?;
+        .await;
+        let (status, answer) = exchanged.inspect_err(|_| {
+            // What broke this connection (a reboot, a cut link) has most likely broken the idle ones.
+            self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        })?;
         let answer = match status {
             STATUS_OK => Ok(answer),
             STATUS_ERROR => Err(PeerError::Answered {
@@ -454,9 +544,7 @@ impl PeerClient {
         };
         // Only a connection whose call ended cleanly goes back to the pool.
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-        if idle.len() < self.options.pool {
-            idle.push((stream, Instant::now()));
-        }
+        idle.push((stream, Instant::now()));
         answer
     }
 
@@ -627,7 +715,10 @@ mod tests {
             assert_eq!(answer[8..], [i; 3]);
         }
         let pooled = local_ports(&client);
-        assert!((1..=options().pool).contains(&pooled.len()), "{pooled:?}");
+        assert!(
+            (1..=options().pool).contains(&pooled.len()),
+            "16 calls at once share at most `pool` connections: {pooled:?}"
+        );
         for i in 0..10u8 {
             assert_eq!(client.call(0, &[i]).await.unwrap()[8..], [i]);
         }
@@ -721,9 +812,10 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        // A caller that waits less than the member gives up first, and keeps no connection.
+        // A caller that waits less than its member gives up first, and keeps no connection.
+        let (patient_member, _served) = member(None, options()).await;
         let hasty = PeerClient::new(
-            addr,
+            patient_member,
             7,
             MEMBER,
             SECRET,
@@ -756,21 +848,68 @@ mod tests {
         assert_closed_after(stream, 0).await;
     }
 
-    #[tokio::test]
+    /// Waits until the member closed the caller's pooled connection.
+    async fn until_pooled_closed(client: &PeerClient) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while client
+            .idle
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(s, _)| still_open(s))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the pooled connection stays open"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_restarted_member_is_called_on_new_connections() {
         let (addr, served) = member(None, options()).await;
         let client = caller(addr, SECRET);
         client.call(0, b"before").await.unwrap();
         served.abort();
         let _ = served.await;
-        // Its connections ended with it: the pooled one is found closed, and nothing listens.
-        assert!(matches!(
-            client.call(0, b"x").await,
-            Err(PeerError::Io { .. })
-        ));
+        // Its connections end with it: the pooled one is found closed before it is reused.
+        until_pooled_closed(&client).await;
         let listener = TcpListener::bind(addr).await.unwrap();
         let (_, _served) = member(Some(listener), options()).await;
         assert_eq!(client.call(0, b"after").await.unwrap()[8..], *b"after");
+        assert_eq!(
+            local_ports(&client).len(),
+            1,
+            "the stale connection is gone"
+        );
+    }
+
+    #[tokio::test]
+    async fn one_address_holds_at_most_a_few_handshakes() {
+        let slow = PeerOptions {
+            handshake_timeout: Duration::from_secs(60),
+            ..options()
+        };
+        let (addr, _served) = member(None, slow).await;
+        let mut silent = Vec::new();
+        for _ in 0..MAX_HANDSHAKES_PER_ADDRESS {
+            silent.push(TcpStream::connect(addr).await.unwrap());
+        }
+        // One more from the same address is closed at once, long before its handshake would time out.
+        assert_closed_after(TcpStream::connect(addr).await.unwrap(), 0).await;
+        assert!(
+            silent.iter().all(still_open),
+            "the first ones wait for their handshake"
+        );
+        // Once one of them goes, a caller proves itself again.
+        drop(silent.pop());
+        let client = caller(addr, SECRET);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while client.call(0, b"x").await.is_err() {
+            assert!(Instant::now() < deadline, "no place freed for a handshake");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     #[tokio::test]
