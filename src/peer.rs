@@ -783,6 +783,57 @@ mod tests {
         drop(faking.await.unwrap());
     }
 
+    /// A member that holds the secret but proves itself as `proves_as` whatever it was asked for,
+    /// and answers its one request with `status`.
+    async fn forged_member(proves_as: u64, status: u8) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut hello = [0u8; HELLO_LEN];
+            stream.read_exact(&mut hello).await.unwrap();
+            let member_nonce = nonce();
+            stream.write_all(&member_nonce).await.unwrap();
+            let mut proof = [0u8; PROOF_LEN];
+            stream.read_exact(&mut proof).await.unwrap();
+            let hs = Handshake {
+                caller_nonce: &hello[26..],
+                member_nonce: &member_nonce,
+                caller: u64::from_le_bytes(hello[10..18].try_into().unwrap()),
+                member: proves_as,
+            };
+            let secret = Secret::new(SECRET).unwrap();
+            stream.write_all(&secret.proof(false, &hs)).await.unwrap();
+            if let Ok(Some(_)) = read_frame(&mut stream, 1024).await {
+                let _ = write_frame(&mut stream, status, b"?").await;
+            }
+            // Held open until the caller is done with it.
+            let _ = stream.read_to_end(&mut Vec::new()).await;
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_member_with_the_secret_must_still_be_the_one_called_and_speak_the_protocol() {
+        let impostor = forged_member(MEMBER + 1, STATUS_OK).await;
+        match caller(impostor, SECRET).call(0, b"x").await {
+            Err(PeerError::Refused { why, .. }) => assert!(why.contains("did not prove"), "{why}"),
+            other => panic!("member 2 answering for member 1: {other:?}"),
+        }
+        let garbled = forged_member(MEMBER, 2).await;
+        let client = caller(garbled, SECRET);
+        match client.call(0, b"x").await {
+            Err(PeerError::Io { source, .. }) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::InvalidData, "{source}")
+            }
+            other => panic!("an answer of an unknown status: {other:?}"),
+        }
+        assert!(
+            local_ports(&client).is_empty(),
+            "its connection is not kept"
+        );
+    }
+
     #[tokio::test]
     async fn a_short_secret_is_refused_at_the_start() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
