@@ -10,6 +10,11 @@
 //! 16   8   next_seq         u64: every WAL record below it is in its segment, synced
 //! 24   28n segments, sorted by bucket:
 //!          bucket minute u32 | log_len u64 | entries u64 | last_seq u64
+//!          version 2 (a replicated data dir) only:
+//! ..   24  applied          the last Raft entry applied: term u64 | leader u64 | index u64
+//! ..   1   has membership   u8: 1 when the last applied membership follows, else 0
+//! ..   24  membership id    its entry's term u64 | leader u64 | index u64
+//! ..   4   membership len   u32, then the membership's bytes (the cluster layer's encoding)
 //! ..   4   crc              u32, CRC-32C of everything before it
 //! ```
 //!
@@ -18,6 +23,7 @@
 //! segment is cut back to its `log_len` and `entries`.
 
 use crate::bucket::{Bucket, SegmentMinutes};
+use crate::entry::LogId;
 use crate::error::{Error, Result};
 use crate::header::{write_atomically, FORMAT_VERSION};
 use crate::segment::SegmentMark;
@@ -29,11 +35,30 @@ use std::path::Path;
 pub(crate) const MAGIC: [u8; 8] = *b"DLYDCKPT";
 const FIXED_LEN: usize = 24;
 const SEGMENT_LEN: usize = 28;
+/// A checkpoint of a replicated data dir, with the Raft state applied.
+const REPLICATED_VERSION: u16 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Checkpoint {
     pub next_seq: u64,
     pub segments: BTreeMap<Bucket, SegmentMark>,
+    /// What of the Raft log the files hold (a replicated data dir): every record below `next_seq` is
+    /// of an entry up to this one.
+    pub applied: Option<AppliedState>,
+}
+
+/// How far a replicated data dir's files have applied the Raft log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppliedState {
+    pub log_id: LogId,
+    /// The last membership applied: its entry and its bytes.
+    pub membership: Option<(LogId, Vec<u8>)>,
+}
+
+fn put_log_id(out: &mut Vec<u8>, id: &LogId) {
+    out.extend_from_slice(&id.term.to_le_bytes());
+    out.extend_from_slice(&id.node_id.to_le_bytes());
+    out.extend_from_slice(&id.index.to_le_bytes());
 }
 
 impl Checkpoint {
@@ -41,13 +66,18 @@ impl Checkpoint {
         Checkpoint {
             next_seq: 1,
             segments: BTreeMap::new(),
+            applied: None,
         }
     }
 
     pub(crate) fn encode(&self, width: SegmentMinutes) -> Vec<u8> {
         let mut out = Vec::with_capacity(FIXED_LEN + SEGMENT_LEN * self.segments.len() + 4);
         out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        let version = match self.applied {
+            Some(_) => REPLICATED_VERSION,
+            None => FORMAT_VERSION,
+        };
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&width.get().to_le_bytes());
         let count = u32::try_from(self.segments.len()).expect("fewer than 4 billion segments");
         out.extend_from_slice(&count.to_le_bytes());
@@ -57,6 +87,19 @@ impl Checkpoint {
             out.extend_from_slice(&mark.log_len.to_le_bytes());
             out.extend_from_slice(&mark.entries.to_le_bytes());
             out.extend_from_slice(&mark.last_seq.to_le_bytes());
+        }
+        if let Some(applied) = &self.applied {
+            put_log_id(&mut out, &applied.log_id);
+            match &applied.membership {
+                Some((id, bytes)) => {
+                    out.push(1);
+                    put_log_id(&mut out, id);
+                    let len = u32::try_from(bytes.len()).expect("a membership under 4 GiB");
+                    out.extend_from_slice(&len.to_le_bytes());
+                    out.extend_from_slice(bytes);
+                }
+                None => out.push(0),
+            }
         }
         let crc = crc32c::crc32c(&out);
         out.extend_from_slice(&crc.to_le_bytes());
@@ -73,7 +116,8 @@ impl Checkpoint {
         if crc32c::crc32c(body) != u32::from_le_bytes(*crc) {
             return Err("checkpoint checksum mismatch");
         }
-        if body[0..8] != MAGIC || u16::from_le_bytes([body[8], body[9]]) != FORMAT_VERSION {
+        let version = u16::from_le_bytes([body[8], body[9]]);
+        if body[0..8] != MAGIC || !(FORMAT_VERSION..=REPLICATED_VERSION).contains(&version) {
             return Err("not a checkpoint of this format version");
         }
         if u16::from_le_bytes([body[10], body[11]]) != width.get() {
@@ -86,7 +130,12 @@ impl Checkpoint {
             u64::from_le_bytes(b)
         };
         let next_seq = u64_at(16);
-        if body.len() != FIXED_LEN + count.saturating_mul(SEGMENT_LEN) {
+        let segments_end = FIXED_LEN.saturating_add(count.saturating_mul(SEGMENT_LEN));
+        let fits = match version {
+            FORMAT_VERSION => body.len() == segments_end,
+            _ => body.len() >= segments_end.saturating_add(25),
+        };
+        if !fits {
             return Err("checkpoint length does not match its segment count");
         }
         let mut segments = BTreeMap::new();
@@ -100,9 +149,46 @@ impl Checkpoint {
             };
             segments.insert(Bucket::from_start_minute(minute), mark);
         }
-        Ok(Checkpoint { next_seq, segments })
+        let applied = match version {
+            FORMAT_VERSION => None,
+            _ => Some(decode_applied(&body[segments_end..])?),
+        };
+        Ok(Checkpoint {
+            next_seq,
+            segments,
+            applied,
+        })
     }
+}
 
+/// The trailer of a version 2 checkpoint (at least 25 bytes, checked by the caller).
+fn decode_applied(bytes: &[u8]) -> Result<AppliedState, &'static str> {
+    let u64_at = |at: usize| -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&bytes[at..at + 8]);
+        u64::from_le_bytes(b)
+    };
+    let log_id_at = |at: usize| LogId {
+        term: u64_at(at),
+        node_id: u64_at(at + 8),
+        index: u64_at(at + 16),
+    };
+    let log_id = log_id_at(0);
+    let membership = match bytes[24] {
+        0 if bytes.len() == 25 => None,
+        1 if bytes.len() >= 25 + 28 => {
+            let len = u32::from_le_bytes([bytes[49], bytes[50], bytes[51], bytes[52]]) as usize;
+            if bytes.len() != 53 + len {
+                return Err("checkpoint membership length does not match the file");
+            }
+            Some((log_id_at(25), bytes[53..].to_vec()))
+        }
+        _ => return Err("checkpoint applied state is malformed"),
+    };
+    Ok(AppliedState { log_id, membership })
+}
+
+impl Checkpoint {
     /// Reads the checkpoint at `path`; a data dir without one starts from an empty checkpoint.
     pub(crate) fn load(path: &Path, width: SegmentMinutes) -> Result<Checkpoint> {
         match fs::read(path) {
@@ -139,7 +225,7 @@ mod tests {
                 .insert(Bucket::from_start_minute(minute), mark);
         }
         let bytes = checkpoint.encode(width);
-        assert_eq!(Checkpoint::decode(&bytes, width), Ok(checkpoint));
+        assert_eq!(Checkpoint::decode(&bytes, width), Ok(checkpoint.clone()));
         for cut in 0..bytes.len() {
             assert!(
                 Checkpoint::decode(&bytes[..cut], width).is_err(),
@@ -153,5 +239,30 @@ mod tests {
         }
         let other = SegmentMinutes::new(30).unwrap();
         assert!(Checkpoint::decode(&bytes, other).is_err());
+
+        // A replicated data dir's, with and without a membership.
+        let log_id = |index| LogId {
+            term: 3,
+            node_id: 2,
+            index,
+        };
+        for membership in [None, Some((log_id(4), b"{\"voters\":[1,2,3]}".to_vec()))] {
+            let replicated = Checkpoint {
+                applied: Some(AppliedState {
+                    log_id: log_id(9),
+                    membership,
+                }),
+                ..checkpoint.clone()
+            };
+            let bytes = replicated.encode(width);
+            assert_eq!(bytes[8..10], REPLICATED_VERSION.to_le_bytes());
+            assert_eq!(Checkpoint::decode(&bytes, width), Ok(replicated));
+            for cut in 0..bytes.len() {
+                assert!(
+                    Checkpoint::decode(&bytes[..cut], width).is_err(),
+                    "cut {cut}"
+                );
+            }
+        }
     }
 }

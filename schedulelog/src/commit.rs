@@ -30,11 +30,14 @@
 
 use crate::bucket::SegmentMinutes;
 use crate::clock::Clock;
+use crate::entry::{
+    entry_frame_bytes, seal_message, Entry, EntryHead, EntryKind, EntryLog, EntryPayload, LogId,
+    Placed, ENTRY_HEAD_LEN,
+};
 use crate::error::{AppendError, Blocked, DiskFullReport};
 use crate::frame::{self, UNSYNCED_LIMIT};
 use crate::id::{Location, MessageId};
-use crate::record::{patch_committed, Cancel, EncodedMessage, MessageHead, CANCEL_PAYLOAD_LEN};
-use crate::replay::placement;
+use crate::record::{Cancel, EncodedMessage, CANCEL_PAYLOAD_LEN};
 use crate::wal::{ActiveWal, RollError, WalRecord};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::future::{Future, IntoFuture};
@@ -141,6 +144,18 @@ pub(crate) enum Request {
         target: Location,
         reply: oneshot::Sender<Result<u64, AppendError>>,
     },
+    /// Raft entries to make durable (a replicated log), handed in to its `EntryLog` already.
+    Entries {
+        entries: Vec<Entry>,
+        /// How many records each carries (`EntryLog::hand_in` counted them).
+        records: Vec<u32>,
+        reply: oneshot::Sender<Result<(), AppendError>>,
+    },
+    /// Cuts a replicated log's entries from this index on.
+    Truncate {
+        from: u64,
+        reply: oneshot::Sender<Result<(), AppendError>>,
+    },
     /// Makes the next sync or rollover fail, for tests of the failure paths.
     #[cfg(test)]
     InjectFault(Fault),
@@ -157,10 +172,27 @@ impl Request {
         (Request::Cancel { target, reply }, Ack { rx })
     }
 
+    pub(crate) fn entries(entries: Vec<Entry>, records: Vec<u32>) -> (Request, Ack<()>) {
+        let (reply, rx) = oneshot::channel();
+        let request = Request::Entries {
+            entries,
+            records,
+            reply,
+        };
+        (request, Ack { rx })
+    }
+
+    pub(crate) fn truncate(from: u64) -> (Request, Ack<()>) {
+        let (reply, rx) = oneshot::channel();
+        (Request::Truncate { from, reply }, Ack { rx })
+    }
+
     fn frame_bytes(&self) -> usize {
         match self {
             Request::Append { messages, .. } => messages.iter().map(|m| m.frame.len()).sum(),
             Request::Cancel { .. } => frame::HEADER_LEN + CANCEL_PAYLOAD_LEN,
+            // Entries make room for themselves, one at a time.
+            Request::Entries { .. } | Request::Truncate { .. } => 0,
             #[cfg(test)]
             Request::InjectFault(_) => 0,
         }
@@ -170,6 +202,9 @@ impl Request {
         match self {
             Request::Append { reply, .. } => drop(reply.send(Err(error))),
             Request::Cancel { reply, .. } => drop(reply.send(Err(error))),
+            Request::Entries { reply, .. } | Request::Truncate { reply, .. } => {
+                drop(reply.send(Err(error)))
+            }
             #[cfg(test)]
             Request::InjectFault(_) => {}
         }
@@ -181,6 +216,8 @@ impl Request {
 pub(crate) struct CommittedGroup {
     pub bytes: Vec<u8>,
     pub records: Vec<WalRecord>,
+    /// The Raft entry it is (a replicated log), and the member set of a membership entry.
+    pub entry: Option<(LogId, Option<Vec<u8>>)>,
 }
 
 enum Answer {
@@ -189,6 +226,7 @@ enum Answer {
         Vec<Appended>,
     ),
     Cancel(oneshot::Sender<Result<u64, AppendError>>, u64),
+    Entries(oneshot::Sender<Result<(), AppendError>>),
 }
 
 impl Answer {
@@ -196,8 +234,10 @@ impl Answer {
         match (self, error) {
             (Answer::Append(reply, appended), None) => drop(reply.send(Ok(appended))),
             (Answer::Cancel(reply, seq), None) => drop(reply.send(Ok(seq))),
+            (Answer::Entries(reply), None) => drop(reply.send(Ok(()))),
             (Answer::Append(reply, _), Some(e)) => drop(reply.send(Err(e.clone()))),
             (Answer::Cancel(reply, _), Some(e)) => drop(reply.send(Err(e.clone()))),
+            (Answer::Entries(reply), Some(e)) => drop(reply.send(Err(e.clone()))),
         }
     }
 }
@@ -221,7 +261,7 @@ pub(crate) struct Writer {
     pub width: SegmentMinutes,
     pub policy: FsyncPolicy,
     /// Every seq below this is durable in the WAL (readers use it to tell "not yet replayed" from "never
-    /// existed").
+    /// existed"); in a replicated log, applied.
     pub committed: Arc<AtomicU64>,
     pub replay: Sender<CommittedGroup>,
     /// Group buffers the replayer is done with, for reuse: a fresh multi-megabyte buffer per group costs
@@ -234,6 +274,10 @@ pub(crate) struct Writer {
     pub disk_full: Arc<DiskFullReport>,
     /// When (by `clock`) the last rollover found the disk full, until one succeeds.
     pub roll_failed_at_ms: Option<i64>,
+    /// A replicated log's entries: it takes entries and truncations instead of appends and cancels.
+    pub entry_log: Option<Arc<EntryLog>>,
+    /// The index the next entry must have (a replicated log).
+    pub next_index: u64,
     #[cfg(test)]
     pub fault: Option<Fault>,
 }
@@ -299,6 +343,28 @@ impl Writer {
             self.fault = Some(fault);
             return;
         }
+        let request = match request {
+            Request::Entries {
+                entries,
+                records,
+                reply,
+            } => return self.add_entries(&entries, &records, reply, group),
+            Request::Truncate { from, reply } => {
+                // What is queued before it is made durable (and answered) first.
+                self.commit(group);
+                let result = self.truncate(from);
+                if let Err(e) = &result {
+                    self.poison(e);
+                }
+                return drop(reply.send(result));
+            }
+            request if self.entry_log.is_some() => {
+                return request.fail(AppendError::Refused(
+                    "this log is replicated: messages come as Raft entries".into(),
+                ));
+            }
+            request => request,
+        };
         if self.disk_full.backlog_full() {
             // Nothing is written: what is acknowledged already waits in the WAL for the replayer.
             return request.fail(AppendError::DiskFull);
@@ -327,36 +393,16 @@ impl Writer {
                         self.poison(&e);
                         return drop(reply.send(Err(e)));
                     }
-                    let seq = self.next_seq;
+                    let (record, one) = seal_message(
+                        &mut group.bytes,
+                        message,
+                        self.next_seq,
+                        created_at_ms,
+                        self.width,
+                    );
                     self.next_seq += 1;
-                    let head = MessageHead {
-                        seq,
-                        deliver_at_ms: message.deliver_at_ms,
-                        created_at_ms,
-                        sink_tag: message.sink_tag,
-                        dedup: message.dedup,
-                        retry: message.retry_of.filter(|(_, attempt)| *attempt > 0),
-                    };
-                    let location = Location {
-                        bucket: placement(&head, self.width),
-                        seq,
-                    };
-                    let id = message
-                        .retry_of
-                        .map_or(MessageId::new(location), |(id, _)| id);
-                    let at = group.bytes.len();
-                    group.bytes.extend_from_slice(&message.frame);
-                    patch_committed(&mut group.bytes[at..], seq, created_at_ms, id);
-                    group.records.push(WalRecord::Message {
-                        head,
-                        frame: at..group.bytes.len(),
-                    });
-                    appended.push(Appended {
-                        id,
-                        location,
-                        deliver_at_ms: message.deliver_at_ms,
-                        created_at_ms,
-                    });
+                    group.records.push(record);
+                    appended.push(one);
                 }
                 group.answers.push(Answer::Append(reply, appended));
             }
@@ -376,9 +422,123 @@ impl Writer {
                 group.records.push(WalRecord::Cancel(cancel));
                 group.answers.push(Answer::Cancel(reply, cancel.seq));
             }
+            Request::Entries { .. } | Request::Truncate { .. } => {} // taken above
             #[cfg(test)]
-            Request::InjectFault(_) => {} // taken above
+            Request::InjectFault(_) => {}    // taken above
         }
+    }
+
+    /// Adds Raft entries to the group, each on a block boundary of its own and within one WAL file, or
+    /// refuses them all (nothing written) when they do not continue the log or one cannot fit a file.
+    fn add_entries(
+        &mut self,
+        entries: &[Entry],
+        counts: &[u32],
+        reply: oneshot::Sender<Result<(), AppendError>>,
+        group: &mut Group,
+    ) {
+        let Some(log) = self.entry_log.clone() else {
+            let why = "this log is a single node's: it takes no Raft entries";
+            return drop(reply.send(Err(AppendError::Refused(why.into()))));
+        };
+        // One entry is one write at most (it never spans files: a file grows past its size for a
+        // larger one), and a write stays within the unsynced window (frame.rs's tail policy).
+        let largest = UNSYNCED_LIMIT / 2;
+        let refusal = (self.next_index..).zip(entries).find_map(|(index, entry)| {
+            let bytes = frame::padded_len(entry_frame_bytes(entry));
+            let membership = match &entry.payload {
+                EntryPayload::Membership(m) => m.len(),
+                _ => 0,
+            };
+            if entry.log_id.index != index {
+                Some(format!(
+                    "entry {} does not follow the log (the next index is {index})",
+                    entry.log_id.index
+                ))
+            } else if bytes > largest || membership + ENTRY_HEAD_LEN > frame::MAX_PAYLOAD {
+                Some(format!(
+                    "entry {index} takes {bytes} bytes, more than one write may ({largest})"
+                ))
+            } else {
+                None
+            }
+        });
+        if let Some(why) = refusal {
+            log.refused(self.next_index, self.next_seq);
+            return drop(reply.send(Err(AppendError::Refused(why))));
+        }
+        group.started.get_or_insert_with(Instant::now);
+        for (entry, &records) in entries.iter().zip(counts) {
+            let bytes = entry_frame_bytes(entry);
+            frame::pad_to_block(&mut group.bytes, group.written);
+            if let Err(e) = self.make_room_for_entry(frame::padded_len(bytes), group) {
+                let e = mid_request(e);
+                self.poison(&e);
+                return drop(reply.send(Err(e)));
+            }
+            let at = self.wal.position() + (group.bytes.len() - group.written) as u64;
+            let (kind, membership, frames): (_, &[u8], &[u8]) = match &entry.payload {
+                EntryPayload::Blank => (EntryKind::Blank, &[], &[]),
+                EntryPayload::Normal(frames) => (EntryKind::Normal, &[], frames),
+                EntryPayload::Membership(m) => (EntryKind::Membership, m, &[]),
+            };
+            let head = EntryHead {
+                log_id: entry.log_id,
+                first_seq: self.next_seq,
+                records,
+                kind,
+            };
+            head.encode_frame(membership, &mut group.bytes);
+            group.bytes.extend_from_slice(frames);
+            log.place(Placed {
+                log_id: entry.log_id,
+                file: self.wal.first_seq(),
+                at,
+                end: at + frame::padded_len(bytes) as u64,
+                first_seq: self.next_seq,
+                records,
+            });
+            self.next_seq += u64::from(records);
+            self.next_index = entry.log_id.index + 1;
+        }
+        group.answers.push(Answer::Entries(reply));
+    }
+
+    /// Cuts the log's entries from `from` on: later WAL files deleted, the file holding `from` zeroed
+    /// back to front from its end to the entry (a crash midway leaves a shorter tail of the same
+    /// entries, never a hole), and appends continue there.
+    fn truncate(&mut self, from: u64) -> Result<(), AppendError> {
+        let Some(log) = self.entry_log.clone() else {
+            let why = "this log is a single node's: it has no Raft entries";
+            return Err(AppendError::Refused(why.into()));
+        };
+        if let Some(cause) = &self.poisoned {
+            return Err(AppendError::Poisoned(cause.clone()));
+        }
+        if from >= self.next_index {
+            return Ok(());
+        }
+        let Some(cut) = log.placed_at(from) else {
+            return Err(AppendError::Refused(format!(
+                "entry {from} is not in the log (purged)"
+            )));
+        };
+        let end = match cut.file == self.wal.first_seq() {
+            true => self.wal.position(),
+            false => log
+                .in_file(cut.file)
+                .iter()
+                .map(|p| p.end)
+                .max()
+                .unwrap_or(cut.end),
+        };
+        self.wal.cut_back(cut.file, cut.at, end).map_err(|e| {
+            AppendError::Poisoned(format!("truncating the WAL from entry {from} failed: {e}"))
+        })?;
+        log.cut(from);
+        self.next_seq = cut.first_seq;
+        self.next_index = from;
+        Ok(())
     }
 
     /// Before adding a frame of `len` bytes: keeps the unsynced bytes under the limit, and rolls over
@@ -390,6 +550,25 @@ impl Writer {
         }
         let unwritten = (group.bytes.len() - group.written) as u64;
         if padded(unwritten + len as u64) > self.wal.remaining() {
+            self.write_and_sync(group)?;
+            self.roll()?;
+        }
+        Ok(())
+    }
+
+    /// Before adding an entry that takes `len` bytes once padded, to a group whose unwritten bytes end
+    /// on a block boundary: writes them first when the unsynced window would overflow, and rolls over
+    /// when the entry does not fit the file. Unless the file is empty, or holds no record (files are
+    /// named by their first seq, which the next file would share): it then grows past its size.
+    fn make_room_for_entry(&mut self, len: usize, group: &mut Group) -> Result<(), AppendError> {
+        let unwritten = group.bytes.len() - group.written;
+        if unwritten + len > UNSYNCED_LIMIT {
+            self.write_and_sync(group)?;
+        }
+        let unwritten = group.bytes.len() - group.written;
+        let fits = (unwritten + len) as u64 <= self.wal.remaining();
+        if !fits && self.wal.first_seq() < self.next_seq && !(self.wal.is_empty() && unwritten == 0)
+        {
             self.write_and_sync(group)?;
             self.roll()?;
         }
@@ -509,7 +688,15 @@ impl Writer {
             return;
         }
         metrics::histogram!("delayd_wal_batch_records").record(group.records.len() as f64);
-        self.committed.store(self.next_seq, Ordering::Release);
+        match &self.entry_log {
+            // A replicated log's records count as committed once applied (`apply_entries`).
+            Some(log) => {
+                if let Some(last) = self.next_index.checked_sub(1) {
+                    log.flushed(last);
+                }
+            }
+            None => self.committed.store(self.next_seq, Ordering::Release),
+        }
         for answer in group.answers {
             answer.send(None);
         }
@@ -517,6 +704,7 @@ impl Writer {
             let sent = self.replay.send(CommittedGroup {
                 bytes: group.bytes,
                 records: group.records,
+                entry: None,
             });
             if sent.is_err() {
                 // The replayer failed: what is in the WAL is safe and replays on restart, but nothing

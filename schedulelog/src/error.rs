@@ -162,6 +162,10 @@ pub enum AppendError {
     /// The log is shutting down.
     #[error("the log is closed")]
     Closed,
+    /// A request this log does not take: Raft entries that do not continue it, or one too large for a
+    /// WAL file; a plain append to a replicated log, or entries to a single node's. Nothing was written.
+    #[error("refused: {0}")]
+    Refused(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

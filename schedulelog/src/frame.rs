@@ -5,7 +5,7 @@
 //! 0       4     len     u32 LE, payload bytes (the 9-byte header not included)
 //! 4       4     crc     u32 LE, CRC-32C of bytes 8 .. 9 + len (kind and payload)
 //! 8       1     kind    u8: 1 message, 2 cancel, 3 outcome, 4 padding, 5 broker message (delayd's
-//!                       built-in broker store); 0 is never a valid kind
+//!                       built-in broker store), 6 Raft entry (entry.rs); 0 is never a valid kind
 //! 9       len   payload
 //! ```
 //!
@@ -59,6 +59,8 @@ pub enum Kind {
     Padding = 4,
     /// A message delivered into delayd's built-in broker store (its commit log has its own layout).
     Broker = 5,
+    /// A Raft entry's head, before the records it carries (WAL files of replicated data dirs).
+    Entry = 6,
 }
 
 impl Kind {
@@ -69,6 +71,7 @@ impl Kind {
             3 => Some(Kind::Outcome),
             4 => Some(Kind::Padding),
             5 => Some(Kind::Broker),
+            6 => Some(Kind::Entry),
             _ => None,
         }
     }
@@ -85,6 +88,16 @@ pub fn start(buf: &mut Vec<u8>) -> usize {
 pub fn finish(buf: &mut [u8], at: usize, kind: Kind) {
     buf[at + 8] = kind as u8;
     seal(&mut buf[at..]);
+}
+
+/// How long `len` bytes become once [`pad_to_block`] padded them.
+pub fn padded_len(len: usize) -> usize {
+    let used = len % BLOCK;
+    match used {
+        0 => len,
+        _ if BLOCK - used < HEADER_LEN => len + 2 * BLOCK - used,
+        _ => len + BLOCK - used,
+    }
 }
 
 /// Appends a padding frame so that `buf.len() - from` becomes a multiple of [`BLOCK`] (adding a whole

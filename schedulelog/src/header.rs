@@ -6,7 +6,8 @@
 //! offset  size  field
 //! 0       8     magic            b"DLYDWAL\0", b"DLYDSEG\0", b"DLYDIDX\0", b"DLYDDSP\0" or b"DLYDMETA"
 //! 8       2     version          u16 LE: FORMAT_VERSION; WAL files WAL_FORMAT_VERSION (2: the file may
-//!                                be a reused one, holding an earlier use's frames past its own end)
+//!                                be a reused one, holding an earlier use's frames past its own end),
+//!                                or REPLICATED_WAL_VERSION (3: it holds Raft entries, entry.rs)
 //! 10      2     segment_minutes  u16 LE (0 in WAL files)
 //! 12      4     reserved         zero
 //! 16      8     value            u64 LE: first seq (WAL), bucket start minute (segment, index, dispatch)
@@ -25,11 +26,22 @@ pub const FORMAT_VERSION: u16 = 1;
 /// delayd relies on to tell a torn tail from damage, so a reused file must not look like version 1 to it.
 /// Version 1 WAL files are still read.
 pub const WAL_FORMAT_VERSION: u16 = 2;
+/// The WAL files of a replicated data dir hold Raft entries (entry.rs); a delayd that predates them
+/// refuses the files by this version rather than take entry frames for damage.
+pub const REPLICATED_WAL_VERSION: u16 = 3;
 
-/// The version a file with this magic is written with (and the newest one read).
+/// The version a file with this magic is written with (by a single node).
 fn version_of(magic: [u8; 8]) -> u16 {
     match magic {
         WAL_MAGIC => WAL_FORMAT_VERSION,
+        _ => FORMAT_VERSION,
+    }
+}
+
+/// The newest version read of a file with this magic.
+fn newest_version_of(magic: [u8; 8]) -> u16 {
+    match magic {
+        WAL_MAGIC => REPLICATED_WAL_VERSION,
         _ => FORMAT_VERSION,
     }
 }
@@ -49,9 +61,14 @@ pub struct FileHeader {
 
 impl FileHeader {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
+        self.encode_as(version_of(self.magic))
+    }
+
+    /// Encodes the header with a version other than the magic's usual one.
+    pub(crate) fn encode_as(&self, version: u16) -> [u8; HEADER_LEN] {
         let mut out = [0u8; HEADER_LEN];
         out[0..8].copy_from_slice(&self.magic);
-        out[8..10].copy_from_slice(&version_of(self.magic).to_le_bytes());
+        out[8..10].copy_from_slice(&version.to_le_bytes());
         out[10..12].copy_from_slice(&self.segment_minutes.to_le_bytes());
         out[16..24].copy_from_slice(&self.value.to_le_bytes());
         let crc = crc32c::crc32c(&out[..28]);
@@ -61,6 +78,14 @@ impl FileHeader {
 
     /// Decodes and checks a header. `Err` carries the reason, for a corruption error or a torn-file check.
     pub fn decode(bytes: &[u8], magic: [u8; 8]) -> Result<FileHeader, &'static str> {
+        FileHeader::decode_versioned(bytes, magic).map(|(header, _)| header)
+    }
+
+    /// [`FileHeader::decode`], with the file's format version.
+    pub(crate) fn decode_versioned(
+        bytes: &[u8],
+        magic: [u8; 8],
+    ) -> Result<(FileHeader, u16), &'static str> {
         let bytes = bytes
             .get(..HEADER_LEN)
             .ok_or("file shorter than its header")?;
@@ -71,17 +96,18 @@ impl FileHeader {
         if bytes[0..8] != magic {
             return Err("wrong file magic");
         }
-        if !(FORMAT_VERSION..=version_of(magic)).contains(&u16::from_le_bytes([bytes[8], bytes[9]]))
-        {
+        let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+        if !(FORMAT_VERSION..=newest_version_of(magic)).contains(&version) {
             return Err("unsupported format version");
         }
         let mut value = [0u8; 8];
         value.copy_from_slice(&bytes[16..24]);
-        Ok(FileHeader {
+        let header = FileHeader {
             magic,
             segment_minutes: u16::from_le_bytes([bytes[10], bytes[11]]),
             value: u64::from_le_bytes(value),
-        })
+        };
+        Ok((header, version))
     }
 
     /// Decodes the header of the file at `path`, mapping a bad header to a corruption error.
@@ -219,7 +245,7 @@ mod tests {
     }
 
     #[test]
-    fn wal_headers_are_version_2_and_version_1_is_still_read() {
+    fn wal_headers_are_version_2_or_3_and_version_1_is_still_read() {
         let header = FileHeader {
             magic: WAL_MAGIC,
             segment_minutes: 0,
@@ -235,8 +261,14 @@ mod tests {
         assert_eq!(header.encode()[8..10], WAL_FORMAT_VERSION.to_le_bytes());
         assert_eq!(FileHeader::decode(&with_version(1), WAL_MAGIC), Ok(header));
         assert_eq!(FileHeader::decode(&with_version(2), WAL_MAGIC), Ok(header));
+        // A replicated data dir's files (Raft entries).
+        assert_eq!(header.encode_as(3), with_version(3));
+        assert_eq!(
+            FileHeader::decode_versioned(&with_version(3), WAL_MAGIC),
+            Ok((header, 3))
+        );
         let unknown = Err("unsupported format version");
-        assert_eq!(FileHeader::decode(&with_version(3), WAL_MAGIC), unknown);
+        assert_eq!(FileHeader::decode(&with_version(4), WAL_MAGIC), unknown);
         // Other files stay at version 1.
         let segment = FileHeader {
             magic: SEGMENT_MAGIC,

@@ -3,6 +3,7 @@
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::checkpoint::{self, Checkpoint};
+use crate::entry::EntryHead;
 use crate::frame::{Frames, Kind, Stop, BLOCK};
 use crate::header::{
     FileHeader, DISPATCH_MAGIC, HEADER_LEN, INDEX_MAGIC, META_MAGIC, SEGMENT_MAGIC, WAL_MAGIC,
@@ -110,6 +111,16 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
             },
             Kind::Padding => continue,
             Kind::Broker => format!("broker record, {} bytes", payload.len()),
+            Kind::Entry => match EntryHead::decode(payload) {
+                Ok((e, _)) => format!(
+                    "entry {} term {} leader {} ({:?}, {} records from seq {})",
+                    e.log_id.index, e.log_id.term, e.log_id.node_id, e.kind, e.records, e.first_seq
+                ),
+                Err(e) => {
+                    ok = false;
+                    format!("entry: {e}")
+                }
+            },
         };
         count += 1;
         writeln!(out, "{offset:>12}  {line}")?;

@@ -17,6 +17,7 @@ mod checkpoint;
 mod clock;
 mod commit;
 mod dispatch;
+mod entry;
 mod error;
 #[cfg(test)]
 mod fault;
@@ -36,8 +37,10 @@ mod view;
 mod wal;
 
 pub use bucket::{Bucket, SegmentMinutes};
+pub use checkpoint::AppliedState;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use commit::{Ack, AckFuture, Appended, FsyncPolicy};
+pub use entry::{Entry, EntryBuilder, EntryPayload, LogId};
 pub use error::{AppendError, Error, Result};
 pub use group::Group;
 pub use header::{

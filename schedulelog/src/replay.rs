@@ -45,8 +45,9 @@
 //!   checkpoint stopped listing it is never listed again.
 
 use crate::bucket::{Bucket, SegmentMinutes};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{AppliedState, Checkpoint};
 use crate::dispatch::DispatchLogs;
+use crate::entry::{EntryLog, LogId};
 use crate::error::{AppendError, Error, Result};
 use crate::header::sync_dir;
 use crate::id::Location;
@@ -250,6 +251,12 @@ pub(crate) struct Replay {
     pub next_seq: u64,
     /// next_seq of the last checkpoint written.
     pub checkpointed_seq: u64,
+    /// A replicated data dir's last Raft entry applied (through the groups applied), and what of it the
+    /// last checkpoint written holds.
+    pub applied: Option<AppliedState>,
+    pub checkpointed_applied: Option<AppliedState>,
+    /// A replicated data dir's entries, purged with their WAL files.
+    pub entry_log: Option<Arc<EntryLog>>,
     /// The number of the last checkpoint job taken.
     jobs_taken: u64,
     /// What the jobs share: the last one stored, a failed sync (held while one runs).
@@ -327,6 +334,9 @@ impl Replay {
             segments,
             next_seq: checkpoint.next_seq,
             checkpointed_seq: checkpoint.next_seq,
+            applied: checkpoint.applied.clone(),
+            checkpointed_applied: checkpoint.applied.clone(),
+            entry_log: None,
             jobs_taken: 0,
             jobs_stored: Arc::default(),
             use_counter: 0,
@@ -597,6 +607,7 @@ impl Replay {
             checkpoint: Checkpoint {
                 next_seq: self.next_seq,
                 segments: self.segments.iter().map(|(b, s)| (*b, s.written)).collect(),
+                applied: self.applied.clone(),
             },
             sync,
             schedule_dir: self.schedule_dir.clone(),
@@ -634,7 +645,30 @@ impl Replay {
             }
         }
         self.checkpointed_seq = self.checkpointed_seq.max(job.checkpoint.next_seq);
+        let newer = |a: &AppliedState, b: &Option<AppliedState>| {
+            b.as_ref().is_none_or(|b| a.log_id.index > b.log_id.index)
+        };
+        if let Some(applied) = &job.checkpoint.applied {
+            if newer(applied, &self.checkpointed_applied) {
+                self.checkpointed_applied = Some(applied.clone());
+            }
+        }
         self.delete_replayed_wal()
+    }
+
+    /// The Raft entry `log_id` is applied (its records, if any, are): with `membership`, the member
+    /// set it holds.
+    pub(crate) fn entry_applied(&mut self, log_id: LogId, membership: Option<Vec<u8>>) {
+        let membership = match membership {
+            Some(bytes) => Some((log_id, bytes)),
+            None => self.applied.take().and_then(|a| a.membership),
+        };
+        self.applied = Some(AppliedState { log_id, membership });
+    }
+
+    /// Whether a checkpoint now would store nothing new.
+    pub(crate) fn checkpointed_all(&self) -> bool {
+        self.checkpointed_seq == self.next_seq && self.checkpointed_applied == self.applied
     }
 
     /// Retires the WAL files entirely below the last checkpoint (each but the newest): keeps them for
@@ -644,10 +678,26 @@ impl Replay {
         let mut deleted = false;
         for pair in files.windows(2) {
             let ((first_seq, path), (next_first, _)) = (&pair[0], &pair[1]);
-            if *next_first <= self.checkpointed_seq {
-                wal::retire(&self.wal_dir, path, *first_seq, self.wal_spares)?;
-                deleted = true;
+            if *next_first > self.checkpointed_seq {
+                continue;
             }
+            if let Some(log) = &self.entry_log {
+                // A replicated WAL file goes once every entry in it is applied and checkpointed (an
+                // entry without records may follow the last record).
+                let applied = self.checkpointed_applied.as_ref().map(|a| a.log_id.index);
+                let entries = log.in_file(*first_seq);
+                if entries
+                    .iter()
+                    .any(|e| applied.is_none_or(|a| e.log_id.index > a))
+                {
+                    continue;
+                }
+                wal::retire(&self.wal_dir, path, *first_seq, self.wal_spares)?;
+                log.purge_file(*first_seq);
+            } else {
+                wal::retire(&self.wal_dir, path, *first_seq, self.wal_spares)?;
+            }
+            deleted = true;
         }
         if deleted {
             sync_dir(&self.wal_dir)?;

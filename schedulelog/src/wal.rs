@@ -44,9 +44,12 @@
 //!   torn write can only damage bytes that were never acknowledged.
 //! - A file is deleted only once every record in it has been replayed and checkpointed.
 
+use crate::entry::EntryHead;
 use crate::error::{Error, Result};
 use crate::frame::{self, Frames, Kind, Next, Stop, BLOCK, UNSYNCED_LIMIT};
-use crate::header::{self, list_files, parse_offset_name, FileHeader, HEADER_LEN, WAL_MAGIC};
+use crate::header::{
+    self, list_files, parse_offset_name, FileHeader, HEADER_LEN, REPLICATED_WAL_VERSION, WAL_MAGIC,
+};
 use crate::record::{Cancel, MessageHead};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -127,7 +130,8 @@ fn take_spare(dir: &Path, bytes: u64) -> Result<Option<PathBuf>> {
     Ok(None)
 }
 
-/// The seq of the message or cancel frame at the start of `bytes`, if a valid one starts there.
+/// The seq of the message or cancel frame at the start of `bytes` (of an entry frame: its first seq), if
+/// a valid one starts there.
 pub(crate) fn record_seq(bytes: &[u8]) -> Option<u64> {
     match frame::decode(bytes) {
         Next::Frame {
@@ -138,6 +142,10 @@ pub(crate) fn record_seq(bytes: &[u8]) -> Option<u64> {
             kind: Kind::Cancel,
             payload,
         } => Cancel::decode(payload).ok().map(|c| c.seq),
+        Next::Frame {
+            kind: Kind::Entry,
+            payload,
+        } => EntryHead::decode(payload).ok().map(|(h, _)| h.first_seq),
         _ => None,
     }
 }
@@ -201,6 +209,8 @@ impl WalRecord {
 pub(crate) struct ScannedFile {
     pub bytes: Vec<u8>,
     pub records: Vec<WalRecord>,
+    /// The Raft entries of a replicated data dir's file, in order.
+    pub entries: Vec<ScannedEntry>,
     /// Offset just past the last valid record: where appends continue.
     pub end: u64,
     /// The seq the next record must have.
@@ -212,15 +222,49 @@ pub(crate) struct ScannedFile {
     pub reused_end: bool,
 }
 
+/// A Raft entry found by recovery.
+#[derive(Debug, Clone)]
+pub(crate) struct ScannedEntry {
+    pub head: EntryHead,
+    /// File offset of its entry frame, and of what follows it and its padding (the next entry, or the
+    /// end of the log).
+    pub at: u64,
+    pub end: u64,
+}
+
+/// The entry whose records a scan is reading.
+struct OpenEntry {
+    head: EntryHead,
+    /// Offset of its frame in the body.
+    at: usize,
+    first_record: usize,
+    left: u32,
+}
+
 /// Reads and checks a whole WAL file. `last` says whether it is the newest file, the only one that may
-/// have a torn tail. `Ok(None)`: the newest file's header itself is torn (a crash right after the file was
-/// created), or still names an earlier first seq (a crash while it was being reused); it holds no
-/// acknowledged record and may be deleted.
-pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Option<ScannedFile>> {
+/// have a torn tail. `replicated`: the data dir's WAL holds Raft entries (version 3 files), whose first
+/// index must be `next_index` when it is known. `Ok(None)`: the newest file's header itself is torn (a
+/// crash right after the file was created), or still names an earlier first seq (a crash while it was
+/// being reused); it holds no acknowledged record and may be deleted.
+pub(crate) fn scan_file(
+    path: &Path,
+    first_seq: u64,
+    last: bool,
+    replicated: bool,
+    next_index: Option<u64>,
+) -> Result<Option<ScannedFile>> {
     let bytes = fs::read(path).map_err(Error::io(path))?;
-    match FileHeader::decode(&bytes, WAL_MAGIC) {
-        Ok(h) if h.value == first_seq => {}
-        Ok(h) if last && h.value < first_seq => return Ok(None),
+    match FileHeader::decode_versioned(&bytes, WAL_MAGIC) {
+        Ok((h, version)) if h.value == first_seq => {
+            if (version == REPLICATED_WAL_VERSION) != replicated {
+                let why = match replicated {
+                    true => "a single node's WAL file in a replicated data dir",
+                    false => "a replicated WAL file (version 3) in a single node's data dir",
+                };
+                return Err(Error::corrupt(path, 8, why));
+            }
+        }
+        Ok((h, _)) if last && h.value < first_seq => return Ok(None),
         Ok(_) => {
             return Err(Error::corrupt(
                 path,
@@ -240,9 +284,65 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
     let body = &bytes[start..];
     let base = start as u64;
     let mut records = Vec::new();
+    let mut entries = Vec::new();
+    let mut open: Option<OpenEntry> = None;
     let mut next_seq = first_seq;
+    let mut next_index = next_index;
     let mut frames = Frames::new(body);
     while let Some((at, kind, payload)) = frames.next() {
+        if replicated {
+            let inside = open.as_ref().is_some_and(|o| o.left > 0);
+            match kind {
+                Kind::Entry if inside => {
+                    frames.reject_last(at, "an entry frame among the records of another");
+                    break;
+                }
+                Kind::Entry => {
+                    if let Some(done) = open.take() {
+                        entries.push(done.scanned(base, at));
+                    }
+                    let head = match EntryHead::decode(payload) {
+                        Ok((head, _)) => head,
+                        Err(reason) => {
+                            frames.reject_last(at, reason);
+                            break;
+                        }
+                    };
+                    let reason = if head.first_seq < first_seq {
+                        Some("an entry of the file's earlier use")
+                    } else if head.first_seq != next_seq {
+                        Some("sequence gap")
+                    } else if next_index.is_some_and(|i| i != head.log_id.index) {
+                        Some("entry index gap")
+                    } else if !(base + at as u64).is_multiple_of(BLOCK as u64) {
+                        Some("an entry frame off a block boundary")
+                    } else {
+                        None
+                    };
+                    if let Some(reason) = reason {
+                        frames.reject_last(at, reason);
+                        break;
+                    }
+                    next_index = Some(head.log_id.index + 1);
+                    open = Some(OpenEntry {
+                        head,
+                        at,
+                        first_record: records.len(),
+                        left: head.records,
+                    });
+                    continue;
+                }
+                Kind::Message | Kind::Cancel if !inside => {
+                    frames.reject_last(at, "a record outside an entry");
+                    break;
+                }
+                Kind::Padding if inside => {
+                    frames.reject_last(at, "padding among the records of an entry");
+                    break;
+                }
+                _ => {}
+            }
+        }
         let record = match kind {
             Kind::Message => MessageHead::decode(payload).map(|head| WalRecord::Message {
                 head,
@@ -250,7 +350,7 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
             }),
             Kind::Cancel => Cancel::decode(payload).map(WalRecord::Cancel),
             Kind::Padding => continue,
-            Kind::Outcome | Kind::Broker => {
+            Kind::Outcome | Kind::Broker | Kind::Entry => {
                 frames.reject_last(at, "a frame kind that does not belong in the WAL");
                 break;
             }
@@ -259,6 +359,9 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
             Ok(record) if record.seq() == next_seq => {
                 next_seq += 1;
                 records.push(record);
+                if let Some(open) = &mut open {
+                    open.left -= 1;
+                }
             }
             Ok(record) if record.seq() < first_seq => {
                 frames.reject_last(at, "a record of the file's earlier use");
@@ -271,7 +374,31 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
             Err(e) => return Err(Error::corrupt(path, base + at as u64, e.to_string())),
         }
     }
-    let (end, torn_at, reused_end) = match frames.stop() {
+    let mut stop = frames.stop();
+    match open {
+        // A torn entry: the log ends where it starts, without its records.
+        Some(torn) if torn.left > 0 => {
+            records.truncate(torn.first_record);
+            next_seq = torn.head.first_seq;
+            let reason = match stop {
+                Some(Stop::Invalid { reason, .. }) => reason,
+                _ => "an entry with fewer records than it says",
+            };
+            stop = Some(Stop::Invalid {
+                at: torn.at,
+                reason,
+            });
+        }
+        Some(done) => {
+            let end = match stop {
+                Some(Stop::End { at } | Stop::Invalid { at, .. }) => at,
+                None => body.len(),
+            };
+            entries.push(done.scanned(base, end));
+        }
+        None => {}
+    }
+    let (end, torn_at, reused_end) = match stop {
         Some(Stop::End { at }) => (at, None, false),
         Some(Stop::Invalid { at, reason }) => {
             let reused_end = record_seq(&body[at..]).is_some_and(|seq| seq < first_seq);
@@ -290,11 +417,23 @@ pub(crate) fn scan_file(path: &Path, first_seq: u64, last: bool) -> Result<Optio
     Ok(Some(ScannedFile {
         end: base + end as u64,
         records,
+        entries,
         next_seq,
         torn_at,
         reused_end,
         bytes,
     }))
+}
+
+impl OpenEntry {
+    /// The entry, complete; the next one (or the end of the log) starts at body offset `end`.
+    fn scanned(self, base: u64, end: usize) -> ScannedEntry {
+        ScannedEntry {
+            head: self.head,
+            at: base + self.at as u64,
+            end: base + end as u64,
+        }
+    }
 }
 
 /// Zeroes the unsynced window of a torn tail (from `at`, up to `frame::UNSYNCED_LIMIT` bytes, as far as
@@ -332,6 +471,10 @@ pub(crate) struct ActiveWal {
     segment_bytes: u64,
     file: File,
     path: PathBuf,
+    /// The current file's first seq (its name).
+    first_seq: u64,
+    /// The format version its files are written with (`REPLICATED_WAL_VERSION` for Raft entries).
+    version: u16,
     /// Where the next write goes; always a multiple of [`BLOCK`].
     pos: u64,
     next: Option<JoinHandle<Result<()>>>,
@@ -342,8 +485,8 @@ impl ActiveWal {
     /// Continues appending to an existing file at `pos`, which must be block-aligned.
     pub(crate) fn resume(
         dir: &Path,
-        segment_bytes: u64,
-        path: &Path,
+        (segment_bytes, version): (u64, u16),
+        (first_seq, path): (u64, &Path),
         pos: u64,
     ) -> Result<ActiveWal> {
         debug_assert_eq!(pos % BLOCK as u64, 0);
@@ -353,6 +496,8 @@ impl ActiveWal {
             segment_bytes,
             file,
             path: path.to_path_buf(),
+            first_seq,
+            version,
             pos,
             next: None,
             staging: AlignedBuf::default(),
@@ -362,16 +507,22 @@ impl ActiveWal {
     }
 
     /// Starts a new WAL file whose first record will be `first_seq`.
-    pub(crate) fn create(dir: &Path, segment_bytes: u64, first_seq: u64) -> Result<ActiveWal> {
+    pub(crate) fn create(
+        dir: &Path,
+        (segment_bytes, version): (u64, u16),
+        first_seq: u64,
+    ) -> Result<ActiveWal> {
         let next = dir.join(NEXT_FILE);
         prepare(&next, segment_bytes, Make::Written)?;
         let mut staging = AlignedBuf::default();
-        let (file, path) = install(dir, &next, first_seq, &mut staging)?;
+        let (file, path) = install(dir, &next, (first_seq, version), &mut staging)?;
         let mut wal = ActiveWal {
             dir: dir.to_path_buf(),
             segment_bytes,
             file,
             path,
+            first_seq,
+            version,
             pos: DATA_START,
             next: None,
             staging,
@@ -406,6 +557,57 @@ impl ActiveWal {
     /// Bytes still free in the current file.
     pub(crate) fn remaining(&self) -> u64 {
         self.segment_bytes.saturating_sub(self.pos)
+    }
+
+    /// Where the next write goes in the current file.
+    pub(crate) fn position(&self) -> u64 {
+        self.pos
+    }
+
+    /// The current file's first seq.
+    pub(crate) fn first_seq(&self) -> u64 {
+        self.first_seq
+    }
+
+    /// Cuts the log back to offset `at` of the file named `first_seq` (block-aligned): deletes every
+    /// later file, newest first, then zeroes that file from `end` back to `at`, a chunk and a sync at a
+    /// time (a crash midway leaves a shorter log, never a hole followed by records), and continues
+    /// there.
+    pub(crate) fn cut_back(&mut self, first_seq: u64, at: u64, end: u64) -> Result<()> {
+        const CHUNK: u64 = 1 << 20;
+        debug_assert_eq!(at % BLOCK as u64, 0);
+        let later: Vec<_> = list(&self.dir)?
+            .into_iter()
+            .filter(|(first, _)| *first > first_seq)
+            .collect();
+        for (_, path) in later.iter().rev() {
+            fs::remove_file(path).map_err(Error::io(path))?;
+        }
+        if !later.is_empty() {
+            header::sync_dir(&self.dir)?;
+        }
+        let path = wal_path(&self.dir, first_seq);
+        let zeros = vec![0u8; CHUNK.min(end.saturating_sub(at)) as usize];
+        let file = OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(Error::io(&path))?;
+        let mut to = end;
+        while to > at {
+            let from = to.saturating_sub(CHUNK).max(at);
+            file.write_all_at(&zeros[..(to - from) as usize], from)
+                .map_err(Error::io(&path))?;
+            crate::slow_disk::sync();
+            file.sync_data().map_err(Error::sync(&path))?;
+            to = from;
+        }
+        if path != self.path {
+            self.file = open_direct(&path).map_err(Error::io(&path))?;
+            self.path = path;
+            self.first_seq = first_seq;
+        }
+        self.pos = at;
+        Ok(())
     }
 
     /// Nothing has been written to the current file yet.
@@ -451,8 +653,14 @@ impl ActiveWal {
             let path = wal_path(&self.dir, first_seq);
             match fs::rename(&spare, &path) {
                 Ok(()) => {
-                    (self.file, self.path) = start(&self.dir, path, first_seq, &mut self.staging)
-                        .map_err(RollError::Install)?;
+                    (self.file, self.path) = start(
+                        &self.dir,
+                        path,
+                        (first_seq, self.version),
+                        &mut self.staging,
+                    )
+                    .map_err(RollError::Install)?;
+                    self.first_seq = first_seq;
                     self.pos = DATA_START;
                     metrics::counter!("delayd_wal_files_total", "from" => "spare").increment(1);
                     // `next.tmp` (prepared, or being prepared) stays for a rollover finding no spare.
@@ -478,8 +686,14 @@ impl ActiveWal {
             let _ = fs::remove_file(&next);
             return Err(RollError::Prepare(e));
         }
-        (self.file, self.path) =
-            install(&self.dir, &next, first_seq, &mut self.staging).map_err(RollError::Install)?;
+        (self.file, self.path) = install(
+            &self.dir,
+            &next,
+            (first_seq, self.version),
+            &mut self.staging,
+        )
+        .map_err(RollError::Install)?;
+        self.first_seq = first_seq;
         self.pos = DATA_START;
         // Past the first after a start (zero-filled), each one's first use pays a journal commit per sync
         // (`Make::Allocated`): the cost to a node short of spares.
@@ -590,19 +804,19 @@ fn prepare(path: &Path, bytes: u64, make: Make) -> Result<()> {
 fn install(
     dir: &Path,
     prepared: &Path,
-    first_seq: u64,
+    (first_seq, version): (u64, u16),
     staging: &mut AlignedBuf,
 ) -> Result<(File, PathBuf)> {
     let path = wal_path(dir, first_seq);
     fs::rename(prepared, &path).map_err(Error::io(&path))?;
-    start(dir, path, first_seq, staging)
+    start(dir, path, (first_seq, version), staging)
 }
 
 /// Writes the header block of the WAL file just renamed to `path` and syncs the directory.
 fn start(
     dir: &Path,
     path: PathBuf,
-    first_seq: u64,
+    (first_seq, version): (u64, u16),
     staging: &mut AlignedBuf,
 ) -> Result<(File, PathBuf)> {
     let file = open_direct(&path).map_err(Error::io(&path))?;
@@ -613,7 +827,7 @@ fn start(
     };
     let block = staging.window(BLOCK);
     block.fill(0);
-    block[..HEADER_LEN].copy_from_slice(&header.encode());
+    block[..HEADER_LEN].copy_from_slice(&header.encode_as(version));
     file.write_all_at(block, 0).map_err(Error::io(&path))?;
     header::sync_dir(dir)?;
     Ok((file, path))

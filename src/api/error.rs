@@ -167,6 +167,8 @@ impl From<AppendError> for ApiError {
                     )
                 }
             }
+            // What the log refuses is the caller's mistake in this process, not the client's.
+            refused @ AppendError::Refused(_) => ApiError::internal(refused),
             AppendError::Closed => ApiError {
                 retry_after_secs: Some(1),
                 ..ApiError::new(

@@ -27,8 +27,10 @@
 //! to the WAL writer's queue, outcomes straight to the dispatch logs) and shutdown. The rest, by
 //! concern: `open` (locking, recovery, starting the threads), `replayer` (the replayer thread), `read`
 //! (single records and outcomes), `lookup` (a message's status by id), `scan` (whole buckets: the
-//! loader's watch, rebuild scans) and `retire` (retention).
+//! loader's watch, rebuild scans), `retire` (retention) and `entries` (a replicated data dir's Raft
+//! log: entries in, read back, cut off and applied).
 
+mod entries;
 mod lookup;
 mod open;
 mod read;
@@ -42,8 +44,9 @@ pub use scan::BucketSnapshot;
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::clock::{Clock, SystemClock};
-use crate::commit::{Ack, Appended, FsyncPolicy, Request};
+use crate::commit::{Ack, Appended, CommittedGroup, FsyncPolicy, Request};
 use crate::dispatch::DispatchLogs;
+use crate::entry::EntryLog;
 use crate::error::{AppendError, DiskFullReport, Error, Result};
 use crate::id::Location;
 use crate::record::{EncodedMessage, Outcome};
@@ -79,6 +82,9 @@ pub struct Options {
     /// replay: up to ~1 GiB, a few seconds.
     pub checkpoint_bytes: u64,
     pub clock: Arc<dyn Clock>,
+    /// The data dir is a cluster member's: its WAL is the Raft log (entries, not plain appends), and
+    /// records are filed once their entries are applied. Fixed when the data dir is created.
+    pub replicated: bool,
     /// Faults armed before the open (see fault.rs): what a test of recovery on a full disk needs.
     #[cfg(test)]
     pub(crate) faults: Option<Arc<crate::fault::Faults>>,
@@ -94,6 +100,7 @@ impl Default for Options {
             checkpoint_interval: Duration::from_secs(2),
             checkpoint_bytes: 1 << 30,
             clock: Arc::new(SystemClock),
+            replicated: false,
             #[cfg(test)]
             faults: None,
         }
@@ -115,7 +122,7 @@ struct Shared {
     records: Mutex<HashMap<Bucket, Arc<RecordReader>>>,
     /// Signalled each time the replayer publishes a new `next_seq`.
     replayed: Condvar,
-    /// Every seq below this is durable in the WAL.
+    /// Every seq below this is durable in the WAL (in a replicated data dir: applied).
     committed: Arc<AtomicU64>,
     /// Every seq below this is filed: replayed into its segment (a cancel, into its dispatch log).
     filed: AtomicU64,
@@ -159,6 +166,10 @@ impl Shared {
 /// and a final checkpoint is written); [`ScheduleLog::close`] does the same and reports errors.
 pub struct ScheduleLog {
     shared: Arc<Shared>,
+    /// A replicated data dir's Raft entries (log/entries.rs).
+    entry_log: Option<Arc<EntryLog>>,
+    /// Where applied entries go to the replayer (a replicated data dir).
+    apply: Option<Sender<CommittedGroup>>,
     submit: Option<Sender<Request>>,
     writer: Option<JoinHandle<()>>,
     replayer: Option<JoinHandle<Result<()>>>,
@@ -275,6 +286,7 @@ impl ScheduleLog {
     fn shutdown(&mut self) -> Result<()> {
         self.shared.closing.store(true, Ordering::SeqCst);
         self.submit = None;
+        self.apply = None;
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }

@@ -16,6 +16,7 @@ use crate::bucket::SegmentMinutes;
 use crate::checkpoint::Checkpoint;
 use crate::commit::{CommittedGroup, Writer};
 use crate::dispatch::DispatchLogs;
+use crate::entry::{EntryLog, Placed};
 use crate::error::{Blocked, Error, Result};
 use crate::frame;
 use crate::header::{self, FileHeader, META_MAGIC};
@@ -44,7 +45,7 @@ impl ScheduleLog {
             header::create_dir_durably(&data_dir.join(dir))?;
         }
         let lock = lock(&data_dir)?;
-        let width = check_meta(&data_dir, options.segment_minutes)?;
+        let width = check_meta(&data_dir, options.segment_minutes, options.replicated)?;
         let checkpoint = Checkpoint::load(&data_dir.join("checkpoint"), width)?;
         #[allow(unused_mut)] // set in test builds
         let mut dispatch = DispatchLogs::new(&data_dir.join("dispatch"), width);
@@ -67,7 +68,17 @@ impl ScheduleLog {
 
         let wal_dir = data_dir.join("wal");
         wal::remove_leftovers(&wal_dir)?;
-        let (active, next_seq, unfiled) = recover_wal(&wal_dir, &options, &mut replay, &dispatch)?;
+        let (active, next_seq, unfiled, placed) =
+            recover_wal(&wal_dir, &options, &mut replay, &dispatch)?;
+        let entry_log = options.replicated.then(|| {
+            let purged = replay.applied.as_ref().map(|a| a.log_id);
+            Arc::new(EntryLog::recovered(placed, next_seq, purged))
+        });
+        replay.entry_log = entry_log.clone();
+        let next_index = entry_log
+            .as_ref()
+            .and_then(|log| log.bounds().1)
+            .map_or(0, |last| last.index + 1);
         // A full disk: the replayer files the rest, and checkpoints, once there is room.
         match replay.checkpoint() {
             Err(e) if !e.is_disk_full() => return Err(e),
@@ -75,7 +86,11 @@ impl ScheduleLog {
         }
         let filed = replay.next_seq;
 
-        let committed = Arc::new(AtomicU64::new(next_seq));
+        // In a replicated data dir the records past the checkpoint wait for their entries' apply.
+        let committed = match options.replicated {
+            true => Arc::new(AtomicU64::new(filed)),
+            false => Arc::new(AtomicU64::new(next_seq)),
+        };
         let shared = Arc::new(Shared {
             data_dir,
             width,
@@ -105,6 +120,7 @@ impl ScheduleLog {
         }
         let (submit, requests) = crossbeam_channel::bounded(4096);
         let (to_replay, committed_groups) = crossbeam_channel::bounded(8);
+        let apply = entry_log.is_some().then(|| to_replay.clone());
         let (recycle, recycled) = crossbeam_channel::bounded(4);
         let writer = Writer {
             wal: active,
@@ -119,6 +135,8 @@ impl ScheduleLog {
             poison_report: shared.poisoned.clone(),
             disk_full: shared.disk_full.clone(),
             roll_failed_at_ms: None,
+            entry_log: entry_log.clone(),
+            next_index,
             #[cfg(test)]
             fault: None,
         };
@@ -150,6 +168,8 @@ impl ScheduleLog {
             .map_err(Error::io("thread"))?;
         Ok(ScheduleLog {
             shared,
+            entry_log,
+            apply,
             submit: Some(submit),
             writer: Some(writer),
             replayer: Some(replayer),
@@ -182,8 +202,13 @@ fn lock(data_dir: &Path) -> Result<File> {
     }
 }
 
-/// Reads the data dir's fixed settings, or writes them on first open.
-fn check_meta(data_dir: &Path, configured: SegmentMinutes) -> Result<SegmentMinutes> {
+/// Reads the data dir's fixed settings, or writes them on first open: the bucket width, and whether it
+/// is a cluster member's (the meta's value is 1) or a single node's (0).
+fn check_meta(
+    data_dir: &Path,
+    configured: SegmentMinutes,
+    replicated: bool,
+) -> Result<SegmentMinutes> {
     let path = data_dir.join("meta");
     match fs::read(&path) {
         Ok(bytes) => {
@@ -194,13 +219,23 @@ fn check_meta(data_dir: &Path, configured: SegmentMinutes) -> Result<SegmentMinu
                     configured: configured.get(),
                 });
             }
+            if (meta.value == 1) != replicated {
+                let (was, is) = match replicated {
+                    true => ("a single node's", "a cluster member's"),
+                    false => ("a cluster member's", "a single node's"),
+                };
+                return Err(Error::InvalidOption(format!(
+                    "the data dir {} is {was}, and cannot be opened as {is}",
+                    data_dir.display()
+                )));
+            }
             Ok(configured)
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             let meta = FileHeader {
                 magic: META_MAGIC,
                 segment_minutes: configured.get(),
-                value: 0,
+                value: u64::from(replicated),
             };
             header::write_atomically(&path, &meta.encode())?;
             Ok(configured)
@@ -248,7 +283,9 @@ struct Unfiled {
 }
 
 /// Scans the WAL from the checkpoint, files what it finds, cuts a torn tail and returns the file to
-/// append to and the next seq. A full disk stops the filing, not the open: what is left comes back
+/// append to and the next seq. In a replicated data dir nothing is filed: records are applied only once
+/// their entries are known committed (by the cluster layer, through `ScheduleLog::apply_entries`);
+/// the entries after the checkpoint's applied one come back instead. A full disk stops the filing, not the open: what is left comes back
 /// (the scan goes on, for the seqs and the tail), for the replayer to file once there is room. It is
 /// held in memory until then: at most the WAL written since the last checkpoint (`checkpoint_bytes`).
 fn recover_wal(
@@ -256,8 +293,12 @@ fn recover_wal(
     options: &Options,
     replay: &mut Replay,
     dispatch: &DispatchLogs,
-) -> Result<(ActiveWal, u64, Option<Unfiled>)> {
+) -> Result<(ActiveWal, u64, Option<Unfiled>, Vec<Placed>)> {
     let files = wal::list(wal_dir)?;
+    let replicated = options.replicated;
+    let applied = replay.applied.as_ref().map(|a| a.log_id.index);
+    let mut placed = Vec::new();
+    let mut next_index = None;
     // Files entirely below the checkpoint were replayed already (their deletion may have been cut short).
     let start = files
         .iter()
@@ -279,13 +320,30 @@ fn recover_wal(
                 "WAL files do not continue each other's sequence",
             ));
         }
-        match wal::scan_file(path, *first_seq, i + 1 == files.len())? {
+        let last = i + 1 == files.len();
+        match wal::scan_file(path, *first_seq, last, replicated, next_index)? {
             Some(scanned) => {
                 if let Some(at) = scanned.torn_at {
                     wal::zero_torn_tail(path, &scanned.bytes, at, !scanned.reused_end)?;
                 }
                 expected = Some(scanned.next_seq);
-                tail = Some((path.clone(), scanned.end, scanned.next_seq));
+                tail = Some((*first_seq, path.clone(), scanned.end, scanned.next_seq));
+                if replicated {
+                    next_index = scanned.entries.last().map(|e| e.head.log_id.index + 1);
+                    let unapplied = scanned
+                        .entries
+                        .iter()
+                        .filter(|e| applied.is_none_or(|a| e.head.log_id.index > a));
+                    placed.extend(unapplied.map(|e| Placed {
+                        log_id: e.head.log_id,
+                        file: *first_seq,
+                        at: e.at,
+                        end: e.end,
+                        first_seq: e.head.first_seq,
+                        records: e.head.records,
+                    }));
+                    continue;
+                }
                 let filed = match &unfiled {
                     None => replay.apply(&[(&scanned.bytes, &scanned.records)], dispatch),
                     Some(_) => Ok(()), // not tried: the groups must be filed in order
@@ -302,6 +360,7 @@ fn recover_wal(
                     unfiled.groups.push(CommittedGroup {
                         bytes: scanned.bytes,
                         records: scanned.records,
+                        entry: None,
                     });
                 }
             }
@@ -319,16 +378,21 @@ fn recover_wal(
         .unwrap_or(checkpointed)
         .max(checkpointed)
         .max(replay.highest_seq() + 1);
+    let version = match replicated {
+        true => header::REPLICATED_WAL_VERSION,
+        false => header::WAL_FORMAT_VERSION,
+    };
+    let file = (options.wal_segment_bytes, version);
     let active = match tail {
-        Some((path, end, tail_next))
+        Some((first_seq, path, end, tail_next))
             if tail_next == next_seq && end.is_multiple_of(frame::BLOCK as u64) =>
         {
-            ActiveWal::resume(wal_dir, options.wal_segment_bytes, &path, end)?
+            ActiveWal::resume(wal_dir, file, (first_seq, &path), end)?
         }
         // No WAL yet; or its tail ends before the checkpoint (the end of the log was lost after it was
         // replayed), so seqs would not be dense; or a torn write was cut off mid-block, where an aligned
         // write cannot continue: start a fresh file.
-        _ => ActiveWal::create(wal_dir, options.wal_segment_bytes, next_seq)?,
+        _ => ActiveWal::create(wal_dir, file, next_seq)?,
     };
-    Ok((active, next_seq, unfiled))
+    Ok((active, next_seq, unfiled, placed))
 }

@@ -310,6 +310,10 @@ fn replay_loop(
                     for _ in 0..taken {
                         let group = backlog.pop().expect("applied, so present");
                         bytes_since += group.bytes.len() as u64;
+                        if let Some((log_id, membership)) = group.entry {
+                            replay.entry_applied(log_id, membership);
+                            continue; // an entry's bytes are its own, not a writer's buffer
+                        }
                         let _ = recycle.try_send(group.bytes);
                     }
                 }
@@ -324,7 +328,7 @@ fn replay_loop(
             || last_checkpoint.elapsed() >= options.checkpoint_interval
             || bytes_since >= options.checkpoint_bytes;
         if held_up.is_none() && due && !in_flight {
-            if replay.checkpointed_seq == replay.next_seq {
+            if replay.checkpointed_all() {
                 checkpoint_soon = false;
                 // Nothing new to checkpoint, but a WAL file may have become deletable since the last
                 // checkpoint: the writer starts its next file only after it (a rollover a full disk held

@@ -6,6 +6,7 @@ mod disk_full;
 mod kill;
 mod listing;
 mod model;
+mod replicated;
 
 use crate::fault::Fault;
 use crate::*;
@@ -691,7 +692,9 @@ fn watched_buckets_are_filed_ahead_in_seq_order_and_once() {
     let scanned: Vec<_> = files
         .iter()
         .enumerate()
-        .filter_map(|(i, (seq, path))| wal::scan_file(path, *seq, i + 1 == files.len()).unwrap())
+        .filter_map(|(i, (seq, path))| {
+            wal::scan_file(path, *seq, i + 1 == files.len(), false, None).unwrap()
+        })
         .filter(|f| !f.records.is_empty())
         .collect();
     log.close().unwrap();

@@ -1,0 +1,586 @@
+//! Raft entries in the WAL of a replicated data dir (DESIGN §10): the Raft log *is* the WAL. Each entry
+//! is an entry frame followed by the record frames it carries, padded to a block boundary, so that
+//! replicating a group costs each member one write and one `fdatasync`, and an entry can be cut off
+//! (truncated) exactly where it starts.
+//!
+//! ```text
+//! entry (frame kind 6, WAL files of version 3 only)
+//! 0   8  term        u64  } the entry's log id: the term and node id of the leader that made it,
+//! 8   8  leader      u64  } and its index (dense: each entry's is the one before it plus one)
+//! 16  8  index       u64  }
+//! 24  8  first_seq   u64  the seq of its first record; for an entry without records, the next seq
+//! 32  4  records     u32  how many record frames (message or cancel) follow it, seqs first_seq, ...
+//! 36  1  kind        u8   1 blank (a new leader's first entry), 2 normal (records), 3 membership
+//! 37  ..             membership: the cluster's member set, opaque to the engine (empty otherwise)
+//! ```
+//!
+//! Invariants:
+//! - An entry frame starts on a block boundary, and its records follow it, then padding: nothing of
+//!   another entry shares its blocks.
+//! - An entry is whole or absent: a torn entry (fewer records than it says) ends the log at the entry
+//!   frame, never inside it.
+//! - Only normal entries carry records; their seqs continue the entry before them without a gap.
+//! - `first_seq` below the WAL file's first seq marks a frame of the file's earlier use (wal.rs).
+
+use crate::commit::Appended;
+use crate::frame::{self, Frames, Kind, Stop};
+use crate::id::{Location, MessageId};
+use crate::record::{patch_committed, Cancel, EncodedMessage, MessageHead};
+use crate::replay::placement;
+use crate::wal::WalRecord;
+use crate::SegmentMinutes;
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Bytes of an entry frame's payload before a membership's bytes.
+pub(crate) const ENTRY_HEAD_LEN: usize = 37;
+
+/// Where an entry stands in the Raft log: the leader that made it (its term and node id) and its index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct LogId {
+    pub term: u64,
+    pub node_id: u64,
+    pub index: u64,
+}
+
+/// What an entry carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EntryPayload {
+    /// A new leader's first entry: nothing for the state machine.
+    Blank,
+    /// Sealed record frames (message and cancel), as [`EntryBuilder`] makes them on the leader.
+    Normal(Vec<u8>),
+    /// The member set, in the cluster layer's encoding.
+    Membership(Vec<u8>),
+}
+
+/// One Raft log entry as the cluster layer hands it in and reads it back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub log_id: LogId,
+    pub payload: EntryPayload,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum EntryKind {
+    Blank = 1,
+    Normal = 2,
+    Membership = 3,
+}
+
+/// The fixed part of an entry frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct EntryHead {
+    pub log_id: LogId,
+    pub first_seq: u64,
+    pub records: u32,
+    pub kind: EntryKind,
+}
+
+impl EntryHead {
+    /// Appends the entry frame (with `membership` bytes for a membership entry) to `buf`.
+    pub(crate) fn encode_frame(&self, membership: &[u8], buf: &mut Vec<u8>) {
+        let at = frame::start(buf);
+        buf.extend_from_slice(&self.log_id.term.to_le_bytes());
+        buf.extend_from_slice(&self.log_id.node_id.to_le_bytes());
+        buf.extend_from_slice(&self.log_id.index.to_le_bytes());
+        buf.extend_from_slice(&self.first_seq.to_le_bytes());
+        buf.extend_from_slice(&self.records.to_le_bytes());
+        buf.push(self.kind as u8);
+        buf.extend_from_slice(membership);
+        frame::finish(buf, at, Kind::Entry);
+    }
+
+    /// The head and the membership bytes of an entry frame's payload.
+    pub(crate) fn decode(payload: &[u8]) -> Result<(EntryHead, &[u8]), &'static str> {
+        let Some((fixed, membership)) = payload.split_first_chunk::<ENTRY_HEAD_LEN>() else {
+            return Err("entry frame shorter than its fixed fields");
+        };
+        let u64_at = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&fixed[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        let kind = match fixed[36] {
+            1 => EntryKind::Blank,
+            2 => EntryKind::Normal,
+            3 => EntryKind::Membership,
+            _ => return Err("unknown entry kind"),
+        };
+        let records = u32::from_le_bytes([fixed[32], fixed[33], fixed[34], fixed[35]]);
+        if kind != EntryKind::Membership && !membership.is_empty() {
+            return Err("bytes after the fixed fields of an entry that is not a membership");
+        }
+        if kind != EntryKind::Normal && records != 0 {
+            return Err("records in an entry that is not a normal one");
+        }
+        let head = EntryHead {
+            log_id: LogId {
+                term: u64_at(0),
+                node_id: u64_at(8),
+                index: u64_at(16),
+            },
+            first_seq: u64_at(24),
+            records,
+            kind,
+        };
+        Ok((head, membership))
+    }
+}
+
+/// The bytes an entry takes in the WAL, padding aside: its entry frame and its records.
+pub(crate) fn entry_frame_bytes(entry: &Entry) -> usize {
+    frame::HEADER_LEN + ENTRY_HEAD_LEN + payload_len(entry)
+}
+
+/// Seals `message` at the end of `buf` as the record `seq`, committed at `created_at_ms`: the WAL record
+/// (its frame's range in `buf`) and what its submitter is told.
+pub(crate) fn seal_message(
+    buf: &mut Vec<u8>,
+    message: &EncodedMessage,
+    seq: u64,
+    created_at_ms: i64,
+    width: SegmentMinutes,
+) -> (WalRecord, Appended) {
+    let head = MessageHead {
+        seq,
+        deliver_at_ms: message.deliver_at_ms,
+        created_at_ms,
+        sink_tag: message.sink_tag,
+        dedup: message.dedup,
+        retry: message.retry_of.filter(|(_, attempt)| *attempt > 0),
+    };
+    let location = Location {
+        bucket: placement(&head, width),
+        seq,
+    };
+    let id = message
+        .retry_of
+        .map_or(MessageId::new(location), |(id, _)| id);
+    let at = buf.len();
+    buf.extend_from_slice(&message.frame);
+    patch_committed(&mut buf[at..], seq, created_at_ms, id);
+    let appended = Appended {
+        id,
+        location,
+        deliver_at_ms: message.deliver_at_ms,
+        created_at_ms,
+    };
+    let record = WalRecord::Message {
+        head,
+        frame: at..buf.len(),
+    };
+    (record, appended)
+}
+
+/// Forms the records of one normal entry on the leader: assigns seqs, commit times and ids, as the WAL
+/// writer of a single node does for a group. The entry's records are [`EntryBuilder::finish`]'s bytes.
+#[derive(Debug)]
+pub struct EntryBuilder {
+    next_seq: u64,
+    width: SegmentMinutes,
+    frames: Vec<u8>,
+    records: u32,
+}
+
+impl EntryBuilder {
+    /// Starts an entry whose first record gets `next_seq` (the seq after the last record of the log,
+    /// entries not yet flushed included).
+    pub fn new(next_seq: u64, width: SegmentMinutes) -> EntryBuilder {
+        EntryBuilder {
+            next_seq,
+            width,
+            frames: Vec::new(),
+            records: 0,
+        }
+    }
+
+    /// Adds messages committed at `created_at_ms`; what each submitter will be told once the entry is
+    /// committed.
+    pub fn append(&mut self, messages: &[EncodedMessage], created_at_ms: i64) -> Vec<Appended> {
+        let mut appended = Vec::with_capacity(messages.len());
+        for message in messages {
+            let (_, one) = seal_message(
+                &mut self.frames,
+                message,
+                self.next_seq,
+                created_at_ms,
+                self.width,
+            );
+            self.next_seq += 1;
+            self.records += 1;
+            appended.push(one);
+        }
+        appended
+    }
+
+    /// Adds a tombstone for the attempt at `target`; its seq.
+    pub fn cancel(&mut self, target: Location, created_at_ms: i64) -> u64 {
+        let cancel = Cancel {
+            seq: self.next_seq,
+            created_at_ms,
+            target,
+        };
+        cancel.encode_frame(&mut self.frames);
+        self.next_seq += 1;
+        self.records += 1;
+        cancel.seq
+    }
+
+    /// Bytes of record frames so far.
+    pub fn len(&self) -> usize {
+        self.frames.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.records == 0
+    }
+
+    /// The entry's payload, and the seq the next entry starts at.
+    pub fn finish(self) -> (EntryPayload, u64) {
+        (EntryPayload::Normal(self.frames), self.next_seq)
+    }
+}
+
+/// Where an entry of the WAL is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Placed {
+    pub log_id: LogId,
+    /// The first seq of the WAL file holding it (its name).
+    pub file: u64,
+    /// File offset of its entry frame, and of what follows it and its padding.
+    pub at: u64,
+    pub end: u64,
+    pub first_seq: u64,
+    pub records: u32,
+}
+
+/// Entries in memory are dropped once flushed past this many bytes.
+const FRESH_LIMIT_BYTES: usize = 64 << 20;
+
+/// The entries of a replicated WAL, shared by its writer (which places and cuts them), its readers and
+/// the replayer (which purges them with their files).
+///
+/// Invariants: `placed` holds every entry in the WAL files, dense by index, in seq order; an entry
+/// handed in is in `fresh` from before it is queued until it is flushed and either applied or pushed
+/// out by newer ones past `FRESH_LIMIT_BYTES`, so that it can be read back at once (openraft reads
+/// entries it has just appended, before their flush).
+#[derive(Debug, Default)]
+pub(crate) struct EntryLog {
+    state: Mutex<EntryLogState>,
+}
+
+#[derive(Debug, Default)]
+struct EntryLogState {
+    placed: BTreeMap<u64, Placed>,
+    fresh: BTreeMap<u64, Arc<Entry>>,
+    fresh_bytes: usize,
+    /// Every entry up to this index is durable.
+    flushed: Option<u64>,
+    last_purged: Option<LogId>,
+    /// The last entry handed in (placed or not yet).
+    last: Option<LogId>,
+    /// The seq after the last record of the last entry handed in.
+    next_seq: u64,
+}
+
+fn payload_len(entry: &Entry) -> usize {
+    match &entry.payload {
+        EntryPayload::Blank => 0,
+        EntryPayload::Normal(b) | EntryPayload::Membership(b) => b.len(),
+    }
+}
+
+impl EntryLog {
+    fn state(&self) -> MutexGuard<'_, EntryLogState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What recovery found: the entries in the WAL files, oldest first; `next_seq` after them; the last
+    /// entry purged before them (the checkpoint's applied entry when the WAL holds none).
+    pub(crate) fn recovered(
+        placed: Vec<Placed>,
+        next_seq: u64,
+        last_purged: Option<LogId>,
+    ) -> EntryLog {
+        let last = placed.last().map(|p| p.log_id).or(last_purged);
+        let flushed = last.map(|l| l.index);
+        let placed = placed.into_iter().map(|p| (p.log_id.index, p)).collect();
+        EntryLog {
+            state: Mutex::new(EntryLogState {
+                placed,
+                flushed,
+                last_purged,
+                last,
+                next_seq,
+                ..EntryLogState::default()
+            }),
+        }
+    }
+
+    /// Takes entries in before they are queued for the writer: they must continue the log (index and
+    /// seqs). How many records each carries; on `Err` nothing changed.
+    pub(crate) fn hand_in(&self, entries: &[Entry]) -> Result<Vec<u32>, String> {
+        let mut state = self.state();
+        let mut last = state.last;
+        let mut next_seq = state.next_seq;
+        let mut counts = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let expected = last.map_or(0, |l| l.index + 1);
+            if entry.log_id.index != expected {
+                return Err(format!(
+                    "entry {} does not follow the log's last entry (the next index is {expected})",
+                    entry.log_id.index
+                ));
+            }
+            let records = match &entry.payload {
+                EntryPayload::Normal(frames) => check_records(frames, next_seq)?,
+                _ => 0,
+            };
+            next_seq += u64::from(records);
+            last = Some(entry.log_id);
+            counts.push(records);
+        }
+        for entry in entries {
+            state.fresh_bytes += payload_len(entry);
+            state
+                .fresh
+                .insert(entry.log_id.index, Arc::new(entry.clone()));
+        }
+        state.last = last;
+        state.next_seq = next_seq;
+        Ok(counts)
+    }
+
+    /// Forgets entries handed in that the writer refused (from `index` on, none of them placed).
+    pub(crate) fn refused(&self, from: u64, next_seq: u64) {
+        let mut state = self.state();
+        let gone = state.fresh.split_off(&from);
+        state.fresh_bytes -= gone.values().map(|e| payload_len(e)).sum::<usize>();
+        state.last = state
+            .placed
+            .values()
+            .next_back()
+            .map(|p| p.log_id)
+            .or(state.last_purged);
+        state.next_seq = next_seq;
+    }
+
+    pub(crate) fn placed_at(&self, index: u64) -> Option<Placed> {
+        self.state().placed.get(&index).copied()
+    }
+
+    pub(crate) fn place(&self, placed: Placed) {
+        self.state().placed.insert(placed.log_id.index, placed);
+    }
+
+    /// Every entry up to `index` is durable; fresh ones past the memory bound are dropped.
+    pub(crate) fn flushed(&self, index: u64) {
+        let mut state = self.state();
+        state.flushed = Some(index);
+        while state.fresh_bytes > FRESH_LIMIT_BYTES {
+            let Some(entry) = state.fresh.first_entry() else {
+                break;
+            };
+            if *entry.key() > index {
+                break;
+            }
+            let entry = entry.remove();
+            state.fresh_bytes -= payload_len(&entry);
+        }
+    }
+
+    /// Fresh entries up to `index` are applied: memory no longer holds them.
+    pub(crate) fn applied(&self, index: u64) {
+        let mut state = self.state();
+        let flushed = state.flushed.unwrap_or(0).min(index);
+        let kept = state.fresh.split_off(&(flushed + 1));
+        let gone = std::mem::replace(&mut state.fresh, kept);
+        state.fresh_bytes -= gone.values().map(|e| payload_len(e)).sum::<usize>();
+    }
+
+    /// Cuts every entry from `from` on; the entry there, for the writer to cut the file back to.
+    pub(crate) fn cut(&self, from: u64) -> Option<Placed> {
+        let mut state = self.state();
+        let cut = state.placed.get(&from).copied()?;
+        state.placed.split_off(&from);
+        let gone = state.fresh.split_off(&from);
+        state.fresh_bytes -= gone.values().map(|e| payload_len(e)).sum::<usize>();
+        state.last = state
+            .placed
+            .values()
+            .next_back()
+            .map(|p| p.log_id)
+            .or(state.last_purged);
+        state.next_seq = cut.first_seq;
+        state.flushed = state.flushed.map(|f| f.min(from.saturating_sub(1)));
+        Some(cut)
+    }
+
+    /// The placed entries in the WAL file named `file`, in order.
+    pub(crate) fn in_file(&self, file: u64) -> Vec<Placed> {
+        let state = self.state();
+        state
+            .placed
+            .values()
+            .filter(|p| p.file == file)
+            .copied()
+            .collect()
+    }
+
+    /// The WAL file named `file` was retired: its entries are purged.
+    pub(crate) fn purge_file(&self, file: u64) {
+        let mut state = self.state();
+        let gone: Vec<u64> = state
+            .placed
+            .values()
+            .filter(|p| p.file == file)
+            .map(|p| p.log_id.index)
+            .collect();
+        for index in gone {
+            if let Some(p) = state.placed.remove(&index) {
+                if state.last_purged.is_none_or(|l| l.index < index) {
+                    state.last_purged = Some(p.log_id);
+                }
+            }
+        }
+    }
+
+    /// (last purged, last) entry.
+    pub(crate) fn bounds(&self) -> (Option<LogId>, Option<LogId>) {
+        let state = self.state();
+        (state.last_purged, state.last)
+    }
+
+    /// The seq the next entry's first record gets.
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.state().next_seq
+    }
+
+    /// For each index of `range`: the entry in memory, or where it is on disk. `Err` names the first
+    /// index the log does not have (purged, or past its end).
+    pub(crate) fn locate(&self, range: Range<u64>) -> Result<Vec<Located>, u64> {
+        let state = self.state();
+        range
+            .map(|index| match state.fresh.get(&index) {
+                Some(entry) => Ok(Located::Fresh(entry.clone())),
+                None => state
+                    .placed
+                    .get(&index)
+                    .map(|p| Located::Placed(*p))
+                    .ok_or(index),
+            })
+            .collect()
+    }
+}
+
+/// Where [`EntryLog::locate`] found an entry.
+#[derive(Debug, Clone)]
+pub(crate) enum Located {
+    Fresh(Arc<Entry>),
+    Placed(Placed),
+}
+
+/// Checks that `frames` are whole record frames (message or cancel) with seqs from `first_seq` on,
+/// without a gap; their count.
+pub(crate) fn check_records(frames: &[u8], first_seq: u64) -> Result<u32, String> {
+    let mut walk = Frames::new(frames);
+    let mut count = 0u32;
+    for (at, kind, payload) in walk.by_ref() {
+        let seq = match kind {
+            Kind::Message => MessageHead::decode(payload).map(|h| h.seq),
+            Kind::Cancel => Cancel::decode(payload).map(|c| c.seq),
+            _ => {
+                return Err(format!(
+                    "a frame of kind {kind:?} at {at} of an entry's records"
+                ))
+            }
+        };
+        let seq = seq.map_err(|e| format!("record at {at} of an entry: {e}"))?;
+        let expected = first_seq + u64::from(count);
+        if seq != expected {
+            return Err(format!(
+                "record at {at} of an entry has seq {seq}, where {expected} comes next"
+            ));
+        }
+        count += 1;
+    }
+    match walk.stop() {
+        Some(Stop::End { at }) if at == frames.len() => Ok(count),
+        Some(Stop::End { at }) | Some(Stop::Invalid { at, .. }) => Err(format!(
+            "an entry's records end at {at} of {} bytes",
+            frames.len()
+        )),
+        None => unreachable!("the frame walk ended without a stop"),
+    }
+}
+
+/// Parses the records of a normal entry's frames (checked by [`check_records`] before it was written)
+/// for the replayer.
+pub(crate) fn records_of(frames: &[u8]) -> Result<Vec<WalRecord>, String> {
+    let mut records = Vec::new();
+    for (at, kind, payload) in Frames::new(frames) {
+        let record = match kind {
+            Kind::Message => MessageHead::decode(payload).map(|head| WalRecord::Message {
+                head,
+                frame: at..at + frame::HEADER_LEN + payload.len(),
+            }),
+            Kind::Cancel => Cancel::decode(payload).map(WalRecord::Cancel),
+            _ => {
+                return Err(format!(
+                    "a frame of kind {kind:?} at {at} of an entry's records"
+                ))
+            }
+        };
+        records.push(record.map_err(|e| format!("record at {at} of an entry: {e}"))?);
+    }
+    Ok(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::Next;
+
+    #[test]
+    fn an_entry_frame_round_trips_and_damage_is_refused() {
+        let head = EntryHead {
+            log_id: LogId {
+                term: 7,
+                node_id: 2,
+                index: 9312,
+            },
+            first_seq: 41,
+            records: 0,
+            kind: EntryKind::Membership,
+        };
+        let mut buf = Vec::new();
+        head.encode_frame(b"{\"voters\":[1,2,3]}", &mut buf);
+        let Next::Frame {
+            kind: Kind::Entry,
+            payload,
+        } = frame::decode(&buf)
+        else {
+            panic!("not an entry frame");
+        };
+        assert_eq!(
+            EntryHead::decode(payload),
+            Ok((head, &b"{\"voters\":[1,2,3]}"[..]))
+        );
+        for cut in 0..ENTRY_HEAD_LEN {
+            assert!(EntryHead::decode(&payload[..cut]).is_err(), "cut {cut}");
+        }
+        let mut bad_kind = payload.to_vec();
+        bad_kind[36] = 9;
+        assert_eq!(
+            EntryHead::decode(&bad_kind).map(|_| ()),
+            Err("unknown entry kind")
+        );
+        let mut blank_with_records = payload[..ENTRY_HEAD_LEN].to_vec();
+        blank_with_records[36] = EntryKind::Blank as u8;
+        blank_with_records[32] = 1;
+        assert!(EntryHead::decode(&blank_with_records).is_err());
+    }
+}

@@ -1,0 +1,193 @@
+//! The Raft log of a replicated data dir (DESIGN §10, entry.rs): entries handed in, read back, cut off
+//! and applied. The cluster layer's storage adapter is a thin shell around these calls; openraft's
+//! rules for them are its business, and the checks here keep the log whole whatever it asks.
+//!
+//! Invariants:
+//! - An entry handed in is readable at once (before its `fdatasync`), durable when its [`Ack`] resolves.
+//! - A read returns every entry asked for or an error, never fewer: a short read would let a leader send
+//!   a follower a log with a hole.
+//! - Records reach the schedule only through [`ScheduleLog::apply_entries`], in entry order; an entry
+//!   that may still be cut off is never applied (the caller applies only committed entries, and a cut
+//!   below the applied index is refused).
+
+use super::ScheduleLog;
+use crate::checkpoint::AppliedState;
+use crate::commit::{Ack, CommittedGroup, Request};
+use crate::entry::{
+    self, Entry, EntryHead, EntryKind, EntryLog, EntryPayload, Located, LogId, Placed,
+};
+use crate::error::{AppendError, Error, Result};
+use crate::frame::{self, Frames, Kind};
+use crate::wal::wal_path;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::Ordering;
+
+impl ScheduleLog {
+    fn entry_log(&self) -> Result<&EntryLog> {
+        self.entry_log
+            .as_deref()
+            .ok_or_else(|| Error::InvalidOption("this data dir is not replicated".into()))
+    }
+
+    /// Queues Raft entries, which must continue the log (dense indexes, dense record seqs); they are
+    /// readable at once and durable once the answer comes. Entries are refused, all of them and before
+    /// anything is written, when they do not continue the log or one is larger than a WAL file.
+    pub fn append_entries(&self, entries: Vec<Entry>) -> Ack<()> {
+        let counted = self
+            .entry_log()
+            .map_err(|e| e.to_string())
+            .and_then(|log| log.hand_in(&entries));
+        match counted {
+            Ok(records) => {
+                let (request, ack) = Request::entries(entries, records);
+                self.submit(request);
+                ack
+            }
+            Err(why) => {
+                let (request, ack) = Request::entries(Vec::new(), Vec::new());
+                request.fail(AppendError::Refused(why));
+                ack
+            }
+        }
+    }
+
+    /// Cuts every entry from index `from` on (a follower whose tail conflicts with its leader's). Durable
+    /// when the answer comes. Refused for an applied entry.
+    pub fn truncate_entries(&self, from: u64) -> Ack<()> {
+        let applied = self
+            .shared
+            .replay()
+            .applied
+            .as_ref()
+            .map(|a| a.log_id.index);
+        let (request, ack) = Request::truncate(from);
+        match applied {
+            Some(applied) if from <= applied => request.fail(AppendError::Refused(format!(
+                "entry {from} is applied (up to {applied}) and cannot be cut off"
+            ))),
+            _ => self.submit(request),
+        }
+        ack
+    }
+
+    /// The entries with indexes in `range`, all of them, or an error naming the first missing one.
+    pub fn read_entries(&self, range: Range<u64>) -> Result<Vec<Entry>> {
+        let log = self.entry_log()?;
+        let located = log.locate(range.clone()).map_err(|index| {
+            let (purged, last) = log.bounds();
+            Error::InvalidOption(format!(
+                "entry {index} is not in the log (last purged {:?}, last {:?})",
+                purged.map(|p| p.index),
+                last.map(|l| l.index)
+            ))
+        })?;
+        located
+            .into_iter()
+            .map(|l| match l {
+                Located::Fresh(entry) => Ok(Entry::clone(&entry)),
+                Located::Placed(placed) => self.read_placed(&placed),
+            })
+            .collect()
+    }
+
+    /// Reads an entry from its WAL file.
+    fn read_placed(&self, placed: &Placed) -> Result<Entry> {
+        let path = wal_path(&self.shared.data_dir.join("wal"), placed.file);
+        let file = std::fs::File::open(&path).map_err(Error::io(&path))?;
+        let mut bytes = vec![0u8; (placed.end - placed.at) as usize];
+        file.read_exact_at(&mut bytes, placed.at)
+            .map_err(Error::io(&path))?;
+        let corrupt =
+            |offset: usize, why: &str| Error::corrupt(&path, placed.at + offset as u64, why);
+        let mut frames = Frames::new(&bytes);
+        let head = match frames.next() {
+            Some((_, Kind::Entry, payload)) => {
+                let (head, membership) =
+                    EntryHead::decode(payload).map_err(|why| corrupt(0, why))?;
+                if head.log_id != placed.log_id {
+                    return Err(corrupt(0, "an entry other than the one placed there"));
+                }
+                (head, membership.to_vec())
+            }
+            _ => return Err(corrupt(0, "no entry frame where an entry was placed")),
+        };
+        let records_at = frame::HEADER_LEN + entry::ENTRY_HEAD_LEN + head.1.len();
+        let mut records_end = records_at;
+        for _ in 0..head.0.records {
+            match frames.next() {
+                Some((at, Kind::Message | Kind::Cancel, payload)) => {
+                    records_end = at + frame::HEADER_LEN + payload.len();
+                }
+                _ => {
+                    return Err(corrupt(
+                        records_end,
+                        "an entry with fewer records than it says",
+                    ))
+                }
+            }
+        }
+        let payload = match head.0.kind {
+            EntryKind::Blank => EntryPayload::Blank,
+            EntryKind::Normal => EntryPayload::Normal(bytes[records_at..records_end].to_vec()),
+            EntryKind::Membership => EntryPayload::Membership(head.1),
+        };
+        Ok(Entry {
+            log_id: placed.log_id,
+            payload,
+        })
+    }
+
+    /// (The last entry purged, the last entry): the log holds every entry between them.
+    pub fn entry_bounds(&self) -> Result<(Option<LogId>, Option<LogId>)> {
+        Ok(self.entry_log()?.bounds())
+    }
+
+    /// The seq the first record of the next entry gets: where a new leader's [`EntryBuilder`]
+    /// (crate::EntryBuilder) starts.
+    pub fn next_entry_seq(&self) -> Result<u64> {
+        Ok(self.entry_log()?.next_seq())
+    }
+
+    /// The last entry whose records the schedule holds (and the last membership applied): after an
+    /// open, the checkpoint's; entries after it are applied again.
+    pub fn applied_state(&self) -> Option<AppliedState> {
+        self.shared.replay().applied.clone()
+    }
+
+    /// Applies committed entries, in order: their records go to the replayer, which files them into the
+    /// schedule as a single node's are. Blocks while the replayer is behind (a bounded queue).
+    pub fn apply_entries(&self, entries: &[Entry]) -> Result<()> {
+        let log = self.entry_log()?;
+        let Some(apply) = &self.apply else {
+            return Err(Error::Append(AppendError::Closed));
+        };
+        for entry in entries {
+            let (bytes, membership) = match &entry.payload {
+                EntryPayload::Normal(frames) => (frames.clone(), None),
+                EntryPayload::Membership(m) => (Vec::new(), Some(m.clone())),
+                EntryPayload::Blank => (Vec::new(), None),
+            };
+            let records = entry::records_of(&bytes).map_err(|why| {
+                Error::InvalidOption(format!("entry {}: {why}", entry.log_id.index))
+            })?;
+            let next_seq = records.last().map(|r| r.seq() + 1);
+            let group = CommittedGroup {
+                bytes,
+                records,
+                entry: Some((entry.log_id, membership)),
+            };
+            apply.send(group).map_err(|_| {
+                let cause = self
+                    .poisoned()
+                    .unwrap_or_else(|| "the replayer stopped".into());
+                Error::Append(AppendError::Poisoned(cause))
+            })?;
+            log.applied(entry.log_id.index);
+            if let Some(next_seq) = next_seq {
+                self.shared.committed.fetch_max(next_seq, Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,275 @@
+//! A replicated data dir: its WAL is the Raft log (entry.rs, log/entries.rs). Entries in, read back, cut
+//! off, applied, recovered after a crash; what the log refuses.
+
+use super::*;
+use crate::frame::BLOCK;
+
+fn replicated(clock: &Arc<ManualClock>) -> Options {
+    Options {
+        replicated: true,
+        ..options(clock)
+    }
+}
+
+fn id(term: u64, index: u64) -> LogId {
+    LogId {
+        term,
+        node_id: 1,
+        index,
+    }
+}
+
+/// A normal entry of one message per body, continuing the log's records.
+fn normal(log: &ScheduleLog, term: u64, index: u64, bodies: &[&str]) -> (Entry, Vec<Appended>) {
+    let mut builder = EntryBuilder::new(log.next_entry_seq().unwrap(), log.segment_minutes());
+    let messages: Vec<_> = bodies.iter().map(|b| message(T0 + HOUR_MS, b)).collect();
+    let appended = builder.append(&messages, T0);
+    let (payload, _) = builder.finish();
+    let entry = Entry {
+        log_id: id(term, index),
+        payload,
+    };
+    (entry, appended)
+}
+
+fn append(log: &ScheduleLog, entries: Vec<Entry>) {
+    log.append_entries(entries).wait().unwrap();
+}
+
+fn membership(index: u64) -> Entry {
+    Entry {
+        log_id: id(1, index),
+        payload: EntryPayload::Membership(b"{\"voters\":[1,2,3]}".to_vec()),
+    }
+}
+
+/// Blank, membership and normal entries: readable at once, durable, read back alike after a crash.
+#[test]
+fn entries_read_back_before_and_after_a_crash() {
+    let (dir, clock, log) = new_log_with(replicated);
+    assert_eq!(log.entry_bounds().unwrap(), (None, None));
+    let blank = Entry {
+        log_id: id(1, 0),
+        payload: EntryPayload::Blank,
+    };
+    append(&log, vec![blank.clone(), membership(1)]);
+    let (two, _) = normal(&log, 1, 2, &["a", "b"]);
+    let ack = log.append_entries(vec![two.clone()]);
+    assert_eq!(log.read_entries(2..3).unwrap(), vec![two.clone()]);
+    ack.wait().unwrap();
+    let (three, _) = normal(&log, 2, 3, &["c"]);
+    append(&log, vec![three.clone()]);
+    let all = vec![blank, membership(1), two, three];
+    assert_eq!(log.read_entries(0..4).unwrap(), all);
+    assert_eq!(log.entry_bounds().unwrap(), (None, Some(id(2, 3))));
+    assert!(log.read_entries(3..5).is_err(), "never a short read");
+    log.crash();
+
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.read_entries(0..4).unwrap(), all, "read from the WAL");
+    assert_eq!(log.entry_bounds().unwrap(), (None, Some(id(2, 3))));
+    assert_eq!(
+        log.next_entry_seq().unwrap(),
+        4,
+        "three records, from seq 1"
+    );
+    // Nothing was applied: the schedule holds none of them.
+    assert!(all_messages(&log).is_empty());
+}
+
+/// Applied entries' records reach the schedule; after a reopen the applied state is the checkpoint's,
+/// the entries up to it count as purged and the others are still there to apply.
+#[test]
+fn applied_entries_are_filed_and_survive_a_reopen() {
+    let (dir, clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    let (one, appended) = normal(&log, 1, 1, &["first"]);
+    append(&log, vec![one.clone()]);
+    let (two, later) = normal(&log, 1, 2, &["second"]);
+    append(&log, vec![two.clone()]);
+    log.apply_entries(&log.read_entries(0..2).unwrap()).unwrap();
+    let status = log.lookup(appended[0].id).unwrap().unwrap();
+    assert_eq!(status.message.body, b"first");
+    assert_eq!(log.lookup(later[0].id).unwrap(), None, "not applied yet");
+    log.checkpoint().unwrap();
+    let applied = log.applied_state().unwrap();
+    assert_eq!(applied.log_id, id(1, 1));
+    assert_eq!(
+        applied.membership,
+        Some((id(1, 0), b"{\"voters\":[1,2,3]}".to_vec()))
+    );
+    log.crash();
+
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.applied_state(), Some(applied));
+    assert_eq!(
+        log.entry_bounds().unwrap(),
+        (Some(id(1, 1)), Some(id(1, 2)))
+    );
+    assert!(log.read_entries(1..2).is_err(), "applied, so purged");
+    assert_eq!(log.read_entries(2..3).unwrap(), vec![two.clone()]);
+    assert_eq!(
+        log.lookup(appended[0].id).unwrap().unwrap().message.body,
+        b"first"
+    );
+    log.apply_entries(&[two]).unwrap();
+    assert_eq!(
+        log.lookup(later[0].id).unwrap().unwrap().message.body,
+        b"second"
+    );
+    assert_eq!(all_messages(&log).len(), 2);
+}
+
+/// A conflicting tail is cut, across WAL files, and new entries (of a lower term, with the same seqs)
+/// take its place; a crash keeps the new ones, not the old.
+#[test]
+fn a_cut_tail_is_replaced_and_stays_cut() {
+    let (dir, clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    let mut old = Vec::new();
+    for index in 1..6 {
+        let (entry, _) = normal(&log, 3, index, &["old"]);
+        append(&log, vec![entry.clone()]);
+        old.push(entry);
+    }
+    let files_before = wal::list(&dir.path().join("wal")).unwrap().len();
+    assert!(
+        files_before >= 3,
+        "entries spread over files ({files_before})"
+    );
+    log.truncate_entries(3).wait().unwrap();
+    assert!(log.read_entries(3..4).is_err());
+    assert_eq!(log.entry_bounds().unwrap().1, Some(id(3, 2)));
+    assert_eq!(log.next_entry_seq().unwrap(), 3);
+    let (new, appended) = normal(&log, 2, 3, &["new"]);
+    assert_eq!(
+        appended[0].location.seq, 3,
+        "the cut seqs are handed out again"
+    );
+    append(&log, vec![new.clone()]);
+    log.crash();
+
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.entry_bounds().unwrap().1, Some(id(2, 3)));
+    assert_eq!(
+        log.read_entries(1..4).unwrap(),
+        vec![old[0].clone(), old[1].clone(), new]
+    );
+    log.apply_entries(&log.read_entries(0..4).unwrap()).unwrap();
+    let bodies: Vec<_> = all_messages(&log).into_values().map(|m| m.body).collect();
+    assert_eq!(
+        bodies,
+        vec![b"old".to_vec(), b"old".to_vec(), b"new".to_vec()]
+    );
+}
+
+/// An entry whose records did not all reach the disk is cut whole at recovery.
+#[test]
+fn a_torn_entry_is_cut_whole() {
+    let (dir, clock, log) = new_log_with(replicated);
+    let (one, _) = normal(&log, 1, 0, &["kept"]);
+    append(&log, vec![one.clone()]);
+    let (two, _) = normal(&log, 1, 1, &["torn", "torn too"]);
+    append(&log, vec![two]);
+    log.crash();
+    // Damage the second entry's last record: as if the write had been torn there.
+    let (first_seq, path) = wal::list(&dir.path().join("wal")).unwrap().pop().unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last_record = (0..bytes.len() - 4)
+        .rev()
+        .find(|&at| bytes[at..].starts_with(b"torn too"))
+        .unwrap();
+    bytes[last_record] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.entry_bounds().unwrap().1, Some(id(1, 0)), "{first_seq}");
+    assert_eq!(log.next_entry_seq().unwrap(), 2);
+    assert_eq!(log.read_entries(0..1).unwrap(), vec![one]);
+    let (again, _) = normal(&log, 1, 1, &["again"]);
+    append(&log, vec![again.clone()]);
+    assert_eq!(log.read_entries(1..2).unwrap(), vec![again]);
+}
+
+/// Entries start on block boundaries, so a cut continues with aligned writes.
+#[test]
+fn every_entry_starts_a_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let options = Options {
+        wal_segment_bytes: 1 << 20,
+        ..replicated(&clock)
+    };
+    let log = ScheduleLog::open(dir.path(), options).unwrap();
+    for index in 0..5 {
+        let (entry, _) = normal(&log, 1, index, &["x"]);
+        append(&log, vec![entry]);
+    }
+    log.close().unwrap();
+    let (first_seq, path) = wal::list(&dir.path().join("wal")).unwrap().pop().unwrap();
+    let scanned = wal::scan_file(&path, first_seq, true, true, None)
+        .unwrap()
+        .unwrap();
+    assert_eq!(scanned.entries.len(), 5);
+    for entry in &scanned.entries {
+        assert_eq!(entry.at % BLOCK as u64, 0, "entry {:?}", entry.head.log_id);
+    }
+}
+
+#[test]
+fn what_a_replicated_log_refuses() {
+    let (dir, clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    let refused = |ack: Ack<()>| match ack.wait() {
+        Err(AppendError::Refused(why)) => why,
+        other => panic!("not refused: {other:?}"),
+    };
+    // An index gap, and an entry whose records do not continue the seqs.
+    let (gap, _) = normal(&log, 1, 5, &["x"]);
+    assert!(refused(log.append_entries(vec![gap])).contains("does not follow"));
+    let mut builder = EntryBuilder::new(log.next_entry_seq().unwrap() + 7, log.segment_minutes());
+    let _ = builder.append(&[message(T0, "x")], T0);
+    let skipped = Entry {
+        log_id: id(1, 1),
+        payload: builder.finish().0,
+    };
+    assert!(refused(log.append_entries(vec![skipped])).contains("seq"));
+    // Bytes that are no record frames.
+    let garbage = Entry {
+        log_id: id(1, 1),
+        payload: EntryPayload::Normal(b"not frames".to_vec()),
+    };
+    refused(log.append_entries(vec![garbage]));
+    // Plain appends go through the cluster.
+    assert!(matches!(
+        log.append(vec![message(T0, "x")]).wait(),
+        Err(AppendError::Refused(_))
+    ));
+    // Nothing of the above changed the log.
+    let (next, _) = normal(&log, 1, 1, &["fine"]);
+    append(&log, vec![next.clone()]);
+    log.apply_entries(&log.read_entries(0..2).unwrap()).unwrap();
+    log.checkpoint().unwrap();
+    assert!(refused(log.truncate_entries(1)).contains("applied"));
+    drop(log);
+    // The data dir is a member's for good.
+    let err = ScheduleLog::open(dir.path(), options(&clock)).unwrap_err();
+    assert!(err.to_string().contains("cluster member"), "{err}");
+}
+
+#[test]
+fn a_single_node_takes_no_entries() {
+    let (dir, clock, log) = new_log();
+    let blank = Entry {
+        log_id: id(1, 0),
+        payload: EntryPayload::Blank,
+    };
+    assert!(matches!(
+        log.append_entries(vec![blank]).wait(),
+        Err(AppendError::Refused(_))
+    ));
+    append_one(&log, T0, "plain");
+    drop(log);
+    let err = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap_err();
+    assert!(err.to_string().contains("single node"), "{err}");
+}
