@@ -34,6 +34,7 @@ mod segment;
 pub mod slow_disk;
 mod sys;
 mod view;
+mod vote;
 mod wal;
 
 pub use bucket::{Bucket, SegmentMinutes};
@@ -59,6 +60,7 @@ pub use record::{
 pub use replay::Replayed;
 pub use segment::{IndexEntry, SegmentReader};
 pub use sys::available_bytes;
+pub use vote::{LogId, RaftState, Vote, VoteFile, VOTE_FILE_NAME};
 
 #[cfg(test)]
 mod tests;
