@@ -6,8 +6,8 @@
 //! bucket also has a dispatch log of outcomes. Message ids locate their record without any global index.
 //!
 //! Layering, bottom up: [`frame`] (checksummed frames) → [`record`] (payloads) → `wal`, `segment`,
-//! `dispatch`, `checkpoint` (one file format each) → `commit` (the WAL's group commit), [`Group`] (group
-//! commit for files written from many threads) and `replay` → [`ScheduleLog`].
+//! `dispatch`, `checkpoint`, `vote` (one file format each) → `commit` (the WAL's group commit),
+//! [`Group`] (group commit for files written from many threads) and `replay` → [`ScheduleLog`].
 //! Every byte layout is documented atop its module and in the crate's README.
 
 #![deny(unsafe_code)]

@@ -9,6 +9,7 @@
 //!   schedule/     segment.rs
 //!   dispatch/     dispatch.rs
 //!   checkpoint    checkpoint.rs
+//!   raft/vote     vote.rs (cluster members only)
 //! ```
 //!
 //! Failure states, as the service sees them:
