@@ -60,7 +60,7 @@ pub use record::{
 pub use replay::Replayed;
 pub use segment::{IndexEntry, SegmentReader};
 pub use sys::available_bytes;
-pub use vote::{LogId, RaftState, Vote, VoteFile, VOTE_FILE_NAME};
+pub use vote::{RaftState, Vote, VoteFile, VOTE_FILE_NAME};
 
 #[cfg(test)]
 mod tests;

@@ -47,6 +47,7 @@
 //! A failed save leaves the durable slot as it was; saving again is sound, since each save rewrites its
 //! whole slot and relies on no earlier unsynced write.
 
+use crate::entry::LogId;
 use crate::error::{Error, Result};
 use crate::header::{create_dir_durably, open_data_file, write_atomically, OpenMode};
 use std::fs::File;
@@ -69,14 +70,6 @@ const RECORD_LEN: usize = CRC_AT + 4;
 const HAS_VOTE: u8 = 1;
 const VOTE_COMMITTED: u8 = 2;
 const HAS_COMMITTED: u8 = 4;
-
-/// The id of a log entry: the term and node id of the leader that proposed it, and its index.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LogId {
-    pub term: u64,
-    pub node_id: u64,
-    pub index: u64,
-}
 
 /// A member's vote: for `node_id` in `term`; `committed` once a quorum granted it (the leader's own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
