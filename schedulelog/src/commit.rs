@@ -32,7 +32,7 @@ use crate::bucket::SegmentMinutes;
 use crate::clock::Clock;
 use crate::entry::{
     entry_frame_bytes, seal_message, Entry, EntryHead, EntryKind, EntryLog, EntryPayload, LogId,
-    Placed, ENTRY_HEAD_LEN,
+    Placed,
 };
 use crate::error::{AppendError, Blocked, DiskFullReport};
 use crate::frame::{self, UNSYNCED_LIMIT};
@@ -441,31 +441,33 @@ impl Writer {
             let why = "this log is a single node's: it takes no Raft entries";
             return drop(reply.send(Err(AppendError::Refused(why.into()))));
         };
-        // One entry is one write at most (it never spans files: a file grows past its size for a
-        // larger one), and a write stays within the unsynced window (frame.rs's tail policy).
-        let largest = UNSYNCED_LIMIT / 2;
-        let refusal = (self.next_index..).zip(entries).find_map(|(index, entry)| {
-            let bytes = frame::padded_len(entry_frame_bytes(entry));
-            let membership = match &entry.payload {
-                EntryPayload::Membership(m) => m.len(),
-                _ => 0,
-            };
-            if entry.log_id.index != index {
-                Some(format!(
-                    "entry {} does not follow the log (the next index is {index})",
+        // `EntryLog::hand_in` checked them against the log as handed in, which is what the writer has
+        // placed plus what is queued before them: a mismatch here means the two views of the log
+        // parted, and nothing more may be written.
+        let mismatch = (self.next_index..).zip(entries).find_map(|(index, entry)| {
+            (entry.log_id.index != index).then(|| {
+                format!(
+                    "entry {} reached the WAL writer where entry {index} was due",
                     entry.log_id.index
-                ))
-            } else if bytes > largest || membership + ENTRY_HEAD_LEN > frame::MAX_PAYLOAD {
-                Some(format!(
-                    "entry {index} takes {bytes} bytes, more than one write may ({largest})"
-                ))
-            } else {
-                None
-            }
+                )
+            })
         });
-        if let Some(why) = refusal {
-            log.refused(self.next_index, self.next_seq);
-            return drop(reply.send(Err(AppendError::Refused(why))));
+        let first_seq = entries.iter().find_map(|e| match &e.payload {
+            EntryPayload::Normal(frames) => crate::wal::record_seq(frames),
+            _ => None,
+        });
+        let mismatch = mismatch.or_else(|| {
+            first_seq.filter(|&seq| seq != self.next_seq).map(|seq| {
+                format!(
+                    "records from seq {seq} reached the WAL writer where seq {} was due",
+                    self.next_seq
+                )
+            })
+        });
+        if let Some(why) = mismatch {
+            let e = AppendError::Poisoned(why);
+            self.poison(&e);
+            return drop(reply.send(Err(e)));
         }
         group.started.get_or_insert_with(Instant::now);
         for (entry, &records) in entries.iter().zip(counts) {
@@ -517,6 +519,11 @@ impl Writer {
         }
         if from >= self.next_index {
             return Ok(());
+        }
+        if let Some(applied) = log.applied_index().filter(|&a| from <= a) {
+            return Err(AppendError::Refused(format!(
+                "entry {from} is applied (up to {applied}) and cannot be cut off"
+            )));
         }
         let Some(cut) = log.placed_at(from) else {
             return Err(AppendError::Refused(format!(

@@ -279,6 +279,8 @@ struct EntryLogState {
     fresh_bytes: usize,
     /// Every entry up to this index is durable.
     flushed: Option<u64>,
+    /// Every entry up to this index is applied (handed to the replayer): never cut off.
+    applied: Option<u64>,
     last_purged: Option<LogId>,
     /// The last entry handed in (placed or not yet).
     last: Option<LogId>,
@@ -312,6 +314,7 @@ impl EntryLog {
             state: Mutex::new(EntryLogState {
                 placed,
                 flushed,
+                applied: last_purged.map(|l| l.index),
                 last_purged,
                 last,
                 next_seq,
@@ -335,6 +338,21 @@ impl EntryLog {
                     entry.log_id.index
                 ));
             }
+            let bytes = frame::padded_len(entry_frame_bytes(entry));
+            let membership = match &entry.payload {
+                EntryPayload::Membership(m) => m.len(),
+                _ => 0,
+            };
+            // One entry is one write at most, within the unsynced window (frame.rs's tail policy),
+            // and its entry frame within a frame's bounds.
+            if bytes > frame::UNSYNCED_LIMIT / 2 || ENTRY_HEAD_LEN + membership > frame::MAX_PAYLOAD
+            {
+                return Err(format!(
+                    "entry {} takes {bytes} bytes, more than one write may ({})",
+                    entry.log_id.index,
+                    frame::UNSYNCED_LIMIT / 2
+                ));
+            }
             let records = match &entry.payload {
                 EntryPayload::Normal(frames) => check_records(frames, next_seq)?,
                 _ => 0,
@@ -352,20 +370,6 @@ impl EntryLog {
         state.last = last;
         state.next_seq = next_seq;
         Ok(counts)
-    }
-
-    /// Forgets entries handed in that the writer refused (from `index` on, none of them placed).
-    pub(crate) fn refused(&self, from: u64, next_seq: u64) {
-        let mut state = self.state();
-        let gone = state.fresh.split_off(&from);
-        state.fresh_bytes -= gone.values().map(|e| payload_len(e)).sum::<usize>();
-        state.last = state
-            .placed
-            .values()
-            .next_back()
-            .map(|p| p.log_id)
-            .or(state.last_purged);
-        state.next_seq = next_seq;
     }
 
     pub(crate) fn placed_at(&self, index: u64) -> Option<Placed> {
@@ -392,18 +396,36 @@ impl EntryLog {
         }
     }
 
-    /// Fresh entries up to `index` are applied: memory no longer holds them.
-    pub(crate) fn applied(&self, index: u64) {
+    /// Marks the entry `index` applied, which must be the one after the last applied and flushed;
+    /// memory no longer holds it.
+    pub(crate) fn apply(&self, index: u64) -> Result<(), String> {
         let mut state = self.state();
-        let flushed = state.flushed.unwrap_or(0).min(index);
-        let kept = state.fresh.split_off(&(flushed + 1));
+        if state.applied.is_some_and(|a| index != a + 1) {
+            let after = state.applied.unwrap_or_default();
+            return Err(format!("entry {index} applied after entry {after}"));
+        }
+        if state.flushed.is_none_or(|f| index > f) {
+            return Err(format!("entry {index} applied before it is durable"));
+        }
+        state.applied = Some(index);
+        let kept = state.fresh.split_off(&(index + 1));
         let gone = std::mem::replace(&mut state.fresh, kept);
         state.fresh_bytes -= gone.values().map(|e| payload_len(e)).sum::<usize>();
+        Ok(())
+    }
+
+    /// The last entry applied.
+    pub(crate) fn applied_index(&self) -> Option<u64> {
+        self.state().applied
     }
 
     /// Cuts every entry from `from` on; the entry there, for the writer to cut the file back to.
+    /// `None` (nothing cut) when it is applied, or not placed.
     pub(crate) fn cut(&self, from: u64) -> Option<Placed> {
         let mut state = self.state();
+        if state.applied.is_some_and(|a| from <= a) {
+            return None;
+        }
         let cut = state.placed.get(&from).copied()?;
         state.placed.split_off(&from);
         let gone = state.fresh.split_off(&from);
@@ -415,7 +437,7 @@ impl EntryLog {
             .map(|p| p.log_id)
             .or(state.last_purged);
         state.next_seq = cut.first_seq;
-        state.flushed = state.flushed.map(|f| f.min(from.saturating_sub(1)));
+        state.flushed = state.flushed.and(from.checked_sub(1)).min(state.flushed);
         Some(cut)
     }
 

@@ -464,6 +464,25 @@ pub(crate) fn zero_torn_tail(path: &Path, bytes: &[u8], at: u64, torn: bool) -> 
     Ok(())
 }
 
+/// Fills a replicated WAL file from `end` (just past a whole entry, where a torn padding frame was
+/// zeroed) to a block boundary with a padding frame, synced, so that a scan goes on to the entries
+/// written next; returns where they start. Done at open, before anything is appended, so a crash while
+/// at it leaves the file as it was. (A single node starts a new file instead, which a replicated file
+/// of entries without records cannot do: the new file would take its name.)
+pub(crate) fn pad_tail(path: &Path, end: u64) -> Result<u64> {
+    let mut buf = vec![0u8; (end % BLOCK as u64) as usize];
+    frame::pad_to_block(&mut buf, 0);
+    let gap = &buf[(end % BLOCK as u64) as usize..];
+    let file = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(Error::io(path))?;
+    file.write_all_at(gap, end).map_err(Error::io(path))?;
+    crate::slow_disk::sync();
+    file.sync_data().map_err(Error::sync(path))?;
+    Ok(end + gap.len() as u64)
+}
+
 /// The file the writer appends to, and the preparation of the one after it.
 #[derive(Debug)]
 pub(crate) struct ActiveWal {
@@ -580,10 +599,10 @@ impl ActiveWal {
             .into_iter()
             .filter(|(first, _)| *first > first_seq)
             .collect();
+        // One directory sync per file: the deletions must reach the disk newest first, or a crash
+        // could leave a gap in the files' seqs.
         for (_, path) in later.iter().rev() {
             fs::remove_file(path).map_err(Error::io(path))?;
-        }
-        if !later.is_empty() {
             header::sync_dir(&self.dir)?;
         }
         let path = wal_path(&self.dir, first_seq);

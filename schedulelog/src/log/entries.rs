@@ -22,6 +22,7 @@ use crate::wal::wal_path;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 impl ScheduleLog {
     fn entry_log(&self) -> Result<&EntryLog> {
@@ -55,19 +56,8 @@ impl ScheduleLog {
     /// Cuts every entry from index `from` on (a follower whose tail conflicts with its leader's). Durable
     /// when the answer comes. Refused for an applied entry.
     pub fn truncate_entries(&self, from: u64) -> Ack<()> {
-        let applied = self
-            .shared
-            .replay()
-            .applied
-            .as_ref()
-            .map(|a| a.log_id.index);
         let (request, ack) = Request::truncate(from);
-        match applied {
-            Some(applied) if from <= applied => request.fail(AppendError::Refused(format!(
-                "entry {from} is applied (up to {applied}) and cannot be cut off"
-            ))),
-            _ => self.submit(request),
-        }
+        self.submit(request);
         ack
     }
 
@@ -152,7 +142,34 @@ impl ScheduleLog {
     /// The last entry whose records the schedule holds (and the last membership applied): after an
     /// open, the checkpoint's; entries after it are applied again.
     pub fn applied_state(&self) -> Option<AppliedState> {
+        self.wait_applied();
         self.shared.replay().applied.clone()
+    }
+
+    /// Waits (at most 10 s, as a lookup waits for filing) until the replayer has taken in every entry
+    /// applied so far, those without records too (which `wait_replayed`, by seq, does not see).
+    pub(crate) fn wait_applied(&self) {
+        let Some(target) = self.entry_log.as_ref().and_then(|log| log.applied_index()) else {
+            return;
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut replay = self.shared.replay();
+        while replay
+            .applied
+            .as_ref()
+            .is_none_or(|a| a.log_id.index < target)
+        {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            replay = self
+                .shared
+                .replayed
+                .wait_timeout(replay, left.min(Duration::from_millis(50)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 
     /// Applies committed entries, in order: their records go to the replayer, which files them into the
@@ -172,6 +189,9 @@ impl ScheduleLog {
                 Error::InvalidOption(format!("entry {}: {why}", entry.log_id.index))
             })?;
             let next_seq = records.last().map(|r| r.seq() + 1);
+            // Marked before the replayer has it, so that no cut can race it.
+            log.apply(entry.log_id.index)
+                .map_err(|why| Error::InvalidOption(format!("apply: {why}")))?;
             let group = CommittedGroup {
                 bytes,
                 records,
@@ -183,7 +203,6 @@ impl ScheduleLog {
                     .unwrap_or_else(|| "the replayer stopped".into());
                 Error::Append(AppendError::Poisoned(cause))
             })?;
-            log.applied(entry.log_id.index);
             if let Some(next_seq) = next_seq {
                 self.shared.committed.fetch_max(next_seq, Ordering::Release);
             }

@@ -266,6 +266,7 @@ impl ScheduleLog {
     /// sync poisons the log.
     pub fn checkpoint(&self) -> Result<()> {
         self.wait_replayed(0);
+        self.wait_applied();
         let result = self.shared.replay().checkpoint();
         self.shared.poison_on_sync_failure(&result);
         result

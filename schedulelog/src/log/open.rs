@@ -302,7 +302,12 @@ fn recover_wal(
     // Files entirely below the checkpoint were replayed already (their deletion may have been cut short).
     let start = files
         .iter()
-        .rposition(|(first, _)| *first <= replay.next_seq)
+        // (In a replicated data dir, a file named by the checkpoint's seq may follow one holding entries
+        // without records that are not applied yet: that one is scanned too.)
+        .rposition(|(first, _)| match options.replicated {
+            true => *first < replay.next_seq,
+            false => *first <= replay.next_seq,
+        })
         .unwrap_or(0);
     let checkpointed = replay.next_seq;
     let mut expected: Option<u64> = None;
@@ -383,7 +388,25 @@ fn recover_wal(
         false => header::WAL_FORMAT_VERSION,
     };
     let file = (options.wal_segment_bytes, version);
+    if let (Some(first), Some(applied)) = (placed.first(), applied) {
+        if first.log_id.index != applied + 1 {
+            let path = wal::wal_path(wal_dir, first.file);
+            let why = format!(
+                "the WAL's first entry after the applied one ({applied}) is entry {}",
+                first.log_id.index
+            );
+            return Err(Error::corrupt(path, first.at, why));
+        }
+    }
     let active = match tail {
+        // A replicated log continues in its file, on the next block (`pad_tail` says why).
+        Some((first_seq, path, end, tail_next)) if tail_next == next_seq && replicated => {
+            let end = match end.is_multiple_of(frame::BLOCK as u64) {
+                true => end,
+                false => wal::pad_tail(&path, end)?,
+            };
+            ActiveWal::resume(wal_dir, file, (first_seq, &path), end)?
+        }
         Some((first_seq, path, end, tail_next))
             if tail_next == next_seq && end.is_multiple_of(frame::BLOCK as u64) =>
         {

@@ -2,7 +2,8 @@
 //! off, applied, recovered after a crash; what the log refuses.
 
 use super::*;
-use crate::frame::BLOCK;
+use crate::entry;
+use crate::frame::{self, BLOCK};
 
 fn replicated(clock: &Arc<ManualClock>) -> Options {
     Options {
@@ -272,4 +273,94 @@ fn a_single_node_takes_no_entries() {
     drop(log);
     let err = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap_err();
     assert!(err.to_string().contains("single node"), "{err}");
+}
+
+fn blank(index: u64) -> Entry {
+    Entry {
+        log_id: id(1, index),
+        payload: EntryPayload::Blank,
+    }
+}
+
+/// A file named by the checkpoint's seq may follow a file whose last entry, without records, is not
+/// applied yet: recovery keeps that entry (and retirement keeps its file).
+#[test]
+fn an_unapplied_entry_without_records_before_the_checkpoint_seq_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let three_blocks = |clock: &Arc<ManualClock>| Options {
+        wal_segment_bytes: 3 * 4096,
+        ..replicated(clock)
+    };
+    let log = ScheduleLog::open(dir.path(), three_blocks(&clock)).unwrap();
+    append(&log, vec![membership(0)]);
+    for index in 1..3 {
+        let (entry, _) = normal(&log, 1, index, &["a"]);
+        append(&log, vec![entry]);
+    }
+    append(&log, vec![blank(3)]);
+    let (four, _) = normal(&log, 1, 4, &["c"]);
+    append(&log, vec![four.clone()]);
+    log.apply_entries(&log.read_entries(0..3).unwrap()).unwrap();
+    log.checkpoint().unwrap();
+    log.crash();
+    let log = ScheduleLog::open(dir.path(), three_blocks(&clock)).unwrap();
+    assert_eq!(log.read_entries(3..5).unwrap(), vec![blank(3), four]);
+    log.checkpoint().unwrap();
+    assert_eq!(log.read_entries(3..4).unwrap(), vec![blank(3)]);
+}
+
+/// A damaged padding frame after a whole entry ends the log mid-block: appends continue on the next
+/// block of the same file, which is not replaced by a new one of the same name.
+#[test]
+fn a_tail_ending_mid_block_keeps_its_file() {
+    let (dir, clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    log.crash();
+    let (_, path) = wal::list(&dir.path().join("wal")).unwrap().pop().unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let padding = BLOCK + frame::HEADER_LEN + entry::ENTRY_HEAD_LEN + 18;
+    assert_eq!(bytes[padding + 8], 4, "a padding frame follows the entry");
+    bytes[padding + 4] ^= 0xff; // its crc: as if its sector had not been written
+    std::fs::write(&path, &bytes).unwrap();
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.read_entries(0..1).unwrap(), vec![membership(0)]);
+    append(&log, vec![blank(1)]);
+    drop(log);
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(
+        log.read_entries(0..2).unwrap(),
+        vec![membership(0), blank(1)]
+    );
+}
+
+/// An entry just handed to the replayer cannot be cut off, however soon the cut comes.
+#[test]
+fn an_entry_just_applied_is_never_cut() {
+    let (_dir, _clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    for index in 1..40 {
+        let (entry, _) = normal(&log, 1, index, &["x"]);
+        append(&log, vec![entry.clone()]);
+        log.apply_entries(&[entry]).unwrap();
+        assert!(
+            matches!(
+                log.truncate_entries(index).wait(),
+                Err(AppendError::Refused(_))
+            ),
+            "entry {index} was cut"
+        );
+    }
+}
+
+/// Entries without records count as applied too: a checkpoint waits for them.
+#[test]
+fn a_membership_applied_alone_is_checkpointed() {
+    let (dir, clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    log.apply_entries(&log.read_entries(0..1).unwrap()).unwrap();
+    log.checkpoint().unwrap();
+    log.crash();
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.applied_state().map(|a| a.log_id), Some(id(1, 0)));
 }
