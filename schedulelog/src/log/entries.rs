@@ -18,11 +18,11 @@ use crate::entry::{
 };
 use crate::error::{AppendError, Error, Result};
 use crate::frame::{self, Frames, Kind};
+use crate::replay::Replay;
 use crate::wal::wal_path;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 impl ScheduleLog {
     fn entry_log(&self) -> Result<&EntryLog> {
@@ -152,24 +152,8 @@ impl ScheduleLog {
         let Some(target) = self.entry_log.as_ref().and_then(|log| log.applied_index()) else {
             return;
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut replay = self.shared.replay();
-        while replay
-            .applied
-            .as_ref()
-            .is_none_or(|a| a.log_id.index < target)
-        {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return;
-            }
-            replay = self
-                .shared
-                .replayed
-                .wait_timeout(replay, left.min(Duration::from_millis(50)))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        let applied = |r: &Replay| r.applied.as_ref().is_some_and(|a| a.log_id.index >= target);
+        drop(self.wait_for_replayer(applied, || false));
     }
 
     /// Applies committed entries, in order: their records go to the replayer, which files them into the

@@ -14,10 +14,12 @@ use crate::dispatch::DispatchLogs;
 use crate::error::{Blocked, Error, Result};
 use crate::id::Location;
 use crate::record::{Message, Outcome};
+use crate::replay::Replay;
 use crate::segment::{IndexEntry, RecordReader, SegmentReader};
 use crate::view::{self, View};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 /// Segment logs kept open for [`ScheduleLog::read_record`], at most: the buckets being delivered from
@@ -168,15 +170,27 @@ impl ScheduleLog {
         if seq >= committed {
             return false;
         }
+        let held_up = || self.shared.disk_full.held_up(Blocked::Replayer);
+        let replay = self.wait_for_replayer(|r| r.next_seq >= committed, held_up);
+        replay.next_seq > seq
+    }
+
+    /// Waits, at most 10 s, until `done` holds of the replayer's state or `give_up` says to stop
+    /// looking; the state, locked, as it was last seen.
+    pub(crate) fn wait_for_replayer(
+        &self,
+        done: impl Fn(&Replay) -> bool,
+        give_up: impl Fn() -> bool,
+    ) -> MutexGuard<'_, Replay> {
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut replay = self.shared.replay();
-        while replay.next_seq < committed {
+        while !done(&replay) {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || self.shared.disk_full.held_up(Blocked::Replayer) {
-                return replay.next_seq > seq;
+            if left.is_zero() || give_up() {
+                break;
             }
-            // Woken by each replayed group; the held-up flag has no signal of its own, so look again
-            // every 50 ms.
+            // Woken by each replayed group; what `give_up` watches has no signal of its own, so look
+            // again every 50 ms.
             replay = self
                 .shared
                 .replayed
@@ -184,7 +198,7 @@ impl ScheduleLog {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        true
+        replay
     }
 
     /// Waits (at most 10 s, as a lookup) until everything committed so far is filed; `NotFiledYet`
