@@ -31,7 +31,8 @@ use crate::wal::WalRecord;
 use crate::SegmentMinutes;
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Bytes of an entry frame's payload before a membership's bytes.
 pub(crate) const ENTRY_HEAD_LEN: usize = 37;
@@ -257,6 +258,9 @@ pub(crate) struct Placed {
     pub records: u32,
 }
 
+/// How long an apply waits for its entry's `fdatasync`.
+const FLUSH_WAIT: Duration = Duration::from_secs(30);
+
 /// Entries in memory are dropped once flushed past this many bytes.
 const FRESH_LIMIT_BYTES: usize = 64 << 20;
 
@@ -270,6 +274,8 @@ const FRESH_LIMIT_BYTES: usize = 64 << 20;
 #[derive(Debug, Default)]
 pub(crate) struct EntryLog {
     state: Mutex<EntryLogState>,
+    /// Signalled each time `flushed` moves.
+    flushes: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -311,6 +317,7 @@ impl EntryLog {
         let flushed = last.map(|l| l.index);
         let placed = placed.into_iter().map(|p| (p.log_id.index, p)).collect();
         EntryLog {
+            flushes: Condvar::new(),
             state: Mutex::new(EntryLogState {
                 placed,
                 flushed,
@@ -384,6 +391,7 @@ impl EntryLog {
     pub(crate) fn flushed(&self, index: u64) {
         let mut state = self.state();
         state.flushed = Some(index);
+        self.flushes.notify_all();
         while state.fresh_bytes > FRESH_LIMIT_BYTES {
             let Some(entry) = state.fresh.first_entry() else {
                 break;
@@ -396,16 +404,30 @@ impl EntryLog {
         }
     }
 
-    /// Marks the entry `index` applied, which must be the one after the last applied and flushed;
-    /// memory no longer holds it.
+    /// Marks the entry `index` applied, which must be the one after the last applied; memory no longer
+    /// holds it. Waits (up to `FLUSH_WAIT`) for it to be durable here: a follower may learn that an
+    /// entry is committed (on a quorum without it) before its own `fdatasync` of it returned.
     pub(crate) fn apply(&self, index: u64) -> Result<(), String> {
         let mut state = self.state();
         if state.applied.is_some_and(|a| index != a + 1) {
             let after = state.applied.unwrap_or_default();
             return Err(format!("entry {index} applied after entry {after}"));
         }
-        if state.flushed.is_none_or(|f| index > f) {
-            return Err(format!("entry {index} applied before it is durable"));
+        let deadline = Instant::now() + FLUSH_WAIT;
+        while state.flushed.is_none_or(|f| index > f) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero()
+                || !state.fresh.contains_key(&index) && !state.placed.contains_key(&index)
+            {
+                return Err(format!(
+                    "entry {index} applied before it is in the log, durably"
+                ));
+            }
+            state = self
+                .flushes
+                .wait_timeout(state, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         state.applied = Some(index);
         let kept = state.fresh.split_off(&(index + 1));

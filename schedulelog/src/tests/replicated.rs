@@ -364,3 +364,26 @@ fn a_membership_applied_alone_is_checkpointed() {
     let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
     assert_eq!(log.applied_state().map(|a| a.log_id), Some(id(1, 0)));
 }
+
+/// An apply may come before the entry's own `fdatasync` (a follower learns of a commit on a quorum
+/// without it): it waits for it. An entry the log never had is refused at once.
+#[test]
+fn an_apply_waits_for_its_entry_to_be_durable() {
+    let (_dir, _clock, log) = new_log_with(replicated);
+    let (entry, appended) = normal(&log, 1, 0, &["early"]);
+    let ack = log.append_entries(vec![entry.clone()]);
+    log.apply_entries(std::slice::from_ref(&entry)).unwrap();
+    ack.wait().unwrap();
+    assert_eq!(
+        log.lookup(appended[0].id).unwrap().unwrap().message.body,
+        b"early"
+    );
+    let (never, _) = normal(&log, 1, 1, &["never"]);
+    let started = std::time::Instant::now();
+    assert!(log.apply_entries(&[never]).is_err());
+    // Well under the 30 s an apply waits for a flush: it did not wait for one.
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "refused at once"
+    );
+}
