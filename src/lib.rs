@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod broker;
+pub mod cluster;
 pub mod config;
 pub mod connection;
 pub mod disk;
