@@ -5,14 +5,17 @@
 //!
 //! - [`TypeConfig`]: openraft's types for delayd. A node id is the member's `cluster.node_id`; a
 //!   node's data is a [`Member`]; an entry's app data is a [`Proposal`].
+//! - `rpc`: the binary codec of the RPCs (its byte layout is there).
 //!
 //! Invariants:
 //! - A [`Proposal`] is opaque here: its frames are the WAL frames of one group commit, sealed by the
 //!   leader that proposed them, and every member applies them as they are. Nothing in this module
-//!   reads or changes them.
+//!   reads or changes them; the RPC codec copies them once each way and never through serde.
 //! - The types are openraft's own (`Vote`, `LogId`, `Entry`, the RPC messages): no mirror types to
 //!   keep in step. openraft is pinned to one exact version in Cargo.toml, so their shape cannot change
 //!   under the codec.
+
+pub mod rpc;
 
 use serde::{Deserialize, Serialize};
 
