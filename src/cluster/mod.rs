@@ -6,6 +6,7 @@
 //! - [`TypeConfig`]: openraft's types for delayd. A node id is the member's `cluster.node_id`; a
 //!   node's data is a [`Member`]; an entry's app data is a [`Proposal`].
 //! - `rpc`: the binary codec of the RPCs (its byte layout is there).
+//! - `network`: [`network::PeerNetwork`] sends them to members, [`network::RaftService`] answers them.
 //!
 //! Invariants:
 //! - A [`Proposal`] is opaque here: its frames are the WAL frames of one group commit, sealed by the
@@ -15,6 +16,7 @@
 //!   keep in step. openraft is pinned to one exact version in Cargo.toml, so their shape cannot change
 //!   under the codec.
 
+pub mod network;
 pub mod rpc;
 
 use serde::{Deserialize, Serialize};

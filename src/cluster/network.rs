@@ -1,0 +1,720 @@
+//! Raft's RPCs between members: sent by [`PeerNetwork`] (openraft's network) and answered by
+//! [`RaftService`], over the peer link (peer.rs) in the codec of rpc.rs.
+//!
+//! How a failed call reaches openraft. openraft 0.9.25 backs off ([`RaftNetwork::backoff`], 500 ms by
+//! default) only after `Unreachable`; after `Timeout`, `Network` or `RemoteError` it reports the
+//! failure and tries again at its next heartbeat or election; after `PayloadTooLarge` it sends fewer
+//! entries at once, at once. So:
+//!
+//! ```text
+//! the member's peer address does not resolve                Unreachable      back off, retry
+//! connection refused, host or network unreachable           Unreachable      back off, retry
+//! the handshake refused (another secret, version, id)       Unreachable      back off, retry
+//! a deadline passed: the RPC's hard TTL, or the link's      Timeout          retry at the next tick
+//!   connect / handshake / request timeout
+//! any other I/O error (a reset, a close within the call)    Network          retry: the next call
+//!                                                                            connects again
+//! an undecodable answer, an error text that is not a        Network          retry
+//!   RaftError (a request the member could not take)
+//! the member's RaftError                                    RemoteError
+//! an append of several entries over max_frame_bytes         PayloadTooLarge  half the entries
+//! one entry over max_frame_bytes                            Unreachable      back off, retry (it
+//!                                                                            never fits: logged)
+//! a snapshot to send (not supported yet)                    Unreachable      back off, retry
+//! ```
+//!
+//! Invariants:
+//! - One [`PeerClient`] a member, shared by every client openraft asks for (it asks for one each
+//!   election and each replication stream), so that they share its few pooled connections. It is made
+//!   on the first call, never in [`RaftNetworkFactory::new_client`], which openraft awaits on its core
+//!   task: a name is resolved on the call's own time.
+//! - A call ends by the RPC's hard TTL ([`RPCOption::hard_ttl`]: openraft drops it then anyway) and by
+//!   the link's own limits, whichever comes first: `PeerOptions::connect_timeout` and
+//!   `handshake_timeout` for a new connection, `request_timeout` for the exchange. The TTLs are the
+//!   heartbeat interval for appends and `election_timeout_min` for votes, so `request_timeout` longer
+//!   than both leaves the TTL in charge. A call cut by the TTL drops its connection (the peer link
+//!   never pools a connection whose call did not end cleanly).
+//! - A member whose peer address is a name is resolved again after a call to it failed on the link,
+//!   for a member that restarted elsewhere under the same name; a literal address is kept.
+//! - [`RaftService`] answers a vote or an append only if the authenticated caller is the member the
+//!   vote names (the candidate, or the leader): a member cannot speak for another.
+
+use super::rpc::{self, DecodeError, EncodeError, Wire, APPEND, VOTE};
+use super::{Member, TypeConfig};
+use crate::peer::{PeerClient, PeerError, PeerOptions, PeerService, MIN_SECRET_BYTES};
+use futures_core::future::BoxFuture;
+use openraft::error::{
+    Fatal, NetworkError, PayloadTooLarge, RPCError, RaftError, RemoteError, ReplicationClosed,
+    StreamingError, Timeout, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
+};
+use openraft::{OptionalSend, RPCTypes, Snapshot, Vote};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// `cluster.secret`, kept out of `Debug` output.
+#[derive(Clone)]
+struct Secret(Arc<str>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// openraft's network: this member's clients of the others, one [`PeerClient`] each.
+#[derive(Debug)]
+pub struct PeerNetwork {
+    /// This member's id, which the members it calls are told.
+    id: u64,
+    secret: Secret,
+    options: PeerOptions,
+    /// By member id; replaced when a member's peer address changes.
+    links: HashMap<u64, Arc<MemberLink>>,
+}
+
+impl PeerNetwork {
+    /// The network of member `id`, calling the others with `secret` within `options`. Refuses a
+    /// secret shorter than [`MIN_SECRET_BYTES`] here rather than at the first call.
+    pub fn new(id: u64, secret: &str, options: PeerOptions) -> Result<PeerNetwork, PeerError> {
+        if secret.len() < MIN_SECRET_BYTES {
+            return Err(PeerError::WeakSecret);
+        }
+        Ok(PeerNetwork {
+            id,
+            secret: Secret(secret.into()),
+            options,
+            links: HashMap::new(),
+        })
+    }
+}
+
+impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
+    type Network = MemberClient;
+
+    async fn new_client(&mut self, target: u64, node: &Member) -> MemberClient {
+        let link = match self.links.get(&target) {
+            Some(link) if link.peer == node.peer => link.clone(),
+            _ => {
+                let link = Arc::new(MemberLink {
+                    id: self.id,
+                    target,
+                    peer: node.peer.clone(),
+                    secret: self.secret.clone(),
+                    options: self.options.clone(),
+                    client: Mutex::new(None),
+                });
+                self.links.insert(target, link.clone());
+                link
+            }
+        };
+        MemberClient {
+            link,
+            member: node.clone(),
+        }
+    }
+}
+
+/// One member's peer address and the client that calls it.
+#[derive(Debug)]
+struct MemberLink {
+    id: u64,
+    target: u64,
+    /// As the membership has it: `host:port`, an IP or a name.
+    peer: String,
+    secret: Secret,
+    options: PeerOptions,
+    /// Made on the first call; forgotten after a failure when `peer` is a name.
+    client: Mutex<Option<Arc<PeerClient>>>,
+}
+
+impl MemberLink {
+    fn slot(&self) -> MutexGuard<'_, Option<Arc<PeerClient>>> {
+        self.client.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn client(&self) -> Result<Arc<PeerClient>, CallError> {
+        if let Some(client) = self.slot().as_ref() {
+            return Ok(client.clone());
+        }
+        let addr = match self.peer.parse::<SocketAddr>() {
+            Ok(addr) => addr,
+            Err(_) => self.resolve().await?,
+        };
+        let client = PeerClient::new(
+            addr,
+            self.id,
+            self.target,
+            &self.secret.0,
+            self.options.clone(),
+        )?;
+        // Two first calls at once may both get here: the first one's client is kept.
+        Ok(self.slot().get_or_insert(Arc::new(client)).clone())
+    }
+
+    async fn resolve(&self) -> Result<SocketAddr, CallError> {
+        let resolve = |source| CallError::Resolve {
+            peer: self.peer.clone(),
+            source,
+        };
+        let mut addrs = tokio::net::lookup_host(self.peer.as_str())
+            .await
+            .map_err(resolve)?;
+        addrs
+            .next()
+            .ok_or_else(|| resolve(std::io::ErrorKind::NotFound.into()))
+    }
+
+    /// Forgets `client` after a failure on the link, so that the next call resolves the name again.
+    fn forget(&self, client: &Arc<PeerClient>) {
+        if self.peer.parse::<SocketAddr>().is_ok() {
+            return;
+        }
+        let mut slot = self.slot();
+        if slot.as_ref().is_some_and(|held| Arc::ptr_eq(held, client)) {
+            *slot = None;
+        }
+    }
+
+    /// Sends `request` as a request of `kind` and decodes its answer, all within `ttl`.
+    async fn call<Q: Wire, A: Wire>(
+        &self,
+        kind: u8,
+        request: &Q,
+        ttl: Duration,
+    ) -> Result<A, CallError> {
+        let deadline = tokio::time::Instant::now() + ttl;
+        let payload = request.encode()?;
+        let client = tokio::time::timeout_at(deadline, self.client())
+            .await
+            .map_err(|_| CallError::Deadline { after: ttl })??;
+        let answered = tokio::time::timeout_at(deadline, client.call(kind, &payload)).await;
+        let answer = match answered {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(error)) => {
+                if let PeerError::Io { .. }
+                | PeerError::Timeout { .. }
+                | PeerError::Refused { .. } = error
+                {
+                    self.forget(&client);
+                }
+                return Err(CallError::Peer(error));
+            }
+            Err(_) => {
+                self.forget(&client);
+                return Err(CallError::Deadline { after: ttl });
+            }
+        };
+        Ok(A::decode(&answer)?)
+    }
+}
+
+/// Why a call to a member failed, before it is told to openraft as one of its `RPCError`s.
+#[derive(Debug, thiserror::Error)]
+enum CallError {
+    #[error("the peer address {peer:?} does not resolve: {source}")]
+    Resolve {
+        peer: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Peer(#[from] PeerError),
+    #[error("no answer within the RPC's {after:?}")]
+    Deadline { after: Duration },
+    #[error("the request cannot be encoded: {0}")]
+    Encode(#[from] EncodeError),
+    #[error("the answer cannot be decoded: {0}")]
+    Decode(#[from] DecodeError),
+}
+
+/// What openraft is to make of a [`CallError`] (the table atop this module).
+enum Verdict {
+    Unreachable,
+    Timeout(Duration),
+    Network,
+    Remote(Box<RaftError<u64>>),
+    TooLarge,
+}
+
+impl CallError {
+    fn verdict(&self) -> Verdict {
+        match self {
+            CallError::Peer(PeerError::Answered { text, .. }) => {
+                match rpc::raft_error_from_text(text) {
+                    Some(error) => Verdict::Remote(Box::new(error)),
+                    None => Verdict::Network,
+                }
+            }
+            CallError::Peer(PeerError::Timeout { after, .. }) | CallError::Deadline { after } => {
+                Verdict::Timeout(*after)
+            }
+            CallError::Peer(PeerError::Io { source, .. }) => match source.kind() {
+                std::io::ErrorKind::ConnectionRefused
+                | std::io::ErrorKind::HostUnreachable
+                | std::io::ErrorKind::NetworkUnreachable
+                | std::io::ErrorKind::NetworkDown
+                | std::io::ErrorKind::AddrNotAvailable => Verdict::Unreachable,
+                _ => Verdict::Network,
+            },
+            CallError::Peer(PeerError::TooLarge { .. })
+            | CallError::Encode(EncodeError::TooLarge { .. }) => Verdict::TooLarge,
+            CallError::Resolve { .. }
+            | CallError::Peer(PeerError::Refused { .. } | PeerError::WeakSecret)
+            | CallError::Encode(EncodeError::Membership(_)) => Verdict::Unreachable,
+            CallError::Decode(_) => Verdict::Network,
+        }
+    }
+}
+
+/// Snapshots come in a later issue; until then a member that needs one waits, and the leader says
+/// why in its log each time it backs off.
+#[derive(Debug, thiserror::Error)]
+#[error("member {target} needs a snapshot to catch up; sending snapshots is not supported yet")]
+struct SnapshotsNotSupported {
+    target: u64,
+}
+
+/// openraft's client of one member: its RPCs go through the member's shared [`PeerClient`].
+#[derive(Debug)]
+pub struct MemberClient {
+    link: Arc<MemberLink>,
+    member: Member,
+}
+
+type RpcResult<T> = Result<T, RPCError<u64, Member, RaftError<u64>>>;
+
+impl MemberClient {
+    /// `error` as openraft's, for an RPC of `action` that carried `entries` entries.
+    fn rpc_error(
+        &self,
+        action: RPCTypes,
+        entries: usize,
+        error: CallError,
+    ) -> RPCError<u64, Member, RaftError<u64>> {
+        let target = self.link.target;
+        match error.verdict() {
+            Verdict::Remote(source) => RPCError::RemoteError(RemoteError::new_with_node(
+                target,
+                self.member.clone(),
+                *source,
+            )),
+            Verdict::Timeout(timeout) => RPCError::Timeout(Timeout {
+                action,
+                id: self.link.id,
+                target,
+                timeout,
+            }),
+            // Half as many entries at once; openraft keeps the hint for its next ten appends.
+            Verdict::TooLarge if entries > 1 => {
+                PayloadTooLarge::new_entries_hint((entries / 2) as u64)
+                    .with_source_error(&error)
+                    .into()
+            }
+            Verdict::TooLarge => {
+                tracing::error!(member = target, %error, "a Raft entry does not fit in the peer link's max_frame_bytes");
+                RPCError::Unreachable(Unreachable::new(&error))
+            }
+            Verdict::Unreachable => RPCError::Unreachable(Unreachable::new(&error)),
+            Verdict::Network => RPCError::Network(NetworkError::new(&error)),
+        }
+    }
+}
+
+impl RaftNetwork<TypeConfig> for MemberClient {
+    async fn append_entries(
+        &mut self,
+        request: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> RpcResult<AppendEntriesResponse<u64>> {
+        let entries = request.entries.len();
+        self.link
+            .call(APPEND, &request, option.hard_ttl())
+            .await
+            .map_err(|e| self.rpc_error(RPCTypes::AppendEntries, entries, e))
+    }
+
+    async fn vote(
+        &mut self,
+        request: VoteRequest<u64>,
+        option: RPCOption,
+    ) -> RpcResult<VoteResponse<u64>> {
+        self.link
+            .call(VOTE, &request, option.hard_ttl())
+            .await
+            .map_err(|e| self.rpc_error(RPCTypes::Vote, 0, e))
+    }
+
+    /// Not supported yet: `Unreachable`, so that openraft backs off and offers it again later
+    /// (a `StorageError` here would stop the leader).
+    async fn full_snapshot(
+        &mut self,
+        _vote: Vote<u64>,
+        _snapshot: Snapshot<TypeConfig>,
+        _cancel: impl std::future::Future<Output = ReplicationClosed> + OptionalSend + 'static,
+        _option: RPCOption,
+    ) -> Result<SnapshotResponse<u64>, StreamingError<TypeConfig, Fatal<u64>>> {
+        let target = self.link.target;
+        Err(StreamingError::Unreachable(Unreachable::new(
+            &SnapshotsNotSupported { target },
+        )))
+    }
+}
+
+/// A member's answers to the others' Raft RPCs, given to `peer::serve`.
+pub struct RaftService {
+    raft: openraft::Raft<TypeConfig>,
+}
+
+impl std::fmt::Debug for RaftService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftService").finish_non_exhaustive()
+    }
+}
+
+impl RaftService {
+    pub fn new(raft: openraft::Raft<TypeConfig>) -> RaftService {
+        RaftService { raft }
+    }
+}
+
+impl PeerService for RaftService {
+    fn handle(
+        &self,
+        from: u64,
+        kind: u8,
+        payload: Vec<u8>,
+    ) -> BoxFuture<'_, Result<Vec<u8>, String>> {
+        Box::pin(async move {
+            match kind {
+                VOTE => {
+                    let request = take::<VoteRequest<u64>>(from, &payload)?;
+                    speaks_for(from, &request.vote)?;
+                    answer(self.raft.vote(request).await)
+                }
+                APPEND => {
+                    let request = take::<AppendEntriesRequest<TypeConfig>>(from, &payload)?;
+                    speaks_for(from, &request.vote)?;
+                    answer(self.raft.append_entries(request).await)
+                }
+                other => Err(format!(
+                    "no Raft request of kind {other} is served here (vote {VOTE}, append {APPEND})"
+                )),
+            }
+        })
+    }
+}
+
+/// The request in `payload`, or the error text its caller gets.
+fn take<Q: Wire>(from: u64, payload: &[u8]) -> Result<Q, String> {
+    Q::decode(payload).map_err(|error| {
+        tracing::warn!(from, %error, "a member's Raft request does not decode");
+        error.to_string()
+    })
+}
+
+/// Refuses a request whose vote is another member's than its authenticated caller's.
+fn speaks_for(from: u64, vote: &Vote<u64>) -> Result<(), String> {
+    let named = vote.leader_id.node_id;
+    if named == from {
+        return Ok(());
+    }
+    tracing::warn!(
+        from,
+        named,
+        "a member sent a Raft request in another member's name; refused"
+    );
+    Err(format!(
+        "member {from} cannot send a request of member {named}'s vote"
+    ))
+}
+
+/// The encoded answer, or the member's error as its JSON text.
+fn answer<A: Wire>(answered: Result<A, RaftError<u64>>) -> Result<Vec<u8>, String> {
+    match answered {
+        Ok(answer) => answer.encode().map_err(|error| error.to_string()),
+        Err(error) => Err(rpc::raft_error_text(&error)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client(peer: &str) -> MemberClient {
+        let link = MemberLink {
+            id: 1,
+            target: 2,
+            peer: peer.into(),
+            secret: Secret("a long random string".into()),
+            options: PeerOptions::default(),
+            client: Mutex::new(None),
+        };
+        MemberClient {
+            link: Arc::new(link),
+            member: Member {
+                api: "http://127.0.0.1:7072".into(),
+                peer: peer.into(),
+            },
+        }
+    }
+
+    fn peer_error(error: PeerError) -> CallError {
+        CallError::Peer(error)
+    }
+
+    const PEER: SocketAddr =
+        SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 7172);
+
+    #[test]
+    fn link_failures_map_to_what_makes_openraft_back_off_or_retry() {
+        let client = client("127.0.0.1:7172");
+        let io = |kind: std::io::ErrorKind| {
+            peer_error(PeerError::Io {
+                peer: PEER,
+                source: kind.into(),
+            })
+        };
+        let map = |error| client.rpc_error(RPCTypes::AppendEntries, 4, error);
+        assert!(matches!(
+            map(io(std::io::ErrorKind::ConnectionRefused)),
+            RPCError::Unreachable(_)
+        ));
+        assert!(matches!(
+            map(io(std::io::ErrorKind::ConnectionReset)),
+            RPCError::Network(_)
+        ));
+        let refused = peer_error(PeerError::Refused {
+            peer: PEER,
+            why: "another cluster.secret".into(),
+        });
+        assert!(matches!(map(refused), RPCError::Unreachable(_)));
+        let resolve = CallError::Resolve {
+            peer: "delayd-2.invalid:7172".into(),
+            source: std::io::ErrorKind::NotFound.into(),
+        };
+        assert!(matches!(map(resolve), RPCError::Unreachable(_)));
+        let after = Duration::from_millis(250);
+        match map(CallError::Deadline { after }) {
+            RPCError::Timeout(timeout) => {
+                assert_eq!((timeout.id, timeout.target, timeout.timeout), (1, 2, after));
+                assert_eq!(timeout.action, RPCTypes::AppendEntries);
+            }
+            other => panic!("{other:?}"),
+        }
+        let timed_out = peer_error(PeerError::Timeout {
+            peer: PEER,
+            what: "a request",
+            after,
+        });
+        assert!(matches!(map(timed_out), RPCError::Timeout(_)));
+        let garbled = CallError::Decode(VoteResponse::<u64>::decode(&[]).unwrap_err());
+        assert!(matches!(map(garbled), RPCError::Network(_)));
+    }
+
+    #[test]
+    fn answers_map_to_remote_errors_only_when_they_are_raft_errors() {
+        let client = client("127.0.0.1:7172");
+        let fatal: RaftError<u64> = RaftError::Fatal(Fatal::Stopped);
+        let answered = |text: String| peer_error(PeerError::Answered { peer: PEER, text });
+        match client.rpc_error(RPCTypes::Vote, 0, answered(rpc::raft_error_text(&fatal))) {
+            RPCError::RemoteError(remote) => {
+                assert_eq!(remote.target, 2);
+                assert_eq!(remote.target_node, Some(client.member.clone()));
+                assert_eq!(remote.source, fatal);
+            }
+            other => panic!("{other:?}"),
+        }
+        let refused = answered("no Raft request of kind 9 is served here".into());
+        assert!(matches!(
+            client.rpc_error(RPCTypes::Vote, 0, refused),
+            RPCError::Network(_)
+        ));
+    }
+
+    #[test]
+    fn an_append_over_the_frame_limit_is_split_until_one_entry_is_left() {
+        let client = client("127.0.0.1:7172");
+        let too_large = || {
+            peer_error(PeerError::TooLarge {
+                peer: PEER,
+                bytes: 100,
+                max: 10,
+            })
+        };
+        match client.rpc_error(RPCTypes::AppendEntries, 9, too_large()) {
+            RPCError::PayloadTooLarge(too_large) => assert_eq!(too_large.entries_hint(), 4),
+            other => panic!("{other:?}"),
+        }
+        // One entry cannot be split: retrying at once would spin, so openraft backs off.
+        assert!(matches!(
+            client.rpc_error(RPCTypes::AppendEntries, 1, too_large()),
+            RPCError::Unreachable(_)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_snapshot_is_refused_so_that_openraft_backs_off() {
+        let mut client = client("127.0.0.1:7172");
+        let snapshot = Snapshot {
+            meta: Default::default(),
+            snapshot: Box::new(std::io::Cursor::new(Vec::new())),
+        };
+        let sent = client
+            .full_snapshot(
+                Vote::default(),
+                snapshot,
+                std::future::pending(),
+                RPCOption::new(Duration::from_secs(1)),
+            )
+            .await;
+        match sent {
+            Err(StreamingError::Unreachable(error)) => {
+                assert!(error.to_string().contains("not supported yet"), "{error}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_member_that_does_not_listen_is_unreachable() {
+        // A port that was just free: nothing listens on it.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let mut network =
+            PeerNetwork::new(1, "a long random string", PeerOptions::default()).unwrap();
+        let member = Member {
+            api: String::new(),
+            peer: addr.to_string(),
+        };
+        let mut client = network.new_client(2, &member).await;
+        let request = VoteRequest::new(Vote::new(1, 1), None);
+        let voted = client
+            .vote(request, RPCOption::new(Duration::from_secs(5)))
+            .await;
+        assert!(matches!(voted, Err(RPCError::Unreachable(_))), "{voted:?}");
+        // Another client of the same member shares its link; a new address makes a new one.
+        let again = network.new_client(2, &member).await;
+        assert!(Arc::ptr_eq(&client.link, &again.link));
+        let moved = Member {
+            peer: "127.0.0.1:1".into(),
+            ..member
+        };
+        assert!(!Arc::ptr_eq(
+            &client.link,
+            &network.new_client(2, &moved).await.link
+        ));
+    }
+
+    /// Stands in for a member's [`RaftService`] on a real peer link: grants votes, answers appends
+    /// with a stopped Raft's error, and anything else with bytes that are no answer.
+    struct Scripted;
+
+    impl PeerService for Scripted {
+        fn handle(
+            &self,
+            from: u64,
+            kind: u8,
+            payload: Vec<u8>,
+        ) -> BoxFuture<'_, Result<Vec<u8>, String>> {
+            Box::pin(async move {
+                match kind {
+                    VOTE => {
+                        let request = take::<VoteRequest<u64>>(from, &payload)?;
+                        speaks_for(from, &request.vote)?;
+                        answer(Ok(VoteResponse::new(request.vote, None, true)))
+                    }
+                    APPEND => {
+                        take::<AppendEntriesRequest<TypeConfig>>(from, &payload)?;
+                        answer::<AppendEntriesResponse<u64>>(Err(RaftError::Fatal(Fatal::Stopped)))
+                    }
+                    _ => Ok(b"garbage".to_vec()),
+                }
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn rpcs_travel_the_peer_link_and_come_back_as_openraft_expects() {
+        const SECRET: &str = "a long random string";
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let member = Member {
+            api: "http://127.0.0.1:7072".into(),
+            peer: listener.local_addr().unwrap().to_string(),
+        };
+        let served = crate::peer::serve(
+            listener,
+            2,
+            SECRET,
+            PeerOptions::default(),
+            Arc::new(Scripted),
+        )
+        .unwrap();
+        let _served = tokio::spawn(served);
+        let mut network = PeerNetwork::new(1, SECRET, PeerOptions::default()).unwrap();
+        let mut client = network.new_client(2, &member).await;
+        let option = || RPCOption::new(Duration::from_secs(5));
+
+        let vote = Vote::new(7, 1);
+        let voted = client
+            .vote(VoteRequest::new(vote, None), option())
+            .await
+            .unwrap();
+        assert!(voted.vote_granted && voted.vote == vote, "{voted:?}");
+
+        let append = AppendEntriesRequest::<TypeConfig> {
+            vote: Vote::new_committed(7, 1),
+            prev_log_id: None,
+            leader_commit: None,
+            entries: Vec::new(),
+        };
+        match client.append_entries(append.clone(), option()).await {
+            Err(RPCError::RemoteError(remote)) => {
+                assert_eq!(remote.source, RaftError::Fatal(Fatal::Stopped));
+                assert_eq!(remote.target_node, Some(member.clone()));
+            }
+            other => panic!("{other:?}"),
+        }
+
+        // A vote in another member's name is refused by the member, which the caller takes for a
+        // network error.
+        let forged = client
+            .vote(VoteRequest::new(Vote::new(7, 3), None), option())
+            .await;
+        assert!(matches!(forged, Err(RPCError::Network(_))), "{forged:?}");
+
+        // An answer that does not decode is a network error too.
+        let garbled = client
+            .link
+            .call::<_, VoteResponse<u64>>(9, &VoteRequest::new(vote, None), Duration::from_secs(5))
+            .await;
+        assert!(
+            matches!(
+                garbled.as_ref().map_err(CallError::verdict),
+                Err(Verdict::Network)
+            ),
+            "{garbled:?}"
+        );
+    }
+
+    #[test]
+    fn a_short_secret_is_refused_at_the_start() {
+        assert!(matches!(
+            PeerNetwork::new(1, "short", PeerOptions::default()),
+            Err(PeerError::WeakSecret)
+        ));
+    }
+
+    #[test]
+    fn a_request_in_another_members_name_is_refused() {
+        let vote = Vote::new(3, 2);
+        assert!(speaks_for(2, &vote).is_ok());
+        let refused = speaks_for(3, &vote).unwrap_err();
+        assert!(refused.contains("member 3 cannot send"), "{refused}");
+    }
+}
