@@ -51,6 +51,9 @@ pub(crate) struct Checkpoint {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AppliedState {
     pub log_id: LogId,
+    /// The last entry whose WAL file may be retired (all its entries are applied, and this was
+    /// checkpointed before the file went): the Raft log starts after it.
+    pub purged: Option<LogId>,
     /// The last membership applied: its entry and its bytes.
     pub membership: Option<(LogId, Vec<u8>)>,
 }
@@ -90,6 +93,8 @@ impl Checkpoint {
         }
         if let Some(applied) = &self.applied {
             put_log_id(&mut out, &applied.log_id);
+            out.push(u8::from(applied.purged.is_some()));
+            put_log_id(&mut out, &applied.purged.unwrap_or_default());
             match &applied.membership {
                 Some((id, bytes)) => {
                     out.push(1);
@@ -133,7 +138,7 @@ impl Checkpoint {
         let segments_end = FIXED_LEN.saturating_add(count.saturating_mul(SEGMENT_LEN));
         let fits = match version {
             FORMAT_VERSION => body.len() == segments_end,
-            _ => body.len() >= segments_end.saturating_add(25),
+            _ => body.len() >= segments_end.saturating_add(APPLIED_FIXED_LEN),
         };
         if !fits {
             return Err("checkpoint length does not match its segment count");
@@ -161,7 +166,10 @@ impl Checkpoint {
     }
 }
 
-/// The trailer of a version 2 checkpoint (at least 25 bytes, checked by the caller).
+/// Bytes of a version 2 checkpoint's trailer before its membership's id and bytes.
+const APPLIED_FIXED_LEN: usize = 50;
+
+/// The trailer of a version 2 checkpoint (at least `APPLIED_FIXED_LEN` bytes, checked by the caller).
 fn decode_applied(bytes: &[u8]) -> Result<AppliedState, &'static str> {
     let u64_at = |at: usize| -> u64 {
         let mut b = [0u8; 8];
@@ -174,18 +182,27 @@ fn decode_applied(bytes: &[u8]) -> Result<AppliedState, &'static str> {
         index: u64_at(at + 16),
     };
     let log_id = log_id_at(0);
-    let membership = match bytes[24] {
-        0 if bytes.len() == 25 => None,
-        1 if bytes.len() >= 25 + 28 => {
-            let len = u32::from_le_bytes([bytes[49], bytes[50], bytes[51], bytes[52]]) as usize;
-            if bytes.len() != 53 + len {
+    let purged = match bytes[24] {
+        0 => None,
+        1 => Some(log_id_at(25)),
+        _ => return Err("checkpoint applied state is malformed"),
+    };
+    let membership = match bytes[49] {
+        0 if bytes.len() == APPLIED_FIXED_LEN => None,
+        1 if bytes.len() >= APPLIED_FIXED_LEN + 28 => {
+            let len = u32::from_le_bytes([bytes[74], bytes[75], bytes[76], bytes[77]]) as usize;
+            if bytes.len() != APPLIED_FIXED_LEN + 28 + len {
                 return Err("checkpoint membership length does not match the file");
             }
-            Some((log_id_at(25), bytes[53..].to_vec()))
+            Some((log_id_at(50), bytes[78..].to_vec()))
         }
         _ => return Err("checkpoint applied state is malformed"),
     };
-    Ok(AppliedState { log_id, membership })
+    Ok(AppliedState {
+        log_id,
+        purged,
+        membership,
+    })
 }
 
 impl Checkpoint {
@@ -250,6 +267,7 @@ mod tests {
             let replicated = Checkpoint {
                 applied: Some(AppliedState {
                     log_id: log_id(9),
+                    purged: Some(log_id(7)),
                     membership,
                 }),
                 ..checkpoint.clone()

@@ -306,12 +306,13 @@ impl EntryLog {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// What recovery found: the entries in the WAL files, oldest first; `next_seq` after them; the last
-    /// entry purged before them (the checkpoint's applied entry when the WAL holds none).
+    /// What recovery found: the entries in the WAL files after the last purged one, oldest first;
+    /// `next_seq` after them; the last entry purged, and the last applied (the checkpoint's).
     pub(crate) fn recovered(
         placed: Vec<Placed>,
         next_seq: u64,
         last_purged: Option<LogId>,
+        applied: Option<u64>,
     ) -> EntryLog {
         let last = placed.last().map(|p| p.log_id).or(last_purged);
         let flushed = last.map(|l| l.index);
@@ -321,7 +322,7 @@ impl EntryLog {
             state: Mutex::new(EntryLogState {
                 placed,
                 flushed,
-                applied: last_purged.map(|l| l.index),
+                applied,
                 last_purged,
                 last,
                 next_seq,

@@ -645,13 +645,9 @@ impl Replay {
             }
         }
         self.checkpointed_seq = self.checkpointed_seq.max(job.checkpoint.next_seq);
-        let newer = |a: &AppliedState, b: &Option<AppliedState>| {
-            b.as_ref().is_none_or(|b| a.log_id.index > b.log_id.index)
-        };
-        if let Some(applied) = &job.checkpoint.applied {
-            if newer(applied, &self.checkpointed_applied) {
-                self.checkpointed_applied = Some(applied.clone());
-            }
+        // Jobs are stored in order (an older one finds a newer stored and does nothing).
+        if job.checkpoint.applied.is_some() {
+            self.checkpointed_applied = job.checkpoint.applied.clone();
         }
         self.delete_replayed_wal()
     }
@@ -659,11 +655,17 @@ impl Replay {
     /// The Raft entry `log_id` is applied (its records, if any, are): with `membership`, the member
     /// set it holds.
     pub(crate) fn entry_applied(&mut self, log_id: LogId, membership: Option<Vec<u8>>) {
+        let before = self.applied.take();
+        let purged = before.as_ref().and_then(|a| a.purged);
         let membership = match membership {
             Some(bytes) => Some((log_id, bytes)),
-            None => self.applied.take().and_then(|a| a.membership),
+            None => before.and_then(|a| a.membership),
         };
-        self.applied = Some(AppliedState { log_id, membership });
+        self.applied = Some(AppliedState {
+            log_id,
+            purged,
+            membership,
+        });
     }
 
     /// Whether a checkpoint now would store nothing new.
@@ -673,7 +675,7 @@ impl Replay {
 
     /// Retires the WAL files entirely below the last checkpoint (each but the newest): keeps them for
     /// reuse, or deletes them (wal.rs).
-    pub(crate) fn delete_replayed_wal(&self) -> Result<()> {
+    pub(crate) fn delete_replayed_wal(&mut self) -> Result<()> {
         let files = wal::list(&self.wal_dir)?;
         let mut deleted = false;
         for pair in files.windows(2) {
@@ -683,13 +685,26 @@ impl Replay {
             }
             if let Some(log) = &self.entry_log {
                 // A replicated WAL file goes once every entry in it is applied and checkpointed (an
-                // entry without records may follow the last record).
-                let applied = self.checkpointed_applied.as_ref().map(|a| a.log_id.index);
+                // entry without records may follow the last record), and a checkpoint has said that
+                // the log starts after its last entry: recovery must know the last purged entry.
+                let checkpointed = self.checkpointed_applied.as_ref();
+                let applied = checkpointed.map(|a| a.log_id.index);
+                let purged = checkpointed.and_then(|a| a.purged).map(|p| p.index);
                 let entries = log.in_file(*first_seq);
                 if entries
                     .iter()
                     .any(|e| applied.is_none_or(|a| e.log_id.index > a))
                 {
+                    continue;
+                }
+                let last = entries.last().map(|e| e.log_id);
+                if let Some(last) = last.filter(|l| purged.is_none_or(|p| l.index > p)) {
+                    // Said first, by the next checkpoint; the file goes after it.
+                    if let Some(applied) = &mut self.applied {
+                        if applied.purged.is_none_or(|p| p.index < last.index) {
+                            applied.purged = Some(last);
+                        }
+                    }
                     continue;
                 }
                 wal::retire(&self.wal_dir, path, *first_seq, self.wal_spares)?;

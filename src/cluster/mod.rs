@@ -1,10 +1,13 @@
-//! The Raft cluster (DESIGN.md §10): openraft replicates the log, this module gives it its types and
-//! carries its RPCs over the peer link (peer.rs). Consensus is openraft's; what an entry means is the
-//! storage layer's. Not wired to anything yet: the storage adapter and the wiring into [`crate::run`]
-//! come in later issues.
+//! The Raft cluster (DESIGN.md §10): openraft replicates the log, this module gives it its types, its
+//! storage and its RPCs over the peer link (peer.rs). Consensus is openraft's; what an entry means is
+//! the storage layer's. Not wired into the service yet ([`crate::run`] knows no `[cluster]`): the
+//! in-process tests run members of their own.
 //!
 //! - [`TypeConfig`]: openraft's types for delayd. A node id is the member's `cluster.node_id`; a
 //!   node's data is a [`Member`]; an entry's app data is a [`Proposal`].
+//! - `store`: openraft's log storage and state machine on a replicated schedule log (its WAL is the
+//!   Raft log).
+//! - `propose`: the leader's writes, one entry per group commit.
 //! - `rpc`: the binary codec of the RPCs (its byte layout is there).
 //! - `network`: [`network::PeerNetwork`] sends them to members, [`network::RaftService`] answers them.
 //!
@@ -17,7 +20,12 @@
 //!   under the codec.
 
 pub mod network;
+pub mod propose;
 pub mod rpc;
+pub mod store;
+
+#[cfg(test)]
+mod in_process;
 
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +42,27 @@ openraft::declare_raft_types!(
         SnapshotData = std::io::Cursor<Vec<u8>>,
         AsyncRuntime = openraft::TokioRuntime,
 );
+
+/// openraft's settings for a member whose election timeout is `election_timeout` (DESIGN.md §10):
+/// heartbeats at a quarter of it, elections between it and one and a half times it (which is also how
+/// long a leader's lease lasts). openraft never snapshots or purges by itself: the log retires its
+/// WAL files, and snapshots are only their meta (store.rs).
+pub fn raft_config(election_timeout: std::time::Duration) -> std::sync::Arc<openraft::Config> {
+    let election_ms = u64::try_from(election_timeout.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(4);
+    openraft::Config {
+        cluster_name: "delayd".into(),
+        heartbeat_interval: election_ms / 4,
+        election_timeout_min: election_ms,
+        election_timeout_max: election_ms.saturating_add(election_ms / 2),
+        snapshot_policy: openraft::SnapshotPolicy::Never,
+        ..openraft::Config::default()
+    }
+    .validate()
+    .map(std::sync::Arc::new)
+    .expect("a heartbeat a quarter of the election timeout, of at least 4 ms, is valid")
+}
 
 /// The app data of one Raft entry: the WAL frames of one group commit, already sealed by the leader.
 /// Their meaning is the storage layer's business.

@@ -71,8 +71,10 @@ impl ScheduleLog {
         let (active, next_seq, unfiled, placed) =
             recover_wal(&wal_dir, &options, &mut replay, &dispatch)?;
         let entry_log = options.replicated.then(|| {
-            let purged = replay.applied.as_ref().map(|a| a.log_id);
-            Arc::new(EntryLog::recovered(placed, next_seq, purged))
+            let applied = replay.applied.as_ref();
+            let purged = applied.and_then(|a| a.purged);
+            let applied = applied.map(|a| a.log_id.index);
+            Arc::new(EntryLog::recovered(placed, next_seq, purged, applied))
         });
         replay.entry_log = entry_log.clone();
         let next_index = entry_log
@@ -297,17 +299,19 @@ fn recover_wal(
     let files = wal::list(wal_dir)?;
     let replicated = options.replicated;
     let applied = replay.applied.as_ref().map(|a| a.log_id.index);
+    let purged = replay
+        .applied
+        .as_ref()
+        .and_then(|a| a.purged)
+        .map(|p| p.index);
     let mut placed = Vec::new();
     let mut next_index = None;
     // Files entirely below the checkpoint were replayed already (their deletion may have been cut short).
     let start = files
         .iter()
-        // (In a replicated data dir, a file named by the checkpoint's seq may follow one holding entries
-        // without records that are not applied yet: that one is scanned too.)
-        .rposition(|(first, _)| match options.replicated {
-            true => *first < replay.next_seq,
-            false => *first <= replay.next_seq,
-        })
+        // (A replicated data dir's are its Raft log, all of them: its entries are kept, applied or not,
+        // until their files are retired.)
+        .rposition(|(first, _)| !options.replicated && *first <= replay.next_seq)
         .unwrap_or(0);
     let checkpointed = replay.next_seq;
     let mut expected: Option<u64> = None;
@@ -335,11 +339,11 @@ fn recover_wal(
                 tail = Some((*first_seq, path.clone(), scanned.end, scanned.next_seq));
                 if replicated {
                     next_index = scanned.entries.last().map(|e| e.head.log_id.index + 1);
-                    let unapplied = scanned
+                    let unpurged = scanned
                         .entries
                         .iter()
-                        .filter(|e| applied.is_none_or(|a| e.head.log_id.index > a));
-                    placed.extend(unapplied.map(|e| Placed {
+                        .filter(|e| purged.is_none_or(|p| e.head.log_id.index > p));
+                    placed.extend(unpurged.map(|e| Placed {
                         log_id: e.head.log_id,
                         file: *first_seq,
                         at: e.at,
@@ -388,11 +392,20 @@ fn recover_wal(
         false => header::WAL_FORMAT_VERSION,
     };
     let file = (options.wal_segment_bytes, version);
-    if let (Some(first), Some(applied)) = (placed.first(), applied) {
-        if first.log_id.index != applied + 1 {
+    // The log runs from the entry after the purged one, and holds every applied entry after it.
+    if placed.is_empty() && applied.is_some_and(|a| purged.is_none_or(|p| a > p)) {
+        let why = format!(
+            "no Raft entry is left, where the applied ones after {purged:?} up to {applied:?} must be"
+        );
+        return Err(Error::corrupt(wal_dir, 0, why));
+    }
+    if let Some(first) = placed.first() {
+        let expected = purged.map_or(first.log_id.index, |p| p + 1);
+        let last = placed.last().map_or(0, |l| l.log_id.index);
+        if first.log_id.index != expected || applied.is_some_and(|a| a > last) {
             let path = wal::wal_path(wal_dir, first.file);
             let why = format!(
-                "the WAL's first entry after the applied one ({applied}) is entry {}",
+                "the WAL's entries run from {} to {last}, where they must start at {expected} and reach the applied one ({applied:?})",
                 first.log_id.index
             );
             return Err(Error::corrupt(path, first.at, why));

@@ -103,12 +103,9 @@ fn applied_entries_are_filed_and_survive_a_reopen() {
 
     let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
     assert_eq!(log.applied_state(), Some(applied));
-    assert_eq!(
-        log.entry_bounds().unwrap(),
-        (Some(id(1, 1)), Some(id(1, 2)))
-    );
-    assert!(log.read_entries(1..2).is_err(), "applied, so purged");
-    assert_eq!(log.read_entries(2..3).unwrap(), vec![two.clone()]);
+    assert_eq!(log.entry_bounds().unwrap(), (None, Some(id(1, 2))));
+    // Applied entries stay in the log, for members behind, until their WAL file is retired.
+    assert_eq!(log.read_entries(1..3).unwrap(), vec![one, two.clone()]);
     assert_eq!(
         log.lookup(appended[0].id).unwrap().unwrap().message.body,
         b"first"
@@ -386,4 +383,34 @@ fn an_apply_waits_for_its_entry_to_be_durable() {
         started.elapsed() < Duration::from_secs(25),
         "refused at once"
     );
+}
+
+/// Applied entries go with their WAL files, once a checkpoint has said where the log then starts:
+/// after a crash the log starts there, with everything after it.
+#[test]
+fn retired_files_purge_their_entries_once_a_checkpoint_says_so() {
+    let (dir, clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    let mut entries = Vec::new();
+    for index in 1..6 {
+        let (entry, _) = normal(&log, 1, index, &["x"]);
+        append(&log, vec![entry.clone()]);
+        entries.push(entry);
+    }
+    log.apply_entries(&log.read_entries(0..4).unwrap()).unwrap();
+    log.checkpoint().unwrap();
+    assert_eq!(log.entry_bounds().unwrap().0, None, "not said yet");
+    log.checkpoint().unwrap();
+    let (purged, last) = log.entry_bounds().unwrap();
+    let purged = purged.expect("files retired");
+    assert!(purged.index < 4, "applied ones only: {purged:?}");
+    assert_eq!(last, Some(id(1, 5)));
+    log.crash();
+
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.entry_bounds().unwrap(), (Some(purged), Some(id(1, 5))));
+    assert!(log.read_entries(purged.index..purged.index + 1).is_err());
+    let rest = log.read_entries(purged.index + 1..6).unwrap();
+    assert_eq!(rest, entries[purged.index as usize..].to_vec());
+    log.apply_entries(&rest[rest.len() - 2..]).unwrap();
 }

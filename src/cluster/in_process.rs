@@ -1,0 +1,237 @@
+//! The log through Raft, in one process: members with real data dirs (the WAL as the Raft log), real
+//! peer links on loopback (peer.rs) and openraft. A member stopped here is stopped as a process would
+//! be for Raft's purposes: its Raft, its peer listener and its log are gone; "restarting" it reopens
+//! its data dir.
+
+use super::network::{PeerNetwork, RaftService};
+use super::propose::{ProposeError, Proposer};
+use super::store::{LogStore, StateMachine};
+use super::{Member, TypeConfig};
+use crate::peer::{self, PeerOptions};
+use openraft::Raft;
+use schedulelog::{EncodedMessage, ManualClock, MessageId, NewMessage, Options, ScheduleLog};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+const SECRET: &str = "a long random test secret";
+/// 2026-12-01T09:30:00Z
+const T0: i64 = 1_796_117_400_000;
+
+fn message(body: &str) -> EncodedMessage {
+    NewMessage {
+        deliver_at_ms: T0 + 3_600_000,
+        topic: "orders.timeout".into(),
+        sink: "broker".into(),
+        body: body.as_bytes().to_vec(),
+        ..NewMessage::default()
+    }
+    .encode()
+    .unwrap()
+}
+
+/// One member, running.
+struct Running {
+    raft: Raft<TypeConfig>,
+    log: Arc<ScheduleLog>,
+    proposer: Proposer,
+    serving: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.serving.abort();
+        let _ = self.serving.await;
+        self.raft.shutdown().await.unwrap();
+        drop(self.proposer);
+        // The last handles of the log go with the Raft's tasks; wait for them to let it go.
+        let log = self.log;
+        wait_until("the log is let go", || Arc::strong_count(&log) == 1).await;
+        Arc::into_inner(log).unwrap().close().unwrap();
+    }
+}
+
+struct Cluster {
+    dirs: Vec<tempfile::TempDir>,
+    peers: Vec<SocketAddr>,
+    members: BTreeMap<u64, Member>,
+    running: BTreeMap<u64, Running>,
+    clock: Arc<ManualClock>,
+}
+
+async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+impl Cluster {
+    async fn new(size: u64) -> Cluster {
+        let mut peers = Vec::new();
+        let mut members = BTreeMap::new();
+        for id in 1..=size {
+            // A port of its own, free now; bound again when the member starts.
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            peers.push(addr);
+            let member = Member {
+                api: format!("http://127.0.0.1:{}", 9000 + id),
+                peer: addr.to_string(),
+            };
+            members.insert(id, member);
+        }
+        let mut cluster = Cluster {
+            dirs: (0..size).map(|_| tempfile::tempdir().unwrap()).collect(),
+            peers,
+            members,
+            running: BTreeMap::new(),
+            clock: Arc::new(ManualClock::new(T0)),
+        };
+        for id in 1..=size {
+            cluster.start(id).await;
+        }
+        let members = cluster.members.clone();
+        for running in cluster.running.values() {
+            match running.raft.initialize(members.clone()).await {
+                Ok(()) => {}
+                Err(e)
+                    if e.api_error().is_some_and(|e| {
+                        matches!(e, openraft::error::InitializeError::NotAllowed(_))
+                    }) => {}
+                Err(e) => panic!("initialize: {e}"),
+            }
+        }
+        cluster
+    }
+
+    fn dir(&self, id: u64) -> &Path {
+        self.dirs[(id - 1) as usize].path()
+    }
+
+    async fn start(&mut self, id: u64) {
+        let options = Options {
+            replicated: true,
+            clock: self.clock.clone(),
+            wal_segment_bytes: 1 << 20,
+            ..Options::default()
+        };
+        let data = self.dir(id).join("data");
+        let log = Arc::new(ScheduleLog::open(&data, options).unwrap());
+        let store = LogStore::open(log.clone(), &self.dir(id).join("raft")).unwrap();
+        let machine = StateMachine::new(log.clone());
+        let network = PeerNetwork::new(id, SECRET, PeerOptions::default()).unwrap();
+        let config = super::raft_config(Duration::from_millis(300));
+        let raft = Raft::new(id, config, network, store, machine)
+            .await
+            .unwrap();
+        let listener = tokio::net::TcpListener::bind(self.peers[(id - 1) as usize])
+            .await
+            .unwrap();
+        let service = Arc::new(RaftService::new(raft.clone()));
+        let serve = peer::serve(listener, id, SECRET, PeerOptions::default(), service).unwrap();
+        let serving = tokio::spawn(serve);
+        let proposer = Proposer::start(raft.clone(), log.clone(), self.clock.clone());
+        self.running.insert(
+            id,
+            Running {
+                raft,
+                log,
+                proposer,
+                serving,
+            },
+        );
+    }
+
+    /// The leader the running members agree on.
+    async fn leader(&self) -> u64 {
+        let mut leader = None;
+        wait_until("the members agree on a leader", || {
+            let seen: BTreeSet<_> = self
+                .running
+                .values()
+                .map(|r| r.raft.metrics().borrow().current_leader)
+                .collect();
+            leader = match seen.into_iter().collect::<Vec<_>>()[..] {
+                [Some(id)] if self.running.contains_key(&id) => Some(id),
+                _ => None,
+            };
+            leader.is_some()
+        })
+        .await;
+        leader.unwrap()
+    }
+
+    /// Appends through the leader, retrying while leadership moves.
+    async fn append(&self, body: &str) -> MessageId {
+        for _ in 0..100 {
+            let leader = self.leader().await;
+            match self.running[&leader]
+                .proposer
+                .append(vec![message(body)])
+                .await
+            {
+                Ok(appended) => return appended[0].id,
+                Err(ProposeError::NotLeader { .. }) => {}
+                Err(e) => panic!("append: {e}"),
+            }
+        }
+        panic!("no leader took the append");
+    }
+
+    /// Waits until every running member has applied (filed) the message `id`.
+    async fn applied_everywhere(&self, id: MessageId, body: &str) {
+        for (member, running) in &self.running {
+            let log = running.log.clone();
+            let found = move || log.lookup(id).ok().flatten().map(|s| s.message.body);
+            wait_until(&format!("member {member} applied {body}"), || {
+                found().as_deref() == Some(body.as_bytes())
+            })
+            .await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_members_replicate_and_survive_the_loss_of_their_leader() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(std::env::var("TEST_LOG").unwrap_or("openraft=warn".into()))
+        .try_init();
+    let mut cluster = Cluster::new(3).await;
+    let first = cluster.append("before").await;
+    cluster.applied_everywhere(first, "before").await;
+
+    // The leader goes; the other two elect one and take writes.
+    let old = cluster.leader().await;
+    cluster.running.remove(&old).unwrap().stop().await;
+    let second = cluster.append("after").await;
+    assert_ne!(cluster.leader().await, old);
+    cluster.applied_everywhere(second, "after").await;
+
+    // It comes back from its data dir and catches up from the log.
+    cluster.start(old).await;
+    cluster.applied_everywhere(first, "before").await;
+    cluster.applied_everywhere(second, "after").await;
+
+    // Every member's WAL holds the same entries.
+    let logs: Vec<_> = cluster
+        .running
+        .values()
+        .map(|r| {
+            let (_, last) = r.log.entry_bounds().unwrap();
+            let last = last.unwrap().index;
+            r.log.read_entries(last - 1..last + 1).unwrap()
+        })
+        .collect();
+    assert!(logs.windows(2).all(|w| w[0] == w[1]), "{logs:?}");
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}

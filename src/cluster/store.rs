@@ -1,0 +1,419 @@
+//! openraft's storage on the schedule log (DESIGN.md §10): the Raft log *is* the WAL of a replicated
+//! data dir (schedulelog's `entries`), the vote is its `raft/vote` file, and the state machine is the
+//! schedule the replayer files applied entries into. A thin shell: what the log checks and how it
+//! recovers is schedulelog's.
+//!
+//! Invariants:
+//! - An append's callback fires only after the `fdatasync` that covers its entries returned.
+//! - A vote is on disk before `save_vote` returns; the committed log id is saved without a sync (openraft
+//!   asks no more of it: a lost one is learnt again from the leader).
+//! - Reads never come back short inside the log's bounds: a missing entry there is an error. Outside
+//!   them (purged, or past the end) entries are simply absent, as openraft's reader contract allows.
+//! - Snapshots are only their meta (issue 34 streams the files): a member that needs one is told so,
+//!   and openraft retries.
+
+#![allow(
+    clippy::result_large_err,
+    reason = "openraft's StorageError is what its traits return, and these helpers feed them"
+)]
+
+use super::{Member, Proposal, TypeConfig};
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
+use openraft::{
+    AnyError, Entry, EntryPayload, ErrorSubject, ErrorVerb, LeaderId, LogId, Membership,
+    RaftLogReader, RaftSnapshotBuilder, SnapshotMeta, StorageError, StorageIOError,
+    StoredMembership, Vote,
+};
+use schedulelog::{Ack, RaftState, ScheduleLog, VoteFile};
+use std::fmt::Debug;
+use std::ops::{Bound, RangeBounds};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+/// What `limited_get_log_entries` returns at most, past its first entry: a replication batch.
+const READ_BATCH_BYTES: usize = 2 << 20;
+
+type StorageResult<T> = Result<T, StorageError<u64>>;
+
+fn storage_error(
+    subject: ErrorSubject<u64>,
+    verb: ErrorVerb,
+    error: impl std::error::Error + 'static,
+) -> StorageError<u64> {
+    StorageError::IO {
+        source: StorageIOError::new(subject, verb, AnyError::new(&error)),
+    }
+}
+
+fn to_raft_log_id(id: schedulelog::LogId) -> LogId<u64> {
+    LogId::new(LeaderId::new(id.term, id.node_id), id.index)
+}
+
+fn from_raft_log_id(id: &LogId<u64>) -> schedulelog::LogId {
+    schedulelog::LogId {
+        term: id.leader_id.term,
+        node_id: id.leader_id.node_id,
+        index: id.index,
+    }
+}
+
+/// An openraft entry as the schedule log stores it.
+fn to_log_entry(entry: Entry<TypeConfig>) -> StorageResult<schedulelog::Entry> {
+    let payload = match entry.payload {
+        EntryPayload::Blank => schedulelog::EntryPayload::Blank,
+        EntryPayload::Normal(proposal) => schedulelog::EntryPayload::Normal(proposal.frames),
+        EntryPayload::Membership(membership) => {
+            let bytes = serde_json::to_vec(&membership)
+                .map_err(|e| storage_error(ErrorSubject::Log(entry.log_id), ErrorVerb::Write, e))?;
+            schedulelog::EntryPayload::Membership(bytes)
+        }
+    };
+    Ok(schedulelog::Entry {
+        log_id: from_raft_log_id(&entry.log_id),
+        payload,
+    })
+}
+
+fn membership_of(bytes: &[u8], log_id: LogId<u64>) -> StorageResult<Membership<u64, Member>> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| storage_error(ErrorSubject::Log(log_id), ErrorVerb::Read, e))
+}
+
+/// A stored entry as openraft's.
+fn to_raft_entry(entry: schedulelog::Entry) -> StorageResult<Entry<TypeConfig>> {
+    let log_id = to_raft_log_id(entry.log_id);
+    let payload = match entry.payload {
+        schedulelog::EntryPayload::Blank => EntryPayload::Blank,
+        schedulelog::EntryPayload::Normal(frames) => EntryPayload::Normal(Proposal { frames }),
+        schedulelog::EntryPayload::Membership(bytes) => {
+            EntryPayload::Membership(membership_of(&bytes, log_id)?)
+        }
+    };
+    Ok(Entry { log_id, payload })
+}
+
+/// An append waiting for its `fdatasync`, and openraft's callback for it.
+type Flush = (Ack<()>, LogFlushed<TypeConfig>);
+
+/// The Raft log and the vote of a member.
+#[derive(Clone)]
+pub struct LogStore {
+    log: Arc<ScheduleLog>,
+    votes: Arc<Mutex<(VoteFile, RaftState)>>,
+    /// To the thread that calls appends' callbacks as their acks come, in order.
+    flushes: crossbeam_channel::Sender<Flush>,
+}
+
+impl Debug for LogStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogStore")
+            .field("log", &self.log)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LogStore {
+    /// The log store of `log` (opened replicated), with the vote file in `raft_dir`. Starts the
+    /// thread that reports appends durable; it ends with the last clone of the store.
+    pub fn open(log: Arc<ScheduleLog>, raft_dir: &Path) -> Result<LogStore, schedulelog::Error> {
+        let (file, state) = VoteFile::open(raft_dir)?;
+        let (flushes, pending) = crossbeam_channel::unbounded::<Flush>();
+        std::thread::Builder::new()
+            .name("delayd-raft-flush".into())
+            .spawn(move || {
+                for (ack, callback) in pending {
+                    callback.log_io_completed(ack.wait().map_err(std::io::Error::other));
+                }
+            })
+            .map_err(|source| schedulelog::Error::Io {
+                path: "delayd-raft-flush thread".into(),
+                source,
+            })?;
+        Ok(LogStore {
+            log,
+            votes: Arc::new(Mutex::new((file, state))),
+            flushes,
+        })
+    }
+
+    fn save(&self, change: impl FnOnce(&mut RaftState), durable: bool) -> StorageResult<()> {
+        let mut votes = self.votes.lock().unwrap_or_else(|p| p.into_inner());
+        let (file, state) = &mut *votes;
+        change(state);
+        file.save(state, durable)
+            .map_err(|e| storage_error(ErrorSubject::Vote, ErrorVerb::Write, e))
+    }
+
+    fn state(&self) -> RaftState {
+        self.votes.lock().unwrap_or_else(|p| p.into_inner()).1
+    }
+
+    /// The entries of `[start, end)` that the log holds, reading on (past the first) only while
+    /// `limit` bytes are not reached.
+    fn read(&self, start: u64, end: u64, limit: usize) -> StorageResult<Vec<Entry<TypeConfig>>> {
+        let (purged, last) = self
+            .log
+            .entry_bounds()
+            .map_err(|e| storage_error(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+        let start = start.max(purged.map_or(0, |p| p.index + 1));
+        let end = end.min(last.map_or(0, |l| l.index + 1));
+        let mut entries = Vec::new();
+        let mut bytes = 0;
+        let mut at = start;
+        while at < end {
+            // A batch a time: a limited read stops near its byte budget without reading the rest.
+            let batch_end = end.min(at + 64);
+            let read = self
+                .log
+                .read_entries(at..batch_end)
+                .map_err(|e| storage_error(ErrorSubject::LogIndex(at), ErrorVerb::Read, e))?;
+            for entry in read {
+                bytes += match &entry.payload {
+                    schedulelog::EntryPayload::Normal(frames) => frames.len(),
+                    schedulelog::EntryPayload::Membership(m) => m.len(),
+                    schedulelog::EntryPayload::Blank => 0,
+                };
+                entries.push(to_raft_entry(entry)?);
+                if bytes >= limit {
+                    return Ok(entries);
+                }
+            }
+            at = batch_end;
+        }
+        Ok(entries)
+    }
+}
+
+/// `[start, end)` of a range of indexes.
+fn bounds(range: &impl RangeBounds<u64>) -> (u64, u64) {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => u64::MAX,
+    };
+    (start, end)
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + Send>(
+        &mut self,
+        range: RB,
+    ) -> StorageResult<Vec<Entry<TypeConfig>>> {
+        let (start, end) = bounds(&range);
+        let store = self.clone();
+        run_blocking(move || store.read(start, end, usize::MAX)).await
+    }
+
+    async fn limited_get_log_entries(
+        &mut self,
+        start: u64,
+        end: u64,
+    ) -> StorageResult<Vec<Entry<TypeConfig>>> {
+        let store = self.clone();
+        run_blocking(move || store.read(start, end, READ_BATCH_BYTES)).await
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = LogStore;
+
+    async fn get_log_state(&mut self) -> StorageResult<LogState<TypeConfig>> {
+        let (purged, last) = self
+            .log
+            .entry_bounds()
+            .map_err(|e| storage_error(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+        Ok(LogState {
+            last_purged_log_id: purged.map(to_raft_log_id),
+            last_log_id: last.map(to_raft_log_id),
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> LogStore {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<u64>) -> StorageResult<()> {
+        let vote = schedulelog::Vote {
+            term: vote.leader_id.term,
+            node_id: vote.leader_id.node_id,
+            committed: vote.committed,
+        };
+        let store = self.clone();
+        run_blocking(move || store.save(|s| s.vote = Some(vote), true)).await
+    }
+
+    async fn read_vote(&mut self) -> StorageResult<Option<Vote<u64>>> {
+        Ok(self.state().vote.map(|v| match v.committed {
+            true => Vote::new_committed(v.term, v.node_id),
+            false => Vote::new(v.term, v.node_id),
+        }))
+    }
+
+    async fn save_committed(&mut self, committed: Option<LogId<u64>>) -> StorageResult<()> {
+        let committed = committed.as_ref().map(from_raft_log_id);
+        let store = self.clone();
+        run_blocking(move || store.save(|s| s.committed = committed, false)).await
+    }
+
+    async fn read_committed(&mut self) -> StorageResult<Option<LogId<u64>>> {
+        Ok(self.state().committed.map(to_raft_log_id))
+    }
+
+    async fn append<I>(&mut self, entries: I, callback: LogFlushed<TypeConfig>) -> StorageResult<()>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + Send,
+        I::IntoIter: Send,
+    {
+        let entries = entries
+            .into_iter()
+            .map(to_log_entry)
+            .collect::<StorageResult<Vec<_>>>()?;
+        let ack = self.log.append_entries(entries);
+        // Readable now; durable when the ack comes, which the flush thread tells openraft.
+        self.flushes.send((ack, callback)).map_err(|_| {
+            let gone = std::io::Error::other("the flush thread stopped");
+            storage_error(ErrorSubject::Logs, ErrorVerb::Write, gone)
+        })
+    }
+
+    async fn truncate(&mut self, log_id: LogId<u64>) -> StorageResult<()> {
+        let ack = self.log.truncate_entries(log_id.index);
+        ack.await
+            .map_err(|e| storage_error(ErrorSubject::Log(log_id), ErrorVerb::Delete, e))
+    }
+
+    async fn purge(&mut self, _log_id: LogId<u64>) -> StorageResult<()> {
+        // The log retires its WAL files itself, once everything in them is applied and checkpointed.
+        Ok(())
+    }
+}
+
+/// Runs blocking storage work off the async runtime's threads.
+async fn run_blocking<T: Send + 'static>(
+    work: impl FnOnce() -> StorageResult<T> + Send + 'static,
+) -> StorageResult<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| Err(storage_error(ErrorSubject::Store, ErrorVerb::Read, e)))
+}
+
+/// The state machine: the schedule the applied entries' records are filed into.
+#[derive(Debug, Clone)]
+pub struct StateMachine {
+    log: Arc<ScheduleLog>,
+}
+
+impl StateMachine {
+    pub fn new(log: Arc<ScheduleLog>) -> StateMachine {
+        StateMachine { log }
+    }
+}
+
+/// Snapshots are issue 34's: every snapshot call says so.
+#[derive(Debug, thiserror::Error)]
+#[error("snapshots are not supported yet")]
+struct NoSnapshots;
+
+/// A snapshot is, for now, only its meta: what the data dir's files hold (the last applied entry and
+/// membership), which openraft needs once entries are purged. Its data is empty; sending it to a member
+/// is refused (`network`), and installing one is too, until issue 34 streams the files.
+impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
+    async fn build_snapshot(&mut self) -> StorageResult<Snapshot<TypeConfig>> {
+        let (last_log_id, last_membership) = self.applied_state().await?;
+        let snapshot_id = last_log_id.map_or("none".into(), |id| id.to_string());
+        Ok(Snapshot {
+            meta: SnapshotMeta {
+                last_log_id,
+                last_membership,
+                snapshot_id,
+            },
+            snapshot: Box::new(std::io::Cursor::new(Vec::new())),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachine {
+    type SnapshotBuilder = StateMachine;
+
+    async fn applied_state(
+        &mut self,
+    ) -> StorageResult<(Option<LogId<u64>>, StoredMembership<u64, Member>)> {
+        let log = self.log.clone();
+        let applied = run_blocking(move || Ok(log.applied_state())).await?;
+        let Some(applied) = applied else {
+            return Ok((None, StoredMembership::default()));
+        };
+        let membership = match applied.membership {
+            Some((id, bytes)) => {
+                let id = to_raft_log_id(id);
+                StoredMembership::new(Some(id), membership_of(&bytes, id)?)
+            }
+            None => StoredMembership::default(),
+        };
+        Ok((Some(to_raft_log_id(applied.log_id)), membership))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> StorageResult<Vec<()>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + Send,
+        I::IntoIter: Send,
+    {
+        let entries = entries
+            .into_iter()
+            .map(to_log_entry)
+            .collect::<StorageResult<Vec<_>>>()?;
+        let count = entries.len();
+        let log = self.log.clone();
+        run_blocking(move || {
+            log.apply_entries(&entries).map_err(|e| {
+                let at = entries.first().map(|e| to_raft_log_id(e.log_id));
+                let subject = at.map_or(ErrorSubject::StateMachine, ErrorSubject::Apply);
+                storage_error(subject, ErrorVerb::Write, e)
+            })
+        })
+        .await?;
+        Ok(vec![(); count])
+    }
+
+    async fn get_snapshot_builder(&mut self) -> StateMachine {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> StorageResult<Box<std::io::Cursor<Vec<u8>>>> {
+        Err(storage_error(
+            ErrorSubject::Snapshot(None),
+            ErrorVerb::Write,
+            NoSnapshots,
+        ))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        _meta: &SnapshotMeta<u64, Member>,
+        _snapshot: Box<std::io::Cursor<Vec<u8>>>,
+    ) -> StorageResult<()> {
+        Err(storage_error(
+            ErrorSubject::Snapshot(None),
+            ErrorVerb::Write,
+            NoSnapshots,
+        ))
+    }
+
+    /// Once entries are purged there is one: openraft asks for it when a member needs them (and the
+    /// network refuses to send it, for now).
+    async fn get_current_snapshot(&mut self) -> StorageResult<Option<Snapshot<TypeConfig>>> {
+        let (purged, _) = self
+            .log
+            .entry_bounds()
+            .map_err(|e| storage_error(ErrorSubject::Snapshot(None), ErrorVerb::Read, e))?;
+        match purged {
+            Some(_) => self.build_snapshot().await.map(Some),
+            None => Ok(None),
+        }
+    }
+}
