@@ -32,7 +32,7 @@ use crate::bucket::SegmentMinutes;
 use crate::clock::Clock;
 use crate::entry::{
     entry_frame_bytes, seal_message, Entry, EntryHead, EntryKind, EntryLog, EntryPayload, LogId,
-    Placed,
+    Placed, PlacedOutcome, RecordCount,
 };
 use crate::error::{AppendError, Blocked, DiskFullReport};
 use crate::frame::{self, UNSYNCED_LIMIT};
@@ -148,7 +148,7 @@ pub(crate) enum Request {
     Entries {
         entries: Vec<Entry>,
         /// How many records each carries (`EntryLog::hand_in` counted them).
-        records: Vec<u32>,
+        records: Vec<RecordCount>,
         reply: oneshot::Sender<Result<(), AppendError>>,
     },
     /// Cuts a replicated log's entries from this index on.
@@ -172,7 +172,7 @@ impl Request {
         (Request::Cancel { target, reply }, Ack { rx })
     }
 
-    pub(crate) fn entries(entries: Vec<Entry>, records: Vec<u32>) -> (Request, Ack<()>) {
+    pub(crate) fn entries(entries: Vec<Entry>, records: Vec<RecordCount>) -> (Request, Ack<()>) {
         let (reply, rx) = oneshot::channel();
         let request = Request::Entries {
             entries,
@@ -218,6 +218,8 @@ pub(crate) struct CommittedGroup {
     pub records: Vec<WalRecord>,
     /// The Raft entry it is (a replicated log), and the member set of a membership entry.
     pub entry: Option<(LogId, Option<Vec<u8>>)>,
+    /// The outcomes the entry carries, for the dispatch logs once its records are filed.
+    pub outcomes: Vec<PlacedOutcome>,
 }
 
 enum Answer {
@@ -433,7 +435,7 @@ impl Writer {
     fn add_entries(
         &mut self,
         entries: &[Entry],
-        counts: &[u32],
+        counts: &[RecordCount],
         reply: oneshot::Sender<Result<(), AppendError>>,
         group: &mut Group,
     ) {
@@ -487,7 +489,7 @@ impl Writer {
             let head = EntryHead {
                 log_id: entry.log_id,
                 first_seq: self.next_seq,
-                records,
+                records: records.frames,
                 kind,
             };
             head.encode_frame(membership, &mut group.bytes);
@@ -498,9 +500,9 @@ impl Writer {
                 at,
                 end: at + frame::padded_len(bytes) as u64,
                 first_seq: self.next_seq,
-                records,
+                records: records.frames,
             });
-            self.next_seq += u64::from(records);
+            self.next_seq += u64::from(records.seqs);
             self.next_index = entry.log_id.index + 1;
         }
         group.answers.push(Answer::Entries(reply));
@@ -712,6 +714,7 @@ impl Writer {
                 bytes: group.bytes,
                 records: group.records,
                 entry: None,
+                outcomes: Vec::new(),
             });
             if sent.is_err() {
                 // The replayer failed: what is in the WAL is safe and replays on restart, but nothing

@@ -9,7 +9,13 @@
 //! 8   8  leader      u64  } and its index (dense: each entry's is the one before it plus one)
 //! 16  8  index       u64  }
 //! 24  8  first_seq   u64  the seq of its first record; for an entry without records, the next seq
-//! 32  4  records     u32  how many record frames (message or cancel) follow it, seqs first_seq, ...
+//! 32  4  records     u32  how many record frames follow it: messages and cancels, whose seqs run
+//!                         first_seq, first_seq + 1, ..., and outcomes with their buckets (which take
+//!                         no seq)
+//!
+//! outcome with its bucket (frame kind 7, in normal entries only)
+//! 0   4  bucket      u32  start minute of the bucket of the record it is for
+//! 4   ..             an outcome record's payload (record.rs)
 //! 36  1  kind        u8   1 blank (a new leader's first entry), 2 normal (records), 3 membership
 //! 37  ..             membership: the cluster's member set, opaque to the engine (empty otherwise)
 //! ```
@@ -19,15 +25,18 @@
 //!   another entry shares its blocks.
 //! - An entry is whole or absent: a torn entry (fewer records than it says) ends the log at the entry
 //!   frame, never inside it.
-//! - Only normal entries carry records; their seqs continue the entry before them without a gap.
+//! - Only normal entries carry records; their messages' and cancels' seqs continue the entry before
+//!   them without a gap. What decides delivery in a cluster (outcomes) travels as records too, so that
+//!   every member's dispatch logs match.
 //! - `first_seq` below the WAL file's first seq marks a frame of the file's earlier use (wal.rs).
 
 use crate::commit::Appended;
 use crate::frame::{self, Frames, Kind, Stop};
 use crate::id::{Location, MessageId};
-use crate::record::{patch_committed, Cancel, EncodedMessage, MessageHead};
+use crate::record::{patch_committed, Cancel, EncodedMessage, MessageHead, Outcome};
 use crate::replay::placement;
 use crate::wal::WalRecord;
+use crate::Bucket;
 use crate::SegmentMinutes;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -230,6 +239,14 @@ impl EntryBuilder {
         cancel.seq
     }
 
+    /// Adds outcomes, each for the record in its bucket: what every member's dispatch logs record.
+    pub fn outcomes(&mut self, outcomes: &[PlacedOutcome]) {
+        for (bucket, outcome) in outcomes {
+            encode_placed_outcome(*bucket, outcome, &mut self.frames);
+            self.records += 1;
+        }
+    }
+
     /// Bytes of record frames so far.
     pub fn len(&self) -> usize {
         self.frames.len()
@@ -333,7 +350,7 @@ impl EntryLog {
 
     /// Takes entries in before they are queued for the writer: they must continue the log (index and
     /// seqs). How many records each carries; on `Err` nothing changed.
-    pub(crate) fn hand_in(&self, entries: &[Entry]) -> Result<Vec<u32>, String> {
+    pub(crate) fn hand_in(&self, entries: &[Entry]) -> Result<Vec<RecordCount>, String> {
         let mut state = self.state();
         let mut last = state.last;
         let mut next_seq = state.next_seq;
@@ -363,9 +380,9 @@ impl EntryLog {
             }
             let records = match &entry.payload {
                 EntryPayload::Normal(frames) => check_records(frames, next_seq)?,
-                _ => 0,
+                _ => RecordCount::default(),
             };
-            next_seq += u64::from(records);
+            next_seq += u64::from(records.seqs);
             last = Some(entry.log_id);
             counts.push(records);
         }
@@ -528,32 +545,66 @@ pub(crate) enum Located {
     Placed(Placed),
 }
 
-/// Checks that `frames` are whole record frames (message or cancel) with seqs from `first_seq` on,
-/// without a gap; their count.
-pub(crate) fn check_records(frames: &[u8], first_seq: u64) -> Result<u32, String> {
+/// How many record frames an entry carries, and how many of them take a seq.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct RecordCount {
+    pub frames: u32,
+    pub seqs: u32,
+}
+
+/// Checks that `frames` are whole record frames (message, cancel, outcome with its bucket), the seqs of
+/// messages and cancels running from `first_seq` on without a gap; their count.
+pub(crate) fn check_records(frames: &[u8], first_seq: u64) -> Result<RecordCount, String> {
+    let (records, outcomes) = records_of(frames)?;
+    for (i, record) in records.iter().enumerate() {
+        let expected = first_seq + i as u64;
+        if record.seq() != expected {
+            return Err(format!(
+                "record {i} of an entry has seq {}, where {expected} comes next",
+                record.seq()
+            ));
+        }
+    }
+    let count = |n: usize| u32::try_from(n).map_err(|_| "an entry of over 4 billion records");
+    Ok(RecordCount {
+        frames: count(records.len() + outcomes.len())?,
+        seqs: count(records.len())?,
+    })
+}
+
+/// An outcome and the bucket of the record it is for, as an entry carries it.
+pub type PlacedOutcome = (Bucket, Outcome);
+
+/// Parses the records of a normal entry's frames: its messages and cancels (each frame's range in
+/// `frames`), and its outcomes.
+pub(crate) fn records_of(frames: &[u8]) -> Result<(Vec<WalRecord>, Vec<PlacedOutcome>), String> {
+    let mut records = Vec::new();
+    let mut outcomes = Vec::new();
     let mut walk = Frames::new(frames);
-    let mut count = 0u32;
     for (at, kind, payload) in walk.by_ref() {
-        let seq = match kind {
-            Kind::Message => MessageHead::decode(payload).map(|h| h.seq),
-            Kind::Cancel => Cancel::decode(payload).map(|c| c.seq),
+        let bad = |e: crate::record::Malformed| format!("record at {at} of an entry: {e}");
+        match kind {
+            Kind::Message => records.push(WalRecord::Message {
+                head: MessageHead::decode(payload).map_err(bad)?,
+                frame: at..at + frame::HEADER_LEN + payload.len(),
+            }),
+            Kind::Cancel => records.push(WalRecord::Cancel(Cancel::decode(payload).map_err(bad)?)),
+            Kind::PlacedOutcome => {
+                let Some((bucket, outcome)) = payload.split_first_chunk::<4>() else {
+                    return Err(format!("outcome at {at} of an entry without its bucket"));
+                };
+                let bucket = Bucket::from_start_minute(u32::from_le_bytes(*bucket));
+                outcomes.push((bucket, Outcome::decode(outcome).map_err(bad)?));
+            }
             _ => {
                 return Err(format!(
                     "a frame of kind {kind:?} at {at} of an entry's records"
                 ))
             }
-        };
-        let seq = seq.map_err(|e| format!("record at {at} of an entry: {e}"))?;
-        let expected = first_seq + u64::from(count);
-        if seq != expected {
-            return Err(format!(
-                "record at {at} of an entry has seq {seq}, where {expected} comes next"
-            ));
         }
-        count += 1;
     }
     match walk.stop() {
-        Some(Stop::End { at }) if at == frames.len() => Ok(count),
+        Some(Stop::End { at }) if at == frames.len() => Ok((records, outcomes)),
         Some(Stop::End { at }) | Some(Stop::Invalid { at, .. }) => Err(format!(
             "an entry's records end at {at} of {} bytes",
             frames.len()
@@ -562,26 +613,14 @@ pub(crate) fn check_records(frames: &[u8], first_seq: u64) -> Result<u32, String
     }
 }
 
-/// Parses the records of a normal entry's frames (checked by [`check_records`] before it was written)
-/// for the replayer.
-pub(crate) fn records_of(frames: &[u8]) -> Result<Vec<WalRecord>, String> {
-    let mut records = Vec::new();
-    for (at, kind, payload) in Frames::new(frames) {
-        let record = match kind {
-            Kind::Message => MessageHead::decode(payload).map(|head| WalRecord::Message {
-                head,
-                frame: at..at + frame::HEADER_LEN + payload.len(),
-            }),
-            Kind::Cancel => Cancel::decode(payload).map(WalRecord::Cancel),
-            _ => {
-                return Err(format!(
-                    "a frame of kind {kind:?} at {at} of an entry's records"
-                ))
-            }
-        };
-        records.push(record.map_err(|e| format!("record at {at} of an entry: {e}"))?);
-    }
-    Ok(records)
+/// Appends an outcome with its bucket as a frame to `buf`.
+fn encode_placed_outcome(bucket: Bucket, outcome: &Outcome, buf: &mut Vec<u8>) {
+    let mut record = Vec::new();
+    outcome.encode_frame(&mut record);
+    let at = frame::start(buf);
+    buf.extend_from_slice(&bucket.start_minute().to_le_bytes());
+    buf.extend_from_slice(&record[frame::HEADER_LEN..]);
+    frame::finish(buf, at, Kind::PlacedOutcome);
 }
 
 #[cfg(test)]

@@ -5,7 +5,8 @@
 //! 0       4     len     u32 LE, payload bytes (the 9-byte header not included)
 //! 4       4     crc     u32 LE, CRC-32C of bytes 8 .. 9 + len (kind and payload)
 //! 8       1     kind    u8: 1 message, 2 cancel, 3 outcome, 4 padding, 5 broker message (delayd's
-//!                       built-in broker store), 6 Raft entry (entry.rs); 0 is never a valid kind
+//!                       built-in broker store), 6 Raft entry (entry.rs), 7 outcome with its bucket
+//!                       (in a Raft entry); 0 is never a valid kind
 //! 9       len   payload
 //! ```
 //!
@@ -61,6 +62,8 @@ pub enum Kind {
     Broker = 5,
     /// A Raft entry's head, before the records it carries (WAL files of replicated data dirs).
     Entry = 6,
+    /// An outcome and the bucket of the record it is for, carried by a Raft entry (entry.rs).
+    PlacedOutcome = 7,
 }
 
 impl Kind {
@@ -72,6 +75,7 @@ impl Kind {
             4 => Some(Kind::Padding),
             5 => Some(Kind::Broker),
             6 => Some(Kind::Entry),
+            7 => Some(Kind::PlacedOutcome),
             _ => None,
         }
     }

@@ -111,6 +111,20 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
             },
             Kind::Padding => continue,
             Kind::Broker => format!("broker record, {} bytes", payload.len()),
+            Kind::PlacedOutcome => match payload.split_first_chunk::<4>().map(|(b, o)| (b, Outcome::decode(o))) {
+                Some((bucket, Ok(o))) => format!(
+                    "outcome for seq {} of {} attempt {} at_ms {}: {:?}",
+                    o.seq,
+                    Bucket::from_start_minute(u32::from_le_bytes(*bucket)),
+                    o.attempt,
+                    o.at_ms,
+                    o.kind
+                ),
+                _ => {
+                    ok = false;
+                    "outcome with its bucket: malformed".into()
+                }
+            },
             Kind::Entry => match EntryHead::decode(payload) {
                 Ok((e, _)) => format!(
                     "entry {} term {} leader {} ({:?}, {} records from seq {})",

@@ -41,7 +41,7 @@ pub use bucket::{Bucket, SegmentMinutes};
 pub use checkpoint::AppliedState;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use commit::{Ack, AckFuture, Appended, FsyncPolicy};
-pub use entry::{Entry, EntryBuilder, EntryPayload, LogId};
+pub use entry::{Entry, EntryBuilder, EntryPayload, LogId, PlacedOutcome};
 pub use error::{AppendError, Error, Result};
 pub use group::Group;
 pub use header::{

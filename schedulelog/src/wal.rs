@@ -332,9 +332,16 @@ pub(crate) fn scan_file(
                     });
                     continue;
                 }
-                Kind::Message | Kind::Cancel if !inside => {
+                Kind::Message | Kind::Cancel | Kind::PlacedOutcome if !inside => {
                     frames.reject_last(at, "a record outside an entry");
                     break;
+                }
+                // An outcome takes no seq: it only counts towards its entry's records.
+                Kind::PlacedOutcome => {
+                    if let Some(open) = &mut open {
+                        open.left -= 1;
+                    }
+                    continue;
                 }
                 Kind::Padding if inside => {
                     frames.reject_last(at, "padding among the records of an entry");
@@ -350,7 +357,7 @@ pub(crate) fn scan_file(
             }),
             Kind::Cancel => Cancel::decode(payload).map(WalRecord::Cancel),
             Kind::Padding => continue,
-            Kind::Outcome | Kind::Broker | Kind::Entry => {
+            Kind::Outcome | Kind::Broker | Kind::Entry | Kind::PlacedOutcome => {
                 frames.reject_last(at, "a frame kind that does not belong in the WAL");
                 break;
             }

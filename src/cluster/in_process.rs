@@ -9,7 +9,10 @@ use super::store::{LogStore, StateMachine};
 use super::{Member, TypeConfig};
 use crate::peer::{self, PeerOptions};
 use openraft::Raft;
-use schedulelog::{EncodedMessage, ManualClock, MessageId, NewMessage, Options, ScheduleLog};
+use schedulelog::{
+    EncodedMessage, ManualClock, MessageId, MessageState, NewMessage, Options, Outcome,
+    OutcomeKind, ScheduleLog,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -198,6 +201,20 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Waits until every running member's dispatch logs say `id` was delivered.
+    async fn delivered_everywhere(&self, id: MessageId) {
+        for (member, running) in &self.running {
+            let log = running.log.clone();
+            let state = move || log.lookup(id).ok().flatten().map(|s| s.state);
+            wait_until(&format!("member {member} has {id} delivered"), || {
+                matches!(state(), Some(MessageState::Delivered { .. }))
+            })
+            .await;
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_members_replicate_and_survive_the_loss_of_their_leader() {
     let _ = tracing_subscriber::fmt()
@@ -207,6 +224,20 @@ async fn three_members_replicate_and_survive_the_loss_of_their_leader() {
     let mut cluster = Cluster::new(3).await;
     let first = cluster.append("before").await;
     cluster.applied_everywhere(first, "before").await;
+    // Its delivery is an entry too: every member's dispatch logs hold it.
+    let delivered = Outcome {
+        seq: first.first.seq,
+        at_ms: T0 + 1,
+        attempt: 0,
+        kind: OutcomeKind::Delivered,
+    };
+    let leader = cluster.leader().await;
+    cluster.running[&leader]
+        .proposer
+        .record_outcomes(vec![(first.first.bucket, delivered)])
+        .await
+        .unwrap();
+    cluster.delivered_everywhere(first).await;
 
     // The leader goes; the other two elect one and take writes.
     let old = cluster.leader().await;
@@ -218,6 +249,7 @@ async fn three_members_replicate_and_survive_the_loss_of_their_leader() {
     // It comes back from its data dir and catches up from the log.
     cluster.start(old).await;
     cluster.applied_everywhere(first, "before").await;
+    cluster.delivered_everywhere(first).await;
     cluster.applied_everywhere(second, "after").await;
 
     // Every member's WAL holds the same entries.

@@ -1,4 +1,4 @@
-//! Writes through Raft (DESIGN.md §10): on the leader, appends and cancels are formed into one entry per
+//! Writes through Raft (DESIGN.md §10): on the leader, appends, cancels and outcomes are formed into one entry per
 //! group commit, as a single node's WAL writer forms one write per group, and proposed; their
 //! submitters are answered once the entry is committed and applied.
 //!
@@ -12,7 +12,9 @@
 //!   timed-out write: idempotency keys are for that).
 
 use super::{Proposal, TypeConfig};
-use schedulelog::{Appended, Clock, EncodedMessage, EntryBuilder, Location, ScheduleLog};
+use schedulelog::{
+    Appended, Clock, EncodedMessage, EntryBuilder, Location, PlacedOutcome, ScheduleLog,
+};
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
@@ -46,6 +48,10 @@ enum Request {
         target: Location,
         reply: oneshot::Sender<Result<u64, ProposeError>>,
     },
+    Outcomes {
+        outcomes: Vec<PlacedOutcome>,
+        reply: oneshot::Sender<Result<(), ProposeError>>,
+    },
 }
 
 /// What a formed group's submitters are told once its entry is applied.
@@ -55,6 +61,7 @@ enum Answer {
         Vec<Appended>,
     ),
     Cancel(oneshot::Sender<Result<u64, ProposeError>>, u64),
+    Outcomes(oneshot::Sender<Result<(), ProposeError>>),
 }
 
 impl Answer {
@@ -62,8 +69,10 @@ impl Answer {
         match (self, error) {
             (Answer::Append(reply, appended), None) => drop(reply.send(Ok(appended))),
             (Answer::Cancel(reply, seq), None) => drop(reply.send(Ok(seq))),
+            (Answer::Outcomes(reply), None) => drop(reply.send(Ok(()))),
             (Answer::Append(reply, _), Some(e)) => drop(reply.send(Err(e.clone()))),
             (Answer::Cancel(reply, _), Some(e)) => drop(reply.send(Err(e.clone()))),
+            (Answer::Outcomes(reply), Some(e)) => drop(reply.send(Err(e.clone()))),
         }
     }
 }
@@ -79,6 +88,7 @@ impl std::fmt::Debug for Request {
         match self {
             Request::Append { messages, .. } => write!(f, "Append({} messages)", messages.len()),
             Request::Cancel { target, .. } => write!(f, "Cancel({target:?})"),
+            Request::Outcomes { outcomes, .. } => write!(f, "Outcomes({})", outcomes.len()),
         }
     }
 }
@@ -109,6 +119,14 @@ impl Proposer {
     pub async fn cancel(&self, target: Location) -> Result<u64, ProposeError> {
         let (reply, answer) = oneshot::channel();
         self.submit(Request::Cancel { target, reply })?;
+        answer.await.unwrap_or_else(|_| Err(gone()))
+    }
+
+    /// Records outcomes through Raft, so that every member's dispatch logs hold them: answered once
+    /// applied here.
+    pub async fn record_outcomes(&self, outcomes: Vec<PlacedOutcome>) -> Result<(), ProposeError> {
+        let (reply, answer) = oneshot::channel();
+        self.submit(Request::Outcomes { outcomes, reply })?;
         answer.await.unwrap_or_else(|_| Err(gone()))
     }
 
@@ -152,6 +170,10 @@ async fn form(
                 let seq = builder.cancel(target, created_at_ms);
                 answers.push(Answer::Cancel(reply, seq));
             }
+            Request::Outcomes { outcomes, reply } => {
+                builder.outcomes(&outcomes);
+                answers.push(Answer::Outcomes(reply));
+            }
         };
         add(first, &mut builder);
         while builder.len() < GROUP_TARGET_BYTES {
@@ -182,5 +204,6 @@ fn answer_one(request: Request, error: &ProposeError) {
     match request {
         Request::Append { reply, .. } => drop(reply.send(Err(error.clone()))),
         Request::Cancel { reply, .. } => drop(reply.send(Err(error.clone()))),
+        Request::Outcomes { reply, .. } => drop(reply.send(Err(error.clone()))),
     }
 }

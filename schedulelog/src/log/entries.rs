@@ -106,7 +106,7 @@ impl ScheduleLog {
         let mut records_end = records_at;
         for _ in 0..head.0.records {
             match frames.next() {
-                Some((at, Kind::Message | Kind::Cancel, payload)) => {
+                Some((at, Kind::Message | Kind::Cancel | Kind::PlacedOutcome, payload)) => {
                     records_end = at + frame::HEADER_LEN + payload.len();
                 }
                 _ => {
@@ -169,7 +169,7 @@ impl ScheduleLog {
                 EntryPayload::Membership(m) => (Vec::new(), Some(m.clone())),
                 EntryPayload::Blank => (Vec::new(), None),
             };
-            let records = entry::records_of(&bytes).map_err(|why| {
+            let (records, outcomes) = entry::records_of(&bytes).map_err(|why| {
                 Error::InvalidOption(format!("entry {}: {why}", entry.log_id.index))
             })?;
             let next_seq = records.last().map(|r| r.seq() + 1);
@@ -180,6 +180,7 @@ impl ScheduleLog {
                 bytes,
                 records,
                 entry: Some((entry.log_id, membership)),
+                outcomes,
             };
             apply.send(group).map_err(|_| {
                 let cause = self

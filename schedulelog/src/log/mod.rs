@@ -255,8 +255,14 @@ impl ScheduleLog {
     }
 
     /// Records outcomes in the dispatch logs of their buckets, durably. A failed sync poisons the log
-    /// (never retried: the kernel may have dropped the pages); a full disk may be retried.
+    /// (never retried: the kernel may have dropped the pages); a full disk may be retried. Refused in a
+    /// replicated log, where outcomes are records of entries ([`crate::EntryBuilder::outcomes`]).
     pub fn record_outcomes(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
+        if self.entry_log.is_some() {
+            // Every member's dispatch logs must match: a cluster records outcomes in entries.
+            let why = "this log is replicated: outcomes come as Raft entries";
+            return Err(Error::Append(AppendError::Refused(why.into())));
+        }
         let result = self.shared.dispatch.append(outcomes);
         self.shared.poison_on_sync_failure(&result);
         result

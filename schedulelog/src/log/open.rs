@@ -370,6 +370,7 @@ fn recover_wal(
                         bytes: scanned.bytes,
                         records: scanned.records,
                         entry: None,
+                        outcomes: Vec::new(),
                     });
                 }
             }

@@ -307,7 +307,18 @@ fn replay_loop(
                 Ok(()) => {
                     shared.filed.store(replay.next_seq, Ordering::Release);
                     shared.replayed.notify_all();
+                    // An entry's outcomes go to the dispatch logs once its records are filed, and
+                    // before it counts as applied. A failure leaves it (and those after it) to be
+                    // tried again: its records are then skipped as filed.
+                    let mut failed = None;
                     for _ in 0..taken {
+                        let outcomes = backlog.groups.front().map(|g| &g.outcomes[..]);
+                        if let Some(outcomes) = outcomes.filter(|o| !o.is_empty()) {
+                            if let Err(e) = shared.dispatch.append(outcomes) {
+                                failed = Some(e);
+                                break;
+                            }
+                        }
                         let group = backlog.pop().expect("applied, so present");
                         bytes_since += group.bytes.len() as u64;
                         if let Some((log_id, membership)) = group.entry {
@@ -315,6 +326,14 @@ fn replay_loop(
                             continue; // an entry's bytes are its own, not a writer's buffer
                         }
                         let _ = recycle.try_send(group.bytes);
+                    }
+                    match failed {
+                        Some(e) if e.is_disk_full() => {
+                            held_up = Some(e);
+                            break;
+                        }
+                        Some(e) => return Err(e),
+                        None => {}
                     }
                 }
                 Err(e) if e.is_disk_full() => {

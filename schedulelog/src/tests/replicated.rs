@@ -414,3 +414,43 @@ fn retired_files_purge_their_entries_once_a_checkpoint_says_so() {
     assert_eq!(rest, entries[purged.index as usize..].to_vec());
     log.apply_entries(&rest[rest.len() - 2..]).unwrap();
 }
+
+/// Outcomes travel in entries: applied, they reach the dispatch logs (a lookup sees the message
+/// delivered), and still after a crash. A replicated log takes none directly.
+#[test]
+fn outcomes_in_entries_reach_the_dispatch_logs() {
+    let (dir, clock, log) = new_log_with(replicated);
+    let (one, appended) = normal(&log, 1, 0, &["order 42"]);
+    append(&log, vec![one.clone()]);
+    log.apply_entries(&[one]).unwrap();
+    let location = appended[0].location;
+    let delivered = Outcome {
+        seq: location.seq,
+        at_ms: T0 + 5,
+        attempt: 0,
+        kind: OutcomeKind::Delivered,
+    };
+    let placed = vec![(location.bucket, delivered)];
+    assert!(matches!(
+        log.record_outcomes(&placed),
+        Err(Error::Append(AppendError::Refused(_)))
+    ));
+    let mut builder = EntryBuilder::new(log.next_entry_seq().unwrap(), log.segment_minutes());
+    builder.outcomes(&placed);
+    let two = Entry {
+        log_id: id(1, 1),
+        payload: builder.finish().0,
+    };
+    append(&log, vec![two.clone()]);
+    assert_eq!(log.next_entry_seq().unwrap(), 2, "outcomes take no seq");
+    let state = |log: &ScheduleLog| log.lookup(appended[0].id).unwrap().unwrap().state;
+    assert_eq!(state(&log), MessageState::Pending, "not applied yet");
+    log.apply_entries(&[two.clone()]).unwrap();
+    log.checkpoint().unwrap();
+    assert_eq!(state(&log), MessageState::Delivered { at_ms: T0 + 5 });
+    log.crash();
+
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.read_entries(1..2).unwrap(), vec![two]);
+    assert_eq!(state(&log), MessageState::Delivered { at_ms: T0 + 5 });
+}
