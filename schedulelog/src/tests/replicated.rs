@@ -445,7 +445,7 @@ fn outcomes_in_entries_reach_the_dispatch_logs() {
     assert_eq!(log.next_entry_seq().unwrap(), 2, "outcomes take no seq");
     let state = |log: &ScheduleLog| log.lookup(appended[0].id).unwrap().unwrap().state;
     assert_eq!(state(&log), MessageState::Pending, "not applied yet");
-    log.apply_entries(&[two.clone()]).unwrap();
+    log.apply_entries(std::slice::from_ref(&two)).unwrap();
     log.checkpoint().unwrap();
     assert_eq!(state(&log), MessageState::Delivered { at_ms: T0 + 5 });
     log.crash();
