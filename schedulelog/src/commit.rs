@@ -151,6 +151,11 @@ pub(crate) enum Request {
         records: Vec<RecordCount>,
         reply: oneshot::Sender<Result<(), AppendError>>,
     },
+    /// Outcomes to record through Raft (a replicated log; never reaches the writer).
+    Outcomes {
+        outcomes: Vec<PlacedOutcome>,
+        reply: oneshot::Sender<Result<(), AppendError>>,
+    },
     /// Cuts a replicated log's entries from this index on.
     Truncate {
         from: u64,
@@ -182,6 +187,19 @@ impl Request {
         (request, Ack { rx })
     }
 
+    pub(crate) fn outcomes(outcomes: Vec<PlacedOutcome>) -> (Request, Ack<()>) {
+        let (reply, rx) = oneshot::channel();
+        (Request::Outcomes { outcomes, reply }, Ack { rx })
+    }
+
+    /// Whether a replicated log forms it into an entry (through Raft) rather than its writer taking it.
+    pub(crate) fn is_proposal(&self) -> bool {
+        matches!(
+            self,
+            Request::Append { .. } | Request::Cancel { .. } | Request::Outcomes { .. }
+        )
+    }
+
     pub(crate) fn truncate(from: u64) -> (Request, Ack<()>) {
         let (reply, rx) = oneshot::channel();
         (Request::Truncate { from, reply }, Ack { rx })
@@ -192,7 +210,7 @@ impl Request {
             Request::Append { messages, .. } => messages.iter().map(|m| m.frame.len()).sum(),
             Request::Cancel { .. } => frame::HEADER_LEN + CANCEL_PAYLOAD_LEN,
             // Entries make room for themselves, one at a time.
-            Request::Entries { .. } | Request::Truncate { .. } => 0,
+            Request::Entries { .. } | Request::Truncate { .. } | Request::Outcomes { .. } => 0,
             #[cfg(test)]
             Request::InjectFault(_) => 0,
         }
@@ -202,9 +220,9 @@ impl Request {
         match self {
             Request::Append { reply, .. } => drop(reply.send(Err(error))),
             Request::Cancel { reply, .. } => drop(reply.send(Err(error))),
-            Request::Entries { reply, .. } | Request::Truncate { reply, .. } => {
-                drop(reply.send(Err(error)))
-            }
+            Request::Entries { reply, .. }
+            | Request::Truncate { reply, .. }
+            | Request::Outcomes { reply, .. } => drop(reply.send(Err(error))),
             #[cfg(test)]
             Request::InjectFault(_) => {}
         }
@@ -222,24 +240,24 @@ pub(crate) struct CommittedGroup {
     pub outcomes: Vec<PlacedOutcome>,
 }
 
-enum Answer {
+pub(crate) enum Answer {
     Append(
         oneshot::Sender<Result<Vec<Appended>, AppendError>>,
         Vec<Appended>,
     ),
     Cancel(oneshot::Sender<Result<u64, AppendError>>, u64),
-    Entries(oneshot::Sender<Result<(), AppendError>>),
+    Done(oneshot::Sender<Result<(), AppendError>>),
 }
 
 impl Answer {
-    fn send(self, error: Option<&AppendError>) {
+    pub(crate) fn send(self, error: Option<&AppendError>) {
         match (self, error) {
             (Answer::Append(reply, appended), None) => drop(reply.send(Ok(appended))),
             (Answer::Cancel(reply, seq), None) => drop(reply.send(Ok(seq))),
-            (Answer::Entries(reply), None) => drop(reply.send(Ok(()))),
+            (Answer::Done(reply), None) => drop(reply.send(Ok(()))),
             (Answer::Append(reply, _), Some(e)) => drop(reply.send(Err(e.clone()))),
             (Answer::Cancel(reply, _), Some(e)) => drop(reply.send(Err(e.clone()))),
-            (Answer::Entries(reply), Some(e)) => drop(reply.send(Err(e.clone()))),
+            (Answer::Done(reply), Some(e)) => drop(reply.send(Err(e.clone()))),
         }
     }
 }
@@ -424,9 +442,10 @@ impl Writer {
                 group.records.push(WalRecord::Cancel(cancel));
                 group.answers.push(Answer::Cancel(reply, cancel.seq));
             }
-            Request::Entries { .. } | Request::Truncate { .. } => {} // taken above
+            // Taken above, or (outcomes) never sent to the writer.
+            Request::Entries { .. } | Request::Truncate { .. } | Request::Outcomes { .. } => {}
             #[cfg(test)]
-            Request::InjectFault(_) => {}    // taken above
+            Request::InjectFault(_) => {} // taken above
         }
     }
 
@@ -505,7 +524,7 @@ impl Writer {
             self.next_seq += u64::from(records.seqs);
             self.next_index = entry.log_id.index + 1;
         }
-        group.answers.push(Answer::Entries(reply));
+        group.answers.push(Answer::Done(reply));
     }
 
     /// Cuts the log's entries from `from` on: later WAL files deleted, the file holding `from` zeroed

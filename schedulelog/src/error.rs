@@ -162,6 +162,10 @@ pub enum AppendError {
     /// The log is shutting down.
     #[error("the log is closed")]
     Closed,
+    /// A replicated log's write reached a member that does not lead the cluster (the leader, when
+    /// known): nothing was proposed.
+    #[error("this member does not lead the cluster (the leader is {leader:?})")]
+    NotLeader { leader: Option<u64> },
     /// A request this log does not take: Raft entries that do not continue it, or one too large for a
     /// WAL file; a plain append to a replicated log, or entries to a single node's. Nothing was written.
     #[error("refused: {0}")]

@@ -28,6 +28,7 @@ mod id;
 mod inspect;
 mod listing;
 mod log;
+mod proposals;
 pub mod record;
 mod replay;
 mod segment;
@@ -54,6 +55,7 @@ pub use listing::{
     BucketCount, InvalidCursor, ListCursor, ListPage, ListQuery, Listed, StatusFilter,
 };
 pub use log::{Attempt, BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog};
+pub use proposals::{FormedGroup, NextGroup, Proposals};
 pub use record::{
     EncodedMessage, Message, MessageMeta, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge,
 };

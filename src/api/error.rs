@@ -167,6 +167,14 @@ impl From<AppendError> for ApiError {
                     )
                 }
             }
+            AppendError::NotLeader { .. } => ApiError {
+                retry_after_secs: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no_leader",
+                    "this cluster member does not lead, and no leader took the write; nothing was stored, retry shortly",
+                )
+            },
             // What the log refuses is the caller's mistake in this process, not the client's.
             refused @ AppendError::Refused(_) => ApiError::internal(refused),
             AppendError::Closed => ApiError {

@@ -4,14 +4,13 @@
 //! its data dir.
 
 use super::network::{PeerNetwork, RaftService};
-use super::propose::{ProposeError, Proposer};
 use super::store::{LogStore, StateMachine};
 use super::{Member, TypeConfig};
 use crate::peer::{self, PeerOptions};
 use openraft::Raft;
 use schedulelog::{
-    EncodedMessage, ManualClock, MessageId, MessageState, NewMessage, Options, Outcome,
-    OutcomeKind, ScheduleLog,
+    AppendError, EncodedMessage, ManualClock, MessageId, MessageState, NewMessage, Options,
+    Outcome, OutcomeKind, ScheduleLog,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -39,7 +38,7 @@ fn message(body: &str) -> EncodedMessage {
 struct Running {
     raft: Raft<TypeConfig>,
     log: Arc<ScheduleLog>,
-    proposer: Proposer,
+    proposer: std::thread::JoinHandle<()>,
     serving: tokio::task::JoinHandle<()>,
 }
 
@@ -48,11 +47,15 @@ impl Running {
         self.serving.abort();
         let _ = self.serving.await;
         self.raft.shutdown().await.unwrap();
-        drop(self.proposer);
         // The last handles of the log go with the Raft's tasks; wait for them to let it go.
         let log = self.log;
         wait_until("the log is let go", || Arc::strong_count(&log) == 1).await;
         Arc::into_inner(log).unwrap().close().unwrap();
+        // Closing the log ends its proposer.
+        let proposer = self.proposer;
+        tokio::task::spawn_blocking(move || proposer.join().unwrap())
+            .await
+            .unwrap();
     }
 }
 
@@ -140,7 +143,10 @@ impl Cluster {
         let service = Arc::new(RaftService::new(raft.clone()));
         let serve = peer::serve(listener, id, SECRET, PeerOptions::default(), service).unwrap();
         let serving = tokio::spawn(serve);
-        let proposer = Proposer::start(raft.clone(), log.clone(), self.clock.clone());
+        let runtime = tokio::runtime::Handle::current();
+        let proposer = super::propose::start(raft.clone(), &log, self.clock.clone(), runtime)
+            .unwrap()
+            .unwrap();
         self.running.insert(
             id,
             Running {
@@ -175,13 +181,9 @@ impl Cluster {
     async fn append(&self, body: &str) -> MessageId {
         for _ in 0..100 {
             let leader = self.leader().await;
-            match self.running[&leader]
-                .proposer
-                .append(vec![message(body)])
-                .await
-            {
+            match self.running[&leader].log.append(vec![message(body)]).await {
                 Ok(appended) => return appended[0].id,
-                Err(ProposeError::NotLeader { .. }) => {}
+                Err(AppendError::NotLeader { .. }) => {}
                 Err(e) => panic!("append: {e}"),
             }
         }
@@ -231,11 +233,10 @@ async fn three_members_replicate_and_survive_the_loss_of_their_leader() {
         attempt: 0,
         kind: OutcomeKind::Delivered,
     };
-    let leader = cluster.leader().await;
-    cluster.running[&leader]
-        .proposer
-        .record_outcomes(vec![(first.first.bucket, delivered)])
+    let leader = cluster.running[&cluster.leader().await].log.clone();
+    tokio::task::spawn_blocking(move || leader.record_outcomes(&[(first.first.bucket, delivered)]))
         .await
+        .unwrap()
         .unwrap();
     cluster.delivered_everywhere(first).await;
 

@@ -18,6 +18,7 @@ use crate::entry::{
 };
 use crate::error::{AppendError, Error, Result};
 use crate::frame::{self, Frames, Kind};
+use crate::proposals::Proposals;
 use crate::replay::Replay;
 use crate::wal::wal_path;
 use std::ops::Range;
@@ -126,6 +127,15 @@ impl ScheduleLog {
             log_id: placed.log_id,
             payload,
         })
+    }
+
+    /// The queue of this replicated log's appends, cancels and outcomes, for its proposer: given once
+    /// (`None` after, and for a single node).
+    pub fn proposals(&self) -> Option<Proposals> {
+        self.proposals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     /// (The last entry purged, the last entry): the log holds every entry between them.

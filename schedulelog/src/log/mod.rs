@@ -50,6 +50,7 @@ use crate::dispatch::DispatchLogs;
 use crate::entry::EntryLog;
 use crate::error::{AppendError, DiskFullReport, Error, Result};
 use crate::id::Location;
+use crate::proposals::Proposals;
 use crate::record::{EncodedMessage, Outcome};
 use crate::replay::Replay;
 use crate::segment::RecordReader;
@@ -171,6 +172,10 @@ pub struct ScheduleLog {
     entry_log: Option<Arc<EntryLog>>,
     /// Where applied entries go to the replayer (a replicated data dir).
     apply: Option<Sender<CommittedGroup>>,
+    /// Where a replicated log's appends, cancels and outcomes go, for its proposer, and their queue
+    /// until the proposer takes it.
+    propose: Option<Sender<Request>>,
+    proposals: Mutex<Option<Proposals>>,
     submit: Option<Sender<Request>>,
     writer: Option<JoinHandle<()>>,
     replayer: Option<JoinHandle<Result<()>>>,
@@ -239,8 +244,12 @@ impl ScheduleLog {
     /// Queues a request for the writer without blocking: a full queue (4096 requests waiting for the
     /// disk) answers [`AppendError::Overloaded`], so that callers shed load instead of piling up.
     fn submit(&self, request: Request) {
-        let sent = match &self.submit {
-            Some(submit) => submit.try_send(request),
+        let queue = match &self.propose {
+            Some(propose) if request.is_proposal() => Some(propose),
+            _ => self.submit.as_ref(),
+        };
+        let sent = match queue {
+            Some(queue) => queue.try_send(request),
             None => Err(crossbeam_channel::TrySendError::Disconnected(request)),
         };
         match sent {
@@ -255,13 +264,15 @@ impl ScheduleLog {
     }
 
     /// Records outcomes in the dispatch logs of their buckets, durably. A failed sync poisons the log
-    /// (never retried: the kernel may have dropped the pages); a full disk may be retried. Refused in a
-    /// replicated log, where outcomes are records of entries ([`crate::EntryBuilder::outcomes`]).
+    /// (never retried: the kernel may have dropped the pages); a full disk may be retried. In a
+    /// replicated log they are proposed, as records of an entry ([`Proposals`]), and this returns once
+    /// that entry is applied here.
     pub fn record_outcomes(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
         if self.entry_log.is_some() {
             // Every member's dispatch logs must match: a cluster records outcomes in entries.
-            let why = "this log is replicated: outcomes come as Raft entries";
-            return Err(Error::Append(AppendError::Refused(why.into())));
+            let (request, ack) = Request::outcomes(outcomes.to_vec());
+            self.submit(request);
+            return ack.wait().map_err(Error::Append);
         }
         let result = self.shared.dispatch.append(outcomes);
         self.shared.poison_on_sync_failure(&result);
@@ -295,6 +306,7 @@ impl ScheduleLog {
         self.shared.closing.store(true, Ordering::SeqCst);
         self.submit = None;
         self.apply = None;
+        self.propose = None;
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }

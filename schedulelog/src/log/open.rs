@@ -20,6 +20,7 @@ use crate::entry::{EntryLog, Placed};
 use crate::error::{Blocked, Error, Result};
 use crate::frame;
 use crate::header::{self, FileHeader, META_MAGIC};
+use crate::proposals::Proposals;
 use crate::replay::Replay;
 use crate::view::Views;
 use crate::wal::{self, ActiveWal};
@@ -123,6 +124,13 @@ impl ScheduleLog {
         let (submit, requests) = crossbeam_channel::bounded(4096);
         let (to_replay, committed_groups) = crossbeam_channel::bounded(8);
         let apply = entry_log.is_some().then(|| to_replay.clone());
+        let (propose, proposals) = match entry_log.is_some() {
+            true => {
+                let (propose, requests) = crossbeam_channel::bounded(4096);
+                (Some(propose), Some(Proposals { requests, width }))
+            }
+            false => (None, None),
+        };
         let (recycle, recycled) = crossbeam_channel::bounded(4);
         let writer = Writer {
             wal: active,
@@ -172,6 +180,8 @@ impl ScheduleLog {
             shared,
             entry_log,
             apply,
+            propose,
+            proposals: Mutex::new(proposals),
             submit: Some(submit),
             writer: Some(writer),
             replayer: Some(replayer),

@@ -4,6 +4,7 @@
 use super::*;
 use crate::entry;
 use crate::frame::{self, BLOCK};
+use std::time::Duration;
 
 fn replicated(clock: &Arc<ManualClock>) -> Options {
     Options {
@@ -238,11 +239,19 @@ fn what_a_replicated_log_refuses() {
         payload: EntryPayload::Normal(b"not frames".to_vec()),
     };
     refused(log.append_entries(vec![garbage]));
-    // Plain appends go through the cluster.
-    assert!(matches!(
-        log.append(vec![message(T0, "x")]).wait(),
-        Err(AppendError::Refused(_))
-    ));
+    // Plain appends wait for the proposer; one that is not proposed is told so.
+    let ack = log.append(vec![message(T0, "x")]);
+    let proposals = log.proposals().unwrap();
+    assert!(log.proposals().is_none(), "given once");
+    match proposals.next_group(
+        log.next_entry_seq().unwrap(),
+        &*clock,
+        Duration::from_secs(10),
+    ) {
+        NextGroup::Formed(group) => drop(group),
+        other => panic!("no group: {other:?}"),
+    }
+    assert!(matches!(ack.wait(), Err(AppendError::Refused(_))));
     // Nothing of the above changed the log.
     let (next, _) = normal(&log, 1, 1, &["fine"]);
     append(&log, vec![next.clone()]);
@@ -431,21 +440,30 @@ fn outcomes_in_entries_reach_the_dispatch_logs() {
         kind: OutcomeKind::Delivered,
     };
     let placed = vec![(location.bucket, delivered)];
-    assert!(matches!(
-        log.record_outcomes(&placed),
-        Err(Error::Append(AppendError::Refused(_)))
-    ));
-    let mut builder = EntryBuilder::new(log.next_entry_seq().unwrap(), log.segment_minutes());
-    builder.outcomes(&placed);
-    let two = Entry {
-        log_id: id(1, 1),
-        payload: builder.finish().0,
-    };
-    append(&log, vec![two.clone()]);
-    assert_eq!(log.next_entry_seq().unwrap(), 2, "outcomes take no seq");
     let state = |log: &ScheduleLog| log.lookup(appended[0].id).unwrap().unwrap().state;
-    assert_eq!(state(&log), MessageState::Pending, "not applied yet");
-    log.apply_entries(std::slice::from_ref(&two)).unwrap();
+    // Recorded through the log, they wait for the proposer: formed into an entry, committed (here:
+    // appended and applied), answered.
+    let proposals = log.proposals().unwrap();
+    let two = std::thread::scope(|scope| {
+        let recorded = scope.spawn(|| log.record_outcomes(&placed));
+        let next_seq = log.next_entry_seq().unwrap();
+        let NextGroup::Formed(mut group) =
+            proposals.next_group(next_seq, &*clock, Duration::from_secs(10))
+        else {
+            panic!("no group");
+        };
+        assert_eq!(group.next_seq, next_seq, "outcomes take no seq");
+        let two = Entry {
+            log_id: id(1, 1),
+            payload: group.take_payload(),
+        };
+        append(&log, vec![two.clone()]);
+        assert_eq!(state(&log), MessageState::Pending, "not applied yet");
+        log.apply_entries(std::slice::from_ref(&two)).unwrap();
+        group.answer(Ok(()));
+        recorded.join().unwrap().unwrap();
+        two
+    });
     log.checkpoint().unwrap();
     assert_eq!(state(&log), MessageState::Delivered { at_ms: T0 + 5 });
     log.crash();

@@ -1,0 +1,130 @@
+//! Writes to a replicated log, for the cluster layer to propose (DESIGN.md §10). Appends, cancels and
+//! outcomes submitted to a replicated [`ScheduleLog`](crate::ScheduleLog) do not go to its WAL writer:
+//! they queue here, the leader's proposer forms each group of them into one normal entry
+//! ([`Proposals::next_group`], assigning seqs, ids and commit times exactly as a single node's writer
+//! does), proposes it, and answers its submitters with what became of it. Callers of the log do not
+//! know which they talk to.
+//!
+//! Invariants:
+//! - A submitter is answered `Ok` only by [`FormedGroup::answer`] with `Ok`, which the proposer calls
+//!   once the entry is committed and applied here; every other way out (an error, the group dropped,
+//!   the log closed) answers an error.
+//! - Groups are formed one at a time, each from the seq the proposer says is next.
+
+use crate::clock::Clock;
+use crate::commit::{Answer, Request};
+use crate::entry::{EntryBuilder, EntryPayload};
+use crate::error::AppendError;
+use crate::SegmentMinutes;
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use std::time::Duration;
+
+/// A group stops taking queued submissions past this many bytes of records (one may take it over), as
+/// the single node's writer's groups do.
+#[cfg(not(test))]
+const GROUP_TARGET_BYTES: usize = 4 << 20;
+#[cfg(test)]
+const GROUP_TARGET_BYTES: usize = 2 << 10;
+
+/// The queue of a replicated log's writes (taken once, by its proposer: `ScheduleLog::proposals`).
+#[derive(Debug)]
+pub struct Proposals {
+    pub(crate) requests: Receiver<Request>,
+    pub(crate) width: SegmentMinutes,
+}
+
+/// One group of submissions formed into an entry's records, waiting to be answered.
+#[derive(Debug)]
+#[must_use = "its submitters wait for an answer"]
+pub struct FormedGroup {
+    payload: EntryPayload,
+    /// The seq the next group starts at, should this one be committed.
+    pub next_seq: u64,
+    answers: Vec<Answer>,
+}
+
+/// What [`Proposals::next_group`] found.
+#[derive(Debug)]
+pub enum NextGroup {
+    Formed(FormedGroup),
+    /// Nothing came within the wait.
+    Idle,
+    /// The log is closed: no submission comes any more.
+    Closed,
+}
+
+impl std::fmt::Debug for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Answer(..)")
+    }
+}
+
+impl Proposals {
+    /// Waits up to `wait` for a submission, then forms it and whatever else is queued (up to a group's
+    /// bytes) into one entry's records, from `next_seq` on, committed now by `clock`.
+    pub fn next_group(&self, next_seq: u64, clock: &dyn Clock, wait: Duration) -> NextGroup {
+        let first = match self.requests.recv_timeout(wait) {
+            Ok(request) => request,
+            Err(RecvTimeoutError::Timeout) => return NextGroup::Idle,
+            Err(RecvTimeoutError::Disconnected) => return NextGroup::Closed,
+        };
+        let created_at_ms = clock.now_ms();
+        let mut builder = EntryBuilder::new(next_seq, self.width);
+        let mut answers = Vec::new();
+        let mut add = |request: Request, builder: &mut EntryBuilder| match request {
+            Request::Append { messages, reply } => {
+                let appended = builder.append(&messages, created_at_ms);
+                answers.push(Answer::Append(reply, appended));
+            }
+            Request::Cancel { target, reply } => {
+                let seq = builder.cancel(target, created_at_ms);
+                answers.push(Answer::Cancel(reply, seq));
+            }
+            Request::Outcomes { outcomes, reply } => {
+                builder.outcomes(&outcomes);
+                answers.push(Answer::Done(reply));
+            }
+            other => other.fail(AppendError::Refused(
+                "not a write a replicated log proposes".into(),
+            )),
+        };
+        add(first, &mut builder);
+        while builder.len() < GROUP_TARGET_BYTES {
+            match self.requests.try_recv() {
+                Ok(request) => add(request, &mut builder),
+                Err(_) => break,
+            }
+        }
+        let (payload, next_seq) = builder.finish();
+        NextGroup::Formed(FormedGroup {
+            payload,
+            next_seq,
+            answers,
+        })
+    }
+}
+
+impl FormedGroup {
+    /// The entry's payload, to propose (taken once).
+    pub fn take_payload(&mut self) -> EntryPayload {
+        std::mem::replace(&mut self.payload, EntryPayload::Blank)
+    }
+
+    /// Answers every submitter of the group: `Ok` once its entry is committed and applied here.
+    pub fn answer(mut self, result: Result<(), AppendError>) {
+        for answer in self.answers.drain(..) {
+            answer.send(result.as_ref().err());
+        }
+    }
+}
+
+impl Drop for FormedGroup {
+    /// A group dropped unanswered was not proposed, or its fate is unknown: its submitters must not wait
+    /// for ever, nor be told it worked.
+    fn drop(&mut self) {
+        let error = AppendError::Refused("the write was not proposed".into());
+        for answer in self.answers.drain(..) {
+            answer.send(Some(&error));
+        }
+    }
+}
