@@ -46,6 +46,10 @@ use std::time::{Duration, Instant};
 /// Bytes of an entry frame's payload before a membership's bytes.
 pub(crate) const ENTRY_HEAD_LEN: usize = 37;
 
+/// The most bytes one entry may take in the WAL, padding included: one write, within the unsynced
+/// window (frame.rs's tail policy). A proposer keeps its groups under it; an entry over it is refused.
+pub const MAX_ENTRY_BYTES: usize = frame::UNSYNCED_LIMIT / 2;
+
 /// Where an entry stands in the Raft log: the leader that made it (its term and node id) and its index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct LogId {
@@ -138,6 +142,11 @@ impl EntryHead {
         };
         Ok((head, membership))
     }
+}
+
+/// The bytes a normal entry with `records` bytes of record frames takes in the WAL, padding included.
+pub(crate) fn normal_entry_bytes(records: usize) -> usize {
+    frame::padded_len(frame::HEADER_LEN + ENTRY_HEAD_LEN + records)
 }
 
 /// The bytes an entry takes in the WAL, padding aside: its entry frame and its records.
@@ -304,6 +313,8 @@ struct EntryLogState {
     flushed: Option<u64>,
     /// Every entry up to this index is applied (handed to the replayer): never cut off.
     applied: Option<u64>,
+    /// Entries up to this index may go (with their WAL files): the Raft layer no longer needs them.
+    purgeable: Option<u64>,
     last_purged: Option<LogId>,
     /// The last entry handed in (placed or not yet).
     last: Option<LogId>,
@@ -368,14 +379,11 @@ impl EntryLog {
                 EntryPayload::Membership(m) => m.len(),
                 _ => 0,
             };
-            // One entry is one write at most, within the unsynced window (frame.rs's tail policy),
-            // and its entry frame within a frame's bounds.
-            if bytes > frame::UNSYNCED_LIMIT / 2 || ENTRY_HEAD_LEN + membership > frame::MAX_PAYLOAD
-            {
+            // One entry is one write at most, and its entry frame within a frame's bounds.
+            if bytes > MAX_ENTRY_BYTES || ENTRY_HEAD_LEN + membership > frame::MAX_PAYLOAD {
                 return Err(format!(
-                    "entry {} takes {bytes} bytes, more than one write may ({})",
+                    "entry {} takes {bytes} bytes, more than one write may ({MAX_ENTRY_BYTES})",
                     entry.log_id.index,
-                    frame::UNSYNCED_LIMIT / 2
                 ));
             }
             let records = match &entry.payload {
@@ -479,6 +487,18 @@ impl EntryLog {
         state.next_seq = cut.first_seq;
         state.flushed = state.flushed.and(from.checked_sub(1)).min(state.flushed);
         Some(cut)
+    }
+
+    /// Entries up to `index` may go with their WAL files (never beyond what is applied: retirement
+    /// checks that too).
+    pub(crate) fn allow_purge(&self, index: u64) {
+        let mut state = self.state();
+        state.purgeable = state.purgeable.max(Some(index));
+    }
+
+    /// Up to which index entries may go.
+    pub(crate) fn purgeable(&self) -> Option<u64> {
+        self.state().purgeable
     }
 
     /// The placed entries in the WAL file named `file`, in order.

@@ -13,8 +13,10 @@
 
 use crate::clock::Clock;
 use crate::commit::{Answer, Request};
-use crate::entry::{EntryBuilder, EntryPayload};
+use crate::entry::{normal_entry_bytes, EntryBuilder, EntryPayload, MAX_ENTRY_BYTES};
 use crate::error::AppendError;
+use crate::frame;
+use crate::record::{CANCEL_PAYLOAD_LEN, MAX_REASON_BYTES};
 use crate::SegmentMinutes;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::time::Duration;
@@ -31,6 +33,27 @@ const GROUP_TARGET_BYTES: usize = 2 << 10;
 pub struct Proposals {
     pub(crate) requests: Receiver<Request>,
     pub(crate) width: SegmentMinutes,
+    /// A submission that did not fit the last group: the next group starts with it.
+    pub(crate) held: std::sync::Mutex<Option<Request>>,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Request(..)")
+    }
+}
+
+/// The bytes of record frames a submission adds to an entry, at most.
+fn record_bytes(request: &Request) -> usize {
+    match request {
+        Request::Append { messages, .. } => messages.iter().map(|m| m.frame.len()).sum(),
+        Request::Cancel { .. } => frame::HEADER_LEN + CANCEL_PAYLOAD_LEN,
+        // The bucket, an outcome's fixed fields and its reason, at most.
+        Request::Outcomes { outcomes, .. } => {
+            outcomes.len() * (frame::HEADER_LEN + 4 + 33 + MAX_REASON_BYTES)
+        }
+        _ => 0,
+    }
 }
 
 /// One group of submissions formed into an entry's records, waiting to be answered.
@@ -63,11 +86,24 @@ impl Proposals {
     /// Waits up to `wait` for a submission, then forms it and whatever else is queued (up to a group's
     /// bytes) into one entry's records, from `next_seq` on, committed now by `clock`.
     pub fn next_group(&self, next_seq: u64, clock: &dyn Clock, wait: Duration) -> NextGroup {
-        let first = match self.requests.recv_timeout(wait) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let first = match held
+            .take()
+            .map_or_else(|| self.requests.recv_timeout(wait), Ok)
+        {
             Ok(request) => request,
             Err(RecvTimeoutError::Timeout) => return NextGroup::Idle,
             Err(RecvTimeoutError::Disconnected) => return NextGroup::Closed,
         };
+        // An entry is one write at most (`MAX_ENTRY_BYTES`): a submission larger than that on its own
+        // is refused here, before Raft, where a refused entry would stop the member.
+        let mut planned = record_bytes(&first);
+        if normal_entry_bytes(planned) > MAX_ENTRY_BYTES {
+            first.fail(AppendError::Refused(format!(
+                "a write of {planned} bytes of records is larger than one Raft entry may be ({MAX_ENTRY_BYTES})"
+            )));
+            return NextGroup::Idle;
+        }
         let created_at_ms = clock.now_ms();
         let mut builder = EntryBuilder::new(next_seq, self.width);
         let mut answers = Vec::new();
@@ -89,11 +125,17 @@ impl Proposals {
             )),
         };
         add(first, &mut builder);
-        while builder.len() < GROUP_TARGET_BYTES {
-            match self.requests.try_recv() {
-                Ok(request) => add(request, &mut builder),
-                Err(_) => break,
+        while planned < GROUP_TARGET_BYTES {
+            let Ok(request) = self.requests.try_recv() else {
+                break;
+            };
+            let bytes = record_bytes(&request);
+            if normal_entry_bytes(planned + bytes) > MAX_ENTRY_BYTES {
+                *held = Some(request);
+                break;
             }
+            planned += bytes;
+            add(request, &mut builder);
         }
         let (payload, next_seq) = builder.finish();
         NextGroup::Formed(FormedGroup {

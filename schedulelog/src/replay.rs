@@ -685,8 +685,9 @@ impl Replay {
             }
             if let Some(log) = &self.entry_log {
                 // A replicated WAL file goes once every entry in it is applied and checkpointed (an
-                // entry without records may follow the last record), and a checkpoint has said that
-                // the log starts after its last entry: recovery must know the last purged entry.
+                // entry without records may follow the last record), the Raft layer let them go
+                // (`ScheduleLog::purge_entries`), and a checkpoint has said that the log starts after
+                // its last entry: recovery must know the last purged entry.
                 let checkpointed = self.checkpointed_applied.as_ref();
                 let applied = checkpointed.map(|a| a.log_id.index);
                 let purged = checkpointed.and_then(|a| a.purged).map(|p| p.index);
@@ -698,6 +699,9 @@ impl Replay {
                     continue;
                 }
                 let last = entries.last().map(|e| e.log_id);
+                if last.is_some_and(|l| log.purgeable().is_none_or(|p| l.index > p)) {
+                    continue; // the Raft layer may still send these entries to a member behind
+                }
                 if let Some(last) = last.filter(|l| purged.is_none_or(|p| l.index > p)) {
                     // Said first, by the next checkpoint; the file goes after it.
                     if let Some(applied) = &mut self.applied {

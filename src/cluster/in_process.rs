@@ -59,9 +59,14 @@ impl Running {
     }
 }
 
+/// Members in one process. Should a test fail midway, what runs goes with the test's runtime: the Raft
+/// and peer tasks are dropped, which lets each log go, which ends its threads.
 struct Cluster {
     dirs: Vec<tempfile::TempDir>,
     peers: Vec<SocketAddr>,
+    /// Each member's peer listener until it first starts (bound once, so that no other test takes
+    /// its port meanwhile).
+    listeners: BTreeMap<u64, std::net::TcpListener>,
     members: BTreeMap<u64, Member>,
     running: BTreeMap<u64, Running>,
     clock: Arc<ManualClock>,
@@ -82,10 +87,12 @@ impl Cluster {
     async fn new(size: u64) -> Cluster {
         let mut peers = Vec::new();
         let mut members = BTreeMap::new();
+        let mut listeners = BTreeMap::new();
         for id in 1..=size {
-            // A port of its own, free now; bound again when the member starts.
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.set_nonblocking(true).unwrap();
             let addr = listener.local_addr().unwrap();
+            listeners.insert(id, listener);
             peers.push(addr);
             let member = Member {
                 api: format!("http://127.0.0.1:{}", 9000 + id),
@@ -96,6 +103,7 @@ impl Cluster {
         let mut cluster = Cluster {
             dirs: (0..size).map(|_| tempfile::tempdir().unwrap()).collect(),
             peers,
+            listeners,
             members,
             running: BTreeMap::new(),
             clock: Arc::new(ManualClock::new(T0)),
@@ -137,9 +145,13 @@ impl Cluster {
         let raft = Raft::new(id, config, network, store, machine)
             .await
             .unwrap();
-        let listener = tokio::net::TcpListener::bind(self.peers[(id - 1) as usize])
-            .await
-            .unwrap();
+        let listener = match self.listeners.remove(&id) {
+            Some(first) => tokio::net::TcpListener::from_std(first).unwrap(),
+            // A restart binds its port again.
+            None => tokio::net::TcpListener::bind(self.peers[(id - 1) as usize])
+                .await
+                .unwrap(),
+        };
         let service = Arc::new(RaftService::new(raft.clone()));
         let serve = peer::serve(listener, id, SECRET, PeerOptions::default(), service).unwrap();
         let serving = tokio::spawn(serve);
@@ -264,6 +276,71 @@ async fn three_members_replicate_and_survive_the_loss_of_their_leader() {
         })
         .collect();
     assert!(logs.windows(2).all(|w| w[0] == w[1]), "{logs:?}");
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}
+
+/// Writers keep writing while the leader is stopped twice (and restarted): every write that was
+/// acknowledged is on every member afterwards, and none is lost or doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_writes_survive_leaders_stopped_under_load() {
+    let mut cluster = Cluster::new(3).await;
+    let mut acknowledged = Vec::new();
+    for round in 0..3 {
+        // A burst of concurrent writes through the leader of the moment.
+        let leader = cluster.leader().await;
+        let log = &cluster.running[&leader].log;
+        let writes: Vec<_> = (0..20)
+            .map(|i| {
+                let body = format!("round {round} write {i}");
+                (log.append(vec![message(&body)]), body)
+            })
+            .collect();
+        if round < 2 {
+            // The leader goes while some of them are in flight, and comes back.
+            cluster.running.remove(&leader).unwrap().stop().await;
+            cluster.start(leader).await;
+        }
+        for (ack, body) in writes {
+            if let Ok(appended) = ack.await {
+                acknowledged.push((appended[0].id, body));
+            }
+        }
+    }
+    assert!(!acknowledged.is_empty());
+    for (id, body) in &acknowledged {
+        cluster.applied_everywhere(*id, body).await;
+    }
+    let ids: BTreeSet<_> = acknowledged.iter().map(|(id, _)| *id).collect();
+    assert_eq!(ids.len(), acknowledged.len(), "an id was handed out twice");
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}
+
+/// A write larger than one entry may be is refused before it is proposed: the leader's Raft goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_larger_than_an_entry_is_refused_and_raft_goes_on() {
+    let mut cluster = Cluster::new(3).await;
+    let leader = cluster.leader().await;
+    let big = "x".repeat(1 << 20);
+    let count = schedulelog::MAX_ENTRY_BYTES / big.len() + 1;
+    let messages = (0..count).map(|_| message(&big)).collect();
+    let refused = cluster.running[&leader].log.append(messages).await;
+    assert!(
+        matches!(refused, Err(AppendError::Refused(_))),
+        "{refused:?}"
+    );
+    let after = cluster.append("after").await;
+    cluster.applied_everywhere(after, "after").await;
+    let state = cluster.running[&leader]
+        .raft
+        .metrics()
+        .borrow()
+        .running_state
+        .clone();
+    assert!(state.is_ok(), "the member's Raft stopped: {state:?}");
     for (_, running) in std::mem::take(&mut cluster.running) {
         running.stop().await;
     }

@@ -43,10 +43,14 @@ openraft::declare_raft_types!(
         AsyncRuntime = openraft::TokioRuntime,
 );
 
+/// Entries between two (meta-only) snapshots.
+const SNAPSHOT_EVERY_ENTRIES: u64 = 5_000;
+
 /// openraft's settings for a member whose election timeout is `election_timeout` (DESIGN.md §10):
 /// heartbeats at a quarter of it, elections between it and one and a half times it (which is also how
-/// long a leader's lease lasts). openraft never snapshots or purges by itself: the log retires its
-/// WAL files, and snapshots are only their meta (store.rs).
+/// long a leader's lease lasts). Snapshots are only their meta (store.rs), so openraft may take one
+/// as often as it likes: each lets it purge entries that every member has, and the log then retires
+/// their WAL files.
 pub fn raft_config(election_timeout: std::time::Duration) -> std::sync::Arc<openraft::Config> {
     let election_ms = u64::try_from(election_timeout.as_millis())
         .unwrap_or(u64::MAX)
@@ -56,7 +60,7 @@ pub fn raft_config(election_timeout: std::time::Duration) -> std::sync::Arc<open
         heartbeat_interval: election_ms / 4,
         election_timeout_min: election_ms,
         election_timeout_max: election_ms.saturating_add(election_ms / 2),
-        snapshot_policy: openraft::SnapshotPolicy::Never,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_ENTRIES),
         ..openraft::Config::default()
     }
     .validate()

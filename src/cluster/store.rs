@@ -7,8 +7,10 @@
 //! - An append's callback fires only after the `fdatasync` that covers its entries returned.
 //! - A vote is on disk before `save_vote` returns; the committed log id is saved without a sync (openraft
 //!   asks no more of it: a lost one is learnt again from the leader).
-//! - Reads never come back short inside the log's bounds: a missing entry there is an error. Outside
-//!   them (purged, or past the end) entries are simply absent, as openraft's reader contract allows.
+//! - Reads never come back short: a purged or missing entry is an error. Only entries past the end are
+//!   simply absent, as openraft's reader contract allows.
+//! - Entries go only once openraft purged them (after a snapshot, once no member needs them), and
+//!   then with their WAL files, once everything in those is applied and checkpointed.
 //! - Snapshots are only their meta (issue 34 streams the files): a member that needs one is told so,
 //!   and openraft retries.
 
@@ -155,7 +157,17 @@ impl LogStore {
             .log
             .entry_bounds()
             .map_err(|e| storage_error(ErrorSubject::Logs, ErrorVerb::Read, e))?;
-        let start = start.max(purged.map_or(0, |p| p.index + 1));
+        // A purged entry is an error, never left out: a read that starts later than asked would let
+        // a leader send a member entries after a gap.
+        if let Some(purged) = purged.filter(|p| start <= p.index && start < end) {
+            let gone =
+                std::io::Error::other(format!("entry {start} is purged (up to {})", purged.index));
+            return Err(storage_error(
+                ErrorSubject::LogIndex(start),
+                ErrorVerb::Read,
+                gone,
+            ));
+        }
         let end = end.min(last.map_or(0, |l| l.index + 1));
         let mut entries = Vec::new();
         let mut bytes = 0;
@@ -287,9 +299,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             .map_err(|e| storage_error(ErrorSubject::Log(log_id), ErrorVerb::Delete, e))
     }
 
-    async fn purge(&mut self, _log_id: LogId<u64>) -> StorageResult<()> {
-        // The log retires its WAL files itself, once everything in them is applied and checkpointed.
-        Ok(())
+    async fn purge(&mut self, log_id: LogId<u64>) -> StorageResult<()> {
+        // Entries go with their WAL files, once everything in them is also applied and checkpointed.
+        self.log
+            .purge_entries(log_id.index)
+            .map_err(|e| storage_error(ErrorSubject::Log(log_id), ErrorVerb::Delete, e))
     }
 }
 

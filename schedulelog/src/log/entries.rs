@@ -138,6 +138,13 @@ impl ScheduleLog {
             .take()
     }
 
+    /// Lets entries up to `index` go: their WAL files are retired once every entry in them is applied
+    /// and checkpointed (not at once: `entry_bounds` says when).
+    pub fn purge_entries(&self, index: u64) -> Result<()> {
+        self.entry_log()?.allow_purge(index);
+        Ok(())
+    }
+
     /// (The last entry purged, the last entry): the log holds every entry between them.
     pub fn entry_bounds(&self) -> Result<(Option<LogId>, Option<LogId>)> {
         Ok(self.entry_log()?.bounds())

@@ -127,7 +127,14 @@ impl ScheduleLog {
         let (propose, proposals) = match entry_log.is_some() {
             true => {
                 let (propose, requests) = crossbeam_channel::bounded(4096);
-                (Some(propose), Some(Proposals { requests, width }))
+                (
+                    Some(propose),
+                    Some(Proposals {
+                        requests,
+                        width,
+                        held: Default::default(),
+                    }),
+                )
             }
             false => (None, None),
         };

@@ -394,8 +394,8 @@ fn an_apply_waits_for_its_entry_to_be_durable() {
     );
 }
 
-/// Applied entries go with their WAL files, once a checkpoint has said where the log then starts:
-/// after a crash the log starts there, with everything after it.
+/// Applied entries go with their WAL files once the Raft layer let them go and a checkpoint has said
+/// where the log then starts: after a crash the log starts there, with everything after it.
 #[test]
 fn retired_files_purge_their_entries_once_a_checkpoint_says_so() {
     let (dir, clock, log) = new_log_with(replicated);
@@ -407,6 +407,10 @@ fn retired_files_purge_their_entries_once_a_checkpoint_says_so() {
         entries.push(entry);
     }
     log.apply_entries(&log.read_entries(0..4).unwrap()).unwrap();
+    log.checkpoint().unwrap();
+    log.checkpoint().unwrap();
+    assert_eq!(log.entry_bounds().unwrap().0, None, "not let go yet");
+    log.purge_entries(3).unwrap();
     log.checkpoint().unwrap();
     assert_eq!(log.entry_bounds().unwrap().0, None, "not said yet");
     log.checkpoint().unwrap();
@@ -471,4 +475,37 @@ fn outcomes_in_entries_reach_the_dispatch_logs() {
     let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
     assert_eq!(log.read_entries(1..2).unwrap(), vec![two]);
     assert_eq!(state(&log), MessageState::Delivered { at_ms: T0 + 5 });
+}
+
+/// A group stays within one entry's bytes: a submission that does not fit waits for the next group,
+/// and one larger than an entry on its own is refused before it is proposed.
+#[test]
+fn groups_stay_within_an_entry() {
+    let (_dir, clock, log) = new_log_with(replicated);
+    let proposals = log.proposals().unwrap();
+    let body = "x".repeat(800);
+    let batch = |n: usize| (0..n).map(|_| message(T0, &body)).collect::<Vec<_>>();
+    let record = batch(1)[0].frame_len();
+    let fits = MAX_ENTRY_BYTES / record / 2 + 1; // two of these do not fit one entry
+    let (first, second) = (log.append(batch(fits)), log.append(batch(fits)));
+    let too_large = log.append(batch(MAX_ENTRY_BYTES / record + 1));
+    let wait = Duration::from_secs(10);
+    let NextGroup::Formed(one) = proposals.next_group(1, &*clock, wait) else {
+        panic!("no first group");
+    };
+    assert_eq!(one.next_seq, 1 + fits as u64, "the first submission alone");
+    let NextGroup::Formed(two) = proposals.next_group(one.next_seq, &*clock, wait) else {
+        panic!("no second group");
+    };
+    assert_eq!(two.next_seq, 1 + 2 * fits as u64, "the second, held over");
+    assert!(matches!(
+        proposals.next_group(two.next_seq, &*clock, wait),
+        NextGroup::Idle
+    ));
+    assert!(matches!(too_large.wait(), Err(AppendError::Refused(_))));
+    drop((one, two));
+    assert!(
+        first.wait().is_err() && second.wait().is_err(),
+        "not proposed"
+    );
 }
