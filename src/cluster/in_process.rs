@@ -59,6 +59,73 @@ impl Running {
     }
 }
 
+/// A TCP proxy in front of one member's peer listener, which refuses links from chosen callers (read
+/// from the peer handshake's first bytes: magic, version, the caller's id) and cuts theirs at once.
+struct Proxy {
+    addr: SocketAddr,
+    blocked: tokio::sync::watch::Sender<BTreeSet<u64>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(listener: tokio::net::TcpListener, target: SocketAddr) -> Proxy {
+        use tokio::io::AsyncReadExt;
+        let addr = listener.local_addr().unwrap();
+        let (blocked, watch) = tokio::sync::watch::channel(BTreeSet::new());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                let mut watch = watch.clone();
+                tokio::spawn(async move {
+                    let mut hello = [0u8; 18];
+                    if inbound.read_exact(&mut hello).await.is_err() {
+                        return;
+                    }
+                    let caller = u64::from_le_bytes(hello[10..18].try_into().unwrap());
+                    let cut = |blocked: &BTreeSet<u64>| blocked.contains(&caller);
+                    if cut(&watch.borrow_and_update()) {
+                        return;
+                    }
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    if tokio::io::AsyncWriteExt::write_all(&mut outbound, &hello)
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = watch.wait_for(cut) => {}
+                    }
+                });
+            }
+        });
+        Proxy {
+            addr,
+            blocked,
+            task,
+        }
+    }
+
+    fn block(&self, callers: impl IntoIterator<Item = u64>) {
+        self.blocked.send_modify(|b| b.extend(callers));
+    }
+
+    fn heal(&self) {
+        self.blocked.send_modify(BTreeSet::clear);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Members in one process. Should a test fail midway, what runs goes with the test's runtime: the Raft
 /// and peer tasks are dropped, which lets each log go, which ends its threads.
 struct Cluster {
@@ -67,6 +134,8 @@ struct Cluster {
     /// Each member's peer listener until it first starts (bound once, so that no other test takes
     /// its port meanwhile).
     listeners: BTreeMap<u64, std::net::TcpListener>,
+    /// In front of each member's listener: the address the others call it at.
+    proxies: BTreeMap<u64, Proxy>,
     members: BTreeMap<u64, Member>,
     running: BTreeMap<u64, Running>,
     clock: Arc<ManualClock>,
@@ -88,22 +157,27 @@ impl Cluster {
         let mut peers = Vec::new();
         let mut members = BTreeMap::new();
         let mut listeners = BTreeMap::new();
+        let mut proxies = BTreeMap::new();
         for id in 1..=size {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             listener.set_nonblocking(true).unwrap();
             let addr = listener.local_addr().unwrap();
             listeners.insert(id, listener);
             peers.push(addr);
+            let front = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let proxy = Proxy::start(front, addr).await;
             let member = Member {
                 api: format!("http://127.0.0.1:{}", 9000 + id),
-                peer: addr.to_string(),
+                peer: proxy.addr.to_string(),
             };
+            proxies.insert(id, proxy);
             members.insert(id, member);
         }
         let mut cluster = Cluster {
             dirs: (0..size).map(|_| tempfile::tempdir().unwrap()).collect(),
             peers,
             listeners,
+            proxies,
             members,
             running: BTreeMap::new(),
             clock: Arc::new(ManualClock::new(T0)),
@@ -172,21 +246,41 @@ impl Cluster {
 
     /// The leader the running members agree on.
     async fn leader(&self) -> u64 {
+        let all: Vec<_> = self.running.keys().copied().collect();
+        self.leader_among(&all).await
+    }
+
+    /// The leader the running members among `ids` agree on, one of them.
+    async fn leader_among(&self, ids: &[u64]) -> u64 {
         let mut leader = None;
         wait_until("the members agree on a leader", || {
-            let seen: BTreeSet<_> = self
-                .running
-                .values()
+            let seen: BTreeSet<_> = ids
+                .iter()
+                .filter_map(|id| self.running.get(id))
                 .map(|r| r.raft.metrics().borrow().current_leader)
                 .collect();
             leader = match seen.into_iter().collect::<Vec<_>>()[..] {
-                [Some(id)] if self.running.contains_key(&id) => Some(id),
+                [Some(id)] if ids.contains(&id) && self.running.contains_key(&id) => Some(id),
                 _ => None,
             };
             leader.is_some()
         })
         .await;
         leader.unwrap()
+    }
+
+    /// Cuts every peer link of `id`, both ways.
+    fn isolate(&self, id: u64) {
+        for (member, proxy) in &self.proxies {
+            match *member == id {
+                true => proxy.block(self.members.keys().copied()),
+                false => proxy.block([id]),
+            }
+        }
+    }
+
+    fn heal(&self) {
+        self.proxies.values().for_each(Proxy::heal);
     }
 
     /// Appends through the leader, retrying while leadership moves.
@@ -204,7 +298,13 @@ impl Cluster {
 
     /// Waits until every running member has applied (filed) the message `id`.
     async fn applied_everywhere(&self, id: MessageId, body: &str) {
-        for (member, running) in &self.running {
+        let all: Vec<_> = self.running.keys().copied().collect();
+        self.applied_on(&all, id, body).await;
+    }
+
+    /// Waits until the members `ids` have applied (filed) the message `id`.
+    async fn applied_on(&self, ids: &[u64], id: MessageId, body: &str) {
+        for (member, running) in self.running.iter().filter(|(m, _)| ids.contains(m)) {
             let log = running.log.clone();
             let found = move || log.lookup(id).ok().flatten().map(|s| s.message.body);
             wait_until(&format!("member {member} applied {body}"), || {
@@ -341,6 +441,61 @@ async fn a_write_larger_than_an_entry_is_refused_and_raft_goes_on() {
         .running_state
         .clone();
     assert!(state.is_ok(), "the member's Raft stopped: {state:?}");
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}
+
+/// A leader cut off from the others acknowledges nothing; the majority elects another and takes
+/// writes; once healed, the old leader's uncommitted entry is cut from its WAL and replaced, and the
+/// write it held is answered with an error, never applied anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_leader_loses_its_uncommitted_tail() {
+    let mut cluster = Cluster::new(3).await;
+    let first = cluster.append("before").await;
+    cluster.applied_everywhere(first, "before").await;
+    let old = cluster.leader().await;
+    let (_, before) = cluster.running[&old].log.entry_bounds().unwrap();
+    let before = before.unwrap().index;
+
+    cluster.isolate(old);
+    let held = cluster.running[&old].log.append(vec![message("isolated")]);
+    let majority: Vec<_> = cluster
+        .members
+        .keys()
+        .copied()
+        .filter(|id| *id != old)
+        .collect();
+    let new = cluster.leader_among(&majority).await;
+    let taken = loop {
+        match cluster.running[&new]
+            .log
+            .append(vec![message("majority")])
+            .await
+        {
+            Ok(appended) => break appended[0].id,
+            Err(AppendError::NotLeader { .. }) => {
+                cluster.leader_among(&majority).await;
+            }
+            Err(e) => panic!("append on the majority: {e}"),
+        }
+    };
+    cluster.applied_on(&majority, taken, "majority").await;
+
+    cluster.heal();
+    cluster.applied_everywhere(taken, "majority").await;
+    let held = held.await;
+    assert!(
+        held.is_err(),
+        "the isolated write was acknowledged: {held:?}"
+    );
+    // Its entry was cut: the old leader's WAL holds the majority's entries after the shared ones.
+    let logs: Vec<_> = cluster
+        .running
+        .values()
+        .map(|r| r.log.read_entries(before + 1..before + 3).unwrap())
+        .collect();
+    assert!(logs.windows(2).all(|w| w[0] == w[1]), "{logs:?}");
     for (_, running) in std::mem::take(&mut cluster.running) {
         running.stop().await;
     }
