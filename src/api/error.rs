@@ -42,6 +42,7 @@ pub const PROBLEM_CODES: &[&str] = &[
     "invalid_topic",
     "method_not_allowed",
     "missing_deliver_time",
+    "no_leader",
     "not_dead",
     "not_found",
     "not_requeueable",
