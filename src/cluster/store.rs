@@ -76,6 +76,12 @@ fn to_log_entry(entry: Entry<TypeConfig>) -> StorageResult<schedulelog::Entry> {
     })
 }
 
+fn to_log_entries(
+    entries: impl IntoIterator<Item = Entry<TypeConfig>>,
+) -> StorageResult<Vec<schedulelog::Entry>> {
+    entries.into_iter().map(to_log_entry).collect()
+}
+
 fn membership_of(bytes: &[u8], log_id: LogId<u64>) -> StorageResult<Membership<u64, Member>> {
     serde_json::from_slice(bytes)
         .map_err(|e| storage_error(ErrorSubject::Log(log_id), ErrorVerb::Read, e))
@@ -281,10 +287,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + Send,
         I::IntoIter: Send,
     {
-        let entries = entries
-            .into_iter()
-            .map(to_log_entry)
-            .collect::<StorageResult<Vec<_>>>()?;
+        let entries = to_log_entries(entries)?;
         let ack = self.log.append_entries(entries);
         // Readable now; durable when the ack comes, which the flush thread tells openraft.
         self.flushes.send((ack, callback)).map_err(|_| {
@@ -377,10 +380,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         I: IntoIterator<Item = Entry<TypeConfig>> + Send,
         I::IntoIter: Send,
     {
-        let entries = entries
-            .into_iter()
-            .map(to_log_entry)
-            .collect::<StorageResult<Vec<_>>>()?;
+        let entries = to_log_entries(entries)?;
         let count = entries.len();
         let log = self.log.clone();
         run_blocking(move || {
