@@ -166,6 +166,9 @@ pub enum AppendError {
     /// known): nothing was proposed.
     #[error("this member does not lead the cluster (the leader is {leader:?})")]
     NotLeader { leader: Option<u64> },
+    /// A replicated log's write was proposed, but no quorum took it in time: it may still take effect.
+    #[error("no quorum took the write in time; it may still take effect")]
+    Uncertain,
     /// A request this log does not take: Raft entries that do not continue it, or one too large for a
     /// WAL file; a plain append to a replicated log, or entries to a single node's. Nothing was written.
     #[error("refused: {0}")]

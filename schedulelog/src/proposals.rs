@@ -16,7 +16,7 @@ use crate::commit::{Answer, Request};
 use crate::entry::{normal_entry_bytes, EntryBuilder, EntryPayload, MAX_ENTRY_BYTES};
 use crate::error::AppendError;
 use crate::frame;
-use crate::record::{CANCEL_PAYLOAD_LEN, MAX_REASON_BYTES};
+use crate::record::CANCEL_PAYLOAD_LEN;
 use crate::SegmentMinutes;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::time::Duration;
@@ -49,9 +49,15 @@ fn record_bytes(request: &Request) -> usize {
         Request::Append { messages, .. } => messages.iter().map(|m| m.frame.len()).sum(),
         Request::Cancel { .. } => frame::HEADER_LEN + CANCEL_PAYLOAD_LEN,
         // The bucket, an outcome's fixed fields and its reason, at most.
-        Request::Outcomes { outcomes, .. } => {
-            outcomes.len() * (frame::HEADER_LEN + 4 + 33 + MAX_REASON_BYTES)
-        }
+        Request::Outcomes { outcomes, .. } => outcomes
+            .iter()
+            .map(|(_, outcome)| {
+                // The frame as the dispatch logs have it, and the bucket.
+                let mut record = Vec::new();
+                outcome.encode_frame(&mut record);
+                record.len() + 4
+            })
+            .sum(),
         _ => 0,
     }
 }
@@ -84,8 +90,14 @@ impl std::fmt::Debug for Answer {
 
 impl Proposals {
     /// Waits up to `wait` for a submission, then forms it and whatever else is queued (up to a group's
-    /// bytes) into one entry's records, from `next_seq` on, committed now by `clock`.
-    pub fn next_group(&self, next_seq: u64, clock: &dyn Clock, wait: Duration) -> NextGroup {
+    /// bytes) into one entry's records, from the seq `next_seq` gives then on, committed now by
+    /// `clock`.
+    pub fn next_group(
+        &self,
+        next_seq: impl FnOnce() -> u64,
+        clock: &dyn Clock,
+        wait: Duration,
+    ) -> NextGroup {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let first = match held
             .take()
@@ -104,8 +116,9 @@ impl Proposals {
             )));
             return NextGroup::Idle;
         }
+        // Asked only now, after the wait: the log may have changed meanwhile.
         let created_at_ms = clock.now_ms();
-        let mut builder = EntryBuilder::new(next_seq, self.width);
+        let mut builder = EntryBuilder::new(next_seq(), self.width);
         let mut answers = Vec::new();
         let mut add = |request: Request, builder: &mut EntryBuilder| match request {
             Request::Append { messages, reply } => {
@@ -161,10 +174,10 @@ impl FormedGroup {
 }
 
 impl Drop for FormedGroup {
-    /// A group dropped unanswered was not proposed, or its fate is unknown: its submitters must not wait
-    /// for ever, nor be told it worked.
+    /// A group dropped unanswered was not proposed (this member does not lead, as far as its proposer
+    /// can tell): its submitters must not wait for ever, nor be told it worked.
     fn drop(&mut self) {
-        let error = AppendError::Refused("the write was not proposed".into());
+        let error = AppendError::NotLeader { leader: None };
         for answer in self.answers.drain(..) {
             answer.send(Some(&error));
         }

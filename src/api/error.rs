@@ -176,6 +176,14 @@ impl From<AppendError> for ApiError {
                     "this cluster member does not lead, and no leader took the write; nothing was stored, retry shortly",
                 )
             },
+            AppendError::Uncertain => ApiError {
+                retry_after_secs: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no_leader",
+                    "no quorum of the cluster took the write in time: it may still take effect; resend it with an idempotency key (dedup)",
+                )
+            },
             // What the log refuses is the caller's mistake in this process, not the client's.
             refused @ AppendError::Refused(_) => ApiError::internal(refused),
             AppendError::Closed => ApiError {

@@ -49,8 +49,10 @@ const SNAPSHOT_EVERY_ENTRIES: u64 = 5_000;
 /// openraft's settings for a member whose election timeout is `election_timeout` (DESIGN.md §10):
 /// heartbeats at a quarter of it, elections between it and one and a half times it (which is also how
 /// long a leader's lease lasts). Snapshots are only their meta (store.rs), so openraft may take one
-/// as often as it likes: each lets it purge entries that every member has, and the log then retires
-/// their WAL files.
+/// as often as it likes: each lets it purge the entries more than `max_in_snapshot_log_to_keep`
+/// before it (whether every member has them or not), and the log then retires their WAL files. A
+/// member further behind than that needs a snapshot sent, which issue 34 brings: until then it stays
+/// behind (the leader offers, the network refuses, openraft backs off and offers again).
 pub fn raft_config(election_timeout: std::time::Duration) -> std::sync::Arc<openraft::Config> {
     let election_ms = u64::try_from(election_timeout.as_millis())
         .unwrap_or(u64::MAX)

@@ -7,10 +7,10 @@
 //! - One proposal at a time: the next group's seqs start where the log's handed-in entries end
 //!   (`ScheduleLog::next_entry_seq`), which holds only once the proposal before it was appended or
 //!   refused. Writes that come meanwhile form the next group.
-//! - A failed proposal answers every submitter of its group with the same error, and so does one that
-//!   no quorum took within `ANSWER_WITHIN` (a leader cut off from the others). Its entry may still be
-//!   committed later (the answer is then unknown, as for any timed-out write: idempotency keys are
-//!   for that).
+//! - A failed proposal answers every submitter of its group with the same error. One that no quorum
+//!   took in time (a leader cut off from the others) is answered as uncertain: its entry
+//!   may still be committed (idempotency keys are for that). Until its fate is known, later writes are
+//!   refused at once as not proposed (nothing stored).
 //! - The proposer holds no strong handle on the log: the log closes when its owner lets it go, which
 //!   ends the proposer.
 
@@ -22,17 +22,16 @@ use std::time::Duration;
 /// How often an idle proposer looks whether its log is still there.
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 
-/// How long a group's submitters wait for its entry to be committed before they are told that no
-/// quorum took it (its fate is then unknown).
-const ANSWER_WITHIN: Duration = Duration::from_secs(10);
-
 /// Starts proposing `log`'s writes through `raft`, on a thread of its own driving `runtime`'s futures.
-/// `None` when the log has no proposals to give (a single node's, or given already).
+/// A group's submitters wait up to `answer_within` for its entry to be committed; then they are told
+/// that no quorum took it (its fate is then unknown). `None` when the log has no proposals to give
+/// (a single node's, or given already).
 pub fn start(
     raft: openraft::Raft<TypeConfig>,
     log: &Arc<ScheduleLog>,
     clock: Arc<dyn Clock>,
     runtime: tokio::runtime::Handle,
+    answer_within: Duration,
 ) -> std::io::Result<Option<std::thread::JoinHandle<()>>> {
     let Some(proposals) = log.proposals() else {
         return Ok(None);
@@ -41,10 +40,11 @@ pub fn start(
     let thread = std::thread::Builder::new()
         .name("delayd-propose".into())
         .spawn(move || loop {
-            let Some(next_seq) = next_seq(&log) else {
+            if log.strong_count() == 0 {
                 return;
-            };
-            let mut group = match proposals.next_group(next_seq, &*clock, IDLE_WAIT) {
+            }
+            let next = || next_seq(&log).unwrap_or_default();
+            let mut group = match proposals.next_group(next, &*clock, IDLE_WAIT) {
                 NextGroup::Formed(group) => group,
                 NextGroup::Idle => continue,
                 NextGroup::Closed => return,
@@ -54,14 +54,25 @@ pub fn start(
             };
             let mut write = Box::pin(raft.client_write(Proposal { frames }));
             // (The timer is made inside the runtime, which it needs.)
-            let answered = async { tokio::time::timeout(ANSWER_WITHIN, &mut write).await };
+            let answered = async { tokio::time::timeout(answer_within, &mut write).await };
             let written = match runtime.block_on(answered) {
                 Ok(written) => written,
                 Err(_) => {
                     // A leader cut off from the others keeps its write pending: its submitters are
-                    // told now, and the next group waits for this one's fate (its seqs come after).
-                    group.answer(Err(AppendError::NotLeader { leader: None }));
-                    let _ = runtime.block_on(write);
+                    // told now; later writes are not proposed while its fate is open (their seqs
+                    // would come after it), and are told so at once.
+                    group.answer(Err(AppendError::Uncertain));
+                    loop {
+                        let settled = async { tokio::time::timeout(IDLE_WAIT, &mut write).await };
+                        if runtime.block_on(settled).is_ok() {
+                            break;
+                        }
+                        while let NextGroup::Formed(refused) =
+                            proposals.next_group(|| 0, &*clock, Duration::ZERO)
+                        {
+                            drop(refused); // answered: not proposed
+                        }
+                    }
                     continue;
                 }
             };

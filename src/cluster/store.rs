@@ -418,16 +418,11 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         ))
     }
 
-    /// Once entries are purged there is one: openraft asks for it when a member needs them (and the
-    /// network refuses to send it, for now).
+    /// There is one as soon as anything is applied: openraft asks for it for a member that needs
+    /// entries it purged, which it may do before the log retired them (and the network refuses to
+    /// send it, for now). `None` would stop the leader.
     async fn get_current_snapshot(&mut self) -> StorageResult<Option<Snapshot<TypeConfig>>> {
-        let (purged, _) = self
-            .log
-            .entry_bounds()
-            .map_err(|e| storage_error(ErrorSubject::Snapshot(None), ErrorVerb::Read, e))?;
-        match purged {
-            Some(_) => self.build_snapshot().await.map(Some),
-            None => Ok(None),
-        }
+        let snapshot = self.build_snapshot().await?;
+        Ok(snapshot.meta.last_log_id.is_some().then_some(snapshot))
     }
 }

@@ -266,13 +266,17 @@ impl ScheduleLog {
     /// Records outcomes in the dispatch logs of their buckets, durably. A failed sync poisons the log
     /// (never retried: the kernel may have dropped the pages); a full disk may be retried. In a
     /// replicated log they are proposed, as records of an entry ([`Proposals`]), and this returns once
-    /// that entry is applied here.
+    /// that entry is applied here and its outcomes are in the dispatch logs.
     pub fn record_outcomes(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
         if self.entry_log.is_some() {
             // Every member's dispatch logs must match: a cluster records outcomes in entries.
             let (request, ack) = Request::outcomes(outcomes.to_vec());
             self.submit(request);
-            return ack.wait().map_err(Error::Append);
+            ack.wait().map_err(Error::Append)?;
+            // Applied means handed to the replayer: wait for it to reach the dispatch logs, as a
+            // single node's outcomes have when this returns.
+            self.wait_applied();
+            return Ok(());
         }
         let result = self.shared.dispatch.append(outcomes);
         self.shared.poison_on_sync_failure(&result);

@@ -243,11 +243,8 @@ fn what_a_replicated_log_refuses() {
     let ack = log.append(vec![message(T0, "x")]);
     let proposals = log.proposals().unwrap();
     assert!(log.proposals().is_none(), "given once");
-    match proposals.next_group(
-        log.next_entry_seq().unwrap(),
-        &*clock,
-        Duration::from_secs(10),
-    ) {
+    let next_seq = || log.next_entry_seq().unwrap();
+    match proposals.next_group(next_seq, &*clock, Duration::from_secs(10)) {
         NextGroup::Formed(group) => drop(group),
         other => panic!("no group: {other:?}"),
     }
@@ -452,7 +449,7 @@ fn outcomes_in_entries_reach_the_dispatch_logs() {
         let recorded = scope.spawn(|| log.record_outcomes(&placed));
         let next_seq = log.next_entry_seq().unwrap();
         let NextGroup::Formed(mut group) =
-            proposals.next_group(next_seq, &*clock, Duration::from_secs(10))
+            proposals.next_group(|| next_seq, &*clock, Duration::from_secs(10))
         else {
             panic!("no group");
         };
@@ -490,16 +487,16 @@ fn groups_stay_within_an_entry() {
     let (first, second) = (log.append(batch(fits)), log.append(batch(fits)));
     let too_large = log.append(batch(MAX_ENTRY_BYTES / record + 1));
     let wait = Duration::from_secs(10);
-    let NextGroup::Formed(one) = proposals.next_group(1, &*clock, wait) else {
+    let NextGroup::Formed(one) = proposals.next_group(|| 1, &*clock, wait) else {
         panic!("no first group");
     };
     assert_eq!(one.next_seq, 1 + fits as u64, "the first submission alone");
-    let NextGroup::Formed(two) = proposals.next_group(one.next_seq, &*clock, wait) else {
+    let NextGroup::Formed(two) = proposals.next_group(|| one.next_seq, &*clock, wait) else {
         panic!("no second group");
     };
     assert_eq!(two.next_seq, 1 + 2 * fits as u64, "the second, held over");
     assert!(matches!(
-        proposals.next_group(two.next_seq, &*clock, wait),
+        proposals.next_group(|| two.next_seq, &*clock, wait),
         NextGroup::Idle
     ));
     assert!(matches!(too_large.wait(), Err(AppendError::Refused(_))));
