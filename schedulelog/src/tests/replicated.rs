@@ -248,7 +248,7 @@ fn what_a_replicated_log_refuses() {
         NextGroup::Formed(group) => drop(group),
         other => panic!("no group: {other:?}"),
     }
-    assert!(matches!(ack.wait(), Err(AppendError::Refused(_))));
+    assert!(matches!(ack.wait(), Err(AppendError::NotLeader { .. })));
     // Nothing of the above changed the log.
     let (next, _) = normal(&log, 1, 1, &["fine"]);
     append(&log, vec![next.clone()]);
