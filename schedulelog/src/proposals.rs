@@ -43,7 +43,7 @@ impl std::fmt::Debug for Request {
     }
 }
 
-/// The bytes of record frames a submission adds to an entry, at most.
+/// The bytes of record frames a submission adds to an entry.
 fn record_bytes(request: &Request) -> usize {
     match request {
         Request::Append { messages, .. } => messages.iter().map(|m| m.frame.len()).sum(),

@@ -56,6 +56,7 @@ pub const PROBLEM_CODES: &[&str] = &[
     "topic_required",
     "unauthorized",
     "unknown_sink",
+    "write_uncertain",
 ];
 
 /// An RFC 7807 problem: the body of every error answer, as `application/problem+json`.
@@ -173,14 +174,14 @@ impl From<AppendError> for ApiError {
                 ..ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "no_leader",
-                    "this cluster member does not lead, and no leader took the write; nothing was stored, retry shortly",
+                    "this cluster member could not propose the write (it does not lead, or its last write is unresolved); nothing was stored, retry shortly",
                 )
             },
             AppendError::Uncertain => ApiError {
                 retry_after_secs: Some(1),
                 ..ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "no_leader",
+                    "write_uncertain",
                     "no quorum of the cluster took the write in time: it may still take effect; resend it with an idempotency key (dedup)",
                 )
             },
@@ -324,6 +325,23 @@ impl IntoResponse for ApiError {
 mod tests {
     use super::*;
     use std::collections::BTreeSet;
+
+    /// A cluster member's refused write tells the client whether anything may have been stored.
+    #[test]
+    fn a_refused_cluster_write_says_whether_it_may_take_effect() {
+        let not_proposed = ApiError::from(AppendError::NotLeader { leader: Some(2) });
+        let uncertain = ApiError::from(AppendError::Uncertain);
+        for (error, code) in [
+            (&not_proposed, "no_leader"),
+            (&uncertain, "write_uncertain"),
+        ] {
+            assert_eq!(error.status, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(error.code, code);
+            assert_eq!(error.retry_after_secs, Some(1));
+        }
+        assert!(not_proposed.detail.contains("nothing was stored"));
+        assert!(uncertain.detail.contains("may still take effect"));
+    }
 
     /// The codes a source gives: a string literal right after `bad_request(`, `Rejection::new(`,
     /// `code: ` or a `StatusCode::NAME,` argument, which is how every code is written.

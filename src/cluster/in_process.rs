@@ -115,6 +115,8 @@ impl Proxy {
                     let caller = u64::from_le_bytes(hello[10..18].try_into().unwrap());
                     links.lock().unwrap().push(caller);
                     let _live = Live(links, caller);
+                    // Declared after the count: closed before it is let go.
+                    let mut inbound = inbound;
                     let cut = |blocked: &BTreeSet<u64>| blocked.contains(&caller);
                     if cut(&watch.borrow_and_update()) {
                         return;

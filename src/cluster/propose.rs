@@ -49,6 +49,9 @@ pub fn start(
                 NextGroup::Idle => continue,
                 NextGroup::Closed => return,
             };
+            if log.strong_count() == 0 {
+                return; // gone while the group formed (its seqs may be wrong): answered, not proposed
+            }
             let EntryPayload::Normal(frames) = group.take_payload() else {
                 unreachable!("a group forms a normal entry");
             };
@@ -67,20 +70,29 @@ pub fn start(
                         if runtime.block_on(settled).is_ok() {
                             break;
                         }
-                        while let NextGroup::Formed(refused) =
-                            proposals.next_group(|| 0, &*clock, Duration::ZERO)
-                        {
-                            drop(refused); // answered: not proposed
+                        loop {
+                            match proposals.next_group(|| 0, &*clock, Duration::ZERO) {
+                                NextGroup::Formed(refused) => drop(refused), // answered: not proposed
+                                NextGroup::Idle => break,
+                                NextGroup::Closed => return,
+                            }
+                        }
+                        if log.strong_count() == 0 {
+                            return;
                         }
                     }
                     continue;
                 }
             };
-            let error = |e: openraft::error::RaftError<u64, _>| match e.forward_to_leader() {
-                Some(forward) => AppendError::NotLeader {
-                    leader: forward.leader_id,
+            let error = |e: openraft::error::RaftError<u64, _>| match e {
+                e if e.forward_to_leader().is_some() => AppendError::NotLeader {
+                    leader: e.forward_to_leader().and_then(|f| f.leader_id),
                 },
-                None => AppendError::Refused(format!("the write through Raft failed: {e}")),
+                openraft::error::RaftError::Fatal(openraft::error::Fatal::Stopped) => {
+                    AppendError::Closed
+                }
+                // Raft failed with the entry proposed: it may have reached the others.
+                _ => AppendError::Uncertain,
             };
             group.answer(written.map(|_| ()).map_err(error));
         })?;

@@ -16,7 +16,7 @@ use crate::commit::{Ack, CommittedGroup, Request};
 use crate::entry::{
     self, Entry, EntryHead, EntryKind, EntryLog, EntryPayload, Located, LogId, Placed,
 };
-use crate::error::{AppendError, Error, Result};
+use crate::error::{AppendError, Blocked, Error, Result};
 use crate::frame::{self, Frames, Kind};
 use crate::proposals::Proposals;
 use crate::replay::Replay;
@@ -163,14 +163,16 @@ impl ScheduleLog {
         self.shared.replay().applied.clone()
     }
 
-    /// Waits (at most 10 s, as a lookup waits for filing) until the replayer has taken in every entry
-    /// applied so far, those without records too (which `wait_replayed`, by seq, does not see).
-    pub(crate) fn wait_applied(&self) {
+    /// Waits (at most 10 s, as a lookup waits for filing, and not while a full disk holds the replayer
+    /// up) until the replayer has taken in every entry applied so far, those without records too
+    /// (which `wait_replayed`, by seq, does not see). Whether it has.
+    pub(crate) fn wait_applied(&self) -> bool {
         let Some(target) = self.entry_log.as_ref().and_then(|log| log.applied_index()) else {
-            return;
+            return true;
         };
         let applied = |r: &Replay| r.applied.as_ref().is_some_and(|a| a.log_id.index >= target);
-        drop(self.wait_for_replayer(applied, || false));
+        let held_up = || self.shared.disk_full.held_up(Blocked::Replayer);
+        applied(&self.wait_for_replayer(applied, held_up))
     }
 
     /// Applies committed entries, in order: their records go to the replayer, which files them into the

@@ -266,7 +266,8 @@ impl ScheduleLog {
     /// Records outcomes in the dispatch logs of their buckets, durably. A failed sync poisons the log
     /// (never retried: the kernel may have dropped the pages); a full disk may be retried. In a
     /// replicated log they are proposed, as records of an entry ([`Proposals`]), and this returns once
-    /// that entry is applied here and its outcomes are in the dispatch logs.
+    /// that entry is applied here and its outcomes are in the dispatch logs (`NotFiledYet` when they
+    /// are committed but not filed within 10 s).
     pub fn record_outcomes(&self, outcomes: &[(Bucket, Outcome)]) -> Result<()> {
         if self.entry_log.is_some() {
             // Every member's dispatch logs must match: a cluster records outcomes in entries.
@@ -275,8 +276,12 @@ impl ScheduleLog {
             ack.wait().map_err(Error::Append)?;
             // Applied means handed to the replayer: wait for it to reach the dispatch logs, as a
             // single node's outcomes have when this returns.
-            self.wait_applied();
-            return Ok(());
+            return match self.wait_applied() {
+                true => Ok(()),
+                false => Err(Error::NotFiledYet {
+                    cause: self.disk_full(),
+                }),
+            };
         }
         let result = self.shared.dispatch.append(outcomes);
         self.shared.poison_on_sync_failure(&result);
@@ -287,7 +292,8 @@ impl ScheduleLog {
     /// sync poisons the log.
     pub fn checkpoint(&self) -> Result<()> {
         self.wait_replayed(0);
-        self.wait_applied();
+        // (A checkpoint taken before the replayer caught up is only older, never wrong.)
+        let _ = self.wait_applied();
         let result = self.shared.replay().checkpoint();
         self.shared.poison_on_sync_failure(&result);
         result
