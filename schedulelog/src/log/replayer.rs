@@ -307,18 +307,27 @@ fn replay_loop(
                 Ok(()) => {
                     shared.filed.store(replay.next_seq, Ordering::Release);
                     shared.replayed.notify_all();
-                    // An entry's outcomes go to the dispatch logs once its records are filed, and
-                    // before it counts as applied. A failure leaves it (and those after it) to be
-                    // tried again: its records are then skipped as filed.
-                    let mut failed = None;
-                    for _ in 0..taken {
-                        let outcomes = backlog.groups.front().map(|g| &g.outcomes[..]);
-                        if let Some(outcomes) = outcomes.filter(|o| !o.is_empty()) {
-                            if let Err(e) = shared.dispatch.append(outcomes) {
-                                failed = Some(e);
+                    // The pass's entries' outcomes go to the dispatch logs once their records are
+                    // filed (one append, one sync for them all), and before the entries count as
+                    // applied. A failure leaves the whole pass to be tried again: its records are then
+                    // skipped as filed.
+                    let outcomes: Vec<_> = backlog
+                        .groups
+                        .iter()
+                        .take(taken)
+                        .flat_map(|g| g.outcomes.iter().cloned())
+                        .collect();
+                    if !outcomes.is_empty() {
+                        match shared.dispatch.append(&outcomes) {
+                            Ok(()) => {}
+                            Err(e) if e.is_disk_full() => {
+                                held_up = Some(e);
                                 break;
                             }
+                            Err(e) => return Err(e),
                         }
+                    }
+                    for _ in 0..taken {
                         let group = backlog.pop().expect("applied, so present");
                         bytes_since += group.bytes.len() as u64;
                         if let Some((log_id, membership)) = group.entry {
@@ -326,14 +335,6 @@ fn replay_loop(
                             continue; // an entry's bytes are its own, not a writer's buffer
                         }
                         let _ = recycle.try_send(group.bytes);
-                    }
-                    match failed {
-                        Some(e) if e.is_disk_full() => {
-                            held_up = Some(e);
-                            break;
-                        }
-                        Some(e) => return Err(e),
-                        None => {}
                     }
                 }
                 Err(e) if e.is_disk_full() => {
