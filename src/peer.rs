@@ -1,8 +1,8 @@
 //! Peer traffic between cluster members (DESIGN.md §10): an authenticated request/response link on a
 //! listener of its own (`cluster.listen`), so that client load and the HTTP edge's limits never starve
 //! it. What travels over it (Raft's votes, appends and snapshots) is its callers' business: a request
-//! is a kind byte and a payload, an answer a payload or an error text. Not wired to anything yet: the
-//! Raft layer (issue 33) will be its first user.
+//! is a kind byte and a payload, an answer a payload or an error text. Its user is the cluster's
+//! Raft network (`cluster::network`).
 //!
 //! ```text
 //! handshake: the caller proves the secret first, then the member it called does
