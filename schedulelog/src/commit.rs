@@ -146,7 +146,7 @@ pub(crate) enum Request {
     },
     /// Raft entries to make durable (a replicated log), handed in to its `EntryLog` already.
     Entries {
-        entries: Vec<Entry>,
+        entries: Vec<Arc<Entry>>,
         /// How many records each carries (`EntryLog::hand_in` counted them).
         records: Vec<RecordCount>,
         reply: oneshot::Sender<Result<(), AppendError>>,
@@ -177,7 +177,10 @@ impl Request {
         (Request::Cancel { target, reply }, Ack { rx })
     }
 
-    pub(crate) fn entries(entries: Vec<Entry>, records: Vec<RecordCount>) -> (Request, Ack<()>) {
+    pub(crate) fn entries(
+        entries: Vec<Arc<Entry>>,
+        records: Vec<RecordCount>,
+    ) -> (Request, Ack<()>) {
         let (reply, rx) = oneshot::channel();
         let request = Request::Entries {
             entries,
@@ -453,7 +456,7 @@ impl Writer {
     /// refuses them all (nothing written) when they do not continue the log or one cannot fit a file.
     fn add_entries(
         &mut self,
-        entries: &[Entry],
+        entries: &[Arc<Entry>],
         counts: &[RecordCount],
         reply: oneshot::Sender<Result<(), AppendError>>,
         group: &mut Group,

@@ -256,15 +256,6 @@ impl EntryBuilder {
         }
     }
 
-    /// Bytes of record frames so far.
-    pub fn len(&self) -> usize {
-        self.frames.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.records == 0
-    }
-
     /// The entry's payload, and the seq the next entry starts at.
     pub fn finish(self) -> (EntryPayload, u64) {
         (EntryPayload::Normal(self.frames), self.next_seq)
@@ -361,7 +352,7 @@ impl EntryLog {
 
     /// Takes entries in before they are queued for the writer: they must continue the log (index and
     /// seqs). How many records each carries; on `Err` nothing changed.
-    pub(crate) fn hand_in(&self, entries: &[Entry]) -> Result<Vec<RecordCount>, String> {
+    pub(crate) fn hand_in(&self, entries: &[Arc<Entry>]) -> Result<Vec<RecordCount>, String> {
         let mut state = self.state();
         let mut last = state.last;
         let mut next_seq = state.next_seq;
@@ -396,9 +387,7 @@ impl EntryLog {
         }
         for entry in entries {
             state.fresh_bytes += payload_len(entry);
-            state
-                .fresh
-                .insert(entry.log_id.index, Arc::new(entry.clone()));
+            state.fresh.insert(entry.log_id.index, entry.clone());
         }
         state.last = last;
         state.next_seq = next_seq;
@@ -635,11 +624,9 @@ pub(crate) fn records_of(frames: &[u8]) -> Result<(Vec<WalRecord>, Vec<PlacedOut
 
 /// Appends an outcome with its bucket as a frame to `buf`.
 fn encode_placed_outcome(bucket: Bucket, outcome: &Outcome, buf: &mut Vec<u8>) {
-    let mut record = Vec::new();
-    outcome.encode_frame(&mut record);
     let at = frame::start(buf);
     buf.extend_from_slice(&bucket.start_minute().to_le_bytes());
-    buf.extend_from_slice(&record[frame::HEADER_LEN..]);
+    outcome.encode_payload(buf);
     frame::finish(buf, at, Kind::PlacedOutcome);
 }
 

@@ -52,10 +52,10 @@ fn record_bytes(request: &Request) -> usize {
         Request::Outcomes { outcomes, .. } => outcomes
             .iter()
             .map(|(_, outcome)| {
-                // The frame as the dispatch logs have it, and the bucket.
-                let mut record = Vec::new();
-                outcome.encode_frame(&mut record);
-                record.len() + 4
+                // Its frame: the bucket and the outcome's payload.
+                let mut payload = Vec::new();
+                outcome.encode_payload(&mut payload);
+                frame::HEADER_LEN + 4 + payload.len()
             })
             .sum(),
         _ => 0,

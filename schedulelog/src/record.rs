@@ -580,6 +580,12 @@ pub struct Outcome {
 impl Outcome {
     pub(crate) fn encode_frame(&self, buf: &mut Vec<u8>) {
         let at = frame::start(buf);
+        self.encode_payload(buf);
+        frame::finish(buf, at, Kind::Outcome);
+    }
+
+    /// Appends the outcome's payload (the layout above) to `buf`.
+    pub(crate) fn encode_payload(&self, buf: &mut Vec<u8>) {
         let (code, next, reason) = match &self.kind {
             OutcomeKind::Delivered => (1u8, None, ""),
             OutcomeKind::Dead { reason } => (2, None, reason.as_str()),
@@ -599,7 +605,6 @@ impl Outcome {
         }
         buf.extend_from_slice(&u16::try_from(end).unwrap_or(0).to_le_bytes());
         buf.extend_from_slice(&reason.as_bytes()[..end]);
-        frame::finish(buf, at, Kind::Outcome);
     }
 
     pub fn decode(payload: &[u8]) -> Result<Outcome, Malformed> {

@@ -379,10 +379,6 @@ impl Cluster {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_members_replicate_and_survive_the_loss_of_their_leader() {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_env_filter(std::env::var("TEST_LOG").unwrap_or("openraft=warn".into()))
-        .try_init();
     let mut cluster = Cluster::new(3).await;
     let first = cluster.append("before").await;
     cluster.applied_everywhere(first, "before").await;

@@ -383,10 +383,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         let entries = to_log_entries(entries)?;
         let count = entries.len();
         let log = self.log.clone();
+        let first = entries.first().map(|e| to_raft_log_id(e.log_id));
         run_blocking(move || {
-            log.apply_entries(&entries).map_err(|e| {
-                let at = entries.first().map(|e| to_raft_log_id(e.log_id));
-                let subject = at.map_or(ErrorSubject::StateMachine, ErrorSubject::Apply);
+            log.apply_entries(entries).map_err(|e| {
+                let subject = first.map_or(ErrorSubject::StateMachine, ErrorSubject::Apply);
                 storage_error(subject, ErrorVerb::Write, e)
             })
         })

@@ -24,6 +24,7 @@ use crate::wal::wal_path;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 impl ScheduleLog {
     fn entry_log(&self) -> Result<&EntryLog> {
@@ -36,6 +37,8 @@ impl ScheduleLog {
     /// readable at once and durable once the answer comes. Entries are refused, all of them and before
     /// anything is written, when they do not continue the log or one is larger than a WAL file.
     pub fn append_entries(&self, entries: Vec<Entry>) -> Ack<()> {
+        // Shared by the writer and the readers of fresh entries, not copied.
+        let entries: Vec<Arc<Entry>> = entries.into_iter().map(Arc::new).collect();
         let counted = self
             .entry_log()
             .map_err(|e| e.to_string())
@@ -177,15 +180,16 @@ impl ScheduleLog {
 
     /// Applies committed entries, in order: their records go to the replayer, which files them into the
     /// schedule as a single node's are. Blocks while the replayer is behind (a bounded queue).
-    pub fn apply_entries(&self, entries: &[Entry]) -> Result<()> {
+    pub fn apply_entries(&self, entries: Vec<Entry>) -> Result<()> {
         let log = self.entry_log()?;
         let Some(apply) = &self.apply else {
             return Err(Error::Append(AppendError::Closed));
         };
         for entry in entries {
-            let (bytes, membership) = match &entry.payload {
-                EntryPayload::Normal(frames) => (frames.clone(), None),
-                EntryPayload::Membership(m) => (Vec::new(), Some(m.clone())),
+            // The entry's bytes become the replayer's group as they are: no copy.
+            let (bytes, membership) = match entry.payload {
+                EntryPayload::Normal(frames) => (frames, None),
+                EntryPayload::Membership(m) => (Vec::new(), Some(m)),
                 EntryPayload::Blank => (Vec::new(), None),
             };
             let (records, outcomes) = entry::records_of(&bytes).map_err(|why| {

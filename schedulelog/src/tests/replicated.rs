@@ -89,7 +89,7 @@ fn applied_entries_are_filed_and_survive_a_reopen() {
     append(&log, vec![one.clone()]);
     let (two, later) = normal(&log, 1, 2, &["second"]);
     append(&log, vec![two.clone()]);
-    log.apply_entries(&log.read_entries(0..2).unwrap()).unwrap();
+    log.apply_entries(log.read_entries(0..2).unwrap()).unwrap();
     let status = log.lookup(appended[0].id).unwrap().unwrap();
     assert_eq!(status.message.body, b"first");
     assert_eq!(log.lookup(later[0].id).unwrap(), None, "not applied yet");
@@ -111,7 +111,7 @@ fn applied_entries_are_filed_and_survive_a_reopen() {
         log.lookup(appended[0].id).unwrap().unwrap().message.body,
         b"first"
     );
-    log.apply_entries(&[two]).unwrap();
+    log.apply_entries(vec![two]).unwrap();
     assert_eq!(
         log.lookup(later[0].id).unwrap().unwrap().message.body,
         b"second"
@@ -154,7 +154,7 @@ fn a_cut_tail_is_replaced_and_stays_cut() {
         log.read_entries(1..4).unwrap(),
         vec![old[0].clone(), old[1].clone(), new]
     );
-    log.apply_entries(&log.read_entries(0..4).unwrap()).unwrap();
+    log.apply_entries(log.read_entries(0..4).unwrap()).unwrap();
     let bodies: Vec<_> = all_messages(&log).into_values().map(|m| m.body).collect();
     assert_eq!(
         bodies,
@@ -252,7 +252,7 @@ fn what_a_replicated_log_refuses() {
     // Nothing of the above changed the log.
     let (next, _) = normal(&log, 1, 1, &["fine"]);
     append(&log, vec![next.clone()]);
-    log.apply_entries(&log.read_entries(0..2).unwrap()).unwrap();
+    log.apply_entries(log.read_entries(0..2).unwrap()).unwrap();
     log.checkpoint().unwrap();
     assert!(refused(log.truncate_entries(1)).contains("applied"));
     drop(log);
@@ -304,7 +304,7 @@ fn an_unapplied_entry_without_records_before_the_checkpoint_seq_is_kept() {
     append(&log, vec![blank(3)]);
     let (four, _) = normal(&log, 1, 4, &["c"]);
     append(&log, vec![four.clone()]);
-    log.apply_entries(&log.read_entries(0..3).unwrap()).unwrap();
+    log.apply_entries(log.read_entries(0..3).unwrap()).unwrap();
     log.checkpoint().unwrap();
     log.crash();
     let log = ScheduleLog::open(dir.path(), three_blocks(&clock)).unwrap();
@@ -345,7 +345,7 @@ fn an_entry_just_applied_is_never_cut() {
     for index in 1..40 {
         let (entry, _) = normal(&log, 1, index, &["x"]);
         append(&log, vec![entry.clone()]);
-        log.apply_entries(&[entry]).unwrap();
+        log.apply_entries(vec![entry]).unwrap();
         assert!(
             matches!(
                 log.truncate_entries(index).wait(),
@@ -361,7 +361,7 @@ fn an_entry_just_applied_is_never_cut() {
 fn a_membership_applied_alone_is_checkpointed() {
     let (dir, clock, log) = new_log_with(replicated);
     append(&log, vec![membership(0)]);
-    log.apply_entries(&log.read_entries(0..1).unwrap()).unwrap();
+    log.apply_entries(log.read_entries(0..1).unwrap()).unwrap();
     log.checkpoint().unwrap();
     log.crash();
     let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
@@ -375,7 +375,7 @@ fn an_apply_waits_for_its_entry_to_be_durable() {
     let (_dir, _clock, log) = new_log_with(replicated);
     let (entry, appended) = normal(&log, 1, 0, &["early"]);
     let ack = log.append_entries(vec![entry.clone()]);
-    log.apply_entries(std::slice::from_ref(&entry)).unwrap();
+    log.apply_entries(vec![entry.clone()]).unwrap();
     ack.wait().unwrap();
     assert_eq!(
         log.lookup(appended[0].id).unwrap().unwrap().message.body,
@@ -383,7 +383,7 @@ fn an_apply_waits_for_its_entry_to_be_durable() {
     );
     let (never, _) = normal(&log, 1, 1, &["never"]);
     let started = std::time::Instant::now();
-    assert!(log.apply_entries(&[never]).is_err());
+    assert!(log.apply_entries(vec![never]).is_err());
     // Well under the 30 s an apply waits for a flush: it did not wait for one.
     assert!(
         started.elapsed() < Duration::from_secs(25),
@@ -403,7 +403,7 @@ fn retired_files_purge_their_entries_once_a_checkpoint_says_so() {
         append(&log, vec![entry.clone()]);
         entries.push(entry);
     }
-    log.apply_entries(&log.read_entries(0..4).unwrap()).unwrap();
+    log.apply_entries(log.read_entries(0..4).unwrap()).unwrap();
     log.checkpoint().unwrap();
     log.checkpoint().unwrap();
     assert_eq!(log.entry_bounds().unwrap().0, None, "not let go yet");
@@ -422,7 +422,7 @@ fn retired_files_purge_their_entries_once_a_checkpoint_says_so() {
     assert!(log.read_entries(purged.index..purged.index + 1).is_err());
     let rest = log.read_entries(purged.index + 1..6).unwrap();
     assert_eq!(rest, entries[purged.index as usize..].to_vec());
-    log.apply_entries(&rest[rest.len() - 2..]).unwrap();
+    log.apply_entries(rest[rest.len() - 2..].to_vec()).unwrap();
 }
 
 /// Outcomes travel in entries: applied, they reach the dispatch logs (a lookup sees the message
@@ -432,7 +432,7 @@ fn outcomes_in_entries_reach_the_dispatch_logs() {
     let (dir, clock, log) = new_log_with(replicated);
     let (one, appended) = normal(&log, 1, 0, &["order 42"]);
     append(&log, vec![one.clone()]);
-    log.apply_entries(&[one]).unwrap();
+    log.apply_entries(vec![one]).unwrap();
     let location = appended[0].location;
     let delivered = Outcome {
         seq: location.seq,
@@ -460,7 +460,7 @@ fn outcomes_in_entries_reach_the_dispatch_logs() {
         };
         append(&log, vec![two.clone()]);
         assert_eq!(state(&log), MessageState::Pending, "not applied yet");
-        log.apply_entries(std::slice::from_ref(&two)).unwrap();
+        log.apply_entries(vec![two.clone()]).unwrap();
         group.answer(Ok(()));
         recorded.join().unwrap().unwrap();
         two
