@@ -9,7 +9,8 @@
 //! - retry → a new attempt through the WAL (`attempt + 1`, due after the backoff with jitter or the
 //!   sink's own delay), then a `retried` outcome pointing to it; past `max_attempts` the message is dead;
 //! - postpone (delayd's own trouble, not the destination's: the broker's disk is full or its files fail,
-//!   or a sink delivering in place panicked) → the entry goes back to the wheel, nothing written, no
+//!   or a sink delivering in place panicked, or a cluster leader's delivery lease does not hold right
+//!   before the batch would go to the sink, lease.rs) → the entry goes back to the wheel, nothing written, no
 //!   attempt used;
 //! - unreachable (an MQ refused the connection, was not connected, or timed out before it answered) →
 //!   the same, after the sink's backoff for the batches in a row that found it away (at most 30 s), and
@@ -254,7 +255,9 @@ impl Lane {
             let in_place =
                 !deliveries.is_empty() && !deliveries.iter().any(|d| dead_on_arrival(d).is_some());
             let outcomes = match in_place {
-                true => lane.deliver_in_place(&deliveries),
+                true => lane
+                    .unleased(deliveries.len())
+                    .or_else(|| lane.deliver_in_place(&deliveries)),
                 false => None,
             };
             (entries, deliveries, flight, outcomes)
@@ -272,10 +275,13 @@ impl Lane {
         }
         let mut outcomes = match outcomes {
             Some(outcomes) => outcomes,
-            None => {
-                self.record_lateness(&deliveries, self.shared.clock.now_ms());
-                self.answer(&deliveries).await
-            }
+            None => match self.unleased(deliveries.len()) {
+                Some(postponed) => postponed,
+                None => {
+                    self.record_lateness(&deliveries, self.shared.clock.now_ms());
+                    self.answer(&deliveries).await
+                }
+            },
         };
         outcomes.resize(
             deliveries.len(),
@@ -286,6 +292,22 @@ impl Lane {
         );
         self.settle(&entries, &deliveries, outcomes, flight, probe)
             .await;
+    }
+
+    /// Postponements for a batch of `len` when this member's delivery lease (lease.rs) does not hold
+    /// right before the batch would go to the sink: a cluster member that may no longer be the leader
+    /// hands nothing over. `None`: go ahead (a single node has no lease).
+    fn unleased(&self, len: usize) -> Option<Vec<SinkOutcome>> {
+        let lease = self.shared.lease.as_ref()?;
+        if lease.holds() {
+            return None;
+        }
+        let postpone = SinkOutcome::Postpone {
+            after: UNLEASED_WAIT,
+            reason: "this member's delivery lease lapsed (it may no longer lead the cluster)"
+                .into(),
+        };
+        Some(vec![postpone; len])
     }
 
     /// The answers for a batch: dead for a message dead on arrival ([`DEAD_ON_ARRIVAL_HEADER`]), the
@@ -745,6 +767,9 @@ impl Drop for InFlight {
     }
 }
 
+/// How long a batch waits when this member's delivery lease does not hold (a cluster leader waiting
+/// for its next round of heartbeats to be acknowledged).
+const UNLEASED_WAIT: Duration = Duration::from_millis(100);
 /// I/O errors are tried again after 1 s, doubling up to this.
 const READ_RETRY_MAX_MS: i64 = 60_000;
 /// Corrupt records are tried again this often.

@@ -31,6 +31,7 @@
 
 mod dead;
 mod dispatcher;
+mod lease;
 mod loader;
 pub mod rate;
 mod registry;
@@ -50,6 +51,7 @@ use wheel::{Entry, Wheel};
 
 pub use dead::{DeadLetterError, Requeued};
 pub use dispatcher::{BODY_BYTES_HEADER, DEAD_ON_ARRIVAL_HEADER, DEAD_TOPIC};
+pub use lease::Lease;
 pub use registry::{CancelError, Cancelled};
 pub use schedulelog::{ManualClock, SystemClock};
 
@@ -79,6 +81,9 @@ pub struct SchedulerConfig {
     pub settled: Option<Sender<Vec<(MessageId, Settled)>>>,
     /// Where dead messages are copied, under the topic `$dead` (the service uses the broker).
     pub dead_letters: Option<Arc<dyn Sink>>,
+    /// A cluster leader's delivery lease (lease.rs): no batch goes to a sink while it does not hold,
+    /// and such a batch is postponed (no attempt used). `None`: a single node, always delivering.
+    pub lease: Option<Arc<Lease>>,
 }
 
 /// What became of a delivery attempt a lane settled.
@@ -115,6 +120,7 @@ impl Default for SchedulerConfig {
             retire_every: Duration::from_secs(60),
             settled: None,
             dead_letters: None,
+            lease: None,
         }
     }
 }
@@ -136,6 +142,8 @@ pub(crate) struct SchedulerState {
     finished_keys: tokio::sync::mpsc::UnboundedSender<FinishedKey>,
     pub settled: Option<Sender<Vec<(MessageId, Settled)>>>,
     pub dead_letters: Option<Arc<dyn Sink>>,
+    /// See [`SchedulerConfig::lease`].
+    pub lease: Option<Arc<Lease>>,
     /// Records in buckets not loaded yet (set by the loader; part of `delayd_pending_messages`).
     pub unloaded_records: AtomicU64,
     /// Entries in the wheel and the sink backlogs (set by the wheel thread).
@@ -225,6 +233,7 @@ impl Scheduler {
             finished_keys,
             settled: config.settled.clone(),
             dead_letters: config.dead_letters.clone(),
+            lease: config.lease.clone(),
             unloaded_records: AtomicU64::default(),
             in_memory: AtomicU64::default(),
             stopping: Default::default(),

@@ -195,9 +195,14 @@ impl ScheduleLog {
         self.shared.replay().watched.remove(&bucket);
     }
 
-    /// Where reports about watched buckets go.
+    /// Where reports about watched buckets go. A new tap starts with no bucket watched: the scheduler
+    /// it belongs to watches what it needs, and takes each bucket's snapshot as it does (a scheduler
+    /// started again on the same log, as a cluster member's is on each promotion, would otherwise get
+    /// the records filed between this call and its snapshots twice).
     pub fn set_tap(&self, tap: Sender<Replayed>) {
-        self.shared.replay().tap = Some(tap);
+        let mut replay = self.shared.replay();
+        replay.watched.clear();
+        replay.tap = Some(tap);
     }
 }
 
