@@ -2,6 +2,7 @@
 //! variables, then command-line flags; each layer overrides the one before. Every key is documented in
 //! docs/configuration.md; unknown keys in the file are an error, not a silent no-op.
 
+mod cluster;
 mod sinks;
 mod sources;
 #[cfg(test)]
@@ -9,6 +10,7 @@ mod tests;
 
 pub use crate::broker::BrokerConfig;
 pub use crate::setting::{parse_duration, ConfigError, Millis};
+pub use cluster::{ClusterConfig, MemberConfig};
 pub use sinks::{SinkConfig, SinkKind, SINK_KINDS};
 pub use sources::{SourceConfig, SourceKind, SOURCE_KINDS};
 
@@ -136,6 +138,8 @@ pub struct Config {
     pub limits: Limits,
     pub auth: Auth,
     pub broker: BrokerConfig,
+    /// The `[cluster]` section (DESIGN.md §10); `None`, the default: a single node.
+    pub cluster: Option<ClusterConfig>,
     /// The `[sinks.NAME]` tables; after [`Config::load`], also the built-in sink `broker`.
     #[serde(skip)]
     pub sinks: BTreeMap<String, SinkConfig>,
@@ -177,6 +181,7 @@ impl Default for Config {
             limits: Limits::default(),
             auth: Auth::default(),
             broker: BrokerConfig::default(),
+            cluster: None,
             sinks: BTreeMap::new(),
             sources: BTreeMap::new(),
             written_sinks: BTreeMap::new(),
@@ -393,6 +398,17 @@ impl Config {
             return Err(invalid("max_delay", "at most 100 years"));
         }
         self.fsync_policy()?;
+        if let Some(cluster) = &self.cluster {
+            cluster.validate()?;
+            if self.fsync != "always" {
+                return Err(invalid(
+                    "fsync",
+                    "must be \"always\" with a [cluster] section: a member acknowledges a write once \
+                     a majority of the members have fdatasynced it, so a periodic fdatasync has no \
+                     place; remove the fsync setting (DELAYD_FSYNC, --fsync) or set it to \"always\"",
+                ));
+            }
+        }
         if self.delay_levels.is_empty() || self.delay_levels.len() > 255 {
             return Err(invalid("delay_levels", "between 1 and 255 levels"));
         }

@@ -157,6 +157,7 @@ fn the_example_config_is_every_key_at_its_default() {
         "broker",
         "sinks",
         "sources",
+        "cluster",
         "written_sinks",
         "written_sources",
     ];
@@ -626,4 +627,301 @@ fn env_overrides_apply_over_sink_and_source_tables() {
     )
     .unwrap_err();
     assert!(err.to_string().starts_with("DELAYD_SINKS_OUT_URL"), "{err}");
+}
+
+/// The three-member cluster of DESIGN.md §10, as member 1 writes it.
+const CLUSTER: &str = r#"
+[cluster]
+node_id = 1
+listen = "127.0.0.1:7171"            # peer traffic (Raft RPCs, snapshots)
+secret = "a long random string"        # required; the same on every member
+election_timeout = "1s"               # heartbeats at a quarter of it
+[[cluster.members]]
+id = 1
+api = "http://127.0.0.1:7071"          # the member's client listener (followers forward here)
+peer = "127.0.0.1:7171"
+[[cluster.members]]
+id = 2
+api = "http://127.0.0.1:7072"
+peer = "127.0.0.1:7172"
+[[cluster.members]]
+id = 3
+api = "http://127.0.0.1:7073"
+peer = "127.0.0.1:7173"
+"#;
+
+#[test]
+fn a_cluster_of_three_loads() {
+    let config = load(CLUSTER).unwrap();
+    let cluster = config.cluster.as_ref().unwrap();
+    assert_eq!(cluster.node_id, 1);
+    assert_eq!(cluster.listen, "127.0.0.1:7171");
+    assert_eq!(cluster.secret, "a long random string");
+    assert_eq!(cluster.election_timeout.0, Duration::from_secs(1));
+    let ids: Vec<u64> = cluster.members.iter().map(|m| m.id).collect();
+    assert_eq!(ids, [1, 2, 3]);
+    assert_eq!(
+        cluster.member(2),
+        Some(&MemberConfig {
+            id: 2,
+            api: "http://127.0.0.1:7072".into(),
+            peer: "127.0.0.1:7172".into(),
+        })
+    );
+    assert_eq!(cluster.member(4), None);
+    assert_eq!(cluster.this_member().api, "http://127.0.0.1:7071");
+    // The secret stays out of Debug output, and so out of any log of the configuration.
+    let debug = format!("{config:?}");
+    assert!(
+        !debug.contains("a long random string") && debug.contains("secret: (20 bytes)"),
+        "{debug}"
+    );
+    // election_timeout has its default; host names, IPv6 addresses, https and default ports do.
+    let written = CLUSTER
+        .replace("election_timeout = \"1s\"", "")
+        .replace(
+            "127.0.0.1:7172",
+            "delayd-1.delayd.default.svc.cluster.local:7171",
+        )
+        .replace("http://127.0.0.1:7072", "https://delayd-1.delayd/")
+        .replace("127.0.0.1:7173", "[fd00::3]:7171")
+        .replace("http://127.0.0.1:7073", "http://[fd00::3]");
+    let cluster = load(&written).unwrap().cluster.unwrap();
+    assert_eq!(cluster.election_timeout.0, Duration::from_secs(1));
+    assert_eq!(cluster.members[2].peer, "[fd00::3]:7171");
+}
+
+#[test]
+fn no_cluster_section_is_a_single_node() {
+    assert_eq!(load("listen = \"127.0.0.1:7070\"\n").unwrap().cluster, None);
+    assert_eq!(load_env(&[]).unwrap().cluster, None);
+    assert_eq!(Config::default().cluster, None);
+}
+
+/// Each mistake in `[cluster]` is refused with its key and a way out, word for word.
+#[test]
+fn cluster_mistakes_are_refused_with_the_fix() {
+    // The §10 example with `from` replaced by `to`, refused: why.
+    let refused = |from: &str, to: &str| {
+        let text = CLUSTER.replace(from, to);
+        assert_ne!(text, CLUSTER, "{from:?} is not in the example");
+        load(&text).unwrap_err().to_string()
+    };
+    let host_port = "such as \"10.0.0.1:7171\", \"[fd00::1]:7171\" or \"delayd-1.delayd:7171\"";
+    let url = "such as \"http://10.0.0.1:7070\"";
+
+    assert_eq!(
+        refused("node_id = 1\n", ""),
+        "cluster.node_id: required: this member's id, one of the ids in [[cluster.members]] (a \
+         whole number above 0; DELAYD_CLUSTER_NODE_ID sets it per member)"
+    );
+    assert_eq!(
+        refused("node_id = 1", "node_id = 4"),
+        "cluster.node_id: 4 is not among the members' ids (1, 2, 3): set it to this member's own id"
+    );
+
+    let listen = "listen = \"127.0.0.1:7171\"";
+    assert_eq!(
+        refused(listen, ""),
+        "cluster.listen: required: this member's peer listener as host:port, such as \
+         \"0.0.0.0:7171\", where the other members' Raft RPCs arrive"
+    );
+    assert_eq!(
+        refused(listen, "listen = \"127.0.0.1\""),
+        format!("cluster.listen: \"127.0.0.1\" has no port: write host:port {host_port}")
+    );
+    assert_eq!(
+        refused(listen, "listen = \"0.0.0.0:0\""),
+        format!(
+            "cluster.listen: \"0.0.0.0:0\": \"0\" is not a port (1 to 65535); write host:port \
+             {host_port}"
+        )
+    );
+
+    let secret = "secret = \"a long random string\"";
+    let required = "cluster.secret: required, the same on every member: a random string of at \
+                    least 16 bytes, such as the output of `openssl rand -hex 32` (set \
+                    DELAYD_CLUSTER_SECRET rather than write it in the file)";
+    assert_eq!(refused(secret, ""), required);
+    assert_eq!(refused(secret, "secret = \"\""), required);
+    assert_eq!(
+        refused(secret, "secret = \"fifteen bytes..\""),
+        "cluster.secret: 15 bytes is too short: use a random string of at least 16 bytes, the \
+         same on every member, such as the output of `openssl rand -hex 32`"
+    );
+
+    let timeout = "election_timeout = \"1s\"";
+    for too_short_or_long in ["election_timeout = \"99ms\"", "election_timeout = \"61s\""] {
+        assert_eq!(
+            refused(timeout, too_short_or_long),
+            "cluster.election_timeout: must be between 100ms and 60s (heartbeats go at a quarter \
+             of it; \"1s\" suits a local network)"
+        );
+    }
+
+    let members = &CLUSTER[CLUSTER.find("[[cluster.members]]").unwrap()..];
+    assert_eq!(
+        refused(members, ""),
+        "cluster.members: at least one member is required: a [[cluster.members]] table with id, \
+         api and peer for every member, this one included, the same on every member"
+    );
+    for no_id in ["id = 0\n", ""] {
+        assert_eq!(
+            refused("id = 3\n", no_id),
+            "cluster.members[2].id: required: a whole number above 0, each member's its own"
+        );
+    }
+    assert_eq!(
+        refused("id = 3\n", "id = 1\n"),
+        "cluster.members[2].id: 1 is also the id of cluster.members[0]: give each member an id of \
+         its own"
+    );
+
+    let api = "http://127.0.0.1:7072";
+    assert_eq!(
+        refused(&format!("api = \"{api}\""), ""),
+        "cluster.members[1].api: required: the member's client listener as an http:// or https:// \
+         URL, such as \"http://10.0.0.1:7070\""
+    );
+    assert_eq!(
+        refused(api, "127.0.0.1:7072"),
+        format!(
+            "cluster.members[1].api: \"127.0.0.1:7072\" is not a URL (relative URL without a \
+             base): write one {url}"
+        )
+    );
+    assert_eq!(
+        refused(api, "ftp://127.0.0.1:7072"),
+        format!(
+            "cluster.members[1].api: \"ftp://127.0.0.1:7072\": use an http:// or https:// URL, \
+             {url}"
+        )
+    );
+    for beyond in ["/v1", "/?a=b", "/#top"] {
+        assert_eq!(
+            refused(api, &format!("{api}{beyond}")),
+            format!(
+                "cluster.members[1].api: \"{api}{beyond}\" has a path, a query or a fragment: give \
+                 only the scheme, host and port, {url} (followers add the request's own path)"
+            )
+        );
+    }
+    assert_eq!(
+        refused(api, "http://me:pw@127.0.0.1:7072"),
+        format!(
+            "cluster.members[1].api: \"http://me:pw@127.0.0.1:7072\" has a user name or password: \
+             give only the scheme, host and port, {url}"
+        )
+    );
+    // The same listener however it is written: scheme and host in any case, the default port.
+    assert_eq!(
+        refused("http://127.0.0.1:7073", "HTTP://127.0.0.1:7072/"),
+        "cluster.members[2].api: \"HTTP://127.0.0.1:7072/\" is also the api of cluster.members[1]: \
+         each member has a client listener of its own"
+    );
+    let text = CLUSTER
+        .replace(api, "http://a")
+        .replace("http://127.0.0.1:7073", "http://A:80");
+    assert_eq!(
+        load(&text).unwrap_err().to_string(),
+        "cluster.members[2].api: \"http://A:80\" is also the api of cluster.members[1]: each \
+         member has a client listener of its own"
+    );
+
+    let peer = "127.0.0.1:7173";
+    assert_eq!(
+        refused(&format!("peer = \"{peer}\""), ""),
+        "cluster.members[2].peer: required: the member's peer listener as host:port, such as \
+         \"10.0.0.1:7171\" or \"delayd-1.delayd:7171\""
+    );
+    assert_eq!(
+        refused(peer, "127.0.0.1:7172"),
+        "cluster.members[2].peer: \"127.0.0.1:7172\" is also the peer of cluster.members[1]: each \
+         member has a peer listener of its own"
+    );
+    assert_eq!(
+        refused(peer, "delayd_3"),
+        format!("cluster.members[2].peer: \"delayd_3\" has no port: write host:port {host_port}")
+    );
+    assert_eq!(
+        refused(peer, "fd00::3:7171"),
+        "cluster.members[2].peer: \"fd00::3:7171\": an IPv6 address goes in brackets, such as \
+         \"[fd00::1]:7171\""
+    );
+    for (written, port) in [("127.0.0.1:71730", "71730"), ("127.0.0.1:+7173", "+7173")] {
+        assert_eq!(
+            refused(peer, written),
+            format!(
+                "cluster.members[2].peer: \"{written}\": \"{port}\" is not a port (1 to 65535); \
+                 write host:port {host_port}"
+            )
+        );
+    }
+    assert_eq!(
+        refused(peer, "[fd00::zz]:7171"),
+        format!(
+            "cluster.members[2].peer: \"[fd00::zz]:7171\": \"fd00::zz\" in brackets is not an IPv6 \
+             address; write host:port {host_port}"
+        )
+    );
+    for (written, host) in [
+        ("http://h:7171", "http://h"),
+        ("-h.x:7171", "-h.x"),
+        (":7171", ""),
+    ] {
+        assert_eq!(
+            refused(peer, written),
+            format!(
+                "cluster.members[2].peer: \"{written}\": \"{host}\" is neither an IP address nor a \
+                 host name; write host:port {host_port}"
+            )
+        );
+    }
+
+    // A cluster acknowledges once a majority has synced, never after a periodic sync: refused
+    // whether the interval comes from the file, a variable or a flag.
+    let interval = "fsync: must be \"always\" with a [cluster] section: a member acknowledges a \
+                    write once a majority of the members have fdatasynced it, so a periodic \
+                    fdatasync has no place; remove the fsync setting (DELAYD_FSYNC, --fsync) or \
+                    set it to \"always\"";
+    let err = load(&format!("fsync = \"5ms\"\n{CLUSTER}")).unwrap_err();
+    assert_eq!(err.to_string(), interval);
+    load(&format!("fsync = \"always\"\n{CLUSTER}")).unwrap();
+    let (_dir, path) = config_file(CLUSTER);
+    let err = Config::load(
+        Some(&path),
+        env(&[("DELAYD_FSYNC", "5ms")]),
+        &Flags::default(),
+    );
+    assert_eq!(err.unwrap_err().to_string(), interval);
+    let flags = Flags {
+        fsync: Some("10ms".into()),
+        ..Flags::default()
+    };
+    let err = Config::load(Some(&path), Vec::new(), &flags).unwrap_err();
+    assert_eq!(err.to_string(), interval);
+}
+
+/// Unknown keys in `[cluster]` and `[[cluster.members]]` are refused by name, like any other.
+#[test]
+fn unknown_cluster_keys_are_refused() {
+    for (from, to, unknown) in [
+        (
+            "node_id = 1",
+            "node_id = 1\nnodes = 3",
+            "unknown field `nodes`, expected one of `node_id`, `listen`, `secret`, \
+             `election_timeout`, `members`",
+        ),
+        (
+            "id = 2\n",
+            "id = 2\nvoter = true\n",
+            "unknown field `voter`, expected one of `id`, `api`, `peer`",
+        ),
+    ] {
+        let text = CLUSTER.replace(from, to);
+        let err = load(&text).unwrap_err().to_string();
+        assert!(err.contains(unknown), "{text}: {err}");
+    }
+    let err = load(&CLUSTER.replace("node_id = 1", "node_id = \"one\"")).unwrap_err();
+    assert!(err.to_string().contains("node_id = \"one\""), "{err}");
 }
