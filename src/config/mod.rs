@@ -312,6 +312,12 @@ impl Config {
             "DELAYD_RESERVED_FDS" => self.limits.reserved_fds = Some(number(value)?),
             "DELAYD_BROKER_RETENTION" => self.broker.retention = duration(value)?,
             "DELAYD_BROKER_MAX_BYTES" => self.broker.max_bytes = Some(number(value)?),
+            "DELAYD_CLUSTER_NODE_ID" => self.cluster_mut().node_id = number(value)?,
+            "DELAYD_CLUSTER_LISTEN" => self.cluster_mut().listen = value.into(),
+            "DELAYD_CLUSTER_SECRET" => self.cluster_mut().secret = value.into(),
+            "DELAYD_CLUSTER_ELECTION_TIMEOUT" => {
+                self.cluster_mut().election_timeout = duration(value)?
+            }
             "DELAYD_AUTH_TOKENS" => {
                 self.auth.tokens = value
                     .split(',')
@@ -333,6 +339,13 @@ impl Config {
             _ => {}
         }
         Ok(())
+    }
+
+    /// The `[cluster]` section, made (at its defaults) if the file had none: a `DELAYD_CLUSTER_*`
+    /// variable alone asks for a cluster, so that the members of a StatefulSet can share one file and
+    /// each set its own `node_id`. [`Config::validate`] then demands the keys still missing.
+    fn cluster_mut(&mut self) -> &mut ClusterConfig {
+        self.cluster.get_or_insert_with(ClusterConfig::default)
     }
 
     /// What every new message is checked against, from the HTTP API or a source.

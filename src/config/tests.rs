@@ -925,3 +925,64 @@ fn unknown_cluster_keys_are_refused() {
     let err = load(&CLUSTER.replace("node_id = 1", "node_id = \"one\"")).unwrap_err();
     assert!(err.to_string().contains("node_id = \"one\""), "{err}");
 }
+
+/// `DELAYD_CLUSTER_*` override the file, and make the section when it has none (members come only
+/// from a file, so validation then asks for the rest).
+#[test]
+fn cluster_env_overrides() {
+    let no_secret = CLUSTER.replace("secret = \"a long random string\"", "");
+    let (_dir, path) = config_file(&no_secret);
+    let vars = env(&[
+        ("DELAYD_CLUSTER_NODE_ID", "3"),
+        ("DELAYD_CLUSTER_LISTEN", "0.0.0.0:7173"),
+        ("DELAYD_CLUSTER_SECRET", "0123456789abcdef0123456789abcdef"),
+        ("DELAYD_CLUSTER_ELECTION_TIMEOUT", "1500ms"),
+    ]);
+    let cluster = Config::load(Some(&path), vars, &Flags::default())
+        .unwrap()
+        .cluster
+        .unwrap();
+    assert_eq!(cluster.node_id, 3);
+    assert_eq!(cluster.listen, "0.0.0.0:7173");
+    assert_eq!(cluster.secret, "0123456789abcdef0123456789abcdef");
+    assert_eq!(cluster.election_timeout.0, Duration::from_millis(1500));
+    assert_eq!(cluster.this_member().peer, "127.0.0.1:7173");
+    assert_eq!(cluster.members.len(), 3);
+    // Without a secret anywhere, the file alone is refused.
+    let err = Config::load(Some(&path), Vec::new(), &Flags::default()).unwrap_err();
+    assert!(
+        err.to_string().starts_with("cluster.secret: required"),
+        "{err}"
+    );
+    // A variable alone asks for a cluster: the section is made and the rest demanded.
+    let err = load_env(&[("DELAYD_CLUSTER_NODE_ID", "1")]).unwrap_err();
+    assert!(
+        err.to_string().starts_with("cluster.listen: required"),
+        "{err}"
+    );
+    let err = load_env(&[
+        ("DELAYD_CLUSTER_SECRET", "0123456789abcdef"),
+        ("DELAYD_CLUSTER_NODE_ID", "1"),
+        ("DELAYD_CLUSTER_LISTEN", "0.0.0.0:7171"),
+    ])
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("cluster.members: at least one member"),
+        "{err}"
+    );
+    for (var, value) in [
+        ("DELAYD_CLUSTER_NODE_ID", "one"),
+        ("DELAYD_CLUSTER_NODE_ID", "-1"),
+        ("DELAYD_CLUSTER_ELECTION_TIMEOUT", "1000"),
+    ] {
+        let err = load_env(&[(var, value)]).unwrap_err();
+        assert!(err.to_string().starts_with(var), "{var}={value}: {err}");
+    }
+    let err = load_env(&[("DELAYD_CLUSTER_MEMBERS", "1")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("DELAYD_CLUSTER_MEMBERS: not a delayd setting"),
+        "{err}"
+    );
+}
