@@ -147,6 +147,8 @@ fn the_example_config_is_every_key_at_its_default() {
         keys_of::<crate::source::nats::NatsSourceConfig>(),
         keys_of::<crate::source::amqp::AmqpSourceConfig>(),
         keys_of::<crate::source::kafka::KafkaSourceConfig>(),
+        keys_of::<ClusterConfig>(),
+        keys_of::<MemberConfig>(),
     ] {
         all.extend(keys.iter().map(|key| key.to_string()));
     }
@@ -158,6 +160,7 @@ fn the_example_config_is_every_key_at_its_default() {
         "sinks",
         "sources",
         "cluster",
+        "members",
         "written_sinks",
         "written_sources",
     ];
