@@ -120,6 +120,23 @@ impl ApiError {
         }
     }
 
+    /// 503 `no_leader`: no cluster leader took the request, so nothing was done and it may be sent again.
+    pub fn no_leader(detail: impl Into<String>) -> ApiError {
+        ApiError {
+            retry_after_secs: Some(1),
+            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no_leader", detail)
+        }
+    }
+
+    /// 503 `write_uncertain`: a write reached the cluster but its outcome is unknown; it may still take
+    /// effect, so it is resent with an idempotency key.
+    pub fn write_uncertain(detail: impl Into<String>) -> ApiError {
+        ApiError {
+            retry_after_secs: Some(1),
+            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "write_uncertain", detail)
+        }
+    }
+
     /// A failure inside delayd: logged in full, answered without internals.
     pub fn internal(error: impl std::fmt::Display) -> ApiError {
         tracing::error!(%error, "internal error");
@@ -169,22 +186,12 @@ impl From<AppendError> for ApiError {
                     )
                 }
             }
-            AppendError::NotLeader { .. } => ApiError {
-                retry_after_secs: Some(1),
-                ..ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "no_leader",
-                    "this cluster member could not propose the write (it does not lead, or its last write is unresolved); nothing was stored, retry shortly",
-                )
-            },
-            AppendError::Uncertain => ApiError {
-                retry_after_secs: Some(1),
-                ..ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "write_uncertain",
-                    "no quorum of the cluster took the write in time: it may still take effect; resend it with an idempotency key (dedup)",
-                )
-            },
+            AppendError::NotLeader { .. } => ApiError::no_leader(
+                "this cluster member could not propose the write (it does not lead, or its last write is unresolved); nothing was stored, retry shortly",
+            ),
+            AppendError::Uncertain => ApiError::write_uncertain(
+                "no quorum of the cluster took the write in time: it may still take effect; resend it with an idempotency key (dedup)",
+            ),
             // What the log refuses is the caller's mistake in this process, not the client's.
             refused @ AppendError::Refused(_) => ApiError::internal(refused),
             AppendError::Closed => ApiError {
