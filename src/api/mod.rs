@@ -1,11 +1,13 @@
 //! The HTTP API v1 (DESIGN.md §6): routes, shared state, request checks, authentication and the
 //! per-request metric. Handlers live in `messages` (schedule, status, cancel, requeue, discard),
 //! `listing` (listing, purge, timeline) and `consume` (the built-in broker's topics, pulls and group
-//! offsets); `openapi` describes them all at `GET /openapi.json`.
+//! offsets); `openapi` describes them all at `GET /openapi.json`. On a cluster follower, `forward`
+//! carries requests to the leader.
 
 mod consume;
 mod dead_letters;
 pub mod error;
+pub mod forward;
 mod listing;
 mod messages;
 mod openapi;
@@ -471,18 +473,28 @@ impl<S: Send + Sync> FromRequest<S> for RawBody {
             .map(RawBody)
             .map_err(|rejection| {
                 if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                    ApiError::too_large("the request body is larger than limits.max_request_bytes")
+                    body_too_large()
                 } else if timed_out(&rejection) {
-                    ApiError::new(
-                        StatusCode::REQUEST_TIMEOUT,
-                        "request_timeout",
-                        "the request body did not arrive within limits.body_timeout",
-                    )
+                    body_timed_out()
                 } else {
                     ApiError::bad_request("invalid_body", rejection.body_text())
                 }
             })
     }
+}
+
+/// 413 for a request body over `limits.max_request_bytes`.
+fn body_too_large() -> ApiError {
+    ApiError::too_large("the request body is larger than limits.max_request_bytes")
+}
+
+/// 408 for a request body the edge failed for not arriving in time.
+fn body_timed_out() -> ApiError {
+    ApiError::new(
+        StatusCode::REQUEST_TIMEOUT,
+        "request_timeout",
+        "the request body did not arrive within limits.body_timeout",
+    )
 }
 
 /// Whether an error was caused by an I/O timeout (the edge's body deadline).
