@@ -272,6 +272,11 @@ fn describe() {
         "delayd_max_fds",
         "The open-file limit (RLIMIT_NOFILE soft limit, raised to the hard limit at start)"
     );
+    // Made to exist at 0 by the forwarder itself (`api::forward`), on cluster members only.
+    describe_counter!(
+        "delayd_cluster_forwarded_requests_total",
+        "Requests a cluster follower sent on to the leader, whatever came of them (DESIGN.md §10)"
+    );
     describe_histogram!(
         "delayd_http_request_seconds",
         Unit::Seconds,
