@@ -476,16 +476,20 @@ impl Writer {
                 )
             })
         });
-        let first_seq = entries.iter().find_map(|e| match &e.payload {
-            EntryPayload::Normal(frames) => crate::wal::record_seq(frames),
-            _ => None,
-        });
+        // Each entry's first record (a message or a cancel: outcomes take no seq) continues the seqs
+        // of the ones before it.
+        let mut due = self.next_seq;
         let mismatch = mismatch.or_else(|| {
-            first_seq.filter(|&seq| seq != self.next_seq).map(|seq| {
-                format!(
-                    "records from seq {seq} reached the WAL writer where seq {} was due",
-                    self.next_seq
-                )
+            entries.iter().zip(counts).find_map(|(entry, records)| {
+                let first = match &entry.payload {
+                    EntryPayload::Normal(frames) if records.seqs > 0 => first_record_seq(frames),
+                    _ => None,
+                };
+                let why = first.filter(|&seq| seq != due).map(|seq| {
+                    format!("records from seq {seq} reached the WAL writer where seq {due} was due")
+                });
+                due += u64::from(records.seqs);
+                why
             })
         });
         if let Some(why) = mismatch {
@@ -785,4 +789,13 @@ impl Writer {
             }
         }
     }
+}
+
+/// The seq of the first message or cancel among an entry's frames (its outcomes, which take no seq,
+/// passed over).
+fn first_record_seq(frames: &[u8]) -> Option<u64> {
+    frame::Frames::new(frames).find_map(|(at, kind, _)| match kind {
+        frame::Kind::Message | frame::Kind::Cancel => crate::wal::record_seq(&frames[at..]),
+        _ => None,
+    })
 }

@@ -506,3 +506,42 @@ fn groups_stay_within_an_entry() {
         "not proposed"
     );
 }
+
+/// An entry that starts with an outcome (no seq) and goes on with messages, then another entry of
+/// messages, in one append: the writer checks each entry's first seq against the seqs before it,
+/// outcomes passed over (it once took the second entry's first seq for the first's, and poisoned the
+/// log of a follower catching up under load).
+#[test]
+fn an_entry_that_starts_with_an_outcome_continues_the_seqs() {
+    let (dir, clock, log) = new_log_with(replicated);
+    let (one, appended) = normal(&log, 1, 0, &["order 42"]);
+    append(&log, vec![one.clone()]);
+    log.apply_entries(vec![one]).unwrap();
+    let delivered = Outcome {
+        seq: appended[0].location.seq,
+        at_ms: T0 + 5,
+        attempt: 0,
+        kind: OutcomeKind::Delivered,
+    };
+    let mut builder = EntryBuilder::new(log.next_entry_seq().unwrap(), log.segment_minutes());
+    builder.outcomes(&[(appended[0].location.bucket, delivered)]);
+    builder.append(&[message(T0 + HOUR_MS, "after the outcome")], T0);
+    let (payload, next_seq) = builder.finish();
+    let two = Entry {
+        log_id: id(1, 1),
+        payload,
+    };
+    let mut builder = EntryBuilder::new(next_seq, log.segment_minutes());
+    builder.append(&[message(T0 + HOUR_MS, "the next entry")], T0);
+    let three = Entry {
+        log_id: id(1, 2),
+        payload: builder.finish().0,
+    };
+    append(&log, vec![two.clone(), three.clone()]);
+    assert!(log.poisoned().is_none());
+    log.apply_entries(vec![two, three]).unwrap();
+    assert_eq!(all_messages(&log).len(), 3);
+    log.crash();
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    assert_eq!(log.next_entry_seq().unwrap(), 4);
+}
