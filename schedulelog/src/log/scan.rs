@@ -50,8 +50,12 @@ impl ScheduleLog {
     /// filed meanwhile, and the bucket is watched. A failure leaves the bucket unwatched (nothing was
     /// reported), so that a later call neither misses nor repeats a record.
     pub fn watch(&self, bucket: Bucket) -> Result<BucketSnapshot> {
-        // The snapshot then holds at least everything acknowledged before this call.
+        // The snapshot then holds at least everything acknowledged before this call; in a replicated
+        // log, also the outcomes of every entry applied before it (a member elected leader loads its
+        // wheel right after it applied what the last leader committed: the outcomes of what that one
+        // delivered must keep those messages out of the wheel).
         self.wait_replayed(0);
+        self.wait_applied();
         // The bulk, outside the lock: the replayer goes on filing meanwhile.
         let (mut pending, read) = match self.reader(bucket)? {
             Some(reader) => (reader.entries(0, reader.len())?, reader.len()),

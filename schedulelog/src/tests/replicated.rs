@@ -545,3 +545,35 @@ fn an_entry_that_starts_with_an_outcome_continues_the_seqs() {
     let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
     assert_eq!(log.next_entry_seq().unwrap(), 4);
 }
+
+/// A bucket watched right after an entry with an outcome was applied (a member elected leader loads its
+/// wheel so) leaves the finished message out: the snapshot waits for the applied entries' outcomes.
+#[test]
+fn a_watch_after_an_applied_outcome_leaves_the_finished_message_out() {
+    let (_dir, _clock, log) = new_log_with(replicated);
+    let (one, appended) = normal(&log, 1, 0, &["order 42", "order 43"]);
+    append(&log, vec![one.clone()]);
+    log.apply_entries(vec![one]).unwrap();
+    let location = appended[0].location;
+    let delivered = Outcome {
+        seq: location.seq,
+        at_ms: T0 + 5,
+        attempt: 0,
+        kind: OutcomeKind::Delivered,
+    };
+    let mut builder = EntryBuilder::new(log.next_entry_seq().unwrap(), log.segment_minutes());
+    builder.outcomes(&[(location.bucket, delivered)]);
+    let two = Entry {
+        log_id: id(1, 1),
+        payload: builder.finish().0,
+    };
+    append(&log, vec![two.clone()]);
+    log.apply_entries(vec![two]).unwrap();
+    let snapshot = log.watch(location.bucket).unwrap();
+    let pending: Vec<u64> = snapshot.pending.iter().map(|e| e.seq).collect();
+    assert_eq!(
+        pending,
+        vec![appended[1].location.seq],
+        "only the undelivered one"
+    );
+}
