@@ -1,13 +1,14 @@
 //! The Raft cluster (DESIGN.md §10): openraft replicates the log, this module gives it its types, its
 //! storage and its RPCs over the peer link (peer.rs). Consensus is openraft's; what an entry means is
-//! the storage layer's. Not wired into the service yet ([`crate::run`] knows no `[cluster]`): the
-//! in-process tests run members of their own.
+//! the storage layer's. [`crate::run`] starts a [`node::Node`] when the config has a `[cluster]`
+//! section; the in-process tests run members of their own.
 //!
 //! - [`TypeConfig`]: openraft's types for delayd. A node id is the member's `cluster.node_id`; a
 //!   node's data is a [`Member`]; an entry's app data is a [`Proposal`].
 //! - `store`: openraft's log storage and state machine on a replicated schedule log (its WAL is the
 //!   Raft log).
 //! - `propose`: the leader's writes, one entry per group commit.
+//! - `node`: a running member: Raft, peer listener, proposer, delivery lease, status and metrics.
 //! - `rpc`: the binary codec of the RPCs (its byte layout is there).
 //! - `network`: [`network::PeerNetwork`] sends them to members, [`network::RaftService`] answers them.
 //!
@@ -20,6 +21,7 @@
 //!   under the codec.
 
 pub mod network;
+pub mod node;
 pub mod propose;
 pub mod rpc;
 pub mod store;

@@ -76,6 +76,32 @@ pub struct PeerNetwork {
     options: PeerOptions,
     /// By member id; replaced when a member's peer address changes.
     links: HashMap<u64, Arc<MemberLink>>,
+    /// When each member last answered a call.
+    answers: Answers,
+}
+
+/// When each member last answered one of this member's calls (any answer, an error from its Raft
+/// too: it was reached). Shared with whoever reports the cluster's state (`GET /v1/cluster`).
+#[derive(Debug, Clone, Default)]
+pub struct Answers(Arc<Mutex<HashMap<u64, std::time::Instant>>>);
+
+impl Answers {
+    /// When member `id` last answered; `None` if it never did.
+    pub fn last(&self, id: u64) -> Option<std::time::Instant> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .copied()
+    }
+
+    fn record(&self, id: u64) {
+        let now = std::time::Instant::now();
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, now);
+    }
 }
 
 impl PeerNetwork {
@@ -90,7 +116,13 @@ impl PeerNetwork {
             secret: Secret(secret.into()),
             options,
             links: HashMap::new(),
+            answers: Answers::default(),
         })
+    }
+
+    /// When each member last answered this network's calls.
+    pub fn answers(&self) -> Answers {
+        self.answers.clone()
     }
 }
 
@@ -108,6 +140,7 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
                     secret: self.secret.clone(),
                     options: self.options.clone(),
                     client: Mutex::new(None),
+                    answers: self.answers.clone(),
                 });
                 self.links.insert(target, link.clone());
                 link
@@ -131,6 +164,7 @@ struct MemberLink {
     options: PeerOptions,
     /// Made on the first call; forgotten after a failure when `peer` is a name.
     client: Mutex<Option<Arc<PeerClient>>>,
+    answers: Answers,
 }
 
 impl MemberLink {
@@ -196,6 +230,10 @@ impl MemberLink {
         let answered = tokio::time::timeout_at(deadline, client.call(kind, &payload)).await;
         let answer = match answered {
             Ok(Ok(answer)) => answer,
+            Ok(Err(error @ PeerError::Answered { .. })) => {
+                self.answers.record(self.target);
+                return Err(CallError::Peer(error));
+            }
             Ok(Err(error)) => {
                 if let PeerError::Io { .. }
                 | PeerError::Timeout { .. }
@@ -210,6 +248,7 @@ impl MemberLink {
                 return Err(CallError::Deadline { after: ttl });
             }
         };
+        self.answers.record(self.target);
         Ok(A::decode(&answer)?)
     }
 }
@@ -453,6 +492,7 @@ mod tests {
             secret: Secret("a long random string".into()),
             options: PeerOptions::default(),
             client: Mutex::new(None),
+            answers: Answers::default(),
         };
         MemberClient {
             link: Arc::new(link),

@@ -152,6 +152,12 @@ impl LogStore {
             .map_err(|e| storage_error(ErrorSubject::Vote, ErrorVerb::Write, e))
     }
 
+    /// The index of the last entry this member knows to be committed (openraft saves it here as it
+    /// learns it); `None` before the first.
+    pub fn committed_index(&self) -> Option<u64> {
+        self.state().committed.map(|id| id.index)
+    }
+
     fn state(&self) -> RaftState {
         self.votes.lock().unwrap_or_else(|p| p.into_inner()).1
     }

@@ -1,0 +1,377 @@
+//! A running cluster member (DESIGN.md §10): its Raft over the replicated schedule log, its peer
+//! listener, its proposer, the delivery lease it keeps while it leads, and what it reports
+//! (`GET /v1/cluster`, `/readyz`, the `delayd_cluster_*` metrics).
+//!
+//! Invariants:
+//! - The cluster forms by itself: every member started with the same members and nothing in its log
+//!   proposes that membership as its first entry (all of them the same entry, so it does not matter
+//!   who wins the first election); one that was a member already (a log or a vote) proposes nothing.
+//! - The delivery lease (`scheduler::Lease`) is extended only by a round of heartbeats that a majority
+//!   acknowledged, to the moment the round was sent plus the election timeout. openraft's followers
+//!   refuse to vote for anyone else for the *longest* election timeout (one and a half times it) after
+//!   such a heartbeat, so the lease ends before another member can be elected, by half an election
+//!   timeout at least, which is this member's margin to stop handing batches to sinks.
+//! - A member that does not lead holds no lease.
+
+use super::network::{Answers, PeerNetwork, RaftService};
+use super::store::{LogStore, StateMachine};
+use super::{Member, TypeConfig};
+use crate::peer::{self, PeerOptions};
+use crate::scheduler::Lease;
+use anyhow::Context;
+use openraft::{Raft, ServerState};
+use schedulelog::{Clock, ScheduleLog};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What a member is started with (the `[cluster]` section).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub id: u64,
+    /// Where the peer listener binds: `host:port`.
+    pub listen: String,
+    pub secret: String,
+    pub election_timeout: Duration,
+    /// Every member, this one too, by id.
+    pub members: BTreeMap<u64, Member>,
+}
+
+/// A running member. Stop it with [`Node::shutdown`].
+pub struct Node {
+    id: u64,
+    raft: Raft<TypeConfig>,
+    store: LogStore,
+    answers: Answers,
+    election_timeout: Duration,
+    lease: Arc<Lease>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    proposer: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Node {
+    /// Starts member `settings.id` on `log` (opened replicated), with its vote in `raft_dir`: binds
+    /// the peer listener, starts Raft, founds the cluster if nobody has yet, and starts proposing.
+    pub async fn start(
+        settings: Settings,
+        log: &Arc<ScheduleLog>,
+        raft_dir: &Path,
+        clock: Arc<dyn Clock>,
+    ) -> anyhow::Result<Node> {
+        let Settings {
+            id,
+            listen,
+            secret,
+            election_timeout,
+            members,
+        } = settings;
+        let listener = tokio::net::TcpListener::bind(&listen)
+            .await
+            .with_context(|| format!("binding cluster.listen {listen}"))?;
+        let store = LogStore::open(log.clone(), raft_dir)
+            .with_context(|| format!("opening the Raft state in {}", raft_dir.display()))?;
+        let machine = StateMachine::new(log.clone());
+        let network = PeerNetwork::new(id, &secret, PeerOptions::default())?;
+        let answers = network.answers();
+        let raft = Raft::new(
+            id,
+            super::raft_config(election_timeout),
+            network,
+            store.clone(),
+            machine,
+        )
+        .await
+        .context("starting Raft")?;
+        let service = Arc::new(RaftService::new(raft.clone()));
+        let serving = peer::serve(listener, id, &secret, PeerOptions::default(), service)?;
+        let mut tasks = vec![tokio::spawn(serving)];
+        // A member that holds a log or a vote was part of the cluster already: nothing to found.
+        let founded = raft.is_initialized().await.unwrap_or(true);
+        let found = async {
+            match founded {
+                true => Ok(()),
+                false => raft.initialize(members.clone()).await.map(|()| {
+                    tracing::info!(member = id, "founded the cluster");
+                }),
+            }
+        };
+        match found.await {
+            Ok(()) => {}
+            Err(e)
+                if e.api_error().is_some_and(|e| {
+                    matches!(e, openraft::error::InitializeError::NotAllowed(_))
+                }) => {}
+            Err(e) => {
+                let _ = raft.shutdown().await;
+                tasks.iter().for_each(|t| t.abort());
+                return Err(anyhow::anyhow!("founding the cluster: {e}"));
+            }
+        }
+        let proposer = super::propose::start(
+            raft.clone(),
+            log,
+            clock,
+            tokio::runtime::Handle::current(),
+            answer_within(election_timeout),
+        )?;
+        let lease = Arc::new(Lease::new());
+        tasks.push(tokio::spawn(keep_lease(
+            raft.clone(),
+            lease.clone(),
+            election_timeout,
+        )));
+        tasks.push(tokio::spawn(report(raft.clone(), store.clone())));
+        Ok(Node {
+            id,
+            raft,
+            store,
+            answers,
+            election_timeout,
+            lease,
+            tasks,
+            proposer: Mutex::new(proposer),
+        })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn raft(&self) -> &Raft<TypeConfig> {
+        &self.raft
+    }
+
+    pub fn election_timeout(&self) -> Duration {
+        self.election_timeout
+    }
+
+    /// The delivery lease this member holds while it leads (for its scheduler).
+    pub fn lease(&self) -> Arc<Lease> {
+        self.lease.clone()
+    }
+
+    /// The leader this member knows, and its client listener (`api`).
+    pub fn leader(&self) -> Option<(u64, Member)> {
+        let metrics = self.raft.metrics().borrow().clone();
+        let leader = metrics.current_leader?;
+        let member = metrics.membership_config.membership().get_node(&leader)?;
+        Some((leader, member.clone()))
+    }
+
+    /// Whether this member leads (as far as it knows: the lease says whether it may act on it).
+    pub fn leads(&self) -> bool {
+        let metrics = self.raft.metrics();
+        let metrics = metrics.borrow();
+        metrics.state == ServerState::Leader && metrics.current_leader == Some(self.id)
+    }
+
+    /// `/readyz` of a member: it knows a leader, and has applied every entry it knows is committed.
+    pub fn ready(&self) -> Result<(), String> {
+        let (leader, applied) = {
+            let metrics = self.raft.metrics();
+            let metrics = metrics.borrow();
+            let applied = metrics.last_applied.map(|id| id.index);
+            (metrics.current_leader, applied)
+        };
+        if leader.is_none() {
+            return Err("no leader is known".into());
+        }
+        let committed = self.store.committed_index();
+        if committed > applied {
+            return Err(format!(
+                "applied up to entry {}, committed up to {}",
+                applied.unwrap_or(0),
+                committed.unwrap_or(0)
+            ));
+        }
+        Ok(())
+    }
+
+    /// `GET /v1/cluster`.
+    pub fn status(&self) -> ClusterStatus {
+        let metrics = self.raft.metrics().borrow().clone();
+        let membership = metrics.membership_config.membership();
+        let leads = metrics.state == ServerState::Leader;
+        let matched = metrics.replication.as_ref();
+        let members = membership
+            .nodes()
+            .map(|(&id, member)| {
+                let voter = membership.voter_ids().any(|v| v == id);
+                let state = if id == self.id {
+                    match metrics.state {
+                        ServerState::Leader => "leader",
+                        ServerState::Follower => "follower",
+                        ServerState::Candidate => "candidate",
+                        ServerState::Learner => "learner",
+                        ServerState::Shutdown => "unreachable",
+                    }
+                } else if metrics.current_leader == Some(id) {
+                    "leader"
+                } else if leads && !self.answered_lately(id) {
+                    "unreachable"
+                } else if voter {
+                    "follower"
+                } else {
+                    "learner"
+                };
+                let matched_index = match (leads, matched) {
+                    (true, Some(_)) if id == self.id => metrics.last_log_index,
+                    (true, Some(matched)) => matched.get(&id).copied().flatten().map(|l| l.index),
+                    _ => None,
+                };
+                MemberStatus {
+                    id,
+                    api: member.api.clone(),
+                    peer: member.peer.clone(),
+                    voter,
+                    state,
+                    matched_index,
+                }
+            })
+            .collect();
+        ClusterStatus {
+            node_id: self.id,
+            leader_id: metrics.current_leader,
+            term: metrics.current_term,
+            commit_index: self.store.committed_index(),
+            applied_index: metrics.last_applied.map(|id| id.index),
+            members,
+        }
+    }
+
+    /// Whether member `id` answered one of this member's calls within the last election timeout.
+    fn answered_lately(&self, id: u64) -> bool {
+        self.answers
+            .last(id)
+            .is_some_and(|at| at.elapsed() < self.election_timeout)
+    }
+
+    /// Stops Raft, the peer listener and the lease; the proposer ends once the log closes (its owner
+    /// closes it after this). Waits for nothing that could hang on another member.
+    pub async fn shutdown(&self) {
+        self.lease.revoke();
+        for task in &self.tasks {
+            task.abort();
+        }
+        if let Err(error) = self.raft.shutdown().await {
+            tracing::warn!(%error, "Raft did not stop cleanly");
+        }
+    }
+
+    /// The proposer's thread, to join once the log is closed.
+    pub fn take_proposer(&self) -> Option<std::thread::JoinHandle<()>> {
+        self.proposer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+}
+
+/// `GET /v1/cluster` (DESIGN.md §10).
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct ClusterStatus {
+    pub node_id: u64,
+    pub leader_id: Option<u64>,
+    pub term: u64,
+    pub commit_index: Option<u64>,
+    pub applied_index: Option<u64>,
+    pub members: Vec<MemberStatus>,
+}
+
+/// A member as this one sees it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct MemberStatus {
+    pub id: u64,
+    pub api: String,
+    pub peer: String,
+    pub voter: bool,
+    /// `leader`, `follower`, `candidate`, `learner` or `unreachable` (a member the leader has not
+    /// heard from within an election timeout).
+    pub state: &'static str,
+    /// The last entry the leader knows the member holds; null on other members.
+    pub matched_index: Option<u64>,
+}
+
+/// How long a write waits for its entry to be committed before its writer is told its fate is
+/// unknown: a few election timeouts, so that a failover under way is not mistaken for a lost quorum.
+fn answer_within(election_timeout: Duration) -> Duration {
+    (election_timeout * 3).max(Duration::from_secs(2))
+}
+
+/// Keeps `lease` while this member leads: a round of heartbeats every heartbeat interval, each
+/// acknowledged by a majority extending it (module doc); revoked as soon as it no longer leads.
+async fn keep_lease(raft: Raft<TypeConfig>, lease: Arc<Lease>, election_timeout: Duration) {
+    let heartbeat = election_timeout / 4;
+    let mut metrics = raft.metrics();
+    loop {
+        let leads = metrics.borrow_and_update().state == ServerState::Leader;
+        if !leads {
+            lease.revoke();
+            if metrics.changed().await.is_err() {
+                return;
+            }
+            continue;
+        }
+        let sent = Instant::now();
+        let confirmed = tokio::time::timeout(election_timeout, raft.get_read_log_id()).await;
+        if let Ok(Ok(_)) = confirmed {
+            lease.extend_to(sent + election_timeout);
+        }
+        tokio::time::sleep(heartbeat.saturating_sub(sent.elapsed())).await;
+    }
+}
+
+/// Sets the `delayd_cluster_*` metrics from Raft's, as they change (and once a second, for the
+/// committed index, which Raft's metrics do not carry).
+async fn report(raft: Raft<TypeConfig>, store: LogStore) {
+    let mut metrics = raft.metrics();
+    let mut term = None;
+    let mut lagging: Vec<u64> = Vec::new();
+    loop {
+        {
+            let m = metrics.borrow_and_update();
+            let leads = m.state == ServerState::Leader;
+            metrics::gauge!("delayd_cluster_leader").set(if leads { 1.0 } else { 0.0 });
+            metrics::gauge!("delayd_cluster_term").set(m.current_term as f64);
+            if term.is_some_and(|t| t < m.current_term) {
+                metrics::counter!("delayd_cluster_elections_total").increment(1);
+            }
+            term = Some(m.current_term);
+            let committed = store.committed_index().unwrap_or(0);
+            metrics::gauge!("delayd_cluster_commit_index").set(committed as f64);
+            let applied = m.last_applied.map_or(0, |id| id.index);
+            metrics::gauge!("delayd_cluster_applied_index").set(applied as f64);
+            let last = m.last_log_index.unwrap_or(0);
+            let mut peers = Vec::new();
+            for (&peer, matched) in m.replication.iter().flatten() {
+                if peer == m.id {
+                    continue;
+                }
+                let lag = last.saturating_sub(matched.map_or(0, |l| l.index));
+                metrics::gauge!("delayd_cluster_peer_lag_entries", "peer" => peer.to_string())
+                    .set(lag as f64);
+                peers.push(peer);
+            }
+            // Only the leader reports lags: a member that stopped leading zeroes its own.
+            for gone in lagging.iter().filter(|p| !peers.contains(p)) {
+                metrics::gauge!("delayd_cluster_peer_lag_entries", "peer" => gone.to_string())
+                    .set(0.0);
+            }
+            lagging = peers;
+        }
+        tokio::select! {
+            changed = metrics.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
