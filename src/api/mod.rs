@@ -9,6 +9,7 @@ mod dead_letters;
 pub mod error;
 pub mod forward;
 mod listing;
+pub mod member;
 mod messages;
 mod openapi;
 
@@ -279,11 +280,11 @@ async fn console() -> Response {
 /// Why the node refuses writes until a restart (a poisoned log, or a failed broker store), if it does.
 /// The broker's stores are asked on the blocking pool: their locks are held through commit-log syncs,
 /// which a runtime worker must not wait for.
-async fn storage_failure(state: &AppState) -> Option<String> {
-    if let Some(cause) = state.log.poisoned() {
+async fn storage_failure(log: &ScheduleLog, broker: &Arc<Broker>) -> Option<String> {
+    if let Some(cause) = log.poisoned() {
         return Some(cause);
     }
-    let broker = state.broker.clone();
+    let broker = broker.clone();
     match tokio::task::spawn_blocking(move || broker.failed()).await {
         Ok(failed) => failed,
         Err(e) if e.is_cancelled() => None, // the runtime is shutting down
@@ -320,7 +321,7 @@ async fn healthz() -> &'static str {
     )
 )]
 async fn ready(State(state): State<AppState>) -> Response {
-    if let Some(cause) = storage_failure(&state).await {
+    if let Some(cause) = storage_failure(&state.log, &state.broker).await {
         let mut error = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_failed", cause);
         error.retry_after_secs = Some(60);
         return error.into_response();
@@ -356,12 +357,21 @@ pub enum ReadyState {
     responses((status = 200, description = "every metric", body = String, content_type = "text/plain"))
 )]
 async fn metrics(State(state): State<AppState>) -> Response {
+    render_metrics(&state.log, &state.broker, &state.metrics).await
+}
+
+/// The Prometheus text of every metric.
+async fn render_metrics(
+    log: &ScheduleLog,
+    broker: &Arc<Broker>,
+    handle: &PrometheusHandle,
+) -> Response {
     // Read at each scrape: 1 exactly when /readyz answers `storage_failed`.
-    let failed = storage_failure(&state).await.is_some();
+    let failed = storage_failure(log, broker).await.is_some();
     metrics::gauge!("delayd_storage_failed").set(if failed { 1.0 } else { 0.0 });
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
+        handle.render(),
     )
         .into_response()
 }
@@ -384,9 +394,17 @@ async fn count_requests(request: Request, next: Next) -> Response {
 
 /// Bearer-token check for `/v1/*` when `auth.tokens` is set.
 async fn authenticate(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let tokens = &state.config.auth.tokens;
+    match check_token(&state.config.auth.tokens, &request) {
+        Ok(()) => next.run(request).await,
+        Err(refused) => refused.into_response(),
+    }
+}
+
+/// Whether `request` carries one of `tokens` as its bearer token (any request does when there are
+/// none: authentication is off).
+fn check_token(tokens: &[String], request: &Request) -> Result<(), ApiError> {
     if tokens.is_empty() {
-        return next.run(request).await;
+        return Ok(());
     }
     let given = request
         .headers()
@@ -399,20 +417,18 @@ async fn authenticate(State(state): State<AppState>, request: Request, next: Nex
                 .iter()
                 .any(|t| constant_time_eq(t.as_bytes(), given.as_bytes())) =>
         {
-            next.run(request).await
+            Ok(())
         }
-        Some(_) => ApiError::new(
+        Some(_) => Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
             "the bearer token is not valid",
-        )
-        .into_response(),
-        None => ApiError::new(
+        )),
+        None => Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
             "send Authorization: Bearer <token>",
-        )
-        .into_response(),
+        )),
     }
 }
 
