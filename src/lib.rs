@@ -75,6 +75,7 @@ pub async fn run_with_ready(
         fsync: config.fsync_policy()?,
         retention: config.retention.0,
         clock: clock.clone(),
+        replicated: config.cluster.is_some(),
         ..Options::default()
     };
     let data_dir = config.data_dir.clone();
@@ -101,19 +102,6 @@ pub async fn run_with_ready(
         sinks.register(name, target, sink.policy())?;
     }
     metrics::register_series(config.sinks.keys().map(String::as_str));
-    let scheduler_config = SchedulerConfig {
-        tick_ms: i64::from(config.tick_ms),
-        preload: config.preload.0,
-        dead_letters: Some(Arc::new(BrokerSink::new(broker.clone()))),
-        ..SchedulerConfig::default()
-    };
-    let scheduler = Arc::new(Scheduler::start(
-        log.clone(),
-        &sinks,
-        scheduler_config,
-        clock.clone(),
-        &tokio::runtime::Handle::current(),
-    )?);
     let disk = Arc::new(disk::DiskWatch::new(
         config.data_dir.clone(),
         config.limits.min_free_disk_bytes,
@@ -126,61 +114,91 @@ pub async fn run_with_ready(
         disk.clone(),
         clock.clone(),
     ));
-    // The idempotency index is rebuilt from the pending messages that carry an idempotency key.
-    let intake = {
-        let (log, scheduler, config, clock, disk) = (
-            log.clone(),
-            scheduler.clone(),
-            config.clone(),
-            clock.clone(),
-            disk.clone(),
-        );
-        Arc::new(
-            tokio::task::spawn_blocking(move || {
-                intake::Intake::open(log, scheduler, config.admission(), clock, disk)
-            })
-            .await??,
-        )
-    };
-    intake.start_pruning();
-    let (stop_sources, sources) = start_sources(&config, &intake).await?;
-    let state = Arc::new(api::Services {
+    let base = Base {
         log: log.clone(),
-        scheduler: scheduler.clone(),
         broker,
+        sinks,
+        sink_connections,
         disk,
         config: config.clone(),
         clock,
         metrics,
-        intake,
-        sources: sources
-            .iter()
-            .map(|(connection, _)| connection.clone())
-            .collect(),
-        sink_connections,
-    });
-    let router = api::router(state);
-    tracing::info!(data_dir = %config.data_dir.display(), "recovery done: storage and the broker are open");
-    let served = edge::serve(
-        listener,
-        router,
-        edge::Limits::from_config(&config),
-        on_ready,
-        shutdown,
-    )
-    .await;
-    if served.is_ok() {
-        tracing::info!("shutting down: no new requests; finishing deliveries in flight");
-    }
+    };
+    let limits = edge::Limits::from_config(&config);
+    let mut proposers = Vec::new();
+    let served = match &config.cluster {
+        None => {
+            let term = Term::start(&base, None).await?;
+            let router = api::router(term.state.clone());
+            tracing::info!(data_dir = %config.data_dir.display(), "recovery done: storage and the broker are open");
+            let served = edge::serve(listener, router, limits, on_ready, shutdown).await;
+            if served.is_ok() {
+                tracing::info!("shutting down: no new requests; finishing deliveries in flight");
+            }
+            term.stop().await;
+            served
+        }
+        Some(cluster) => {
+            let settings = cluster::node::Settings {
+                id: cluster.node_id,
+                listen: cluster.listen.clone(),
+                secret: cluster.secret.clone(),
+                election_timeout: cluster.election_timeout.0,
+                members: (cluster.members.iter())
+                    .map(|m| {
+                        let member = cluster::Member {
+                            api: m.api.clone(),
+                            peer: m.peer.clone(),
+                        };
+                        (m.id, member)
+                    })
+                    .collect(),
+            };
+            let raft_dir = config.data_dir.join(RAFT_DIR);
+            let node = Arc::new(
+                cluster::node::Node::start(settings, &log, &raft_dir, base.clock.clone()).await?,
+            );
+            let (publish, leading) = tokio::sync::watch::channel(None);
+            let (stop_leading, stopped) = tokio::sync::watch::channel(false);
+            let leadership = tokio::spawn(lead(base.clone(), node.clone(), publish, stopped));
+            let state = Arc::new(api::member::MemberState {
+                node: node.clone(),
+                leading,
+                forwarder: api::forward::Forwarder::new(
+                    cluster.node_id,
+                    config.limits.max_request_bytes,
+                    config.broker.max_wait.0,
+                )
+                .context("building the HTTP client that forwards requests to the leader")?,
+                log: log.clone(),
+                broker: base.broker.clone(),
+                config: config.clone(),
+                metrics: base.metrics.clone(),
+            });
+            tracing::info!(data_dir = %config.data_dir.display(), member = cluster.node_id, "recovery done: storage and the broker are open; this member joins the cluster");
+            let served = edge::serve(
+                listener,
+                api::member::router(state),
+                limits,
+                on_ready,
+                shutdown,
+            )
+            .await;
+            if served.is_ok() {
+                tracing::info!("shutting down: no new requests; finishing deliveries in flight");
+            }
+            let _ = stop_leading.send(true);
+            let _ = leadership.await;
+            node.shutdown().await;
+            if let Some(proposer) = node.take_proposer() {
+                proposers.push(proposer);
+            }
+            served
+        }
+    };
     housekeeping.abort();
     probing.abort();
-    // Sources first: what they took is acknowledged or left to the MQ before the log closes.
-    let _ = stop_sources.send(true);
-    for (_, task) in sources {
-        let _ = task.await;
-    }
-    scheduler.shutdown().await;
-    drop(scheduler);
+    drop(base);
     // The last reference closes the log: pending group commits finish and a checkpoint is written.
     tokio::task::spawn_blocking(move || match Arc::try_unwrap(log) {
         Ok(log) => log.close().context("closing the log"),
@@ -190,10 +208,220 @@ pub async fn run_with_ready(
         }
     })
     .await??;
+    // A member's proposer ends once its log is closed.
+    for proposer in proposers {
+        let _ = tokio::task::spawn_blocking(move || proposer.join()).await;
+    }
     // A refused start (too few file descriptors) still stops what was started above, cleanly.
     served.context("serving HTTP")?;
     tracing::info!("stopped cleanly");
     Ok(())
+}
+
+/// How often a follower retires finished buckets (the scheduler's loader's default on the leader).
+const FOLLOWER_RETIRE_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A member's Raft state (its vote) in the data dir.
+const RAFT_DIR: &str = "raft";
+
+/// Runs a term of `node`'s each time it leads, and stops it as soon as it no longer does; publishes
+/// the term's API for the member's routes (api/member.rs). Ends, stopping a term that runs, once
+/// `stop` says `true`.
+async fn lead(
+    base: Base,
+    node: Arc<cluster::node::Node>,
+    publish: tokio::sync::watch::Sender<Option<axum::Router>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut metrics = node.raft().metrics();
+    let mut term: Option<Term> = None;
+    let look_again = std::time::Duration::from_millis(100);
+    // Since when a running term's lease has not held. openraft 0.9 keeps a leader cut off from the
+    // others leading until it hears of a later term; its lease stops its deliveries at once, and
+    // after an election timeout more its term stops too (its sources with it).
+    let mut lapsed_since: Option<std::time::Instant> = None;
+    // A follower retires finished buckets past retention by itself, as the leader's loader does: the
+    // outcomes that finish them are replicated, so its files end as the leader's do.
+    let mut next_retire = tokio::time::Instant::now();
+    loop {
+        if term.is_none() && tokio::time::Instant::now() >= next_retire {
+            next_retire = tokio::time::Instant::now() + FOLLOWER_RETIRE_EVERY;
+            let log = base.log.clone();
+            match tokio::task::spawn_blocking(move || log.retire()).await {
+                Ok(Ok(retired)) if !retired.is_empty() => {
+                    tracing::info!(?retired, "retired buckets")
+                }
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "retiring finished buckets failed; trying again")
+                }
+                _ => {}
+            }
+        }
+        let lease = node.lease();
+        lapsed_since = match (&term, lease.holds()) {
+            (Some(_), false) => Some(lapsed_since.unwrap_or_else(std::time::Instant::now)),
+            _ => None,
+        };
+        let cut_off = lapsed_since.is_some_and(|at| at.elapsed() > node.election_timeout());
+        match (node.leads() && !cut_off, term.is_some()) {
+            (true, false) => {
+                tracing::info!(
+                    member = node.id(),
+                    "elected: loading the wheel before delivering"
+                );
+                // Everything committed before this term is applied first: the wheel and the
+                // idempotency index are loaded from the files, as a restart loads them.
+                let confirmed = tokio::time::timeout(
+                    std::time::Duration::from_secs(10),
+                    node.raft().ensure_linearizable(),
+                )
+                .await;
+                if !matches!(confirmed, Ok(Ok(_))) {
+                    // Not confirmed (no majority answers yet): not before a moment, however often
+                    // Raft's metrics change meanwhile.
+                    tokio::time::sleep(look_again).await;
+                } else {
+                    match Term::start(&base, Some(node.lease())).await {
+                        Ok(started) => {
+                            publish.send_replace(Some(api::router(started.state.clone())));
+                            term = Some(started);
+                            tracing::info!(
+                                member = node.id(),
+                                "leading: delivering and taking writes"
+                            );
+                        }
+                        Err(error) => {
+                            tracing::error!(%error, "this member leads but could not start delivering; trying again")
+                        }
+                    }
+                }
+            }
+            (false, true) => {
+                publish.send_replace(None);
+                if let Some(ended) = term.take() {
+                    ended.stop().await;
+                }
+                lapsed_since = None;
+                match cut_off {
+                    true => tracing::warn!(member = node.id(), "no majority has confirmed this member's lead for an election timeout: stopped delivering"),
+                    false => tracing::info!(member = node.id(), "no longer leading: stopped delivering"),
+                }
+            }
+            _ => {}
+        }
+        tokio::select! {
+            _ = metrics.changed() => {}
+            _ = stop.wait_for(|stop| *stop) => break,
+            _ = tokio::time::sleep(look_again) => {}
+        }
+    }
+    publish.send_replace(None);
+    if let Some(ended) = term {
+        ended.stop().await;
+    }
+}
+
+/// What the service holds for its whole run, whoever leads.
+#[derive(Clone)]
+struct Base {
+    log: Arc<ScheduleLog>,
+    broker: Arc<Broker>,
+    sinks: SinkRegistry,
+    sink_connections: Vec<connection::ConnectionState>,
+    disk: Arc<disk::DiskWatch>,
+    config: Arc<Config>,
+    clock: Arc<dyn Clock>,
+    metrics: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+/// What delivers and takes new messages: the scheduler, the intake and the MQ sources, and the API's
+/// services over them. A single node runs one term from start to stop; a cluster member runs one
+/// each time it is elected, and stops it when it no longer leads.
+struct Term {
+    state: api::AppState,
+    stop_sources: tokio::sync::watch::Sender<bool>,
+    sources: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Term {
+    /// Loads the wheel as a restart does (the window and the unfinished older buckets, from the
+    /// files), rebuilds the idempotency index, and starts the sources. `lease`: a cluster leader's.
+    async fn start(base: &Base, lease: Option<Arc<scheduler::Lease>>) -> anyhow::Result<Term> {
+        let config = &base.config;
+        let scheduler_config = SchedulerConfig {
+            tick_ms: i64::from(config.tick_ms),
+            preload: config.preload.0,
+            dead_letters: Some(Arc::new(BrokerSink::new(base.broker.clone()))),
+            lease,
+            ..SchedulerConfig::default()
+        };
+        let scheduler = Arc::new(Scheduler::start(
+            base.log.clone(),
+            &base.sinks,
+            scheduler_config,
+            base.clock.clone(),
+            &tokio::runtime::Handle::current(),
+        )?);
+        // The idempotency index is rebuilt from the pending messages that carry an idempotency key.
+        let intake = {
+            let (log, shared, config, clock, disk) = (
+                base.log.clone(),
+                scheduler.clone(),
+                config.clone(),
+                base.clock.clone(),
+                base.disk.clone(),
+            );
+            let opened = tokio::task::spawn_blocking(move || {
+                intake::Intake::open(log, shared, config.admission(), clock, disk)
+            })
+            .await?;
+            match opened {
+                Ok(intake) => Arc::new(intake),
+                Err(error) => {
+                    scheduler.shutdown().await;
+                    return Err(error.into());
+                }
+            }
+        };
+        intake.start_pruning();
+        let (stop_sources, sources) = match start_sources(config, &intake).await {
+            Ok(started) => started,
+            Err(error) => {
+                scheduler.shutdown().await;
+                return Err(error);
+            }
+        };
+        let state = Arc::new(api::Services {
+            log: base.log.clone(),
+            scheduler,
+            broker: base.broker.clone(),
+            disk: base.disk.clone(),
+            config: config.clone(),
+            clock: base.clock.clone(),
+            metrics: base.metrics.clone(),
+            intake,
+            sources: sources
+                .iter()
+                .map(|(connection, _)| connection.clone())
+                .collect(),
+            sink_connections: base.sink_connections.clone(),
+        });
+        Ok(Term {
+            state,
+            stop_sources,
+            sources: sources.into_iter().map(|(_, task)| task).collect(),
+        })
+    }
+
+    /// Stops the sources (what they took is acknowledged or left to the MQ before the log closes),
+    /// then the scheduler, letting the lanes finish the batches they hold.
+    async fn stop(self) {
+        let _ = self.stop_sources.send(true);
+        for task in self.sources {
+            let _ = task.await;
+        }
+        self.state.scheduler.shutdown().await;
+    }
 }
 
 /// Opens and starts every configured source; each runs until the sender says `true`.

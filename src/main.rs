@@ -194,8 +194,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let env = std::env::vars()
         .filter(|(k, _)| k.starts_with("DELAYD_") && k != "DELAYD_URL" && k != "DELAYD_TOKEN");
     let config = Config::load(args.config.as_deref(), env, &flags)?;
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "info,openraft=warn".into());
     match config.log_format {
         // Colours only for a terminal: journald, files and log shippers get plain text.
         LogFormat::Text => tracing_subscriber::fmt()
