@@ -443,19 +443,44 @@ pub fn serve_until_exit(
     )
 }
 
-fn start(
+fn start(command: Command, data_dir: &Path, extra_args: &[&str], env: &[(&str, &str)]) -> Process {
+    let deadline = Instant::now() + READY_WITHIN;
+    let mut args = vec!["--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra_args);
+    let mut process = launch(command, data_dir, &args, env, deadline);
+    process.wait_ready(deadline);
+    process
+}
+
+/// A cluster member: `delayd serve --config CONFIG --data-dir DATA_DIR` (the config names its listen
+/// address, which the other members forward to), returned once it printed its address line, before
+/// it is ready (a member is ready only once a majority is up: start them all, then
+/// [`Process::wait_ready_within`]).
+pub fn spawn_member(config: &Path, data_dir: &Path, env: &[(&str, &str)]) -> Process {
+    let config = config.to_str().unwrap();
+    let deadline = Instant::now() + READY_WITHIN;
+    launch(delayd(), data_dir, &["--config", config], env, deadline)
+}
+
+/// Starts `delayd serve --data-dir DATA_DIR ARGS...` and reads its address line.
+fn launch(
     mut command: Command,
     data_dir: &Path,
-    extra_args: &[&str],
+    args: &[&str],
     env: &[(&str, &str)],
+    deadline: Instant,
 ) -> Process {
-    let deadline = Instant::now() + READY_WITHIN;
-    let logs = tempfile::tempdir().unwrap();
+    let mut logs = tempfile::tempdir().unwrap();
+    // For a post-mortem of a flaky run: the children's output is kept (its dir is printed).
+    if std::env::var_os("DELAYD_TEST_KEEP_LOGS").is_some() {
+        logs.disable_cleanup(true);
+        eprintln!("delayd serve's output goes to {}", logs.path().display());
+    }
     let stderr = std::fs::File::create(logs.path().join("stderr.log")).unwrap();
     let mut child = command
-        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .args(["serve", "--data-dir"])
         .arg(data_dir)
-        .args(extra_args)
+        .args(args)
         .env("RUST_LOG", "warn")
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
@@ -481,13 +506,17 @@ fn start(
         process.fail(&format!("printed {line:?} instead of its address"));
     };
     process.base = address.to_string();
-    process.wait_ready(deadline);
     process
 }
 
 impl Process {
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// [`Process::wait_ready`] within `within` from now.
+    pub fn wait_ready_within(&mut self, within: Duration) {
+        self.wait_ready(Instant::now() + within);
     }
 
     /// Polls `/readyz` until 200. During recovery the connection waits in the listen backlog, so each

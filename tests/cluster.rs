@@ -1,0 +1,429 @@
+//! The cluster as processes (DESIGN.md §10): three `delayd serve` members on loopback, each with its
+//! own data dir and config, delivering to a webhook receiver the test runs. Each member's sink calls
+//! the receiver at a path of its own (`/hooks/{member}`), so the receiver knows who delivered.
+//!
+//! A binary of its own: its members take most of the machine while they run, and it must not run beside
+//! the parallel integration tests (`cargo test` runs test binaries one after another).
+
+#![allow(clippy::unwrap_used, reason = "tests stop at the first failure")]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use axum::extract::{Path as UrlPath, State};
+use axum::http::HeaderMap;
+use common::{agent, free_port, now_ms, request, scrape, spawn_member, wait_for, Process};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const SECRET: &str = "a long random secret for the cluster tests";
+const HOOK_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const READY: Duration = Duration::from_secs(60);
+
+/// A delivery the receiver got.
+#[derive(Debug, Clone)]
+struct Hit {
+    /// The member that delivered it.
+    member: u64,
+    body: String,
+    at_ms: i64,
+}
+
+/// The webhook receiver: records every delivery, answers 204.
+struct Receiver {
+    url: String,
+    hits: Arc<Mutex<Vec<Hit>>>,
+    _runtime: tokio::runtime::Runtime,
+}
+
+async fn receive(
+    State(hits): State<Arc<Mutex<Vec<Hit>>>>,
+    UrlPath(member): UrlPath<u64>,
+    _headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> axum::http::StatusCode {
+    hits.lock().unwrap().push(Hit {
+        member,
+        body: String::from_utf8_lossy(&body).into_owned(),
+        at_ms: now_ms(),
+    });
+    axum::http::StatusCode::NO_CONTENT
+}
+
+impl Receiver {
+    fn start() -> Receiver {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let hits = Arc::new(Mutex::new(Vec::new()));
+        let app = axum::Router::new()
+            .route("/hooks/{member}", axum::routing::post(receive))
+            .with_state(hits.clone());
+        runtime.spawn(async move { axum::serve(listener, app).await });
+        Receiver {
+            url,
+            hits,
+            _runtime: runtime,
+        }
+    }
+
+    fn hits(&self) -> Vec<Hit> {
+        self.hits.lock().unwrap().clone()
+    }
+}
+
+/// One member: its ports, data dir and config, and its process while it runs.
+struct Member {
+    id: u64,
+    api: String,
+    dir: tempfile::TempDir,
+    config: PathBuf,
+    process: Option<Process>,
+}
+
+struct Cluster {
+    members: Vec<Member>,
+    receiver: Receiver,
+}
+
+impl Cluster {
+    /// Starts `size` members and waits until each is ready (a leader is elected and known).
+    fn start(size: u64) -> Cluster {
+        let receiver = Receiver::start();
+        let ports: Vec<(u16, u16)> = (0..size).map(|_| (free_port(), free_port())).collect();
+        let mut roster = String::new();
+        for (i, (api, peer)) in ports.iter().enumerate() {
+            roster.push_str(&format!(
+                "[[cluster.members]]\nid = {}\napi = \"http://127.0.0.1:{api}\"\npeer = \"127.0.0.1:{peer}\"\n",
+                i + 1
+            ));
+        }
+        let members: Vec<Member> = (1..=size)
+            .zip(&ports)
+            .map(|(id, (api, peer))| {
+                let dir = tempfile::tempdir().unwrap();
+                let text = format!(
+                    "listen = \"127.0.0.1:{api}\"\n\
+                     [limits]\nmin_free_disk_bytes = 0\n\
+                     [sinks.hook]\nkind = \"webhook\"\nurl = \"{}/hooks/{id}\"\nsecret = \"{HOOK_SECRET}\"\n\
+                     [cluster]\nnode_id = {id}\nlisten = \"127.0.0.1:{peer}\"\nsecret = \"{SECRET}\"\nelection_timeout = \"1s\"\n{roster}",
+                    receiver.url
+                );
+                let config = common::write_file(dir.path(), "delayd.toml", &text);
+                Member {
+                    id,
+                    api: format!("http://127.0.0.1:{api}"),
+                    dir,
+                    config,
+                    process: None,
+                }
+            })
+            .collect();
+        let mut cluster = Cluster { members, receiver };
+        for id in 1..=size {
+            cluster.launch(id);
+        }
+        for id in 1..=size {
+            cluster
+                .member(id)
+                .process
+                .as_mut()
+                .unwrap()
+                .wait_ready_within(READY);
+        }
+        cluster
+    }
+
+    fn member(&mut self, id: u64) -> &mut Member {
+        &mut self.members[(id - 1) as usize]
+    }
+
+    fn launch(&mut self, id: u64) {
+        let member = self.member(id);
+        let data = member.dir.path().join("data");
+        let process = spawn_member(&member.config, &data, &[("RUST_LOG", "info,openraft=warn")]);
+        assert_eq!(process.base, member.api);
+        member.process = Some(process);
+    }
+
+    fn running(&self) -> Vec<u64> {
+        (self.members.iter())
+            .filter(|m| m.process.is_some())
+            .map(|m| m.id)
+            .collect()
+    }
+
+    /// The leader every running member names, once they agree.
+    fn leader(&self) -> u64 {
+        let mut leader = 0;
+        wait_for("the running members agree on a leader", READY, || {
+            let named: BTreeSet<Option<u64>> = (self.running().into_iter())
+                .map(|id| {
+                    cluster_status(&self.members[(id - 1) as usize].api)["leader_id"].as_u64()
+                })
+                .collect();
+            match named.into_iter().collect::<Vec<_>>()[..] {
+                [Some(id)] if self.running().contains(&id) => {
+                    leader = id;
+                    true
+                }
+                _ => false,
+            }
+        });
+        leader
+    }
+}
+
+/// `GET /v1/cluster` of the member at `base` (Null when it does not answer).
+fn cluster_status(base: &str) -> Value {
+    match agent(Duration::from_secs(2))
+        .get(&format!("{base}/v1/cluster"))
+        .call()
+    {
+        Ok(mut response) if response.status() == 200 => {
+            serde_json::from_str(&response.body_mut().read_to_string().unwrap()).unwrap()
+        }
+        _ => Value::Null,
+    }
+}
+
+/// A message for the webhook whose body names it and its due time.
+fn message(n: u64, due_ms: i64) -> Value {
+    json!({"topic": "orders", "sink": "hook", "deliver_at": rfc3339(due_ms), "body": format!("m{n}@{due_ms}")})
+}
+
+fn rfc3339(ms: i64) -> String {
+    let at = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).unwrap();
+    at.format(&time::format_description::well_known::Rfc3339)
+        .unwrap()
+}
+
+/// The due time a body names.
+fn due_of(body: &str) -> i64 {
+    body.split_once('@').unwrap().1.parse().unwrap()
+}
+
+#[test]
+fn members_form_a_cluster_any_member_answers_and_only_the_leader_delivers() {
+    let cluster = Cluster::start(3);
+    let leader = cluster.leader();
+    let status = cluster_status(&cluster.members[0].api);
+    assert_eq!(status["members"].as_array().unwrap().len(), 3, "{status}");
+    assert!(status["term"].as_u64().unwrap() >= 1, "{status}");
+    let on_leader = cluster_status(&cluster.members[(leader - 1) as usize].api);
+    let states: Vec<&str> = (on_leader["members"].as_array().unwrap().iter())
+        .map(|m| m["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        states.iter().filter(|s| **s == "leader").count(),
+        1,
+        "{on_leader}"
+    );
+    assert!(
+        (on_leader["members"].as_array().unwrap().iter()).all(|m| m["matched_index"].is_u64()),
+        "the leader knows what each member holds: {on_leader}"
+    );
+
+    // A message through each member: followers forward to the leader.
+    let due = now_ms() + 1_500;
+    for (n, member) in cluster.members.iter().enumerate() {
+        let body = message(n as u64, due).to_string();
+        let answer = request(&member.api, "POST", "/v1/messages", Some(&body), None);
+        assert!((200..300).contains(&answer.status), "{answer:?}");
+    }
+    wait_for("three deliveries", READY, || {
+        cluster.receiver.hits().len() >= 3
+    });
+    let hits = cluster.receiver.hits();
+    let bodies: BTreeSet<&str> = hits.iter().map(|h| h.body.as_str()).collect();
+    assert_eq!(bodies.len(), 3, "each once: {hits:?}");
+    for hit in &hits {
+        assert_eq!(hit.member, leader, "only the leader delivers: {hit:?}");
+        assert!(hit.at_ms >= due_of(&hit.body), "never early: {hit:?}");
+    }
+    // Whichever member is asked, the answer is the leader's: the three are delivered.
+    for member in &cluster.members {
+        wait_for("the deliveries recorded", READY, || {
+            let path = "/v1/messages?status=delivered";
+            let listed = request(&member.api, "GET", path, None, None);
+            assert_eq!(listed.status, 200, "{listed:?}");
+            listed.json["messages"].as_array().unwrap().len() == 3
+        });
+    }
+    let mut forwarded = 0.0;
+    for member in &cluster.members {
+        let metrics = scrape(&member.api);
+        let leads = metrics["delayd_cluster_leader"];
+        assert_eq!(leads, if member.id == leader { 1.0 } else { 0.0 });
+        forwarded += metrics
+            .get("delayd_cluster_forwarded_requests_total")
+            .copied()
+            .unwrap_or(0.0);
+    }
+    assert!(
+        forwarded >= 2.0,
+        "two messages and more went through followers"
+    );
+}
+
+/// Writers sending batches to every member while the leader is killed (SIGKILL) five times and
+/// restarted, and once paused (SIGSTOP) past the election timeout: every acknowledged message is
+/// delivered, none early; duplicates are counted (only deliveries in flight at a kill may repeat).
+#[test]
+fn leader_kills_and_a_pause_lose_nothing_acknowledged() {
+    let mut cluster = Cluster::start(3);
+    let apis: Vec<String> = cluster.members.iter().map(|m| m.api.clone()).collect();
+    let acknowledged: Arc<Mutex<BTreeMap<String, i64>>> = Arc::default();
+    let last_ack = Arc::new(AtomicI64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..2u64)
+        .map(|w| {
+            let (apis, acknowledged, last_ack, stop) = (
+                apis.clone(),
+                acknowledged.clone(),
+                last_ack.clone(),
+                stop.clone(),
+            );
+            std::thread::spawn(move || {
+                let agent = agent(Duration::from_secs(10));
+                let mut n = 0u64;
+                let mut target = w as usize;
+                while !stop.load(Ordering::SeqCst) {
+                    let batch: Vec<Value> = (0..10)
+                        .map(|i| message(w * 1_000_000 + n + i, now_ms() + 500 + (i as i64 * 150)))
+                        .collect();
+                    let url = format!("{}/v1/messages/batch", apis[target % apis.len()]);
+                    let body = json!({ "messages": batch }).to_string();
+                    let sent = agent
+                        .post(&url)
+                        .header("Content-Type", "application/json")
+                        .send(&body);
+                    match sent {
+                        Ok(response) if response.status().is_success() => {
+                            let mut acked = acknowledged.lock().unwrap();
+                            for m in &batch {
+                                let body = m["body"].as_str().unwrap().to_string();
+                                acked.insert(body.clone(), due_of(&body));
+                            }
+                            last_ack.store(now_ms(), Ordering::SeqCst);
+                            n += 10;
+                        }
+                        // Refused, uncertain, or a member down: another member, a moment later.
+                        _ => {
+                            target += 1;
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    wait_for("the first acknowledgements", READY, || {
+        last_ack.load(Ordering::SeqCst) > 0
+    });
+    let mut failovers = Vec::new();
+    for round in 0..6 {
+        let leader = cluster.leader();
+        let pause = round == 3;
+        let killed_at = now_ms();
+        println!("round {round}: stopping the leader, member {leader}, at {killed_at}");
+        let pid = cluster.member(leader).process.as_ref().unwrap().pid();
+        if pause {
+            signal("STOP", pid);
+        } else {
+            cluster.member(leader).process.as_mut().unwrap().kill();
+            cluster.member(leader).process = None;
+        }
+        wait_for("a write acknowledged after the failover", READY, || {
+            last_ack.load(Ordering::SeqCst) > killed_at + 100
+        });
+        // The first acknowledgement after the kill: writers may still have had one in flight on a
+        // follower, so the figure is the failover as a client sees it.
+        failovers.push(last_ack.load(Ordering::SeqCst) - killed_at);
+        if pause {
+            std::thread::sleep(Duration::from_millis(2_000).saturating_sub(Duration::ZERO));
+            signal("CONT", pid);
+        } else {
+            cluster.launch(leader);
+            cluster
+                .member(leader)
+                .process
+                .as_mut()
+                .unwrap()
+                .wait_ready_within(READY);
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    for writer in writers {
+        writer.join().unwrap();
+    }
+    let acknowledged = acknowledged.lock().unwrap().clone();
+    let latest_due = acknowledged.values().copied().max().unwrap();
+    wait_for(
+        "every acknowledged message delivered",
+        Duration::from_secs(90),
+        || {
+            let delivered: BTreeSet<String> = cluster
+                .receiver
+                .hits()
+                .into_iter()
+                .map(|h| h.body)
+                .collect();
+            now_ms() > latest_due && acknowledged.keys().all(|b| delivered.contains(b))
+        },
+    );
+    let hits = cluster.receiver.hits();
+    let mut times: BTreeMap<&str, u32> = BTreeMap::new();
+    for hit in &hits {
+        assert!(hit.at_ms >= due_of(&hit.body), "never early: {hit:?}");
+        *times.entry(hit.body.as_str()).or_default() += 1;
+    }
+    let duplicates: u32 = times.values().map(|t| t - 1).sum();
+    // Where the duplicates come from: the members of the two deliveries, and when the second came.
+    let mut pairs: BTreeMap<(u64, u64, i64), u32> = BTreeMap::new();
+    let mut first: BTreeMap<&str, &Hit> = BTreeMap::new();
+    for hit in &hits {
+        match first.get(hit.body.as_str()) {
+            Some(earlier) => {
+                *pairs
+                    .entry((earlier.member, hit.member, hit.at_ms / 1000 % 1000))
+                    .or_default() += 1
+            }
+            None => {
+                first.insert(hit.body.as_str(), hit);
+            }
+        }
+    }
+    println!("duplicates by (first member, second member, second's second): {pairs:?}");
+    failovers.sort();
+    println!(
+        "acknowledged {} messages, delivered {} times ({} duplicates); failover (kill → next ack) ms: {:?}",
+        acknowledged.len(),
+        hits.len(),
+        duplicates,
+        failovers
+    );
+    // Only what was in flight at a kill repeats: a lane holds at most its in-flight batches.
+    assert!(
+        duplicates <= 6 * 64,
+        "{duplicates} duplicates is more than was in flight"
+    );
+}
+
+fn signal(name: &str, pid: u32) {
+    let sent = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{name} {pid}");
+}
