@@ -265,12 +265,9 @@ async fn lead(
         let cut_off = lapsed_since.is_some_and(|at| at.elapsed() > node.election_timeout());
         match (node.leads() && !cut_off, term.is_some()) {
             (true, false) => {
-                tracing::info!(
-                    member = node.id(),
-                    "elected: loading the wheel before delivering"
-                );
                 // Everything committed before this term is applied first: the wheel and the
-                // idempotency index are loaded from the files, as a restart loads them.
+                // idempotency index are loaded from the files, as a restart loads them. (A member
+                // that led before a restart comes back believing it leads; no majority confirms it.)
                 let confirmed = tokio::time::timeout(
                     std::time::Duration::from_secs(10),
                     node.raft().ensure_linearizable(),
@@ -281,6 +278,7 @@ async fn lead(
                     // Raft's metrics change meanwhile.
                     tokio::time::sleep(look_again).await;
                 } else {
+                    tracing::info!(member = node.id(), "elected: loading the wheel");
                     match Term::start(&base, Some(node.lease())).await {
                         Ok(started) => {
                             publish.send_replace(Some(api::router(started.state.clone())));

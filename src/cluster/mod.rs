@@ -49,8 +49,11 @@ openraft::declare_raft_types!(
 const SNAPSHOT_EVERY_ENTRIES: u64 = 5_000;
 
 /// openraft's settings for a member whose election timeout is `election_timeout` (DESIGN.md §10):
-/// heartbeats at a quarter of it, elections between it and one and a half times it (which is also how
-/// long a leader's lease lasts). Snapshots are only their meta (store.rs), so openraft may take one
+/// heartbeats at a quarter of it; a follower that heard from its leader stands for election after the
+/// leader's lease (openraft's: the longest election timeout, `election_timeout` itself) plus a random
+/// timeout between half of it and all of it, so 1.5 to 2 election timeouts after the last heartbeat.
+/// (openraft 0.9 adds its lease to the timeout; a range above `election_timeout` would make that 2.5
+/// to 3.) Snapshots are only their meta (store.rs), so openraft may take one
 /// as often as it likes: each lets it purge the entries more than `max_in_snapshot_log_to_keep`
 /// before it (whether every member has them or not), and the log then retires their WAL files. A
 /// member further behind than that needs a snapshot sent, which issue 34 brings: until then it stays
@@ -62,8 +65,8 @@ pub fn raft_config(election_timeout: std::time::Duration) -> std::sync::Arc<open
     openraft::Config {
         cluster_name: "delayd".into(),
         heartbeat_interval: election_ms / 4,
-        election_timeout_min: election_ms,
-        election_timeout_max: election_ms.saturating_add(election_ms / 2),
+        election_timeout_min: election_ms / 2,
+        election_timeout_max: election_ms,
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_ENTRIES),
         ..openraft::Config::default()
     }

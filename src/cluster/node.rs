@@ -7,10 +7,11 @@
 //!   proposes that membership as its first entry (all of them the same entry, so it does not matter
 //!   who wins the first election); one that was a member already (a log or a vote) proposes nothing.
 //! - The delivery lease (`scheduler::Lease`) is extended only by a round of heartbeats that a majority
-//!   acknowledged, to the moment the round was sent plus the election timeout. openraft's followers
-//!   refuse to vote for anyone else for the *longest* election timeout (one and a half times it) after
-//!   such a heartbeat, so the lease ends before another member can be elected, by half an election
-//!   timeout at least, which is this member's margin to stop handing batches to sinks.
+//!   acknowledged, to the moment the round was sent plus half the election timeout. openraft's
+//!   followers refuse to vote for anyone else for the longest election timeout (the election timeout
+//!   itself, `super::raft_config`) after such a heartbeat, so the lease ends before another member can
+//!   be elected, by half an election timeout at least, which is this member's margin to stop handing
+//!   batches to sinks.
 //! - A member that does not lead holds no lease.
 
 use super::network::{Answers, PeerNetwork, RaftService};
@@ -325,7 +326,7 @@ async fn keep_lease(raft: Raft<TypeConfig>, lease: Arc<Lease>, election_timeout:
         let sent = Instant::now();
         let confirmed = tokio::time::timeout(election_timeout, raft.get_read_log_id()).await;
         if let Ok(Ok(_)) = confirmed {
-            lease.extend_to(sent + election_timeout);
+            lease.extend_to(sent + election_timeout / 2);
         }
         tokio::time::sleep(heartbeat.saturating_sub(sent.elapsed())).await;
     }
