@@ -355,6 +355,60 @@ fn members_form_a_cluster_any_member_answers_and_only_the_leader_delivers() {
         forwarded >= 2.0,
         "two messages and more went through followers"
     );
+
+    // A follower is a hot standby: once each has applied what the leader committed, and they are
+    // stopped, every member's schedule segments and dispatch logs hold the same bytes.
+    let committed = cluster_status(&cluster.members[(leader - 1) as usize].api)["commit_index"]
+        .as_u64()
+        .unwrap();
+    for member in &cluster.members {
+        wait_for(
+            "every member applied what the leader committed",
+            READY,
+            || {
+                cluster_status(&member.api)["applied_index"]
+                    .as_u64()
+                    .is_some_and(|applied| applied >= committed)
+            },
+        );
+    }
+    let mut cluster = cluster;
+    for id in 1..=3 {
+        let status = cluster.member(id).process.as_mut().unwrap().terminate();
+        assert!(status.success(), "member {id} stopped with {status}");
+    }
+    let files = |id: u64| -> BTreeMap<String, Vec<u8>> {
+        let data = cluster.members[(id - 1) as usize].dir.path().join("data");
+        let mut files = BTreeMap::new();
+        for sub in ["schedule", "dispatch"] {
+            for entry in std::fs::read_dir(data.join(sub)).unwrap() {
+                let path = entry.unwrap().path();
+                let name = format!("{sub}/{}", path.file_name().unwrap().to_string_lossy());
+                files.insert(name, std::fs::read(&path).unwrap());
+            }
+        }
+        files
+    };
+    let first = files(1);
+    assert!(
+        first.keys().any(|name| name.starts_with("dispatch/")),
+        "outcomes were filed: {:?}",
+        first.keys().collect::<Vec<_>>()
+    );
+    for id in 2..=3 {
+        let other = files(id);
+        assert_eq!(
+            first.keys().collect::<Vec<_>>(),
+            other.keys().collect::<Vec<_>>(),
+            "member {id}'s files"
+        );
+        for (name, bytes) in &first {
+            assert!(
+                other[name] == *bytes,
+                "member {id}'s {name} differs from member 1's"
+            );
+        }
+    }
 }
 
 /// Writers sending batches to every member while the leader is killed (SIGKILL) five times and
