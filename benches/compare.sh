@@ -35,9 +35,13 @@
 #   N_REAL_WARMUP [300000]  messages per workload, as above;
 #   WORKLOADS [single batch single-5k batch-50k rss real-batch real-single]
 #                           the workloads to run, in order;
-#   TARGETS [delayd redis postgres]
+#   TARGETS [delayd redis postgres cluster]
 #                           the systems to run them against (a peer left out is not even started), e.g.
-#                           WORKLOADS="real-batch real-single" TARGETS=delayd for a quick A/B;
+#                           WORKLOADS="real-batch real-single" TARGETS=delayd for a quick A/B. `cluster`
+#                           is delayd as three members on this one machine and disk (DESIGN.md §10,
+#                           election timeout 1 s), the load sent to the leader; its rows compare it with
+#                           the single node of the same run, and its write amplification is the leader's
+#                           own (each member writes about as much);
 #   SLOW_DISK [unset]       1: build delayd with `--features slow-disk` and start it with
 #                           DELAYD_SLOW_DISK_SYNC_US=SLOW_SYNC_US [300] (µs added before every fsync) and
 #                           DELAYD_SLOW_DISK_WRITE_US_PER_MIB=SLOW_WRITE_US_PER_MIB [3400] (µs added per MiB
@@ -56,7 +60,7 @@ N_REAL_BATCH=${N_REAL_BATCH:-1000000}
 N_REAL_SINGLE=${N_REAL_SINGLE:-30000}
 N_REAL_WARMUP=${N_REAL_WARMUP:-300000}
 WORKLOADS=${WORKLOADS:-single batch single-5k batch-50k rss real-batch real-single}
-TARGETS=${TARGETS:-delayd redis postgres}
+TARGETS=${TARGETS:-delayd redis postgres cluster}
 SLOW_DISK=${SLOW_DISK:-}
 SERVER_BIN=${SERVER_BIN:-target/release/delayd}
 SLOW_SYNC_US=${SLOW_SYNC_US:-300}
@@ -70,8 +74,8 @@ for workload in $WORKLOADS; do
 done
 for target in $TARGETS; do
   case $target in
-    delayd | redis | postgres) ;;
-    *) echo "unknown target $target (delayd redis postgres)" >&2; exit 2 ;;
+    delayd | redis | postgres | cluster) ;;
+    *) echo "unknown target $target (delayd redis postgres cluster)" >&2; exit 2 ;;
   esac
 done
 wants() { [[ " $TARGETS " == *" $1 "* ]]; }
@@ -97,6 +101,7 @@ cleanup() {
   [ -n "$STARTED_REDIS" ] && { redis-cli -p 6399 shutdown nosave >/dev/null 2>&1 || true; }
   [ -n "$STARTED_PG" ] && { su postgres -c "$PGBIN/pg_ctl -D $WORK/pg/data stop -m immediate" >/dev/null 2>&1 || true; }
   [ -n "${DELAYD_PID:-}" ] && kill "$DELAYD_PID" 2>/dev/null || true
+  for pid in ${MEMBER_PIDS:-}; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }
@@ -158,6 +163,34 @@ start_delayd() {
   cat "$WORK/delayd.out" "$WORK/delayd.log" >&2
   exit 1
 }
+# Three members on ports 7391-7393 (peers 7381-7383), fresh data dirs; sets CLUSTER_URL and
+# CLUSTER_PID to the leader's once every member knows it.
+start_cluster() {
+  for pid in ${MEMBER_PIDS:-}; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+  MEMBER_PIDS=
+  rm -rf "$WORK/cluster"
+  mkdir -p "$WORK/cluster"
+  local roster="" id
+  for id in 1 2 3; do
+    roster+=$'[[cluster.members]]\n'"id = $id"$'\n'"api = \"http://127.0.0.1:739$id\""$'\n'"peer = \"127.0.0.1:738$id\""$'\n'
+  done
+  for id in 1 2 3; do
+    printf 'listen = "127.0.0.1:739%s"\n[cluster]\nnode_id = %s\nlisten = "127.0.0.1:738%s"\nsecret = "compare.sh cluster secret, not for production"\nelection_timeout = "1s"\n%s' \
+      "$id" "$id" "$id" "$roster" >"$WORK/cluster/$id.toml"
+    env "${DELAYD_ENV[@]}" "$SERVER_BIN" serve --config "$WORK/cluster/$id.toml" --data-dir "$WORK/cluster/$id" \
+      >"$WORK/cluster/$id.out" 2>"$WORK/cluster/$id.log" &
+    MEMBER_PIDS+=" $!"
+  done
+  local leader=
+  for _ in $(seq 300); do
+    leader=$(curl -fsS http://127.0.0.1:7391/v1/cluster 2>/dev/null | sed -nE 's/.*"leader_id":([0-9]+).*/\1/p')
+    [ -n "$leader" ] && curl -fsS "http://127.0.0.1:739$leader/readyz" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  [ -n "$leader" ] || { echo "the cluster elected no leader:" >&2; cat "$WORK"/cluster/*.out >&2; exit 1; }
+  CLUSTER_URL=http://127.0.0.1:739$leader
+  CLUSTER_PID=$(echo $MEMBER_PIDS | cut -d' ' -f"$leader")
+}
 # The process whose peak RSS and disk writes are reported, with its peak RSS reset first. None for
 # PostgreSQL: its memory and writes are spread over a process per connection plus the WAL writer,
 # checkpointer and background writer, and no one process stands for it.
@@ -165,6 +198,7 @@ pid_args() {
   local pid
   case $1 in
     delayd) pid=$DELAYD_PID ;;
+    cluster) pid=$CLUSTER_PID ;;
     redis) pid=$(cat "$WORK/redis.pid") ;;
     *) return ;;
   esac
@@ -193,16 +227,19 @@ for workload in $WORKLOADS; do
     real-single) args=(--mode single --concurrency 64 --messages "$N_REAL_SINGLE" "${REAL[@]}") ;;
   esac
   for target in $targets; do
+    [ "$workload" = rss ] && [ "$target" = cluster ] && continue
+    url=http://127.0.0.1:7399 kind=$target
     [ "$target" = delayd ] && start_delayd
+    [ "$target" = cluster ] && { start_cluster; url=$CLUSTER_URL kind=delayd; }
     [ "$target" = redis ] && redis-cli -p 6399 flushall >/dev/null
     if [[ $workload == real-* && $N_REAL_WARMUP -gt 0 ]]; then
       echo "== $workload / $target: warm-up, $N_REAL_WARMUP messages" >&2
-      "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 --mode batch --batch 1000 --concurrency 8 \
+      "$LOADGEN" --target "$kind" --url "$url" --mode batch --batch 1000 --concurrency 8 \
         --messages "$N_REAL_WARMUP" "${REAL[@]}" --label warmup >/dev/null
     fi
     echo "== $workload / $target" >&2
-    "$LOADGEN" --target "$target" --url http://127.0.0.1:7399 "${args[@]}" $(pid_args "$target") \
-      --label "$workload" >>"$RESULTS"
+    "$LOADGEN" --target "$kind" --url "$url" "${args[@]}" $(pid_args "$target") \
+      --label "$workload" | sed "s/\"target\":\"$kind\"/\"target\":\"$target\"/" >>"$RESULTS"
   done
 done
 
@@ -258,6 +295,21 @@ for label, name, metrics in [("single", "1 message/request, concurrency 64", ful
         d, r, p = (get(label, t, *path) for t in ("delayd", "redis", "postgres"))
         f = fmt2 if path == ("write_amplification",) else fmt
         print(f"| {name} | {metric} | {f(d)} | {f(r)} | {f(p)} | {ratio(d, r, better)} | {ratio(d, p, better)} |")
+if any(t == "cluster" for (_, t) in by):
+    print()
+    print("| workload | metric | cluster of 3 (one machine, one disk) | single node | cluster / single |")
+    print("|---|---|---|---|---|")
+    for label, name, metrics in [("single", "1 message/request, concurrency 64", full),
+                                 ("batch", "1,000 messages/request, concurrency 8", full),
+                                 ("real-batch", "1 KiB due 1 min–30 days, 1,000 messages/request", real),
+                                 ("real-single", "1 KiB due 1 min–30 days, 1 message/request", real)]:
+        if (label, "cluster") not in by:
+            continue
+        for metric, path, better in metrics:
+            c, d = get(label, "cluster", *path), get(label, "delayd", *path)
+            f = fmt2 if path == ("write_amplification",) else fmt
+            share = f"{100 * c / d:.0f} %" if c and d else "–"
+            print(f"| {name} | {metric} | {f(c)} | {f(d)} | {share} |")
 if ("rss", "delayd") in by or ("rss", "redis") in by:
     d, r = get("rss", "delayd", "peak_rss_mb"), get("rss", "redis", "peak_rss_mb")
     n = (by.get(("rss", "delayd")) or by[("rss", "redis")])["messages"]
