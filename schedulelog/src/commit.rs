@@ -156,6 +156,11 @@ pub(crate) enum Request {
         outcomes: Vec<PlacedOutcome>,
         reply: oneshot::Sender<Result<(), AppendError>>,
     },
+    /// An application payload to propose (a replicated log; never reaches the writer).
+    App {
+        payload: Vec<u8>,
+        reply: oneshot::Sender<Result<(), AppendError>>,
+    },
     /// Cuts a replicated log's entries from this index on.
     Truncate {
         from: u64,
@@ -195,11 +200,19 @@ impl Request {
         (Request::Outcomes { outcomes, reply }, Ack { rx })
     }
 
+    pub(crate) fn app(payload: Vec<u8>) -> (Request, Ack<()>) {
+        let (reply, rx) = oneshot::channel();
+        (Request::App { payload, reply }, Ack { rx })
+    }
+
     /// Whether a replicated log forms it into an entry (through Raft) rather than its writer taking it.
     pub(crate) fn is_proposal(&self) -> bool {
         matches!(
             self,
-            Request::Append { .. } | Request::Cancel { .. } | Request::Outcomes { .. }
+            Request::Append { .. }
+                | Request::Cancel { .. }
+                | Request::Outcomes { .. }
+                | Request::App { .. }
         )
     }
 
@@ -213,7 +226,10 @@ impl Request {
             Request::Append { messages, .. } => messages.iter().map(|m| m.frame.len()).sum(),
             Request::Cancel { .. } => frame::HEADER_LEN + CANCEL_PAYLOAD_LEN,
             // Entries make room for themselves, one at a time.
-            Request::Entries { .. } | Request::Truncate { .. } | Request::Outcomes { .. } => 0,
+            Request::Entries { .. }
+            | Request::Truncate { .. }
+            | Request::Outcomes { .. }
+            | Request::App { .. } => 0,
             #[cfg(test)]
             Request::InjectFault(_) => 0,
         }
@@ -225,7 +241,8 @@ impl Request {
             Request::Cancel { reply, .. } => drop(reply.send(Err(error))),
             Request::Entries { reply, .. }
             | Request::Truncate { reply, .. }
-            | Request::Outcomes { reply, .. } => drop(reply.send(Err(error))),
+            | Request::Outcomes { reply, .. }
+            | Request::App { reply, .. } => drop(reply.send(Err(error))),
             #[cfg(test)]
             Request::InjectFault(_) => {}
         }
@@ -445,8 +462,11 @@ impl Writer {
                 group.records.push(WalRecord::Cancel(cancel));
                 group.answers.push(Answer::Cancel(reply, cancel.seq));
             }
-            // Taken above, or (outcomes) never sent to the writer.
-            Request::Entries { .. } | Request::Truncate { .. } | Request::Outcomes { .. } => {}
+            // Taken above, or (outcomes, application payloads) never sent to the writer.
+            Request::Entries { .. }
+            | Request::Truncate { .. }
+            | Request::Outcomes { .. }
+            | Request::App { .. } => {}
             #[cfg(test)]
             Request::InjectFault(_) => {} // taken above
         }

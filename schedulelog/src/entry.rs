@@ -10,14 +10,19 @@
 //! 16  8  index       u64  }
 //! 24  8  first_seq   u64  the seq of its first record; for an entry without records, the next seq
 //! 32  4  records     u32  how many record frames follow it: messages and cancels, whose seqs run
-//!                         first_seq, first_seq + 1, ..., and outcomes with their buckets (which take
-//!                         no seq)
+//!                         first_seq, first_seq + 1, ..., outcomes with their buckets and application
+//!                         payloads (which take no seq)
+//! 36  1  kind        u8   1 blank (a new leader's first entry), 2 normal (records), 3 membership
+//! 37  ..             membership: the cluster's member set, opaque to the engine (empty otherwise)
 //!
 //! outcome with its bucket (frame kind 7, in normal entries only)
 //! 0   4  bucket      u32  start minute of the bucket of the record it is for
 //! 4   ..             an outcome record's payload (record.rs)
-//! 36  1  kind        u8   1 blank (a new leader's first entry), 2 normal (records), 3 membership
-//! 37  ..             membership: the cluster's member set, opaque to the engine (empty otherwise)
+//!
+//! application payload (frame kind 8, in normal entries only)
+//! 0   ..             the bytes the application proposed (`ScheduleLog::propose_app`), opaque to the
+//!                    engine: the replayer passes them over, the application applies them itself
+//!                    (`app_payloads`) before it hands the entry to `ScheduleLog::apply_entries`
 //! ```
 //!
 //! Invariants:
@@ -27,7 +32,8 @@
 //!   frame, never inside it.
 //! - Only normal entries carry records; their messages' and cancels' seqs continue the entry before
 //!   them without a gap. What decides delivery in a cluster (outcomes) travels as records too, so that
-//!   every member's dispatch logs match.
+//!   every member's dispatch logs match; so does the application's own state (its payloads), so that
+//!   every member's files match.
 //! - `first_seq` below the WAL file's first seq marks a frame of the file's earlier use (wal.rs).
 
 use crate::commit::Appended;
@@ -49,6 +55,11 @@ pub(crate) const ENTRY_HEAD_LEN: usize = 37;
 /// The most bytes one entry may take in the WAL, padding included: one write, within the unsynced
 /// window (frame.rs's tail policy). A proposer keeps its groups under it; an entry over it is refused.
 pub const MAX_ENTRY_BYTES: usize = frame::UNSYNCED_LIMIT / 2;
+
+/// The largest payload [`ScheduleLog::propose_app`](crate::ScheduleLog::propose_app) takes: the most
+/// that fits one normal entry alone (its entry frame, its own frame's header, and room for the padding
+/// frame after it).
+pub const MAX_APP_PAYLOAD_BYTES: usize = MAX_ENTRY_BYTES - ENTRY_HEAD_LEN - 3 * frame::HEADER_LEN;
 
 /// Where an entry stands in the Raft log: the leader that made it (its term and node id) and its index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -254,6 +265,12 @@ impl EntryBuilder {
             encode_placed_outcome(*bucket, outcome, &mut self.frames);
             self.records += 1;
         }
+    }
+
+    /// Adds an application payload (no seq): what every member's application applies.
+    pub fn app(&mut self, payload: &[u8]) {
+        encode_app(payload, &mut self.frames);
+        self.records += 1;
     }
 
     /// The entry's payload, and the seq the next entry starts at.
@@ -564,7 +581,11 @@ pub(crate) struct RecordCount {
 /// Checks that `frames` are whole record frames (message, cancel, outcome with its bucket), the seqs of
 /// messages and cancels running from `first_seq` on without a gap; their count.
 pub(crate) fn check_records(frames: &[u8], first_seq: u64) -> Result<RecordCount, String> {
-    let (records, outcomes) = records_of(frames)?;
+    let Records {
+        records,
+        outcomes,
+        apps,
+    } = records_of(frames)?;
     for (i, record) in records.iter().enumerate() {
         let expected = first_seq + i as u64;
         if record.seq() != expected {
@@ -576,7 +597,7 @@ pub(crate) fn check_records(frames: &[u8], first_seq: u64) -> Result<RecordCount
     }
     let count = |n: usize| u32::try_from(n).map_err(|_| "an entry of over 4 billion records");
     Ok(RecordCount {
-        frames: count(records.len() + outcomes.len())?,
+        frames: count(records.len() + outcomes.len() + apps)?,
         seqs: count(records.len())?,
     })
 }
@@ -584,11 +605,22 @@ pub(crate) fn check_records(frames: &[u8], first_seq: u64) -> Result<RecordCount
 /// An outcome and the bucket of the record it is for, as an entry carries it.
 pub type PlacedOutcome = (Bucket, Outcome);
 
+/// What a normal entry's frames hold, as the engine sees them.
+#[derive(Debug)]
+pub(crate) struct Records {
+    /// Messages and cancels (each message frame's range in the entry's frames).
+    pub records: Vec<WalRecord>,
+    pub outcomes: Vec<PlacedOutcome>,
+    /// How many application payloads it carries (the application reads them: [`app_payloads`]).
+    pub apps: usize,
+}
+
 /// Parses the records of a normal entry's frames: its messages and cancels (each frame's range in
-/// `frames`), and its outcomes.
-pub(crate) fn records_of(frames: &[u8]) -> Result<(Vec<WalRecord>, Vec<PlacedOutcome>), String> {
+/// `frames`), its outcomes, and how many application payloads it carries.
+pub(crate) fn records_of(frames: &[u8]) -> Result<Records, String> {
     let mut records = Vec::new();
     let mut outcomes = Vec::new();
+    let mut apps = 0;
     let mut walk = Frames::new(frames);
     for (at, kind, payload) in walk.by_ref() {
         let bad = |e: crate::record::Malformed| format!("record at {at} of an entry: {e}");
@@ -605,6 +637,7 @@ pub(crate) fn records_of(frames: &[u8]) -> Result<(Vec<WalRecord>, Vec<PlacedOut
                 let bucket = Bucket::from_start_minute(u32::from_le_bytes(*bucket));
                 outcomes.push((bucket, Outcome::decode(outcome).map_err(bad)?));
             }
+            Kind::App => apps += 1,
             _ => {
                 return Err(format!(
                     "a frame of kind {kind:?} at {at} of an entry's records"
@@ -612,14 +645,50 @@ pub(crate) fn records_of(frames: &[u8]) -> Result<(Vec<WalRecord>, Vec<PlacedOut
             }
         }
     }
+    whole(walk, frames.len())?;
+    Ok(Records {
+        records,
+        outcomes,
+        apps,
+    })
+}
+
+/// Checks that a walk over an entry's `len` bytes of frames ended exactly at their end.
+fn whole(walk: Frames<'_>, len: usize) -> Result<(), String> {
     match walk.stop() {
-        Some(Stop::End { at }) if at == frames.len() => Ok((records, outcomes)),
-        Some(Stop::End { at }) | Some(Stop::Invalid { at, .. }) => Err(format!(
-            "an entry's records end at {at} of {} bytes",
-            frames.len()
-        )),
+        Some(Stop::End { at }) if at == len => Ok(()),
+        Some(Stop::End { at }) | Some(Stop::Invalid { at, .. }) => {
+            Err(format!("an entry's records end at {at} of {len} bytes"))
+        }
         None => unreachable!("the frame walk ended without a stop"),
     }
+}
+
+/// The application payloads of a normal entry's frames (`EntryPayload::Normal`), in order; the other
+/// records are passed over. An error when the bytes are not whole frames.
+pub fn app_payloads(frames: &[u8]) -> Result<Vec<&[u8]>, String> {
+    let mut apps = Vec::new();
+    let mut walk = Frames::new(frames);
+    for (at, kind, payload) in walk.by_ref() {
+        match kind {
+            Kind::App => apps.push(payload),
+            Kind::Message | Kind::Cancel | Kind::PlacedOutcome => {}
+            _ => {
+                return Err(format!(
+                    "a frame of kind {kind:?} at {at} of an entry's records"
+                ))
+            }
+        }
+    }
+    whole(walk, frames.len())?;
+    Ok(apps)
+}
+
+/// Appends an application payload as a frame to `buf`.
+fn encode_app(payload: &[u8], buf: &mut Vec<u8>) {
+    let at = frame::start(buf);
+    buf.extend_from_slice(payload);
+    frame::finish(buf, at, Kind::App);
 }
 
 /// Appends an outcome with its bucket as a frame to `buf`.

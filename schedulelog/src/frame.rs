@@ -6,7 +6,8 @@
 //! 4       4     crc     u32 LE, CRC-32C of bytes 8 .. 9 + len (kind and payload)
 //! 8       1     kind    u8: 1 message, 2 cancel, 3 outcome, 4 padding, 5 broker message (delayd's
 //!                       built-in broker store), 6 Raft entry (entry.rs), 7 outcome with its bucket
-//!                       (in a Raft entry); 0 is never a valid kind
+//!                       (in a Raft entry), 8 application payload (in a Raft entry); 0 is never a
+//!                       valid kind
 //! 9       len   payload
 //! ```
 //!
@@ -64,6 +65,8 @@ pub enum Kind {
     Entry = 6,
     /// An outcome and the bucket of the record it is for, carried by a Raft entry (entry.rs).
     PlacedOutcome = 7,
+    /// Bytes the application proposed through a Raft entry, opaque to the engine (entry.rs).
+    App = 8,
 }
 
 impl Kind {
@@ -76,6 +79,7 @@ impl Kind {
             5 => Some(Kind::Broker),
             6 => Some(Kind::Entry),
             7 => Some(Kind::PlacedOutcome),
+            8 => Some(Kind::App),
             _ => None,
         }
     }

@@ -76,7 +76,10 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
                 )?;
                 return Ok(ok);
             }
-            next_seq = Some(seq + 1);
+            // An entry frame names the seq of its first record, which follows it.
+            if kind != Kind::Entry {
+                next_seq = Some(seq + 1);
+            }
         }
         let line = match kind {
             Kind::Message => match Message::decode(payload) {
@@ -111,6 +114,7 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
             },
             Kind::Padding => continue,
             Kind::Broker => format!("broker record, {} bytes", payload.len()),
+            Kind::App => format!("application payload, {} bytes", payload.len()),
             Kind::PlacedOutcome => match payload.split_first_chunk::<4>().map(|(b, o)| (b, Outcome::decode(o))) {
                 Some((bucket, Ok(o))) => format!(
                     "outcome for seq {} of {} attempt {} at_ms {}: {:?}",

@@ -42,7 +42,10 @@ pub use bucket::{Bucket, SegmentMinutes};
 pub use checkpoint::AppliedState;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use commit::{Ack, AckFuture, Appended, FsyncPolicy};
-pub use entry::{Entry, EntryBuilder, EntryPayload, LogId, PlacedOutcome, MAX_ENTRY_BYTES};
+pub use entry::{
+    app_payloads, Entry, EntryBuilder, EntryPayload, LogId, PlacedOutcome, MAX_APP_PAYLOAD_BYTES,
+    MAX_ENTRY_BYTES,
+};
 pub use error::{AppendError, Error, Result};
 pub use group::Group;
 pub use header::{

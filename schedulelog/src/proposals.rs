@@ -1,5 +1,5 @@
-//! Writes to a replicated log, for the cluster layer to propose (DESIGN.md §10). Appends, cancels and
-//! outcomes submitted to a replicated [`ScheduleLog`](crate::ScheduleLog) do not go to its WAL writer:
+//! Writes to a replicated log, for the cluster layer to propose (DESIGN.md §10). Appends, cancels,
+//! outcomes and application payloads submitted to a replicated [`ScheduleLog`](crate::ScheduleLog) do not go to its WAL writer:
 //! they queue here, the leader's proposer forms each group of them into one normal entry
 //! ([`Proposals::next_group`], assigning seqs, ids and commit times exactly as a single node's writer
 //! does), proposes it, and answers its submitters with what became of it. Callers of the log do not
@@ -58,6 +58,7 @@ fn record_bytes(request: &Request) -> usize {
                 frame::HEADER_LEN + 4 + payload.len()
             })
             .sum(),
+        Request::App { payload, .. } => frame::HEADER_LEN + payload.len(),
         _ => 0,
     }
 }
@@ -131,6 +132,10 @@ impl Proposals {
             }
             Request::Outcomes { outcomes, reply } => {
                 builder.outcomes(&outcomes);
+                answers.push(Answer::Done(reply));
+            }
+            Request::App { payload, reply } => {
+                builder.app(&payload);
                 answers.push(Answer::Done(reply));
             }
             other => other.fail(AppendError::Refused(

@@ -332,12 +332,13 @@ pub(crate) fn scan_file(
                     });
                     continue;
                 }
-                Kind::Message | Kind::Cancel | Kind::PlacedOutcome if !inside => {
+                Kind::Message | Kind::Cancel | Kind::PlacedOutcome | Kind::App if !inside => {
                     frames.reject_last(at, "a record outside an entry");
                     break;
                 }
-                // An outcome takes no seq: it only counts towards its entry's records.
-                Kind::PlacedOutcome => {
+                // An outcome or an application payload takes no seq: it only counts towards its
+                // entry's records.
+                Kind::PlacedOutcome | Kind::App => {
                     if let Some(open) = &mut open {
                         open.left -= 1;
                     }
@@ -357,7 +358,7 @@ pub(crate) fn scan_file(
             }),
             Kind::Cancel => Cancel::decode(payload).map(WalRecord::Cancel),
             Kind::Padding => continue,
-            Kind::Outcome | Kind::Broker | Kind::Entry | Kind::PlacedOutcome => {
+            Kind::Outcome | Kind::Broker | Kind::Entry | Kind::PlacedOutcome | Kind::App => {
                 frames.reject_last(at, "a frame kind that does not belong in the WAL");
                 break;
             }

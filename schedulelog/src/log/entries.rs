@@ -110,7 +110,11 @@ impl ScheduleLog {
         let mut records_end = records_at;
         for _ in 0..head.0.records {
             match frames.next() {
-                Some((at, Kind::Message | Kind::Cancel | Kind::PlacedOutcome, payload)) => {
+                Some((
+                    at,
+                    Kind::Message | Kind::Cancel | Kind::PlacedOutcome | Kind::App,
+                    payload,
+                )) => {
                     records_end = at + frame::HEADER_LEN + payload.len();
                 }
                 _ => {
@@ -192,7 +196,10 @@ impl ScheduleLog {
                 EntryPayload::Membership(m) => (Vec::new(), Some(m)),
                 EntryPayload::Blank => (Vec::new(), None),
             };
-            let (records, outcomes) = entry::records_of(&bytes).map_err(|why| {
+            // Application payloads are the application's: applied by it before this call.
+            let entry::Records {
+                records, outcomes, ..
+            } = entry::records_of(&bytes).map_err(|why| {
                 Error::InvalidOption(format!("entry {}: {why}", entry.log_id.index))
             })?;
             let next_seq = records.last().map(|r| r.seq() + 1);

@@ -288,6 +288,31 @@ impl ScheduleLog {
         result
     }
 
+    /// Proposes `payload` for the application, in the next entry this member's proposer forms (with
+    /// the appends, cancels and outcomes queued beside it), and returns once that entry is committed
+    /// and applied here: the cluster layer hands an entry's payloads (`crate::app_payloads`) to the
+    /// application before it applies the entry, so the application's own effect of it is done on this
+    /// member too. The engine itself passes them over. Errors: the proposer's (`NotLeader`,
+    /// `Uncertain`, `Closed`, ...); `Refused` on a single node's log, and for a payload larger than
+    /// one entry may carry ([`MAX_APP_PAYLOAD_BYTES`](crate::MAX_APP_PAYLOAD_BYTES)). Blocks.
+    pub fn propose_app(&self, payload: Vec<u8>) -> std::result::Result<(), AppendError> {
+        if self.entry_log.is_none() {
+            return Err(AppendError::Refused(
+                "a single node's log proposes nothing: application payloads need a cluster".into(),
+            ));
+        }
+        if payload.len() > crate::MAX_APP_PAYLOAD_BYTES {
+            return Err(AppendError::Refused(format!(
+                "an application payload of {} bytes is larger than one Raft entry may carry ({})",
+                payload.len(),
+                crate::MAX_APP_PAYLOAD_BYTES
+            )));
+        }
+        let (request, ack) = Request::app(payload);
+        self.submit(request);
+        ack.wait()
+    }
+
     /// Replays everything acknowledged so far, syncs the segments and writes a checkpoint now. A failed
     /// sync poisons the log.
     pub fn checkpoint(&self) -> Result<()> {

@@ -577,3 +577,180 @@ fn a_watch_after_an_applied_outcome_leaves_the_finished_message_out() {
         "only the undelivered one"
     );
 }
+
+/// Application payloads ride in normal entries beside records: read back alike before and after a
+/// crash, listed by `app_payloads` in order, passed over when the entry is applied (its message is
+/// filed, nothing else), and printed by `inspect`.
+#[test]
+fn app_payloads_round_trip_through_an_entry_and_survive_a_crash() {
+    let (dir, clock, log) = new_log_with(replicated);
+    let mut builder = EntryBuilder::new(log.next_entry_seq().unwrap(), log.segment_minutes());
+    builder.app(b"first op");
+    let appended = builder.append(&[message(T0 + HOUR_MS, "beside them")], T0);
+    builder.app(&[0, 255, 7]);
+    builder.app(b"");
+    let (payload, next_seq) = builder.finish();
+    assert_eq!(next_seq, 2, "only the message takes a seq");
+    let one = Entry {
+        log_id: id(1, 0),
+        payload,
+    };
+    let listed = |entry: &Entry| match &entry.payload {
+        EntryPayload::Normal(frames) => app_payloads(frames)
+            .unwrap()
+            .into_iter()
+            .map(<[u8]>::to_vec)
+            .collect::<Vec<_>>(),
+        other => panic!("not a normal entry: {other:?}"),
+    };
+    let expected = vec![b"first op".to_vec(), vec![0, 255, 7], Vec::new()];
+    assert_eq!(listed(&one), expected);
+    append(&log, vec![one.clone()]);
+    assert_eq!(log.read_entries(0..1).unwrap(), vec![one.clone()]);
+    log.crash();
+
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    let read = log.read_entries(0..1).unwrap();
+    assert_eq!(read, vec![one.clone()], "read from the WAL");
+    assert_eq!(listed(&read[0]), expected);
+    assert_eq!(log.next_entry_seq().unwrap(), 2);
+    // The next entry continues the seqs: the payloads took none.
+    let (two, later) = normal(&log, 1, 1, &["after"]);
+    append(&log, vec![two.clone()]);
+    log.apply_entries(vec![one, two]).unwrap();
+    assert_eq!(all_messages(&log).len(), 2);
+    let body = |id| log.lookup(id).unwrap().unwrap().message.body;
+    assert_eq!(body(appended[0].id), b"beside them");
+    assert_eq!(body(later[0].id), b"after");
+    log.checkpoint().unwrap();
+    drop(log);
+
+    let newest = wal::list(&dir.path().join("wal")).unwrap().remove(0).1;
+    let mut out = Vec::new();
+    let clean = inspect(&newest, &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(clean, "{text}");
+    assert!(text.contains("application payload, 8 bytes"), "{text}");
+    assert!(text.contains("application payload, 0 bytes"), "{text}");
+}
+
+/// What `app_payloads` refuses: bytes that are not whole record frames, and frames that do not belong
+/// in an entry.
+#[test]
+fn app_payloads_refuses_what_is_not_an_entrys_records() {
+    let mut builder = EntryBuilder::new(1, SegmentMinutes::DEFAULT);
+    builder.app(b"an op");
+    let EntryPayload::Normal(frames) = builder.finish().0 else {
+        panic!("not a normal entry");
+    };
+    for cut in 1..frames.len() {
+        assert!(app_payloads(&frames[..cut]).is_err(), "cut at {cut}");
+    }
+    let mut flipped = frames.clone();
+    *flipped.last_mut().unwrap() ^= 1;
+    assert!(app_payloads(&flipped).is_err());
+    let mut padding = Vec::new();
+    let at = frame::start(&mut padding);
+    padding.extend_from_slice(&[0; 4]);
+    frame::finish(&mut padding, at, frame::Kind::Padding);
+    let why = app_payloads(&padding).unwrap_err();
+    assert!(why.contains("Padding"), "{why}");
+    assert_eq!(app_payloads(&[]).unwrap(), Vec::<&[u8]>::new());
+}
+
+/// A single node's log proposes nothing: an application payload is refused at once.
+#[test]
+fn a_single_node_refuses_app_payloads() {
+    let (_dir, _clock, log) = new_log();
+    let refused = log.propose_app(b"op".to_vec());
+    assert!(
+        matches!(refused, Err(AppendError::Refused(_))),
+        "{refused:?}"
+    );
+}
+
+/// `propose_app` joins the next group the proposer forms (beside an append), and answers only once
+/// that group is answered, which the proposer does after the entry is applied; a payload too large
+/// for an entry is refused before it is queued; the largest that fits is proposed.
+#[test]
+fn propose_app_answers_once_its_entry_is_applied() {
+    let (_dir, clock, log) = new_log_with(replicated);
+    let proposals = log.proposals().unwrap();
+    let too_large = vec![7u8; MAX_APP_PAYLOAD_BYTES + 1];
+    assert!(matches!(
+        log.propose_app(too_large),
+        Err(AppendError::Refused(_))
+    ));
+    assert_eq!(
+        entry::normal_entry_bytes(frame::HEADER_LEN + MAX_APP_PAYLOAD_BYTES),
+        MAX_ENTRY_BYTES,
+        "the largest payload fills an entry"
+    );
+    let wait = Duration::from_secs(10);
+    // Proposes each group formed as the next entry, applies it and answers it, until one carried an
+    // application payload (listed in `apps`); the proposer's submitter must not be answered before.
+    let mut index = 0;
+    let mut commit_until_an_app = |apps: &mut Vec<Vec<u8>>, answered: &dyn Fn() -> bool| {
+        while apps.is_empty() {
+            let next_seq = log.next_entry_seq().unwrap();
+            let mut group = match proposals.next_group(|| next_seq, &*clock, wait) {
+                NextGroup::Formed(group) => group,
+                other => panic!("no group: {other:?}"),
+            };
+            let payload = group.take_payload();
+            if let EntryPayload::Normal(frames) = &payload {
+                let listed = app_payloads(frames).unwrap();
+                apps.extend(listed.into_iter().map(<[u8]>::to_vec));
+            }
+            let entry = Entry {
+                log_id: id(1, index),
+                payload,
+            };
+            index += 1;
+            append(&log, vec![entry.clone()]);
+            assert!(!answered(), "answered before its entry was applied");
+            log.apply_entries(vec![entry]).unwrap();
+            group.answer(Ok(()));
+        }
+    };
+    std::thread::scope(|scope| {
+        let appended = log.append(vec![message(T0 + HOUR_MS, "beside it")]);
+        let proposed = scope.spawn(|| log.propose_app(b"commit offset 5".to_vec()));
+        let mut apps = Vec::new();
+        commit_until_an_app(&mut apps, &|| proposed.is_finished());
+        assert_eq!(apps, vec![b"commit offset 5".to_vec()]);
+        proposed.join().unwrap().unwrap();
+        appended.wait().unwrap();
+    });
+    // The largest payload that fits goes through, alone in its entry.
+    std::thread::scope(|scope| {
+        let proposed = scope.spawn(|| log.propose_app(vec![1u8; MAX_APP_PAYLOAD_BYTES]));
+        let next_seq = log.next_entry_seq().unwrap();
+        let NextGroup::Formed(mut group) = proposals.next_group(|| next_seq, &*clock, wait) else {
+            panic!("no group");
+        };
+        let payload = group.take_payload();
+        let (_, last) = log.entry_bounds().unwrap();
+        let entry = Entry {
+            log_id: id(1, last.unwrap().index + 1),
+            payload,
+        };
+        append(&log, vec![entry.clone()]);
+        log.apply_entries(vec![entry]).unwrap();
+        group.answer(Ok(()));
+        proposed.join().unwrap().unwrap();
+    });
+    // A group dropped unproposed tells the payload's submitter so.
+    std::thread::scope(|scope| {
+        let proposed = scope.spawn(|| log.propose_app(b"lost".to_vec()));
+        let NextGroup::Formed(group) = proposals.next_group(|| 0, &*clock, wait) else {
+            panic!("no group");
+        };
+        drop(group);
+        let answer = proposed.join().unwrap();
+        assert!(
+            matches!(answer, Err(AppendError::NotLeader { .. })),
+            "{answer:?}"
+        );
+    });
+}
