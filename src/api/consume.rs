@@ -404,6 +404,9 @@ pub struct OffsetBody {
             body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "`payload_too_large`", body = Problem,
             content_type = "application/problem+json"),
+        (status = 503, description = "`no_leader`, `write_uncertain` (a cluster member: the commit \
+            was not proposed, or no quorum took it in time)", body = Problem,
+            content_type = "application/problem+json", headers(("Retry-After" = u32))),
         (status = 507, description = "`disk_full`", body = Problem,
             content_type = "application/problem+json", headers(("Retry-After" = u32))),
     )
@@ -436,6 +439,9 @@ pub async fn commit_offset(
                 "there are {max} consumer groups already (broker.max_groups); this is a new one"
             ),
             ))
+        }
+        Err(crate::broker::CommitError::Invalid(detail)) => {
+            return Err(ApiError::bad_request("invalid_offset", detail))
         }
         Err(crate::broker::CommitError::Broker(e)) => return Err(e.into()),
     }

@@ -278,6 +278,10 @@ impl From<crate::scheduler::DeadLetterError> for ApiError {
 
 impl From<crate::broker::BrokerError> for ApiError {
     fn from(error: crate::broker::BrokerError) -> ApiError {
+        if let crate::broker::BrokerError::Replication(e) = error {
+            // A cluster member's write that Raft did not take: `no_leader`, `write_uncertain`, ...
+            return e.into();
+        }
         if error.is_disk_full() {
             tracing::debug!(%error, "a broker write found the disk full");
             ApiError::disk_full("the disk is full; nothing was stored, retry later")

@@ -17,6 +17,11 @@ pub enum BrokerError {
     /// The store refuses writes until a restart (see `Store::failed`).
     #[error("the broker store refuses writes until delayd is restarted: {0}")]
     Failed(String),
+    /// A cluster member's write was not taken through Raft (op.rs): this member does not lead, no
+    /// quorum answered in time (it may still take effect), the log is closing, or the op is larger
+    /// than an entry. Not the message's fault.
+    #[error("the cluster did not take the broker write: {0}")]
+    Replication(schedulelog::AppendError),
 }
 
 impl BrokerError {
@@ -47,6 +52,7 @@ impl BrokerError {
                 reason: reason.clone(),
             },
             BrokerError::Failed(cause) => BrokerError::Failed(cause.clone()),
+            BrokerError::Replication(e) => BrokerError::Replication(e.clone()),
         }
     }
 }

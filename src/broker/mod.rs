@@ -13,6 +13,15 @@
 //!
 //! A record's format: record.rs.
 //!
+//! On a cluster member ([`Broker::replicate_through`], DESIGN.md §10) the broker's writes are Raft
+//! entries: an append or an offset commit is encoded as an op (op.rs, with its byte layout), proposed
+//! through the member's replicated schedule log, and applied by every member, the leader too, into
+//! its own files ([`Broker::apply_op`], called by the cluster's state machine before the entry is
+//! filed). The caller is answered once this member applied it. The leader chooses each message's
+//! queue (by key, else its own round robin) and a new topic's queue count, and the op carries them, so
+//! every member stores each message at the same queue offset. A single node's broker proposes nothing:
+//! its appends and commits go straight to its files, as they always did.
+//!
 //! Invariants:
 //! - A delivery is acknowledged only once its record is synced (store.rs has the details and recovery).
 //! - Retention runs beside appends and pulls, holding the stores' locks only to take segments out of the
@@ -23,6 +32,8 @@
 //! - A pull below a queue's `min_offset` is answered from `min_offset`; the answer says where it started.
 //!   Messages retention deletes before a consumer group with a committed offset on their queue read them
 //!   are counted (`delayd_broker_unread_retired_total`).
+//! - A cluster member's broker files change only by applied ops (retention aside, which each member
+//!   runs on its own clock): an append or commit on it is proposed, never written locally first.
 //! - Topic names match `[A-Za-z0-9._-]{1,200}` and are not all dots (or are `$dead`), so no name reaches
 //!   outside the data dir.
 
@@ -32,6 +43,7 @@ mod config;
 mod error;
 mod inspect;
 mod offsets;
+mod op;
 mod queue;
 mod record;
 mod sink;
@@ -46,14 +58,17 @@ pub use sink::{BrokerSink, BrokerSinkConfig};
 
 use append::{append_together, StoreGroup};
 use error::io_err;
+use op::{BrokerOp, OpMessage};
 use record::decode_record;
-use std::collections::BTreeMap;
+use schedulelog::ScheduleLog;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
-use store::Store;
+use store::{Chosen, Store};
 
 /// How the broker stores and keeps messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,7 +130,26 @@ pub struct Broker {
     /// A data dir from before dead letters had a store of their own keeps them in the main store: its
     /// `$dead` queue has offsets that consumer groups committed, and units that point into the main log.
     dead_in_main: bool,
+    /// A cluster member's replicated log, once set: appends and offset commits are proposed through it.
+    /// Weak: the log closes when its owner lets it go (which ends its proposer), whoever holds the
+    /// broker.
+    replicated: OnceLock<Weak<ScheduleLog>>,
+    /// Where this member's own apply put the messages of the append ops it proposed, by the op's
+    /// nonce: `None` until applied; taken by the proposer once `propose_app` returned.
+    placements: Mutex<HashMap<u64, Option<Placements>>>,
+    /// The leader's round robin over the queues of each topic, for messages without a key (a choice
+    /// the op carries, so no member needs its own to agree).
+    round_robin: Mutex<HashMap<String, u32>>,
+    /// The next append op's nonce: from a random start, so that no two members' ops in flight share one.
+    next_nonce: AtomicU64,
 }
+
+/// Where each message of an append went: (queue, queue offset), in order.
+type Placements = Vec<(u32, u64)>;
+
+/// A replicated op's place in the Raft log: its entry's index, and its position among that entry's
+/// application payloads.
+pub type OpAt = (u64, u32);
 
 /// Whether `name` is a valid topic: a valid name, or `$dead` (where dead messages go).
 pub fn valid_topic(name: &str) -> bool {
@@ -151,6 +185,10 @@ impl Broker {
             dead: StoreGroup::new(dead),
             arrivals: tokio::sync::Notify::new(),
             disk_full: Mutex::new(None),
+            replicated: OnceLock::new(),
+            placements: Mutex::new(HashMap::new()),
+            round_robin: Mutex::new(HashMap::new()),
+            next_nonce: AtomicU64::new(random_start()),
         };
         broker.report_sizes();
         for name in STORE_NAMES {
@@ -203,11 +241,36 @@ impl Broker {
             .find_map(|store| store.lock().failed.clone())
     }
 
+    /// Makes this broker a cluster member's (module doc): from now on [`Broker::append`] and
+    /// [`Broker::commit_offset`] propose ops through `log` (opened replicated) and return once this
+    /// member applied them. Called once, at start, before any write; a second call changes nothing.
+    pub fn replicate_through(&self, log: &Arc<ScheduleLog>) {
+        let _ = self.replicated.set(Arc::downgrade(log));
+    }
+
+    /// A cluster member's log: `None` on a single node, `Err` once the log is closed.
+    fn replicated(&self) -> Option<Result<Arc<ScheduleLog>, BrokerError>> {
+        let log = self.replicated.get()?;
+        Some(
+            log.upgrade()
+                .ok_or(BrokerError::Replication(schedulelog::AppendError::Closed)),
+        )
+    }
+
     /// Stores messages durably (commit log synced, then units written), wakes long polls, and returns
     /// each message's queue and queue offset, in order. Messages that other threads append to the same
     /// store meanwhile are stored with them, in one write and one sync; a failure of that write fails
     /// them all, but a topic that cannot be created fails only the callers with messages for it.
+    ///
+    /// On a cluster member: proposed as append ops (more than one when the messages do not fit one
+    /// Raft entry), and answered once this member applied them. A failed op fails the call
+    /// ([`BrokerError::Replication`] when Raft did not take it), though the ops before it in the same
+    /// call are stored: a retry stores those messages again (consumers dedup by `delayd-id`).
     pub fn append(&self, messages: Vec<Incoming>) -> Result<Vec<(u32, u64)>, BrokerError> {
+        if let Some(log) = self.replicated() {
+            // Its apply notes a full disk and wakes long polls.
+            return self.propose_append(&*log?, messages);
+        }
         let result = self.append_to_stores(messages);
         self.note(&result);
         if result.is_ok() {
@@ -233,6 +296,170 @@ impl Broker {
             }
         }
         Ok(placed)
+    }
+
+    /// Chooses queues for `messages`, encodes them as append ops within an entry's bytes each, and
+    /// proposes them one after the other.
+    fn propose_append(
+        &self,
+        log: &ScheduleLog,
+        messages: Vec<Incoming>,
+    ) -> Result<Vec<(u32, u64)>, BrokerError> {
+        let mut placed = Vec::with_capacity(messages.len());
+        let mut chunk: Vec<Vec<u8>> = Vec::new();
+        let mut chunk_bytes = op::APPEND_HEAD_LEN;
+        for message in messages {
+            let chosen = self.choose_queue(&message);
+            let bytes = op::message_bytes(&OpMessage { chosen, message });
+            if !chunk.is_empty() && chunk_bytes + bytes.len() > schedulelog::MAX_APP_PAYLOAD_BYTES {
+                placed.extend(self.propose_chunk(log, std::mem::take(&mut chunk))?);
+                chunk_bytes = op::APPEND_HEAD_LEN;
+            }
+            chunk_bytes += bytes.len();
+            chunk.push(bytes);
+        }
+        if !chunk.is_empty() {
+            placed.extend(self.propose_chunk(log, chunk)?);
+        }
+        Ok(placed)
+    }
+
+    /// The queue a message goes to, as a single node's store would choose it: by its key's hash, else
+    /// round robin; and its topic's queue count (this member's, or the configured count for a topic it
+    /// does not have yet).
+    fn choose_queue(&self, message: &Incoming) -> Chosen {
+        let topic = &message.topic;
+        let queues = self
+            .store(topic)
+            .queue_count(topic)
+            .unwrap_or(self.options.queues_per_topic)
+            .max(1);
+        let queue = match &message.key {
+            Some(key) => crc32c::crc32c(key.as_bytes()) % queues,
+            None => {
+                let mut round_robin = lock(&self.round_robin);
+                let next = round_robin.entry(topic.clone()).or_default();
+                *next = next.wrapping_add(1);
+                *next % queues
+            }
+        };
+        Chosen { queue, queues }
+    }
+
+    /// Proposes one append op of `messages` (encoded) and returns where this member's apply put them.
+    fn propose_chunk(
+        &self,
+        log: &ScheduleLog,
+        messages: Vec<Vec<u8>>,
+    ) -> Result<Vec<(u32, u64)>, BrokerError> {
+        let count = messages.len();
+        let nonce = self.next_nonce.fetch_add(1, Ordering::Relaxed);
+        lock(&self.placements).insert(nonce, None);
+        let proposed = log.propose_app(op::encode_append(nonce, &messages));
+        let placed = lock(&self.placements).remove(&nonce).flatten();
+        proposed.map_err(BrokerError::Replication)?;
+        match placed {
+            Some(placed) if placed.len() == count => Ok(placed),
+            // Its apply here found it stored already: only an op applied again after a restart is.
+            _ => Err(BrokerError::Failed(format!(
+                "this member applied its own append op {nonce} without storing it"
+            ))),
+        }
+    }
+
+    /// Applies a replicated op (op.rs) to this member's files; `at` is its place in the Raft log.
+    /// Every member applies every op, in log order (the cluster's state machine calls this before it
+    /// files the op's entry); an op applied again (after a restart: entries after the schedule's
+    /// checkpoint are) changes nothing: each store knows the last op it stored, and an offset commit
+    /// sets what it set before. An error stops this member's Raft (a storage error): an op that does
+    /// not decode, messages for a queue their topic does not have, a commit for a queue or offset
+    /// this member does not have (its files no longer match the leader's), or a failed write (a full
+    /// disk included: the member is restarted once space is freed, and applies the op again).
+    pub fn apply_op(&self, at: OpAt, bytes: &[u8]) -> Result<(), BrokerError> {
+        let corrupt = |reason: String| BrokerError::Corrupt {
+            path: PathBuf::from(format!("broker op {} of Raft entry {}", at.1, at.0)),
+            offset: 0,
+            reason,
+        };
+        match BrokerOp::decode(bytes).map_err(corrupt)? {
+            BrokerOp::Append { nonce, messages } => {
+                let result = self.apply_append(at, messages);
+                self.note(&result);
+                let placed = result?;
+                if let Some(waiting) = lock(&self.placements).get_mut(&nonce) {
+                    *waiting = placed;
+                }
+                self.arrivals.notify_waiters();
+                Ok(())
+            }
+            BrokerOp::CommitOffset {
+                group,
+                topic,
+                queue,
+                offset,
+            } => {
+                self.check_commit(&topic, queue, offset).map_err(corrupt)?;
+                // No bound on groups here: the leader checked it, and members' settings may differ.
+                match lock(&self.offsets).commit(&group, &topic, queue, offset, usize::MAX) {
+                    Ok(()) => Ok(()),
+                    Err(CommitError::Broker(e)) => Err(e),
+                    Err(other) => Err(BrokerError::Failed(other.to_string())),
+                }
+            }
+        }
+    }
+
+    /// Stores an append op's messages, in the queues it names, each store's part once: where they
+    /// went, or `None` when a part was stored before (an op applied again).
+    fn apply_append(
+        &self,
+        at: OpAt,
+        messages: Vec<OpMessage>,
+    ) -> Result<Option<Vec<(u32, u64)>>, BrokerError> {
+        let mut placed = vec![(0, 0); messages.len()];
+        let mut complete = true;
+        let (dead, main): (Vec<_>, Vec<_>) = messages
+            .into_iter()
+            .enumerate()
+            .partition(|(_, m)| self.in_dead_store(&m.message.topic));
+        for (group, part) in [(&self.main, main), (&self.dead, dead)] {
+            if part.is_empty() {
+                continue;
+            }
+            let mut store = group.lock();
+            if store.applied >= Some(at) {
+                complete = false;
+                continue;
+            }
+            // Stamped as a single node's group commit stamps a batch: the latest delivery in it.
+            let stored_at_ms = part
+                .iter()
+                .map(|(_, m)| m.message.delivered_at_ms)
+                .max()
+                .unwrap_or(0);
+            let chosen: Vec<_> = part.iter().map(|(_, m)| (&m.message, m.chosen)).collect();
+            let stored = store.append_chosen(&chosen, stored_at_ms, at)?;
+            for ((i, _), at) in part.iter().zip(stored) {
+                placed[*i] = at;
+            }
+        }
+        Ok(complete.then_some(placed))
+    }
+
+    /// That a commit names a queue this member has, at an offset not past its end.
+    fn check_commit(&self, topic: &str, queue: u32, offset: u64) -> Result<(), String> {
+        let queues = self
+            .queue_offsets(topic)
+            .ok_or_else(|| format!("no topic {topic:?}"))?;
+        let Some(&(_, end)) = queues.get(queue as usize) else {
+            return Err(format!("topic {topic:?} has {} queues", queues.len()));
+        };
+        if offset > end {
+            return Err(format!(
+                "offset {offset} is past the end of queue {queue} of {topic:?} ({end})"
+            ));
+        }
+        Ok(())
     }
 
     /// Topics and their queue counts.
@@ -349,6 +576,10 @@ impl Broker {
 
     /// Stores a consumer group's offset for one queue (durably). The caller has checked that the queue
     /// exists and the offset is not past its end; at most `max_groups` groups.
+    ///
+    /// On a cluster member: those checks are made again here, then the commit is proposed as an op
+    /// and answered once this member applied it ([`BrokerError::Replication`] when Raft did not take
+    /// it).
     pub fn commit_offset(
         &self,
         group: &str,
@@ -357,8 +588,24 @@ impl Broker {
         offset: u64,
         max_groups: usize,
     ) -> Result<(), CommitError> {
-        // Not noted as a full disk: the consumer got its 507, and no later delivery would clear it.
-        lock(&self.offsets).commit(group, topic, queue, offset, max_groups)
+        let Some(log) = self.replicated() else {
+            // Not noted as a full disk: the consumer got its 507, and no later delivery would clear it.
+            return lock(&self.offsets).commit(group, topic, queue, offset, max_groups);
+        };
+        let log = log?;
+        self.check_commit(topic, queue, offset)
+            .map_err(CommitError::Invalid)?;
+        if !lock(&self.offsets).admits(group, max_groups) {
+            return Err(CommitError::TooManyGroups { max: max_groups });
+        }
+        let op = BrokerOp::CommitOffset {
+            group: group.to_string(),
+            topic: topic.to_string(),
+            queue,
+            offset,
+        };
+        log.propose_app(op.encode())
+            .map_err(|e| CommitError::Broker(BrokerError::Replication(e)))
     }
 
     /// A group's committed offsets for a topic, by queue.
@@ -458,6 +705,15 @@ impl Broker {
             metrics::gauge!("delayd_broker_bytes", "store" => name).set(bytes as f64);
         }
     }
+}
+
+/// A random start for append op nonces (the clock's nanoseconds should the OS have no randomness).
+fn random_start() -> u64 {
+    getrandom::u64().unwrap_or_else(|_| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    })
 }
 
 #[cfg(test)]

@@ -35,6 +35,10 @@ pub(crate) struct Offsets {
 pub enum CommitError {
     #[error("there are {max} consumer groups already (broker.max_groups)")]
     TooManyGroups { max: usize },
+    /// No such topic or queue, or an offset past the queue's end (checked again on a cluster member,
+    /// before the commit is proposed).
+    #[error("{0}")]
+    Invalid(String),
     #[error(transparent)]
     Broker(#[from] BrokerError),
 }
@@ -106,7 +110,7 @@ impl Offsets {
         offset: u64,
         max_groups: usize,
     ) -> Result<(), CommitError> {
-        if !self.groups.contains_key(group) && self.groups.len() >= max_groups {
+        if !self.admits(group, max_groups) {
             return Err(CommitError::TooManyGroups { max: max_groups });
         }
         let mut topics = self.groups.get(group).cloned().unwrap_or_default();
@@ -117,6 +121,11 @@ impl Offsets {
         self.store(group, &topics)?;
         self.groups.insert(group.to_string(), topics);
         Ok(())
+    }
+
+    /// Whether a commit of `group` fits within `max_groups` groups (it is known, or one more fits).
+    pub(crate) fn admits(&self, group: &str, max_groups: usize) -> bool {
+        self.groups.contains_key(group) || self.groups.len() < max_groups
     }
 
     /// A group's offsets for a topic, by queue.

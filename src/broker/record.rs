@@ -5,9 +5,12 @@
 //! ```text
 //! 0   4   meta_len u32 LE
 //! 4   ..  meta: JSON {"topic","queue","queue_offset","id","key"?,"headers","deliver_at_ms",
-//!                     "delivered_at_ms","attempt"}
+//!                     "delivered_at_ms","attempt","op"?}
 //! ..  ..  body bytes
 //! ```
+//!
+//! `op` (a cluster member's store only): `[entry index, position]` of the replicated op that stored
+//! the record (op.rs), so that an op applied again after a restart is recognised as stored.
 
 use schedulelog::frame::{self, Kind};
 use serde::{Deserialize, Serialize};
@@ -26,6 +29,9 @@ pub struct StoredMeta {
     pub deliver_at_ms: i64,
     pub delivered_at_ms: i64,
     pub attempt: u16,
+    /// The replicated op that stored it: its entry's index and its place among the entry's payloads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<(u64, u32)>,
 }
 
 /// A message as a consumer gets it.
@@ -59,11 +65,16 @@ pub struct Incoming {
 
 pub(super) fn encode_record(buf: &mut Vec<u8>, meta: &StoredMeta, body: &[u8]) {
     let at = frame::start(buf);
+    encode_payload(buf, meta, body);
+    frame::finish(buf, at, Kind::Broker);
+}
+
+/// Appends a record's payload (no frame header) to `buf`.
+pub(super) fn encode_payload(buf: &mut Vec<u8>, meta: &StoredMeta, body: &[u8]) {
     let meta_json = serde_json::to_vec(meta).unwrap_or_default();
     buf.extend_from_slice(&(meta_json.len() as u32).to_le_bytes());
     buf.extend_from_slice(&meta_json);
     buf.extend_from_slice(body);
-    frame::finish(buf, at, Kind::Broker);
 }
 
 /// (meta, body) of a whole record frame.

@@ -65,11 +65,20 @@ impl BrokerSink {
     /// message through the WAL into a segment again, and a few minutes of trouble would make every due
     /// message dead).
     fn answer<T>(&self, count: usize, stored: Result<T, BrokerError>) -> Vec<SinkOutcome> {
-        let (reason, disk_full) = match stored {
+        let (reason, disk_full, not_taken) = match stored {
             Ok(_) => return vec![SinkOutcome::Delivered; count],
-            Err(e) => (e.to_string(), e.is_disk_full()),
+            Err(e) => (
+                e.to_string(),
+                e.is_disk_full(),
+                matches!(e, BrokerError::Replication(_)),
+            ),
         };
-        let after = if disk_full {
+        let after = if not_taken {
+            // A cluster member whose Raft did not take the batch (leadership moving, no quorum):
+            // its term stops if it no longer leads; if it still does, soon tried again.
+            tracing::debug!(%reason, "the cluster did not take deliveries to the broker");
+            Duration::from_secs(1)
+        } else if disk_full {
             // Reported once by the disk watch, not for every batch while it lasts.
             tracing::debug!(%reason, "storing deliveries in the broker failed");
             Duration::from_secs(1)

@@ -3,8 +3,10 @@
 //! ```text
 //! {store}/commitlog/{base:020}                 commitlog.rs
 //! {store}/consumequeue/{topic}/{queue}/{first:020}   queue.rs
-//! {store}/checkpoint    commit log offset below which every record has its unit synced (u64 LE +
-//!                       CRC-32C), replaced atomically every 100,000 messages (or 256 MiB)
+//! {store}/checkpoint    commit log offset below which every record has its unit synced (u64 LE),
+//!                       on a cluster member then the last replicated op stored below it (entry
+//!                       index u64 LE, position u32 LE), then a CRC-32C (u32 LE) of what is before
+//!                       it; replaced atomically every 100,000 messages (or 256 MiB)
 //! ```
 //!
 //! Invariants and recovery:
@@ -29,13 +31,17 @@
 //! - Queue files are synced through their shared handles by checkpoints only (queue.rs). After a job
 //!   failed (or panicked) no further checkpoint is written until a restart (the kernel may have dropped
 //!   those units' pages); the files kept for one are let go when it would have been due.
+//! - On a cluster member, messages are placed in the queues the leader chose (carried by the op), and
+//!   `applied` is the newest replicated op whose records are stored: each record names its op, the
+//!   checkpoint names the newest below it, so recovery finds it again; an op applied again after a
+//!   restart (entries after the schedule's checkpoint are) is recognised and not stored twice.
 //! - Each queue's `min_offset` is the first unit whose record the log still holds: retention moves it
 //!   when it deletes segments, and opening recomputes it (files of an interrupted deletion go then).
 
 use super::commitlog::{CommitLog, Segment, HEADER_LEN};
 use super::queue::{Queue, Unit};
 use super::record::{decode_payload, encode_record};
-use super::{io_err, valid_topic, BrokerError, Incoming, StoredMeta};
+use super::{io_err, valid_topic, BrokerError, Incoming, OpAt, StoredMeta};
 use schedulelog::{create_dir_durably, sync_dir, write_atomically};
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -80,6 +86,14 @@ pub(crate) struct ReadPlan {
 /// A queue whose `min_offset` retention moved: (topic, queue, from, to).
 pub(crate) type Moved = (String, u32, u64, u64);
 
+/// Where a replicated op put a message: the queue the leader chose, and the topic's queue count,
+/// should this store create the topic (so that every member creates it alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Chosen {
+    pub queue: u32,
+    pub queues: u32,
+}
+
 /// One store.
 #[derive(Debug)]
 pub(crate) struct Store {
@@ -98,6 +112,8 @@ pub(crate) struct Store {
     /// Why appends are refused until a restart: undoing a failed append failed, so the files may no
     /// longer match what this store holds in memory.
     pub failed: Option<String>,
+    /// The newest replicated op whose records are stored (a cluster member's store; module doc).
+    pub applied: Option<OpAt>,
     /// A checkpoint job failed (or panicked): no later checkpoint may claim the units it covered; the
     /// next open rewrites every unit since the last good one.
     checkpoint_failed: bool,
@@ -118,6 +134,7 @@ pub(crate) struct Store {
 struct CheckpointJob {
     dir: PathBuf,
     end: u64,
+    applied: Option<OpAt>,
     files: Vec<(Arc<File>, PathBuf)>,
     #[cfg(test)]
     gate: Option<Arc<Gate>>,
@@ -176,6 +193,10 @@ impl CheckpointJob {
             file.sync_data().map_err(io_err(path))?;
         }
         let mut bytes = self.end.to_le_bytes().to_vec();
+        if let Some((index, position)) = self.applied {
+            bytes.extend_from_slice(&index.to_le_bytes());
+            bytes.extend_from_slice(&position.to_le_bytes());
+        }
         let crc = crc32c::crc32c(&bytes);
         bytes.extend_from_slice(&crc.to_le_bytes());
         Ok(write_atomically(&self.dir.join("checkpoint"), &bytes)?)
@@ -210,6 +231,7 @@ impl Store {
             kept_files: 0,
             queues_behind: false,
             failed: None,
+            applied: None,
             checkpoint_failed: false,
             checkpointing: None,
             checkpoint_every: (CHECKPOINT_EVERY, CHECKPOINT_EVERY_BYTES),
@@ -259,7 +281,8 @@ impl Store {
 
     /// See the module doc: the log's tail, the units after the checkpoint, the queues' ends and minimums.
     fn recover(&mut self) -> Result<(), BrokerError> {
-        let from = read_checkpoint(&self.dir);
+        let (from, applied) = read_checkpoint_and_op(&self.dir);
+        let mut applied = applied;
         // Queues that got records after the checkpoint end exactly after the last of them: a unit past
         // it can only be left over from a crash, however valid it looks.
         let mut ends: BTreeMap<(String, u32), u64> = BTreeMap::new();
@@ -298,12 +321,14 @@ impl Store {
                     ),
                 });
             }
+            applied = applied.max(meta.op);
             // Written again even when present: an unsynced unit may be torn or zero.
             let unit = Unit::new(record.offset, record.len, meta.key.as_deref());
             queue.write_at(meta.queue_offset, &unit)?;
             ends.insert((meta.topic, meta.queue), meta.queue_offset + 1);
             Ok(())
         })?;
+        self.applied = applied;
         for ((topic, index), units) in ends {
             let queue = self.queue_mut(&topic, index)?;
             queue.truncate(units)?;
@@ -362,15 +387,24 @@ impl Store {
     /// Creates a topic's queues if it has none yet (not in a store that refuses writes). Nothing else
     /// changes, whether it succeeds or not.
     pub(crate) fn ensure_topic(&mut self, topic: &str) -> Result<(), BrokerError> {
+        self.ensure_topic_with(topic, self.queues_per_topic)
+    }
+
+    /// [`Store::ensure_topic`], creating it with `queues` queues.
+    fn ensure_topic_with(&mut self, topic: &str, queues: u32) -> Result<(), BrokerError> {
         if let Some(cause) = &self.failed {
             return Err(BrokerError::Failed(cause.clone()));
         }
         if !self.topics.contains_key(topic) {
-            let created =
-                create_topic(&self.dir, topic, self.queues_per_topic, self.units_per_file)?;
+            let created = create_topic(&self.dir, topic, queues, self.units_per_file)?;
             self.topics.insert(topic.to_string(), created);
         }
         Ok(())
+    }
+
+    /// The queue count of `topic`, if it exists.
+    pub(crate) fn queue_count(&self, topic: &str) -> Option<u32> {
+        self.topics.get(topic).map(|t| t.queues.len() as u32)
     }
 
     /// Stores messages durably (commit log synced, then units written) and returns each one's queue and
@@ -380,6 +414,29 @@ impl Store {
         messages: &[&Incoming],
         stored_at_ms: i64,
     ) -> Result<Vec<(u32, u64)>, BrokerError> {
+        let messages: Vec<_> = messages.iter().map(|m| (*m, None)).collect();
+        self.append_placed(&messages, stored_at_ms, None)
+    }
+
+    /// [`Store::append`] of a replicated op's messages, each in the queue the leader chose; the op's
+    /// place is recorded with them (module doc). Refused (nothing stored) for a queue the topic does
+    /// not have.
+    pub(crate) fn append_chosen(
+        &mut self,
+        messages: &[(&Incoming, Chosen)],
+        stored_at_ms: i64,
+        op: OpAt,
+    ) -> Result<Vec<(u32, u64)>, BrokerError> {
+        let messages: Vec<_> = messages.iter().map(|(m, c)| (*m, Some(*c))).collect();
+        self.append_placed(&messages, stored_at_ms, Some(op))
+    }
+
+    fn append_placed(
+        &mut self,
+        messages: &[(&Incoming, Option<Chosen>)],
+        stored_at_ms: i64,
+        op: Option<OpAt>,
+    ) -> Result<Vec<(u32, u64)>, BrokerError> {
         if let Some(cause) = &self.failed {
             return Err(BrokerError::Failed(cause.clone()));
         }
@@ -388,13 +445,25 @@ impl Store {
         let mut ends = Vec::with_capacity(messages.len());
         // Units each touched queue gets from this batch so far.
         let mut batch_units: BTreeMap<(&str, u32), u64> = BTreeMap::new();
-        for message in messages {
-            self.ensure_topic(&message.topic)?;
+        for &(message, chosen) in messages {
+            let queues = chosen.map_or(self.queues_per_topic, |c| c.queues);
+            self.ensure_topic_with(&message.topic, queues)?;
             let topic = self.topics.get_mut(&message.topic).expect("created above");
             let count = topic.queues.len() as u32;
-            let queue = match &message.key {
-                Some(key) => crc32c::crc32c(key.as_bytes()) % count,
-                None => {
+            let queue = match (chosen, &message.key) {
+                (Some(chosen), _) if chosen.queue < count => chosen.queue,
+                (Some(chosen), _) => {
+                    return Err(BrokerError::Corrupt {
+                        path: PathBuf::from(&message.topic),
+                        offset: 0,
+                        reason: format!(
+                            "a replicated append to queue {} of a topic with {count} queues",
+                            chosen.queue
+                        ),
+                    })
+                }
+                (None, Some(key)) => crc32c::crc32c(key.as_bytes()) % count,
+                (None, None) => {
                     topic.next_round_robin = topic.next_round_robin.wrapping_add(1);
                     topic.next_round_robin % count
                 }
@@ -412,6 +481,7 @@ impl Store {
                 deliver_at_ms: message.deliver_at_ms,
                 delivered_at_ms: message.delivered_at_ms,
                 attempt: message.attempt,
+                op,
             };
             encode_record(&mut buf, &meta, &message.body);
             ends.push(buf.len());
@@ -430,7 +500,7 @@ impl Store {
         // The new units of each queue, in order: one write per touched queue.
         let mut units: BTreeMap<(&str, u32), Vec<u8>> = BTreeMap::new();
         let mut start = 0;
-        for ((message, &(queue, _)), (&offset, &end)) in
+        for ((&(message, _), &(queue, _)), (&offset, &end)) in
             messages.iter().zip(&placed).zip(offsets.iter().zip(&ends))
         {
             let unit = Unit::new(offset, (end - start) as u32, message.key.as_deref());
@@ -462,6 +532,9 @@ impl Store {
             }
             self.kept_files += queue.kept_files() - kept;
             written.push(((topic, *index), before));
+        }
+        if op.is_some() {
+            self.applied = self.applied.max(op);
         }
         self.unsynced_since_checkpoint += messages.len() as u64;
         self.unsynced_bytes_since_checkpoint += buf.len() as u64;
@@ -553,6 +626,7 @@ impl Store {
         CheckpointJob {
             dir: self.dir.clone(),
             end: self.log.end(),
+            applied: self.applied,
             files,
             #[cfg(test)]
             gate: self.checkpoint_gate.clone(),
@@ -735,19 +809,41 @@ fn create_topic(
     Ok(state)
 }
 
+#[cfg(test)]
 pub(crate) fn read_checkpoint(dir: &Path) -> u64 {
-    // Replaying from the start is always correct, only slower.
-    fs::read(dir.join("checkpoint"))
-        .ok()
-        .and_then(|bytes| decode_checkpoint(&bytes))
-        .unwrap_or(0)
+    read_checkpoint_and_op(dir).0
 }
 
-/// The commit-log offset a store's checkpoint holds (`end` u64 LE, then its CRC-32C u32 LE), if it is
-/// whole.
+/// The commit-log offset a store's checkpoint holds, and the last replicated op stored below it.
+pub(crate) fn read_checkpoint_and_op(dir: &Path) -> (u64, Option<OpAt>) {
+    // Replaying from the start is always correct, only slower (and finds the last op again).
+    fs::read(dir.join("checkpoint"))
+        .ok()
+        .and_then(|bytes| decode_checkpoint_and_op(&bytes))
+        .unwrap_or((0, None))
+}
+
+/// The commit-log offset a store's checkpoint holds, if it is whole.
 pub(crate) fn decode_checkpoint(bytes: &[u8]) -> Option<u64> {
-    let end: [u8; 8] = bytes.get(..8)?.try_into().ok()?;
-    (bytes.get(8..)? == crc32c::crc32c(&end).to_le_bytes()).then_some(u64::from_le_bytes(end))
+    decode_checkpoint_and_op(bytes).map(|(end, _)| end)
+}
+
+/// What a store's checkpoint holds (`end` u64 LE, on a cluster member the last op's entry index u64
+/// LE and position u32 LE, then a CRC-32C u32 LE of what is before it), if it is whole.
+pub(crate) fn decode_checkpoint_and_op(bytes: &[u8]) -> Option<(u64, Option<OpAt>)> {
+    let (body, crc) = bytes.split_last_chunk::<4>()?;
+    if *crc != crc32c::crc32c(body).to_le_bytes() {
+        return None;
+    }
+    let u64_at = |at: usize| Some(u64::from_le_bytes(body.get(at..at + 8)?.try_into().ok()?));
+    match body.len() {
+        8 => Some((u64_at(0)?, None)),
+        20 => {
+            let position = u32::from_le_bytes(body.get(16..20)?.try_into().ok()?);
+            Some((u64_at(0)?, Some((u64_at(8)?, position))))
+        }
+        _ => None,
+    }
 }
 
 /// Deletes files taken out of a store (missing ones are fine: a crash may have taken them already) and

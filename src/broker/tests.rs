@@ -972,3 +972,262 @@ fn a_write_that_fails_for_a_group_fails_every_caller_in_it() {
     assert_eq!(placed[0].1, 1, "no gap");
     assert_eq!(broker.failed(), None);
 }
+
+// Replicated ops (op.rs): what a cluster member's broker proposes and every member applies.
+
+fn op_message(topic: &str, key: Option<&str>, body: &[u8], queue: u32, queues: u32) -> OpMessage {
+    let mut message = incoming(topic, key, "x");
+    message.body = body.to_vec();
+    message.headers.insert("h".into(), "v".into());
+    OpMessage {
+        chosen: Chosen { queue, queues },
+        message,
+    }
+}
+
+fn append_op(nonce: u64, messages: Vec<OpMessage>) -> Vec<u8> {
+    BrokerOp::Append { nonce, messages }.encode()
+}
+
+#[test]
+fn an_op_round_trips_with_its_bytes_as_they_are() {
+    let body = [0u8, 255, b'"', b'\\', 10];
+    let messages = vec![
+        op_message("t", Some("k"), &body, 3, 4),
+        op_message("$dead", None, b"", 0, 1),
+    ];
+    let bytes = append_op(77, messages.clone());
+    // The body is in the op as it is: no base64, no JSON array.
+    assert!(bytes.windows(body.len()).any(|w| w == body));
+    let BrokerOp::Append {
+        nonce,
+        messages: decoded,
+    } = BrokerOp::decode(&bytes).unwrap()
+    else {
+        panic!("not an append");
+    };
+    assert_eq!(nonce, 77);
+    assert_eq!(decoded.len(), 2);
+    for (a, b) in decoded.iter().zip(&messages) {
+        assert_eq!(a.chosen, b.chosen);
+        let (a, b) = (&a.message, &b.message);
+        assert_eq!(
+            (&a.topic, &a.id, &a.key, &a.headers, &a.body),
+            (&b.topic, &b.id, &b.key, &b.headers, &b.body)
+        );
+        assert_eq!(
+            (a.deliver_at_ms, a.delivered_at_ms, a.attempt),
+            (b.deliver_at_ms, b.delivered_at_ms, b.attempt)
+        );
+    }
+    let commit = BrokerOp::CommitOffset {
+        group: "g".into(),
+        topic: "t".into(),
+        queue: 2,
+        offset: 9,
+    };
+    let BrokerOp::CommitOffset {
+        group,
+        topic,
+        queue,
+        offset,
+    } = BrokerOp::decode(&commit.encode()).unwrap()
+    else {
+        panic!("not a commit");
+    };
+    assert_eq!(
+        (group.as_str(), topic.as_str(), queue, offset),
+        ("g", "t", 2, 9)
+    );
+}
+
+/// Every cut of an op, every flipped byte, extra bytes, an unknown version or kind: an error that says
+/// what is wrong, never a panic (a flip inside the JSON meta or the body may still decode).
+#[test]
+fn a_cut_or_garbled_op_is_an_error_naming_what_is_wrong() {
+    let append = append_op(1, vec![op_message("t", Some("k"), b"body", 1, 4)]);
+    let commit = BrokerOp::CommitOffset {
+        group: "group".into(),
+        topic: "topic".into(),
+        queue: 0,
+        offset: 5,
+    }
+    .encode();
+    for bytes in [&append, &commit] {
+        for cut in 0..bytes.len() {
+            let why = BrokerOp::decode(&bytes[..cut]).map(|_| ()).unwrap_err();
+            assert!(
+                why.contains("cut short") || why.contains("not a broker record"),
+                "cut at {cut}: {why}"
+            );
+        }
+        for at in 0..bytes.len() {
+            let mut flipped = bytes.clone();
+            flipped[at] ^= 0xA5;
+            let _ = BrokerOp::decode(&flipped);
+        }
+        let mut extra = bytes.clone();
+        extra.push(0);
+        let why = BrokerOp::decode(&extra).map(|_| ()).unwrap_err();
+        assert!(why.contains("1 bytes after the end"), "{why}");
+    }
+    let why = |bytes: &[u8]| BrokerOp::decode(bytes).map(|_| ()).unwrap_err();
+    assert!(why(&[2, 1]).contains("version 2"), "{}", why(&[2, 1]));
+    assert!(why(&[1, 9]).contains("unknown kind 9"));
+    // A count of messages far past the bytes there are allocates nothing and is reported.
+    let mut huge = append.clone();
+    huge[10..14].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(
+        why(&huge).contains("of message 1 of 4294967295"),
+        "{}",
+        why(&huge)
+    );
+    // A queue past the topic's queue count.
+    let bad_queue = append_op(1, vec![op_message("t", None, b"b", 4, 4)]);
+    assert!(why(&bad_queue).contains("queue 4 of a topic of 4 queues"));
+    // A name that is not UTF-8.
+    let mut bad_name = commit.clone();
+    bad_name[4] = 0xFF;
+    assert!(why(&bad_name).contains("the group is not UTF-8"));
+}
+
+/// Applied, an op puts each message in the queue it names (whatever the key or this member's own
+/// round robin would say), creates a new topic with the op's queue count, and an op applied again
+/// (after a restart) stores nothing twice, also after a reopen.
+#[test]
+fn an_applied_op_places_messages_where_it_says_and_only_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open(dir.path(), options(4)).unwrap();
+    let op = append_op(
+        5,
+        vec![
+            op_message("t", Some("k"), b"first", 1, 2),
+            op_message("t", Some("k"), b"second", 0, 2),
+            op_message("t", None, b"third", 1, 2),
+            op_message("$dead", None, b"dead", 0, 1),
+        ],
+    );
+    broker.apply_op((3, 0), &op).unwrap();
+    assert_eq!(broker.queue_offsets("t"), Some(vec![(0, 1), (0, 2)]));
+    assert_eq!(broker.queue_offsets("$dead"), Some(vec![(0, 1)]));
+    let read = |broker: &Broker, queue| bodies(&broker.read("t", queue, 0, 10).unwrap().unwrap());
+    assert_eq!(read(&broker, 1), ["first", "third"]);
+    assert_eq!(read(&broker, 0), ["second"]);
+    let stored = broker.read("t", 1, 0, 1).unwrap().unwrap().messages;
+    assert_eq!(stored[0].meta.op, Some((3, 0)));
+    assert_eq!(stored[0].meta.headers["h"], "v");
+    // Again, as after a restart: nothing more; an older op neither.
+    broker.apply_op((3, 0), &op).unwrap();
+    broker.apply_op((2, 7), &op).unwrap();
+    assert_eq!(broker.queue_offsets("t"), Some(vec![(0, 1), (0, 2)]));
+    // The next op goes on at the next offsets.
+    let next = append_op(6, vec![op_message("t", None, b"fourth", 0, 2)]);
+    broker.apply_op((3, 1), &next).unwrap();
+    assert_eq!(read(&broker, 0), ["second", "fourth"]);
+    // Offsets: set, set again alike.
+    let commit = |offset| {
+        BrokerOp::CommitOffset {
+            group: "g".into(),
+            topic: "t".into(),
+            queue: 1,
+            offset,
+        }
+        .encode()
+    };
+    broker.apply_op((4, 0), &commit(2)).unwrap();
+    broker.apply_op((4, 0), &commit(2)).unwrap();
+    assert_eq!(broker.group_offsets("g", "t"), BTreeMap::from([(1, 2)]));
+    drop(broker);
+
+    // Reopened (the last op found from the records after the checkpoint): applied again, nothing.
+    let broker = Broker::open(dir.path(), options(4)).unwrap();
+    broker.apply_op((3, 1), &next).unwrap();
+    assert_eq!(read(&broker, 0), ["second", "fourth"]);
+    // And from the checkpoint alone: the open wrote one that covers every record.
+    drop(broker);
+    assert_eq!(
+        store::read_checkpoint_and_op(&dir.path().join("broker")).1,
+        Some((3, 1))
+    );
+    let broker = Broker::open(dir.path(), options(4)).unwrap();
+    broker.apply_op((3, 0), &op).unwrap();
+    broker.apply_op((3, 1), &next).unwrap();
+    assert_eq!(broker.queue_offsets("t"), Some(vec![(0, 2), (0, 2)]));
+    assert_eq!(broker.queue_offsets("$dead"), Some(vec![(0, 1)]));
+    assert_eq!(broker.group_offsets("g", "t"), BTreeMap::from([(1, 2)]));
+}
+
+/// What an apply refuses (and so stops the member): an op that does not decode, a queue the topic
+/// does not have, a commit past a queue's end or for a queue that is not there.
+#[test]
+fn an_apply_refuses_what_would_make_members_differ() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open(dir.path(), options(4)).unwrap();
+    let err = broker.apply_op((1, 0), b"\x01").unwrap_err().to_string();
+    assert!(
+        err.contains("broker op 0 of Raft entry 1") && err.contains("cut short"),
+        "{err}"
+    );
+    broker
+        .apply_op(
+            (1, 1),
+            &append_op(1, vec![op_message("t", None, b"a", 0, 2)]),
+        )
+        .unwrap();
+    // The topic has 2 queues: an op that thinks it has 8 and names queue 5 is refused, nothing stored.
+    let err = broker
+        .apply_op(
+            (2, 0),
+            &append_op(2, vec![op_message("t", None, b"b", 5, 8)]),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("queue 5 of a topic with 2 queues"), "{err}");
+    assert_eq!(broker.queue_offsets("t"), Some(vec![(0, 1), (0, 0)]));
+    for (queue, offset, why) in [(0, 2, "past the end"), (3, 0, "has 2 queues")] {
+        let commit = BrokerOp::CommitOffset {
+            group: "g".into(),
+            topic: "t".into(),
+            queue,
+            offset,
+        };
+        let err = broker.apply_op((3, 0), &commit.encode()).unwrap_err();
+        assert!(err.to_string().contains(why), "{err}");
+    }
+    assert!(broker.group_offsets("g", "t").is_empty());
+}
+
+/// A single node's broker proposes nothing: `replicate_through` is what makes it a member's.
+#[test]
+fn a_broker_without_a_replicated_log_writes_its_files_directly() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = Broker::open(dir.path(), options(2)).unwrap();
+    assert_eq!(
+        broker.append(vec![incoming("t", None, "a")]).unwrap().len(),
+        1
+    );
+    broker.commit_offset("g", "t", 0, 0, 10).unwrap();
+    // A member's broker whose log is gone refuses, storing nothing.
+    let log_dir = tempfile::tempdir().unwrap();
+    let options = schedulelog::Options {
+        replicated: true,
+        ..schedulelog::Options::default()
+    };
+    let log = Arc::new(ScheduleLog::open(log_dir.path(), options).unwrap());
+    broker.replicate_through(&log);
+    drop(log);
+    let refused = broker.append(vec![incoming("t", None, "b")]);
+    assert!(
+        matches!(
+            refused,
+            Err(BrokerError::Replication(schedulelog::AppendError::Closed))
+        ),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        broker.commit_offset("g", "t", 0, 1, 10),
+        Err(CommitError::Broker(BrokerError::Replication(_)))
+    ));
+    let total: u64 = broker.queue_offsets("t").unwrap().iter().map(|q| q.1).sum();
+    assert_eq!(total, 1);
+}
