@@ -155,8 +155,21 @@ pub async fn run_with_ready(
                     .collect(),
             };
             let raft_dir = config.data_dir.join(RAFT_DIR);
+            // The broker's appends and group offsets are entries too (DESIGN.md §10): proposed
+            // through the log, applied by every member into its own broker files.
+            base.broker.replicate_through(&log);
+            let broker = base.broker.clone();
+            let applier: cluster::store::Applier =
+                Arc::new(move |at, op| broker.apply_op(at, op).map_err(|e| e.to_string()));
             let node = Arc::new(
-                cluster::node::Node::start(settings, &log, &raft_dir, base.clock.clone()).await?,
+                cluster::node::Node::start(
+                    settings,
+                    &log,
+                    &raft_dir,
+                    base.clock.clone(),
+                    Some(applier),
+                )
+                .await?,
             );
             let (publish, leading) = tokio::sync::watch::channel(None);
             let (stop_leading, stopped) = tokio::sync::watch::channel(false);

@@ -6,6 +6,7 @@
 use super::network::{PeerNetwork, RaftService};
 use super::store::{LogStore, StateMachine};
 use super::{Member, TypeConfig};
+use crate::broker::{Broker, BrokerError, BrokerOptions, Incoming};
 use crate::peer::{self, PeerOptions};
 use openraft::Raft;
 use schedulelog::{
@@ -38,6 +39,8 @@ fn message(body: &str) -> EncodedMessage {
 struct Running {
     raft: Raft<TypeConfig>,
     log: Arc<ScheduleLog>,
+    /// Its built-in broker, replicated through the log (as `[cluster]` in lib.rs makes it).
+    broker: Arc<Broker>,
     proposer: std::thread::JoinHandle<()>,
     serving: tokio::task::JoinHandle<()>,
 }
@@ -254,7 +257,13 @@ impl Cluster {
         let data = self.dir(id).join("data");
         let log = Arc::new(ScheduleLog::open(&data, options).unwrap());
         let store = LogStore::open(log.clone(), &self.dir(id).join("raft")).unwrap();
-        let machine = StateMachine::new(log.clone());
+        let broker = Arc::new(Broker::open(self.dir(id), BrokerOptions::default()).unwrap());
+        broker.replicate_through(&log);
+        let applier = broker.clone();
+        let machine = StateMachine::with_applier(
+            log.clone(),
+            Arc::new(move |at, op| applier.apply_op(at, op).map_err(|e| e.to_string())),
+        );
         let network = PeerNetwork::new(id, SECRET, PeerOptions::default()).unwrap();
         let config = super::raft_config(Duration::from_millis(300));
         let raft = Raft::new(id, config, network, store, machine)
@@ -286,6 +295,7 @@ impl Cluster {
             Running {
                 raft,
                 log,
+                broker,
                 proposer,
                 serving,
             },
@@ -557,6 +567,147 @@ async fn a_partitioned_leader_loses_its_uncommitted_tail() {
         .map(|r| r.log.read_entries(before + 1..before + 3).unwrap())
         .collect();
     assert!(logs.windows(2).all(|w| w[0] == w[1]), "{logs:?}");
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}
+
+fn delivered(topic: &str, key: Option<&str>, body: &[u8]) -> Incoming {
+    Incoming {
+        topic: topic.into(),
+        id: format!("id-{}", String::from_utf8_lossy(body)),
+        key: key.map(String::from),
+        headers: [("h".to_string(), "v".to_string())].into(),
+        deliver_at_ms: T0,
+        delivered_at_ms: T0 + 1,
+        attempt: 0,
+        body: body.to_vec(),
+    }
+}
+
+impl Cluster {
+    /// Appends to the leader's broker (as its `broker` sink does), retrying while leadership moves.
+    async fn broker_append(&self, messages: Vec<Incoming>) -> Vec<(u32, u64)> {
+        for _ in 0..100 {
+            let broker = self.running[&self.leader().await].broker.clone();
+            let batch = messages.clone();
+            match tokio::task::spawn_blocking(move || broker.append(batch))
+                .await
+                .unwrap()
+            {
+                Ok(placed) => return placed,
+                Err(BrokerError::Replication(AppendError::NotLeader { .. })) => {}
+                Err(e) => panic!("broker append: {e}"),
+            }
+        }
+        panic!("no leader took the broker append");
+    }
+
+    /// Commits a consumer group's offset through the leader's broker, retrying while leadership moves.
+    async fn commit_offset(&self, group: &str, topic: &str, queue: u32, offset: u64) {
+        for _ in 0..100 {
+            let broker = self.running[&self.leader().await].broker.clone();
+            let (g, t) = (group.to_string(), topic.to_string());
+            let committed =
+                tokio::task::spawn_blocking(move || broker.commit_offset(&g, &t, queue, offset, 8))
+                    .await
+                    .unwrap();
+            match committed {
+                Ok(()) => return,
+                Err(crate::broker::CommitError::Broker(BrokerError::Replication(
+                    AppendError::NotLeader { .. },
+                ))) => {}
+                Err(e) => panic!("commit offset: {e}"),
+            }
+        }
+        panic!("no leader took the offset commit");
+    }
+
+    /// Waits until every running member's broker holds `body` at `offset` of `queue` of `topic`, and
+    /// returns what they hold there (the same on each).
+    async fn in_every_broker(&self, topic: &str, queue: u32, offset: u64, body: &[u8]) {
+        let mut seen = Vec::new();
+        for (member, running) in &self.running {
+            let broker = running.broker.clone();
+            let read = || {
+                let pulled = broker.read(topic, queue, offset, 1).ok().flatten()?;
+                pulled.messages.into_iter().next()
+            };
+            wait_until(
+                &format!("member {member} stored {offset} of {topic}/{queue}"),
+                || read().is_some_and(|m| m.offset == offset && m.body == body),
+            )
+            .await;
+            seen.push(read().unwrap());
+        }
+        assert!(seen.windows(2).all(|w| w[0] == w[1]), "{seen:?}");
+    }
+}
+
+/// The built-in broker through Raft: a batch appended through the leader's broker and an offset
+/// committed there are in every member's broker files, in the same queue at the same offset, byte
+/// for byte; after the leader is stopped, another takes appends at the next offsets, and the offset
+/// is still there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_is_replicated_and_outlives_its_leader() {
+    let mut cluster = Cluster::new(3).await;
+    let binary = [0u8, 255, 10, 34];
+    let placed = cluster
+        .broker_append(vec![
+            delivered("orders", Some("k"), b"first"),
+            delivered("orders", Some("k"), &binary),
+            delivered("orders", None, b"unkeyed"),
+        ])
+        .await;
+    let queue = placed[0].0;
+    assert_eq!(placed[..2], [(queue, 0), (queue, 1)], "one key, one queue");
+    cluster.in_every_broker("orders", queue, 0, b"first").await;
+    cluster.in_every_broker("orders", queue, 1, &binary).await;
+    let (unkeyed_queue, unkeyed_offset) = placed[2];
+    cluster
+        .in_every_broker("orders", unkeyed_queue, unkeyed_offset, b"unkeyed")
+        .await;
+    cluster.commit_offset("readers", "orders", queue, 1).await;
+    for (member, running) in &cluster.running {
+        let broker = running.broker.clone();
+        wait_until(&format!("member {member} has the offset"), || {
+            broker.group_offsets("readers", "orders") == BTreeMap::from([(queue, 1)])
+        })
+        .await;
+    }
+    // Every member made the topic alike.
+    let topics: BTreeSet<_> = cluster
+        .running
+        .values()
+        .map(|r| (r.broker.topics(), r.broker.queue_offsets("orders")))
+        .collect();
+    assert_eq!(topics.len(), 1, "{topics:?}");
+
+    // The leader goes; another is elected and takes appends at the next offsets.
+    let old = cluster.leader().await;
+    cluster.running.remove(&old).unwrap().stop().await;
+    let after = cluster
+        .broker_append(vec![delivered("orders", Some("k"), b"after")])
+        .await;
+    assert_ne!(cluster.leader().await, old);
+    assert_eq!(after, [(queue, 2)]);
+    cluster.in_every_broker("orders", queue, 1, &binary).await;
+    cluster.in_every_broker("orders", queue, 2, b"after").await;
+    for running in cluster.running.values() {
+        assert_eq!(
+            running.broker.group_offsets("readers", "orders"),
+            BTreeMap::from([(queue, 1)])
+        );
+    }
+    // It comes back and catches up: its broker ends where the others' do.
+    cluster.start(old).await;
+    cluster.in_every_broker("orders", queue, 2, b"after").await;
+    let ends: BTreeSet<_> = cluster
+        .running
+        .values()
+        .map(|r| r.broker.queue_offsets("orders"))
+        .collect();
+    assert_eq!(ends.len(), 1, "{ends:?}");
     for (_, running) in std::mem::take(&mut cluster.running) {
         running.stop().await;
     }

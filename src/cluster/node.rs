@@ -15,7 +15,7 @@
 //! - A member that does not lead holds no lease.
 
 use super::network::{Answers, PeerNetwork, RaftService};
-use super::store::{LogStore, StateMachine};
+use super::store::{Applier, LogStore, StateMachine};
 use super::{Member, TypeConfig};
 use crate::peer::{self, PeerOptions};
 use crate::scheduler::Lease;
@@ -63,11 +63,14 @@ impl std::fmt::Debug for Node {
 impl Node {
     /// Starts member `settings.id` on `log` (opened replicated), with its vote in `raft_dir`: binds
     /// the peer listener, starts Raft, founds the cluster if nobody has yet, and starts proposing.
+    /// `applier` applies committed entries' application payloads (the built-in broker's ops) on this
+    /// member, before each entry is filed.
     pub async fn start(
         settings: Settings,
         log: &Arc<ScheduleLog>,
         raft_dir: &Path,
         clock: Arc<dyn Clock>,
+        applier: Option<Applier>,
     ) -> anyhow::Result<Node> {
         let Settings {
             id,
@@ -81,7 +84,10 @@ impl Node {
             .with_context(|| format!("binding cluster.listen {listen}"))?;
         let store = LogStore::open(log.clone(), raft_dir)
             .with_context(|| format!("opening the Raft state in {}", raft_dir.display()))?;
-        let machine = StateMachine::new(log.clone());
+        let machine = match applier {
+            Some(applier) => StateMachine::with_applier(log.clone(), applier),
+            None => StateMachine::new(log.clone()),
+        };
         let network = PeerNetwork::new(id, &secret, PeerOptions::default())?;
         let answers = network.answers();
         let raft = Raft::new(

@@ -1,12 +1,15 @@
 //! openraft's storage on the schedule log (DESIGN.md §10): the Raft log *is* the WAL of a replicated
 //! data dir (schedulelog's `entries`), the vote is its `raft/vote` file, and the state machine is the
-//! schedule the replayer files applied entries into. A thin shell: what the log checks and how it
-//! recovers is schedulelog's.
+//! schedule the replayer files applied entries into, with the application's own state (the built-in
+//! broker's files) that an [`Applier`] applies entries' application payloads to. A thin shell: what
+//! the log checks and how it recovers is schedulelog's.
 //!
 //! Invariants:
 //! - An append's callback fires only after the `fdatasync` that covers its entries returned.
 //! - A vote is on disk before `save_vote` returns; the committed log id is saved without a sync (openraft
 //!   asks no more of it: a lost one is learnt again from the leader).
+//! - An entry's application payloads are applied before the entry is handed to the log: once the
+//!   log says an entry is applied (which answers its proposer's submitters), so is their effect.
 //! - Reads never come back short: a purged or missing entry is an error. Only entries past the end are
 //!   simply absent, as openraft's reader contract allows.
 //! - Entries go only once openraft purged them (after a snapshot, once no member needs them), and
@@ -325,17 +328,88 @@ async fn run_blocking<T: Send + 'static>(
         .unwrap_or_else(|e| Err(storage_error(ErrorSubject::Store, ErrorVerb::Read, e)))
 }
 
-/// The state machine: the schedule the applied entries' records are filed into.
-#[derive(Debug, Clone)]
+/// Applies the application payloads of committed entries on this member (`ScheduleLog::propose_app`;
+/// delayd's are the built-in broker's ops): called with each payload's place in the log (its entry's
+/// index, and its position among that entry's payloads, from 0) and its bytes, in log order, on a
+/// blocking thread. A payload may come again after a restart (entries after the schedule's checkpoint
+/// are applied again), with the same place: the applier makes that harmless. An error is a storage
+/// error: openraft stops this member (its files could no longer match the others').
+pub type Applier = Arc<dyn Fn((u64, u32), &[u8]) -> Result<(), String> + Send + Sync>;
+
+/// The state machine: the schedule the applied entries' records are filed into, and the application's
+/// own state (through its [`Applier`]).
+#[derive(Clone)]
 pub struct StateMachine {
     log: Arc<ScheduleLog>,
+    applier: Option<Applier>,
+}
+
+impl Debug for StateMachine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateMachine")
+            .field("log", &self.log)
+            .field("applier", &self.applier.is_some())
+            .finish()
+    }
 }
 
 impl StateMachine {
+    /// A state machine without an applier: entries' application payloads are passed over.
     pub fn new(log: Arc<ScheduleLog>) -> StateMachine {
-        StateMachine { log }
+        StateMachine { log, applier: None }
+    }
+
+    /// A state machine that hands application payloads to `applier` before each entry is filed.
+    pub fn with_applier(log: Arc<ScheduleLog>, applier: Applier) -> StateMachine {
+        StateMachine {
+            log,
+            applier: Some(applier),
+        }
     }
 }
+
+/// Applies `entries` in log order: each one's application payloads through `applier` first, then the
+/// entry itself into the schedule (entries without payloads handed over together).
+fn apply_in_order(
+    log: &ScheduleLog,
+    applier: Option<&Applier>,
+    entries: Vec<schedulelog::Entry>,
+) -> StorageResult<()> {
+    let subject = |id: schedulelog::LogId| ErrorSubject::Apply(to_raft_log_id(id));
+    let file = |batch: &mut Vec<schedulelog::Entry>| {
+        let Some(first) = batch.first().map(|e| e.log_id) else {
+            return Ok(());
+        };
+        log.apply_entries(std::mem::take(batch))
+            .map_err(|e| storage_error(subject(first), ErrorVerb::Write, e))
+    };
+    let mut batch = Vec::with_capacity(entries.len());
+    for entry in entries {
+        if let (Some(applier), schedulelog::EntryPayload::Normal(frames)) =
+            (applier, &entry.payload)
+        {
+            let payloads = schedulelog::app_payloads(frames).map_err(|why| {
+                storage_error(subject(entry.log_id), ErrorVerb::Read, Refused(why))
+            })?;
+            if !payloads.is_empty() {
+                // What comes before it is filed first: the log's order, whoever looks.
+                file(&mut batch)?;
+                for (nth, payload) in (0u32..).zip(payloads) {
+                    applier((entry.log_id.index, nth), payload).map_err(|why| {
+                        storage_error(subject(entry.log_id), ErrorVerb::Write, Refused(why))
+                    })?;
+                }
+            }
+        }
+        batch.push(entry);
+    }
+    file(&mut batch)
+}
+
+/// Why an application payload could not be applied (or read).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Refused(String);
 
 /// Snapshots are issue 34's: every snapshot call says so.
 #[derive(Debug, thiserror::Error)]
@@ -388,15 +462,8 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     {
         let entries = to_log_entries(entries)?;
         let count = entries.len();
-        let log = self.log.clone();
-        let first = entries.first().map(|e| to_raft_log_id(e.log_id));
-        run_blocking(move || {
-            log.apply_entries(entries).map_err(|e| {
-                let subject = first.map_or(ErrorSubject::StateMachine, ErrorSubject::Apply);
-                storage_error(subject, ErrorVerb::Write, e)
-            })
-        })
-        .await?;
+        let (log, applier) = (self.log.clone(), self.applier.clone());
+        run_blocking(move || apply_in_order(&log, applier.as_ref(), entries)).await?;
         Ok(vec![(); count])
     }
 
