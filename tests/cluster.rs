@@ -675,3 +675,111 @@ fn an_isolated_leader_stops_and_the_majority_goes_on() {
         "the write the isolated leader could not commit took effect"
     );
 }
+
+/// A message for the built-in broker: one key, so every one of them goes to the same queue.
+fn for_the_broker(n: u64, due_ms: i64) -> Value {
+    json!({"topic": "tasks", "sink": "broker", "key": "one queue", "deliver_at": rfc3339(due_ms),
+        "body": format!("t{n}")})
+}
+
+/// Pulls `tasks` from `offset` through the member at `base`, retrying while no leader answers: the
+/// bodies, in order, and the offset to read next.
+fn pull_tasks(base: &str, queue: u64, offset: u64) -> (Vec<String>, u64) {
+    let path = format!("/v1/topics/tasks/queues/{queue}/messages?offset={offset}&max=100");
+    let mut pulled = (Vec::new(), offset);
+    wait_for("a pull answered", READY, || {
+        let answer = request(base, "GET", &path, None, None);
+        if answer.status != 200 {
+            return false;
+        }
+        let bodies = (answer.json["messages"].as_array().unwrap().iter())
+            .map(|m| m["body"].as_str().unwrap().to_string())
+            .collect();
+        pulled = (bodies, answer.json["next_offset"].as_u64().unwrap());
+        true
+    });
+    pulled
+}
+
+/// The built-in broker through Raft (DESIGN.md §10): messages the leader delivers to the `broker`
+/// sink and a consumer group's offset committed through a follower (forwarded to the leader) are
+/// entries; after the leader is killed, pulls through any member (answered by the new leader) return
+/// every message from the committed offset on, none missing, and the offset is still there.
+#[test]
+fn broker_messages_and_group_offsets_survive_a_leader_kill() {
+    let mut cluster = Cluster::start(3);
+    let leader = cluster.leader();
+    let follower = cluster
+        .running()
+        .into_iter()
+        .find(|&id| id != leader)
+        .unwrap();
+    let follower_api = cluster.member(follower).api.clone();
+    let due = now_ms() + 300;
+    let batch: Vec<Value> = (0..20).map(|n| for_the_broker(n, due)).collect();
+    let body = json!({ "messages": batch }).to_string();
+    let answer = request(
+        &follower_api,
+        "POST",
+        "/v1/messages/batch",
+        Some(&body),
+        None,
+    );
+    assert!((200..300).contains(&answer.status), "{answer:?}");
+    let mut queue = 0;
+    wait_for("the 20 messages in the broker", READY, || {
+        let topic = request(&follower_api, "GET", "/v1/topics/tasks", None, None);
+        if topic.status != 200 {
+            return false;
+        }
+        let queues = topic.json["queues"].as_array().unwrap();
+        match queues.iter().find(|q| q["max_offset"].as_u64() == Some(20)) {
+            Some(q) => {
+                queue = q["queue"].as_u64().unwrap();
+                true
+            }
+            None => false,
+        }
+    });
+    let (first, next) = pull_tasks(&follower_api, queue, 0);
+    let expected: Vec<String> = (0..20).map(|n| format!("t{n}")).collect();
+    let mut sorted = first.clone();
+    sorted.sort_by_key(|b| b[1..].parse::<u64>().unwrap());
+    assert_eq!(sorted, expected, "each once");
+    assert_eq!(next, 20);
+    // The group read 8 of them, and commits that through the follower.
+    let commit = json!({ "offset": 8 }).to_string();
+    let path = format!("/v1/groups/readers/offsets/tasks/{queue}");
+    let answer = request(&follower_api, "PUT", &path, Some(&commit), None);
+    assert_eq!(answer.status, 200, "{answer:?}");
+
+    cluster.member(leader).process.as_mut().unwrap().kill();
+    cluster.member(leader).process = None;
+    let new_leader = cluster.leader();
+    assert_ne!(new_leader, leader);
+    for id in cluster.running() {
+        let api = cluster.member(id).api.clone();
+        let offsets = request(&api, "GET", "/v1/groups/readers/offsets/tasks", None, None);
+        assert_eq!(offsets.status, 200, "{offsets:?}");
+        assert_eq!(
+            offsets.json["queues"],
+            json!([{"queue": queue, "offset": 8}]),
+            "member {id}: {offsets:?}"
+        );
+        let (rest, next) = pull_tasks(&api, queue, 8);
+        assert_eq!(
+            rest,
+            first[8..],
+            "member {id}: the unread messages, none missing"
+        );
+        assert_eq!(next, 20);
+    }
+    // The new leader delivers to the broker at the next offsets.
+    let more = json!({ "messages": [for_the_broker(20, now_ms())] }).to_string();
+    let api = cluster.member(new_leader).api.clone();
+    let answer = request(&api, "POST", "/v1/messages/batch", Some(&more), None);
+    assert!((200..300).contains(&answer.status), "{answer:?}");
+    wait_for("the next message at offset 20", READY, || {
+        pull_tasks(&follower_api, queue, 20).0 == ["t20"]
+    });
+}
