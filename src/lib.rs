@@ -212,6 +212,12 @@ pub async fn run_with_ready(
     housekeeping.abort();
     probing.abort();
     drop(base);
+    // A member's Raft lets go of its handles on the log as its tasks end, after its shutdown returned
+    // (housekeeping's too, once aborted): a few seconds at most, so that the log is closed here.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while Arc::strong_count(&log) > 1 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     // The last reference closes the log: pending group commits finish and a checkpoint is written.
     tokio::task::spawn_blocking(move || match Arc::try_unwrap(log) {
         Ok(log) => log.close().context("closing the log"),
@@ -246,38 +252,46 @@ async fn lead(
     publish: tokio::sync::watch::Sender<Option<axum::Router>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let retiring = tokio::spawn(retire_while_following(
+        base.log.clone(),
+        publish.subscribe(),
+    ));
     let mut metrics = node.raft().metrics();
-    let mut term: Option<Term> = None;
+    let mut raft_alive = true;
+    // The term that runs, and the Raft term it was started in.
+    let mut term: Option<(Term, u64)> = None;
     let look_again = std::time::Duration::from_millis(100);
     // Since when a running term's lease has not held. openraft 0.9 keeps a leader cut off from the
     // others leading until it hears of a later term; its lease stops its deliveries at once, and
     // after an election timeout more its term stops too (its sources with it).
     let mut lapsed_since: Option<std::time::Instant> = None;
-    // A follower retires finished buckets past retention by itself, as the leader's loader does: the
-    // outcomes that finish them are replicated, so its files end as the leader's do.
-    let mut next_retire = tokio::time::Instant::now();
     loop {
-        if term.is_none() && tokio::time::Instant::now() >= next_retire {
-            next_retire = tokio::time::Instant::now() + FOLLOWER_RETIRE_EVERY;
-            let log = base.log.clone();
-            match tokio::task::spawn_blocking(move || log.retire()).await {
-                Ok(Ok(retired)) if !retired.is_empty() => {
-                    tracing::info!(?retired, "retired buckets")
-                }
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, "retiring finished buckets failed; trying again")
-                }
-                _ => {}
-            }
-        }
         let lease = node.lease();
         lapsed_since = match (&term, lease.holds()) {
             (Some(_), false) => Some(lapsed_since.unwrap_or_else(std::time::Instant::now)),
             _ => None,
         };
         let cut_off = lapsed_since.is_some_and(|at| at.elapsed() > node.election_timeout());
-        match (node.leads() && !cut_off, term.is_some()) {
-            (true, false) => {
+        let raft_term = node.raft_term();
+        let leads = raft_alive && node.leads() && !cut_off;
+        match &term {
+            // Still leading, in the term it started in.
+            Some((_, started_in)) if leads && *started_in == raft_term => {}
+            Some(_) => {
+                // No batch goes to a sink from now on, before anything else stops.
+                lease.revoke();
+                publish.send_replace(None);
+                if let Some((ended, _)) = term.take() {
+                    ended.stop().await;
+                }
+                lapsed_since = None;
+                match cut_off {
+                    true => tracing::warn!(member = node.id(), "no majority has confirmed this member's lead for an election timeout: stopped delivering"),
+                    false => tracing::info!(member = node.id(), "no longer leading (or leading in a new term): stopped delivering"),
+                }
+                continue; // a new term at once if this member leads again
+            }
+            None if leads => {
                 // Everything committed before this term is applied first: the wheel and the
                 // idempotency index are loaded from the files, as a restart loads them. (A member
                 // that led before a restart comes back believing it leads; no majority confirms it.)
@@ -286,20 +300,21 @@ async fn lead(
                     node.raft().ensure_linearizable(),
                 )
                 .await;
-                if !matches!(confirmed, Ok(Ok(_))) {
+                if !matches!(confirmed, Ok(Ok(_))) || node.raft_term() != raft_term {
                     // Not confirmed (no majority answers yet): not before a moment, however often
                     // Raft's metrics change meanwhile.
                     tokio::time::sleep(look_again).await;
                 } else {
-                    tracing::info!(member = node.id(), "elected: loading the wheel");
+                    tracing::info!(member = node.id(), raft_term, "elected: loading the wheel");
                     match Term::start(&base, Some(node.lease())).await {
                         Ok(started) => {
                             publish.send_replace(Some(api::router(started.state.clone())));
-                            term = Some(started);
+                            term = Some((started, raft_term));
                             tracing::info!(
                                 member = node.id(),
                                 "leading: delivering and taking writes"
                             );
+                            continue; // it may have stopped leading meanwhile
                         }
                         Err(error) => {
                             tracing::error!(%error, "this member leads but could not start delivering; trying again")
@@ -307,28 +322,44 @@ async fn lead(
                     }
                 }
             }
-            (false, true) => {
-                publish.send_replace(None);
-                if let Some(ended) = term.take() {
-                    ended.stop().await;
-                }
-                lapsed_since = None;
-                match cut_off {
-                    true => tracing::warn!(member = node.id(), "no majority has confirmed this member's lead for an election timeout: stopped delivering"),
-                    false => tracing::info!(member = node.id(), "no longer leading: stopped delivering"),
-                }
-            }
-            _ => {}
+            None => {}
         }
         tokio::select! {
-            _ = metrics.changed() => {}
+            changed = metrics.changed(), if raft_alive => raft_alive = changed.is_ok(),
             _ = stop.wait_for(|stop| *stop) => break,
             _ = tokio::time::sleep(look_again) => {}
         }
     }
+    node.lease().revoke();
     publish.send_replace(None);
-    if let Some(ended) = term {
+    if let Some((ended, _)) = term {
         ended.stop().await;
+    }
+    retiring.abort();
+}
+
+/// A follower retires finished buckets past retention by itself, as the leader's loader does (the
+/// outcomes that finish them are replicated, so its files end as the leader's do): every
+/// [`FOLLOWER_RETIRE_EVERY`] while `leading` publishes no term.
+async fn retire_while_following(
+    log: Arc<ScheduleLog>,
+    leading: tokio::sync::watch::Receiver<Option<axum::Router>>,
+) {
+    let mut tick = tokio::time::interval(FOLLOWER_RETIRE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if leading.borrow().is_some() {
+            continue; // the term's loader retires
+        }
+        let log = log.clone();
+        match tokio::task::spawn_blocking(move || log.retire()).await {
+            Ok(Ok(retired)) if !retired.is_empty() => tracing::info!(?retired, "retired buckets"),
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "retiring finished buckets failed; trying again")
+            }
+            _ => {}
+        }
     }
 }
 

@@ -150,11 +150,18 @@ struct Cluster {
     /// In front of each member's peer listener, by member: the address the others call it at.
     proxies: Vec<Proxy>,
     receiver: Receiver,
+    /// Held while the cluster runs; dropped last, after its members are killed.
+    _serial: std::sync::MutexGuard<'static, ()>,
 }
+
+/// One cluster at a time: three members each take a good part of the machine, and the tests of this
+/// binary would otherwise run side by side (cargo runs a binary's tests on parallel threads).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 impl Cluster {
     /// Starts `size` members and waits until each is ready (a leader is elected and known).
     fn start(size: u64) -> Cluster {
+        let serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let receiver = Receiver::start();
         let ports: Vec<(u16, u16)> = (0..size).map(|_| (free_port(), free_port())).collect();
         let proxies: Vec<Proxy> = (ports.iter())
@@ -193,6 +200,7 @@ impl Cluster {
             members,
             proxies,
             receiver,
+            _serial: serial,
         };
         for id in 1..=size {
             cluster.launch(id);
@@ -315,12 +323,17 @@ fn members_form_a_cluster_any_member_answers_and_only_the_leader_delivers() {
         "the leader knows what each member holds: {on_leader}"
     );
 
-    // A message through each member: followers forward to the leader.
+    // A message through each member: followers forward to the leader (an election on a busy
+    // machine is answered 503, and the client sends again).
+    let term = status["term"].as_u64().unwrap();
     let due = now_ms() + 1_500;
     for (n, member) in cluster.members.iter().enumerate() {
         let body = message(n as u64, due).to_string();
-        let answer = request(&member.api, "POST", "/v1/messages", Some(&body), None);
-        assert!((200..300).contains(&answer.status), "{answer:?}");
+        wait_for("the message taken", READY, || {
+            let answer = request(&member.api, "POST", "/v1/messages", Some(&body), None);
+            assert!(matches!(answer.status, 200..300 | 503), "{answer:?}");
+            answer.status != 503
+        });
     }
     wait_for("three deliveries", READY, || {
         cluster.receiver.hits().len() >= 3
@@ -328,8 +341,12 @@ fn members_form_a_cluster_any_member_answers_and_only_the_leader_delivers() {
     let hits = cluster.receiver.hits();
     let bodies: BTreeSet<&str> = hits.iter().map(|h| h.body.as_str()).collect();
     assert_eq!(bodies.len(), 3, "each once: {hits:?}");
+    let reelected = cluster_status(&cluster.members[0].api)["term"].as_u64() != Some(term);
     for hit in &hits {
-        assert_eq!(hit.member, leader, "only the leader delivers: {hit:?}");
+        // (Unless a new election came between: then another member may have delivered some.)
+        if !reelected {
+            assert_eq!(hit.member, leader, "only the leader delivers: {hit:?}");
+        }
         assert!(hit.at_ms >= due_of(&hit.body), "never early: {hit:?}");
     }
     // Whichever member is asked, the answer is the leader's: the three are delivered.
@@ -599,6 +616,13 @@ fn an_isolated_leader_stops_and_the_majority_goes_on() {
     });
     let cut_at = now_ms();
     cluster.isolate(old);
+    // Once the old leader has not heard from the others for an election timeout, its links are cut.
+    wait_for("the old leader finds the others unreachable", READY, || {
+        let seen = cluster_status(&api(old));
+        (seen["members"].as_array().into_iter().flatten())
+            .filter(|m| m["id"].as_u64() != Some(old))
+            .all(|m| m["state"] == "unreachable")
+    });
     // A write to the isolated leader is not acknowledged: its fate is uncertain, or it is refused.
     let refused = post(old, 100, now_ms() + 3_000);
     assert_eq!(refused.status, 503, "{refused:?}");
@@ -643,7 +667,7 @@ fn an_isolated_leader_stops_and_the_majority_goes_on() {
         .unwrap();
     for hit in hits.iter().filter(|h| h.member == old) {
         assert!(
-            hit.at_ms < cut_at + 1_000 && hit.at_ms < first_by_new,
+            hit.at_ms < cut_at + 1_500 && hit.at_ms < first_by_new,
             "the isolated leader delivered {hit:?} after it was cut off at {cut_at}, or while member {new} led (from {first_by_new})"
         );
     }

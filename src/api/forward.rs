@@ -84,8 +84,12 @@ impl Forwarder {
         max_request_bytes: usize,
         max_wait: Duration,
     ) -> Result<Forwarder, reqwest::Error> {
+        let head_within = max_wait.saturating_add(HEAD_MARGIN);
         let client = reqwest::Client::builder()
             .connect_timeout(CONNECT_WITHIN)
+            // A leader that stops sending a body it began is given up on too (the client's
+            // connection is then cut).
+            .read_timeout(head_within)
             .pool_idle_timeout(POOL_IDLE_WITHIN)
             .redirect(reqwest::redirect::Policy::none())
             // Members talk directly: an `HTTP_PROXY` meant for the outside world is not for them.
@@ -97,7 +101,7 @@ impl Forwarder {
             client,
             node_id,
             max_request_bytes,
-            head_within: max_wait.saturating_add(HEAD_MARGIN),
+            head_within,
             forwarded,
         })
     }

@@ -17,7 +17,7 @@ use crate::broker::Broker;
 use crate::cluster::node::{ClusterStatus, Node};
 use crate::config::Config;
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -85,7 +85,12 @@ async fn ready(State(state): State<Member>) -> Response {
         error.retry_after_secs = Some(60);
         return error.into_response();
     }
+    let starting = state.node.leads() && state.leading.borrow().is_none();
     match state.node.ready() {
+        Ok(()) if starting => {
+            ApiError::no_leader("this member was elected and is still loading its wheel")
+                .into_response()
+        }
         Ok(()) => Json(serde_json::json!({"status": "ready"})).into_response(),
         Err(why) => ApiError::no_leader(format!("this member is not ready: {why}")).into_response(),
     }
@@ -106,15 +111,43 @@ async fn elsewhere(State(state): State<Member>, request: Request) -> Response {
     }
     let id = state.node.id();
     match state.node.leader() {
-        Some((leader, _)) if leader == id => {
-            ApiError::no_leader("this member was elected leader and is still starting to deliver")
-                .into_response()
+        Some((leader, _)) if leader == id => match state.node.lease().holds() {
+            true => ApiError::no_leader("this member was elected and is still loading its wheel"),
+            false => ApiError::no_leader(
+                "this member leads in name only: no majority has confirmed its lead lately (is it cut off from the others?)",
+            ),
         }
+        .into_response(),
         Some(_) if forward::was_forwarded(&request) => ApiError::no_leader(format!(
             "member {id} does not lead either; the members disagree on who leads (an election is under way)"
         ))
         .into_response(),
-        Some((leader, member)) => state.forwarder.forward(leader, &member.api, request).await,
+        Some((leader, member)) => {
+            // A leader that stops answering (paused, cut off, its host gone) is replaced within a
+            // few seconds: the request is not left waiting for it longer than that.
+            let read_only = matches!(request.method(), &Method::GET | &Method::HEAD);
+            let mut metrics = state.node.raft().metrics();
+            let replaced = async move {
+                while metrics.changed().await.is_ok() {
+                    if metrics.borrow_and_update().current_leader != Some(leader) {
+                        return;
+                    }
+                }
+                std::future::pending::<()>().await
+            };
+            tokio::select! {
+                answer = state.forwarder.forward(leader, &member.api, request) => answer,
+                _ = replaced => match read_only {
+                    true => ApiError::no_leader(format!(
+                        "member {leader}, which led, stopped leading before it answered; nothing was changed"
+                    )),
+                    false => ApiError::write_uncertain(format!(
+                        "member {leader}, which led, stopped leading before it answered: the request may or may not have taken effect"
+                    )),
+                }
+                .into_response(),
+            }
+        }
         None => ApiError::no_leader("no member of the cluster leads now").into_response(),
     }
 }

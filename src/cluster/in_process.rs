@@ -265,7 +265,7 @@ impl Cluster {
             Arc::new(move |at, op| applier.apply_op(at, op).map_err(|e| e.to_string())),
         );
         let network = PeerNetwork::new(id, SECRET, PeerOptions::default()).unwrap();
-        let config = super::raft_config(Duration::from_millis(300));
+        let config = super::raft_config(Duration::from_millis(600));
         let raft = Raft::new(id, config, network, store, machine)
             .await
             .unwrap();

@@ -141,6 +141,7 @@ impl RaftNetworkFactory<TypeConfig> for PeerNetwork {
                     options: self.options.clone(),
                     client: Mutex::new(None),
                     answers: self.answers.clone(),
+                    failures: Mutex::default(),
                 });
                 self.links.insert(target, link.clone());
                 link
@@ -165,7 +166,15 @@ struct MemberLink {
     /// Made on the first call; forgotten after a failure when `peer` is a name.
     client: Mutex<Option<Arc<PeerClient>>>,
     answers: Answers,
+    /// Calls that failed in a row, and when the last one did.
+    failures: Mutex<(u32, Option<tokio::time::Instant>)>,
 }
+
+/// The pause before a call to a member whose last calls failed: 5 ms, doubling with each failure in a
+/// row up to this. openraft backs off only from members it finds unreachable; one that accepts links
+/// and closes them (a proxy in front of a stopped member, a stuck process) would be called again at
+/// once, thousands of times a second.
+const FAILED_CALLS_PAUSE_MAX: Duration = Duration::from_millis(100);
 
 impl MemberLink {
     fn slot(&self) -> MutexGuard<'_, Option<Arc<PeerClient>>> {
@@ -224,10 +233,41 @@ impl MemberLink {
     ) -> Result<A, CallError> {
         let deadline = tokio::time::Instant::now() + ttl;
         let payload = request.encode()?;
+        let pause_until = {
+            let (failed, last) = *self.failures.lock().unwrap_or_else(|p| p.into_inner());
+            let pause = Duration::from_millis(5)
+                .saturating_mul(1 << failed.saturating_sub(1).min(10))
+                .min(FAILED_CALLS_PAUSE_MAX);
+            last.filter(|_| failed > 0).map(|at| at + pause)
+        };
+        if let Some(until) = pause_until {
+            tokio::time::sleep_until(until.min(deadline)).await;
+        }
+        let result = self.exchange(kind, &payload, ttl, deadline).await;
+        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        *failures = match &result {
+            Ok(_) | Err(CallError::Peer(PeerError::Answered { .. })) => (0, None),
+            Err(_) => (
+                failures.0.saturating_add(1),
+                Some(tokio::time::Instant::now()),
+            ),
+        };
+        drop(failures);
+        Ok(A::decode(&result?)?)
+    }
+
+    /// One call's exchange: `payload` sent as a request of `kind`, its answer's bytes.
+    async fn exchange(
+        &self,
+        kind: u8,
+        payload: &[u8],
+        ttl: Duration,
+        deadline: tokio::time::Instant,
+    ) -> Result<Vec<u8>, CallError> {
         let client = tokio::time::timeout_at(deadline, self.client())
             .await
             .map_err(|_| CallError::Deadline { after: ttl })??;
-        let answered = tokio::time::timeout_at(deadline, client.call(kind, &payload)).await;
+        let answered = tokio::time::timeout_at(deadline, client.call(kind, payload)).await;
         let answer = match answered {
             Ok(Ok(answer)) => answer,
             Ok(Err(error @ PeerError::Answered { .. })) => {
@@ -249,7 +289,7 @@ impl MemberLink {
             }
         };
         self.answers.record(self.target);
-        Ok(A::decode(&answer)?)
+        Ok(answer)
     }
 }
 
@@ -493,6 +533,7 @@ mod tests {
             options: PeerOptions::default(),
             client: Mutex::new(None),
             answers: Answers::default(),
+            failures: Mutex::default(),
         };
         MemberClient {
             link: Arc::new(link),

@@ -137,7 +137,11 @@ impl Node {
             lease.clone(),
             election_timeout,
         )));
-        tasks.push(tokio::spawn(report(raft.clone(), store.clone())));
+        tasks.push(tokio::spawn(report(
+            raft.clone(),
+            store.clone(),
+            lease.clone(),
+        )));
         Ok(Node {
             id,
             raft,
@@ -175,6 +179,11 @@ impl Node {
         Some((leader, member.clone()))
     }
 
+    /// The Raft term this member is in.
+    pub fn raft_term(&self) -> u64 {
+        self.raft.metrics().borrow().current_term
+    }
+
     /// Whether this member leads (as far as it knows: the lease says whether it may act on it).
     pub fn leads(&self) -> bool {
         let metrics = self.raft.metrics();
@@ -190,8 +199,15 @@ impl Node {
             let applied = metrics.last_applied.map(|id| id.index);
             (metrics.current_leader, applied)
         };
-        if leader.is_none() {
-            return Err("no leader is known".into());
+        match leader {
+            None => return Err("no leader is known".into()),
+            Some(leader) if leader == self.id && !self.lease.holds() => {
+                return Err(
+                    "this member leads in name only: no majority has confirmed its lead lately"
+                        .into(),
+                )
+            }
+            Some(_) => {}
         }
         let committed = self.store.committed_index();
         if committed > applied {
@@ -316,12 +332,16 @@ fn answer_within(election_timeout: Duration) -> Duration {
 }
 
 /// Keeps `lease` while this member leads: a round of heartbeats every heartbeat interval, each
-/// acknowledged by a majority extending it (module doc); revoked as soon as it no longer leads.
+/// acknowledged by a majority extending it (module doc), and only for the Raft term it was sent in;
+/// revoked as soon as this member no longer leads, or leads in another term.
 async fn keep_lease(raft: Raft<TypeConfig>, lease: Arc<Lease>, election_timeout: Duration) {
     let heartbeat = election_timeout / 4;
     let mut metrics = raft.metrics();
     loop {
-        let leads = metrics.borrow_and_update().state == ServerState::Leader;
+        let (leads, term) = {
+            let m = metrics.borrow_and_update();
+            (m.state == ServerState::Leader, m.current_term)
+        };
         if !leads {
             lease.revoke();
             if metrics.changed().await.is_err() {
@@ -331,27 +351,52 @@ async fn keep_lease(raft: Raft<TypeConfig>, lease: Arc<Lease>, election_timeout:
         }
         let sent = Instant::now();
         let confirmed = tokio::time::timeout(election_timeout, raft.get_read_log_id()).await;
+        let same_lead = |m: &openraft::RaftMetrics<u64, Member>| {
+            m.state == ServerState::Leader && m.current_term == term
+        };
+        if !same_lead(&metrics.borrow()) {
+            lease.revoke();
+            continue;
+        }
         if let Ok(Ok(_)) = confirmed {
             lease.extend_to(sent + election_timeout / 2);
         }
-        tokio::time::sleep(heartbeat.saturating_sub(sent.elapsed())).await;
+        // The next round at the next heartbeat; the lease goes at once if the lead does meanwhile.
+        let next = tokio::time::Instant::from_std(sent + heartbeat);
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => break,
+                changed = metrics.changed() => {
+                    if changed.is_err() {
+                        lease.revoke();
+                        return;
+                    }
+                    if !same_lead(&metrics.borrow_and_update()) {
+                        lease.revoke();
+                        break;
+                    }
+                }
+            }
+        }
     }
 }
 
 /// Sets the `delayd_cluster_*` metrics from Raft's, as they change (and once a second, for the
 /// committed index, which Raft's metrics do not carry).
-async fn report(raft: Raft<TypeConfig>, store: LogStore) {
+async fn report(raft: Raft<TypeConfig>, store: LogStore, lease: Arc<Lease>) {
     let mut metrics = raft.metrics();
     let mut term = None;
     let mut lagging: Vec<u64> = Vec::new();
     loop {
         {
             let m = metrics.borrow_and_update();
-            let leads = m.state == ServerState::Leader;
+            // A leader no majority confirms (cut off, openraft 0.9 keeps it leading) does not count.
+            let leads = m.state == ServerState::Leader && lease.holds();
             metrics::gauge!("delayd_cluster_leader").set(if leads { 1.0 } else { 0.0 });
             metrics::gauge!("delayd_cluster_term").set(m.current_term as f64);
-            if term.is_some_and(|t| t < m.current_term) {
-                metrics::counter!("delayd_cluster_elections_total").increment(1);
+            if let Some(before) = term.filter(|t| *t < m.current_term) {
+                metrics::counter!("delayd_cluster_elections_total")
+                    .increment(m.current_term - before);
             }
             term = Some(m.current_term);
             let committed = store.committed_index().unwrap_or(0);
@@ -376,6 +421,8 @@ async fn report(raft: Raft<TypeConfig>, store: LogStore) {
             }
             lagging = peers;
         }
+        // At most five reports a second, however often Raft's metrics change (each apply does).
+        tokio::time::sleep(Duration::from_millis(200)).await;
         tokio::select! {
             changed = metrics.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}

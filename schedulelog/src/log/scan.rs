@@ -55,7 +55,11 @@ impl ScheduleLog {
         // wheel right after it applied what the last leader committed: the outcomes of what that one
         // delivered must keep those messages out of the wheel).
         self.wait_replayed(0);
-        self.wait_applied();
+        if !self.wait_applied() {
+            // A replayer that lags (catching up, a slow disk): a snapshot now could hold finished
+            // messages. The caller tries again.
+            return Err(Error::NotFiledYet { cause: None });
+        }
         // The bulk, outside the lock: the replayer goes on filing meanwhile.
         let (mut pending, read) = match self.reader(bucket)? {
             Some(reader) => (reader.entries(0, reader.len())?, reader.len()),
