@@ -245,6 +245,22 @@ impl Cluster {
         }
     }
 
+    /// Waits until every running member has applied what the leader had committed when asked.
+    fn caught_up(&self) {
+        let leader = self.leader();
+        let committed = cluster_status(&self.members[(leader - 1) as usize].api)["commit_index"]
+            .as_u64()
+            .unwrap_or(0);
+        for id in self.running() {
+            let api = &self.members[(id - 1) as usize].api;
+            wait_for("every member caught up with the leader", READY, || {
+                cluster_status(api)["applied_index"]
+                    .as_u64()
+                    .is_some_and(|applied| applied >= committed)
+            });
+        }
+    }
+
     fn running(&self) -> Vec<u64> {
         (self.members.iter())
             .filter(|m| m.process.is_some())
@@ -375,20 +391,7 @@ fn members_form_a_cluster_any_member_answers_and_only_the_leader_delivers() {
 
     // A follower is a hot standby: once each has applied what the leader committed, and they are
     // stopped, every member's schedule segments and dispatch logs hold the same bytes.
-    let committed = cluster_status(&cluster.members[(leader - 1) as usize].api)["commit_index"]
-        .as_u64()
-        .unwrap();
-    for member in &cluster.members {
-        wait_for(
-            "every member applied what the leader committed",
-            READY,
-            || {
-                cluster_status(&member.api)["applied_index"]
-                    .as_u64()
-                    .is_some_and(|applied| applied >= committed)
-            },
-        );
-    }
+    cluster.caught_up();
     let mut cluster = cluster;
     for id in 1..=3 {
         let status = cluster.member(id).process.as_mut().unwrap().terminate();
@@ -510,7 +513,7 @@ fn leader_kills_and_a_pause_lose_nothing_acknowledged() {
             false => failovers.push(failover),
         }
         if pause {
-            std::thread::sleep(Duration::from_millis(2_000).saturating_sub(Duration::ZERO));
+            // Paused until another member led and took a write: past the election timeout.
             signal("CONT", pid);
         } else {
             cluster.launch(leader);
@@ -521,6 +524,10 @@ fn leader_kills_and_a_pause_lose_nothing_acknowledged() {
                 .unwrap()
                 .wait_ready_within(READY);
         }
+        // The next stop finds a healthy cluster: every member has what the leader had committed
+        // (a member still catching up campaigns with a shorter log and loses, which openraft 0.9
+        // answers with a longer wait: a failover of its own kind, not this one).
+        cluster.caught_up();
     }
     stop.store(true, Ordering::SeqCst);
     for writer in writers {
