@@ -427,8 +427,19 @@ impl Broker {
                 continue;
             }
             let mut store = group.lock();
-            if store.applied >= Some(at) {
+            // Stored before (an op applied again after a restart): all of it, or the first records
+            // of it that a crash between two of its writes left (store.rs, `applied_present`).
+            let stored = match (store.applied, store.applied_present) {
+                (Some(applied), _) if applied > at => part.len(),
+                (Some(applied), Some(present)) if applied == at => present as usize,
+                (Some(applied), None) if applied == at => part.len(),
+                _ => 0,
+            };
+            if stored > 0 {
                 complete = false;
+            }
+            let part = &part[stored.min(part.len())..];
+            if part.is_empty() {
                 continue;
             }
             // Stamped as a single node's group commit stamps a batch: the latest delivery in it.

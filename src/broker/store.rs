@@ -114,6 +114,11 @@ pub(crate) struct Store {
     pub failed: Option<String>,
     /// The newest replicated op whose records are stored (a cluster member's store; module doc).
     pub applied: Option<OpAt>,
+    /// How many of `applied`'s records recovery found after the checkpoint: an op may have been cut
+    /// short by a crash between two of its writes (a segment rolled over, or the unsynced window
+    /// filled), and is then completed when applied again. `None`: all of them (stored by this
+    /// process, or before the checkpoint, which is never taken in the middle of an op).
+    pub applied_present: Option<u64>,
     /// A checkpoint job failed (or panicked): no later checkpoint may claim the units it covered; the
     /// next open rewrites every unit since the last good one.
     checkpoint_failed: bool,
@@ -232,6 +237,7 @@ impl Store {
             queues_behind: false,
             failed: None,
             applied: None,
+            applied_present: None,
             checkpoint_failed: false,
             checkpointing: None,
             checkpoint_every: (CHECKPOINT_EVERY, CHECKPOINT_EVERY_BYTES),
@@ -283,6 +289,7 @@ impl Store {
     fn recover(&mut self) -> Result<(), BrokerError> {
         let (from, applied) = read_checkpoint_and_op(&self.dir);
         let mut applied = applied;
+        let mut present = None;
         // Queues that got records after the checkpoint end exactly after the last of them: a unit past
         // it can only be left over from a crash, however valid it looks.
         let mut ends: BTreeMap<(String, u32), u64> = BTreeMap::new();
@@ -321,7 +328,11 @@ impl Store {
                     ),
                 });
             }
-            applied = applied.max(meta.op);
+            match meta.op {
+                Some(op) if Some(op) > applied => (applied, present) = (Some(op), Some(1)),
+                Some(op) if Some(op) == applied => present = present.map(|n| n + 1),
+                _ => {}
+            }
             // Written again even when present: an unsynced unit may be torn or zero.
             let unit = Unit::new(record.offset, record.len, meta.key.as_deref());
             queue.write_at(meta.queue_offset, &unit)?;
@@ -329,6 +340,7 @@ impl Store {
             Ok(())
         })?;
         self.applied = applied;
+        self.applied_present = present;
         for ((topic, index), units) in ends {
             let queue = self.queue_mut(&topic, index)?;
             queue.truncate(units)?;
@@ -387,17 +399,38 @@ impl Store {
     /// Creates a topic's queues if it has none yet (not in a store that refuses writes). Nothing else
     /// changes, whether it succeeds or not.
     pub(crate) fn ensure_topic(&mut self, topic: &str) -> Result<(), BrokerError> {
-        self.ensure_topic_with(topic, self.queues_per_topic)
+        self.ensure_topic_with(topic, self.queues_per_topic, false)
     }
 
-    /// [`Store::ensure_topic`], creating it with `queues` queues.
-    fn ensure_topic_with(&mut self, topic: &str, queues: u32) -> Result<(), BrokerError> {
+    /// [`Store::ensure_topic`], creating it with `queues` queues; `replicated`: `queues` is the count
+    /// a replicated op names, which an existing topic is completed to.
+    fn ensure_topic_with(
+        &mut self,
+        topic: &str,
+        queues: u32,
+        replicated: bool,
+    ) -> Result<(), BrokerError> {
         if let Some(cause) = &self.failed {
             return Err(BrokerError::Failed(cause.clone()));
         }
-        if !self.topics.contains_key(topic) {
-            let created = create_topic(&self.dir, topic, queues, self.units_per_file)?;
-            self.topics.insert(topic.to_string(), created);
+        match self.topics.get_mut(topic) {
+            None => {
+                let created = create_topic(&self.dir, topic, queues, self.units_per_file)?;
+                self.topics.insert(topic.to_string(), created);
+            }
+            // A replicated op names the queue count the leader created the topic with: a crash here
+            // between two of its queues' directories left fewer, which are completed (a single
+            // node's topic keeps what it has: `queues` is then the configured default).
+            Some(existing) if replicated && existing.queues.len() < queues as usize => {
+                let topic_dir = self.dir.join("consumequeue").join(topic);
+                for queue in existing.queues.len() as u32..queues {
+                    existing
+                        .queues
+                        .push(Queue::open(&topic_dir, queue, self.units_per_file)?);
+                }
+                sync_dir(&topic_dir)?;
+            }
+            Some(_) => {}
         }
         Ok(())
     }
@@ -447,7 +480,7 @@ impl Store {
         let mut batch_units: BTreeMap<(&str, u32), u64> = BTreeMap::new();
         for &(message, chosen) in messages {
             let queues = chosen.map_or(self.queues_per_topic, |c| c.queues);
-            self.ensure_topic_with(&message.topic, queues)?;
+            self.ensure_topic_with(&message.topic, queues, true)?;
             let topic = self.topics.get_mut(&message.topic).expect("created above");
             let count = topic.queues.len() as u32;
             let queue = match (chosen, &message.key) {
@@ -535,6 +568,7 @@ impl Store {
         }
         if op.is_some() {
             self.applied = self.applied.max(op);
+            self.applied_present = None;
         }
         self.unsynced_since_checkpoint += messages.len() as u64;
         self.unsynced_bytes_since_checkpoint += buf.len() as u64;
@@ -808,6 +842,10 @@ fn create_topic(
     sync_dir(&dir.join("consumequeue"))?;
     Ok(state)
 }
+
+/// A commit-log segment's header length, for tests that cut one back to it.
+#[cfg(test)]
+pub(crate) const HEADER_LEN_FOR_TESTS: u64 = super::commitlog::HEADER_LEN;
 
 #[cfg(test)]
 pub(crate) fn read_checkpoint(dir: &Path) -> u64 {

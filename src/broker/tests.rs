@@ -1231,3 +1231,72 @@ fn a_broker_without_a_replicated_log_writes_its_files_directly() {
     let total: u64 = broker.queue_offsets("t").unwrap().iter().map(|q| q.1).sum();
     assert_eq!(total, 1);
 }
+
+/// An op cut short by a crash between two of its writes (it crossed a segment boundary, and the
+/// second write never reached the disk) is completed when applied again after the restart: the member
+/// ends with every message of it, at the offsets the others have, none twice.
+#[test]
+fn an_op_cut_short_by_a_crash_is_completed_when_applied_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = vec![b'x'; 2048];
+    let op = append_op(
+        9,
+        (0..60)
+            .map(|_| op_message("t", None, &body, 0, 1))
+            .collect(),
+    );
+    let broker = Broker::open(dir.path(), small(1)).unwrap();
+    broker.apply_op((5, 0), &op).unwrap();
+    assert_eq!(broker.queue_offsets("t"), Some(vec![(0, 60)]));
+    drop(broker);
+    // The crash: the newest segment (the op's second write) back to its header, and no checkpoint
+    // past the op (recovery scans the log from the start).
+    let log_dir = dir.path().join("broker/commitlog");
+    let mut segments: Vec<_> = std::fs::read_dir(&log_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    segments.sort();
+    assert!(segments.len() >= 2, "the op crossed a segment boundary");
+    let newest = segments.last().unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(newest)
+        .unwrap()
+        .set_len(store::HEADER_LEN_FOR_TESTS)
+        .unwrap();
+    std::fs::remove_file(dir.path().join("broker/checkpoint")).unwrap();
+    let broker = Broker::open(dir.path(), small(1)).unwrap();
+    let (_, left) = broker.queue_offsets("t").unwrap()[0];
+    assert!(left < 60, "the crash cut the op short ({left} left)");
+    broker.apply_op((5, 0), &op).unwrap();
+    assert_eq!(broker.queue_offsets("t"), Some(vec![(0, 60)]));
+    // Applied once more: nothing more.
+    broker.apply_op((5, 0), &op).unwrap();
+    assert_eq!(broker.queue_offsets("t"), Some(vec![(0, 60)]));
+}
+
+/// A topic a crash left with fewer queue directories than the op that created it named is completed
+/// by the op applied again, which then stores where it says.
+#[test]
+fn a_topic_cut_short_by_a_crash_gets_the_queues_its_op_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let op = append_op(3, vec![op_message("t", None, b"m", 3, 4)]);
+    let broker = Broker::open(dir.path(), options(4)).unwrap();
+    broker.apply_op((2, 0), &op).unwrap();
+    drop(broker);
+    // The crash: queues 2 and 3 never made, nothing stored, no checkpoint of it.
+    let topic = dir.path().join("broker/consumequeue/t");
+    for queue in ["2", "3"] {
+        std::fs::remove_dir_all(topic.join(queue)).unwrap();
+    }
+    std::fs::remove_dir_all(dir.path().join("broker/commitlog")).unwrap();
+    std::fs::remove_file(dir.path().join("broker/checkpoint")).unwrap();
+    let broker = Broker::open(dir.path(), options(4)).unwrap();
+    assert_eq!(broker.queue_offsets("t").map(|q| q.len()), Some(2));
+    broker.apply_op((2, 0), &op).unwrap();
+    assert_eq!(
+        broker.queue_offsets("t"),
+        Some(vec![(0, 0), (0, 0), (0, 0), (0, 1)])
+    );
+}
