@@ -126,6 +126,7 @@ pub async fn run_with_ready(
     };
     let limits = edge::Limits::from_config(&config);
     let mut proposers = Vec::new();
+    let mut raft_failed = None;
     let served = match &config.cluster {
         None => {
             let term = Term::start(&base, None).await?;
@@ -174,6 +175,31 @@ pub async fn run_with_ready(
             let (publish, leading) = tokio::sync::watch::channel(None);
             let (stop_leading, stopped) = tokio::sync::watch::channel(false);
             let leadership = tokio::spawn(lead(base.clone(), node.clone(), publish, stopped));
+            // Raft stopped for good (a storage error: a write or an apply failed): the member stops
+            // as a whole and exits non-zero, for its supervisor to restart it, rather than answer
+            // as a member that no longer takes part.
+            let mut raft_metrics = node.raft().metrics();
+            let raft_stopped = async move {
+                loop {
+                    if let Err(fatal) = &raft_metrics.borrow_and_update().running_state {
+                        return fatal.to_string();
+                    }
+                    if raft_metrics.changed().await.is_err() {
+                        return "Raft stopped".to_string();
+                    }
+                }
+            };
+            let fatal = Arc::new(std::sync::Mutex::new(None));
+            let noted = fatal.clone();
+            let shutdown = async move {
+                tokio::select! {
+                    _ = shutdown => {}
+                    cause = raft_stopped => {
+                        tracing::error!(%cause, "Raft stopped on an error: this member shuts down");
+                        *noted.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause);
+                    }
+                }
+            };
             let state = Arc::new(api::member::MemberState {
                 node: node.clone(),
                 leading,
@@ -206,6 +232,7 @@ pub async fn run_with_ready(
             if let Some(proposer) = node.take_proposer() {
                 proposers.push(proposer);
             }
+            raft_failed = fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
             served
         }
     };
@@ -233,6 +260,9 @@ pub async fn run_with_ready(
     }
     // A refused start (too few file descriptors) still stops what was started above, cleanly.
     served.context("serving HTTP")?;
+    if let Some(cause) = raft_failed {
+        anyhow::bail!("Raft stopped on an error, so this member did: {cause}");
+    }
     tracing::info!("stopped cleanly");
     Ok(())
 }

@@ -781,8 +781,11 @@ fn broker_messages_and_group_offsets_survive_a_leader_kill() {
     // The group read 8 of them, and commits that through the follower.
     let commit = json!({ "offset": 8 }).to_string();
     let path = format!("/v1/groups/readers/offsets/tasks/{queue}");
-    let answer = request(&follower_api, "PUT", &path, Some(&commit), None);
-    assert_eq!(answer.status, 200, "{answer:?}");
+    wait_for("the offset committed", READY, || {
+        let answer = request(&follower_api, "PUT", &path, Some(&commit), None);
+        assert!(matches!(answer.status, 200 | 503), "{answer:?}");
+        answer.status == 200
+    });
 
     cluster.member(leader).process.as_mut().unwrap().kill();
     cluster.member(leader).process = None;
@@ -790,7 +793,12 @@ fn broker_messages_and_group_offsets_survive_a_leader_kill() {
     assert_ne!(new_leader, leader);
     for id in cluster.running() {
         let api = cluster.member(id).api.clone();
-        let offsets = request(&api, "GET", "/v1/groups/readers/offsets/tasks", None, None);
+        // Answered once the new leader has loaded its wheel (503 no_leader until then).
+        let mut offsets = request(&api, "GET", "/v1/groups/readers/offsets/tasks", None, None);
+        wait_for("the group's offsets answered", READY, || {
+            offsets = request(&api, "GET", "/v1/groups/readers/offsets/tasks", None, None);
+            offsets.status != 503
+        });
         assert_eq!(offsets.status, 200, "{offsets:?}");
         assert_eq!(
             offsets.json["queues"],
@@ -808,8 +816,11 @@ fn broker_messages_and_group_offsets_survive_a_leader_kill() {
     // The new leader delivers to the broker at the next offsets.
     let more = json!({ "messages": [for_the_broker(20, now_ms())] }).to_string();
     let api = cluster.member(new_leader).api.clone();
-    let answer = request(&api, "POST", "/v1/messages/batch", Some(&more), None);
-    assert!((200..300).contains(&answer.status), "{answer:?}");
+    wait_for("the next message taken", READY, || {
+        let answer = request(&api, "POST", "/v1/messages/batch", Some(&more), None);
+        assert!(matches!(answer.status, 200..300 | 503), "{answer:?}");
+        answer.status != 503
+    });
     wait_for("the next message at offset 20", READY, || {
         pull_tasks(&follower_api, queue, 20).0 == ["t20"]
     });

@@ -173,12 +173,27 @@ impl BrokerOp {
                 }
                 BrokerOp::Append { nonce, messages }
             }
-            COMMIT_OFFSET => BrokerOp::CommitOffset {
-                group: at.name("the group")?,
-                topic: at.name("the topic")?,
-                queue: at.u32("the queue")?,
-                offset: at.u64("the offset")?,
-            },
+            COMMIT_OFFSET => {
+                let group = at.name("the group")?;
+                let topic = at.name("the topic")?;
+                // They name files: never a path out of the broker's dir, whatever the bytes say.
+                if !crate::names::valid_name(&group) {
+                    return Err(format!(
+                        "an offset commit for the invalid group name {group:?}"
+                    ));
+                }
+                if !super::valid_topic(&topic) {
+                    return Err(format!(
+                        "an offset commit for the invalid topic name {topic:?}"
+                    ));
+                }
+                BrokerOp::CommitOffset {
+                    group,
+                    topic,
+                    queue: at.u32("the queue")?,
+                    offset: at.u64("the offset")?,
+                }
+            }
             kind => return Err(format!("broker op of unknown kind {kind}")),
         };
         match at.left() {

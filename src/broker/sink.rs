@@ -2,6 +2,7 @@
 
 use super::{lock, Broker, BrokerError, Incoming};
 use crate::sink::{BoxFuture, Delivery, Sink, SinkOutcome};
+use schedulelog::AppendError;
 use std::io;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -70,7 +71,11 @@ impl BrokerSink {
             Err(e) => (
                 e.to_string(),
                 e.is_disk_full(),
-                matches!(e, BrokerError::Replication(_)),
+                // Refused (an op larger than an entry can hold) is no leadership change: reported.
+                matches!(
+                    e,
+                    BrokerError::Replication(ref why) if !matches!(why, AppendError::Refused(_))
+                ),
             ),
         };
         let after = if not_taken {

@@ -419,9 +419,14 @@ impl Store {
                 self.topics.insert(topic.to_string(), created);
             }
             // A replicated op names the queue count the leader created the topic with: a crash here
-            // between two of its queues' directories left fewer, which are completed (a single
-            // node's topic keeps what it has: `queues` is then the configured default).
-            Some(existing) if replicated && existing.queues.len() < queues as usize => {
+            // between two of its queues' directories left fewer, and nothing in them yet, which are
+            // completed (a topic with messages keeps what it has: an op that disagrees is refused
+            // by the append; a single node's topic keeps what it has).
+            Some(existing)
+                if replicated
+                    && existing.queues.len() < queues as usize
+                    && existing.queues.iter().all(|q| q.units == 0) =>
+            {
                 let topic_dir = self.dir.join("consumequeue").join(topic);
                 for queue in existing.queues.len() as u32..queues {
                     existing
@@ -845,7 +850,7 @@ fn create_topic(
 
 /// A commit-log segment's header length, for tests that cut one back to it.
 #[cfg(test)]
-pub(crate) const HEADER_LEN_FOR_TESTS: u64 = super::commitlog::HEADER_LEN;
+pub(crate) const HEADER_LEN_FOR_TESTS: u64 = HEADER_LEN;
 
 #[cfg(test)]
 pub(crate) fn read_checkpoint(dir: &Path) -> u64 {

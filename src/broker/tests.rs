@@ -1089,6 +1089,19 @@ fn a_cut_or_garbled_op_is_an_error_naming_what_is_wrong() {
     let mut bad_name = commit.clone();
     bad_name[4] = 0xFF;
     assert!(why(&bad_name).contains("the group is not UTF-8"));
+    // A name that would leave the broker's dir.
+    let escape = BrokerOp::CommitOffset {
+        group: "..".into(),
+        topic: "t".into(),
+        queue: 0,
+        offset: 1,
+    }
+    .encode();
+    assert!(
+        why(&escape).contains("invalid group name"),
+        "{}",
+        why(&escape)
+    );
 }
 
 /// Applied, an op puts each message in the queue it names (whatever the key or this member's own
@@ -1252,20 +1265,20 @@ fn an_op_cut_short_by_a_crash_is_completed_when_applied_again() {
     // The crash: the newest segment (the op's second write) back to its header, and no checkpoint
     // past the op (recovery scans the log from the start).
     let log_dir = dir.path().join("broker/commitlog");
-    let mut segments: Vec<_> = std::fs::read_dir(&log_dir)
+    let mut segments: Vec<_> = fs::read_dir(&log_dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
     segments.sort();
     assert!(segments.len() >= 2, "the op crossed a segment boundary");
     let newest = segments.last().unwrap();
-    std::fs::OpenOptions::new()
+    fs::OpenOptions::new()
         .write(true)
         .open(newest)
         .unwrap()
         .set_len(store::HEADER_LEN_FOR_TESTS)
         .unwrap();
-    std::fs::remove_file(dir.path().join("broker/checkpoint")).unwrap();
+    fs::remove_file(dir.path().join("broker/checkpoint")).unwrap();
     let broker = Broker::open(dir.path(), small(1)).unwrap();
     let (_, left) = broker.queue_offsets("t").unwrap()[0];
     assert!(left < 60, "the crash cut the op short ({left} left)");
@@ -1288,10 +1301,10 @@ fn a_topic_cut_short_by_a_crash_gets_the_queues_its_op_names() {
     // The crash: queues 2 and 3 never made, nothing stored, no checkpoint of it.
     let topic = dir.path().join("broker/consumequeue/t");
     for queue in ["2", "3"] {
-        std::fs::remove_dir_all(topic.join(queue)).unwrap();
+        fs::remove_dir_all(topic.join(queue)).unwrap();
     }
-    std::fs::remove_dir_all(dir.path().join("broker/commitlog")).unwrap();
-    std::fs::remove_file(dir.path().join("broker/checkpoint")).unwrap();
+    fs::remove_dir_all(dir.path().join("broker/commitlog")).unwrap();
+    fs::remove_file(dir.path().join("broker/checkpoint")).unwrap();
     let broker = Broker::open(dir.path(), options(4)).unwrap();
     assert_eq!(broker.queue_offsets("t").map(|q| q.len()), Some(2));
     broker.apply_op((2, 0), &op).unwrap();

@@ -196,6 +196,9 @@ impl Node {
         let (leader, applied) = {
             let metrics = self.raft.metrics();
             let metrics = metrics.borrow();
+            if let Err(fatal) = &metrics.running_state {
+                return Err(format!("Raft stopped: {fatal}"));
+            }
             let applied = metrics.last_applied.map(|id| id.index);
             (metrics.current_leader, applied)
         };
