@@ -12,7 +12,7 @@ mod common;
 
 use axum::extract::{Path as UrlPath, State};
 use axum::http::HeaderMap;
-use common::{agent, free_port, now_ms, request, scrape, spawn_member, wait_for, Process};
+use common::{agent, now_ms, request, scrape, spawn_member, wait_for, Process};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -154,6 +154,25 @@ struct Cluster {
     _serial: std::sync::MutexGuard<'static, ()>,
 }
 
+/// A loopback port for a member's listener, free when asked, below the kernel's ephemeral range
+/// (32768 and up here): a member binds its port again when it restarts, and a port the kernel may
+/// hand out meanwhile (to a proxy bound to port 0, or as the source port of any connection) would
+/// then be taken. Below that range only explicit binds take a port, and the ports handed out here
+/// are never handed out twice by one test process.
+fn member_port() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let (low, span) = (20_000, 12_000);
+    let start = std::process::id() % span;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        assert!(n < span, "no free port below the ephemeral range");
+        let port = (low + (start + n * 7) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
 /// One cluster at a time: three members each take a good part of the machine, and the tests of this
 /// binary would otherwise run side by side (cargo runs a binary's tests on parallel threads).
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -163,7 +182,7 @@ impl Cluster {
     fn start(size: u64) -> Cluster {
         let serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let receiver = Receiver::start();
-        let ports: Vec<(u16, u16)> = (0..size).map(|_| (free_port(), free_port())).collect();
+        let ports: Vec<(u16, u16)> = (0..size).map(|_| (member_port(), member_port())).collect();
         let proxies: Vec<Proxy> = (ports.iter())
             .map(|(_, peer)| Proxy::start(&receiver.runtime, *peer))
             .collect();
