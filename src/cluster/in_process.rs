@@ -3,6 +3,7 @@
 //! be for Raft's purposes: its Raft, its peer listener and its log are gone; "restarting" it reopens
 //! its data dir.
 
+use super::handoff::Handoff;
 use super::network::{PeerNetwork, RaftService};
 use super::store::{LogStore, StateMachine};
 use super::{Member, TypeConfig};
@@ -20,6 +21,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const SECRET: &str = "a long random test secret";
+/// The members' election timeout (300 ms made elections on a busy machine flaky).
+const ELECTION_TIMEOUT: Duration = Duration::from_millis(600);
 /// 2026-12-01T09:30:00Z
 const T0: i64 = 1_796_117_400_000;
 
@@ -43,10 +46,12 @@ struct Running {
     broker: Arc<Broker>,
     proposer: std::thread::JoinHandle<()>,
     serving: tokio::task::JoinHandle<()>,
+    handing_off: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
     async fn stop(self) {
+        self.handing_off.abort();
         self.serving.abort();
         let _ = self.serving.await;
         self.raft.shutdown().await.unwrap();
@@ -265,7 +270,7 @@ impl Cluster {
             Arc::new(move |at, op| applier.apply_op(at, op).map_err(|e| e.to_string())),
         );
         let network = PeerNetwork::new(id, SECRET, PeerOptions::default()).unwrap();
-        let config = super::raft_config(Duration::from_millis(600));
+        let config = super::raft_config(ELECTION_TIMEOUT);
         let raft = Raft::new(id, config, network, store, machine)
             .await
             .unwrap();
@@ -276,7 +281,14 @@ impl Cluster {
                 .await
                 .unwrap(),
         };
-        let service = Arc::new(RaftService::new(raft.clone()));
+        let handoff = Arc::new(Handoff::default());
+        let handing_off = tokio::spawn(super::handoff::run(
+            raft.clone(),
+            handoff.clone(),
+            id,
+            ELECTION_TIMEOUT,
+        ));
+        let service = Arc::new(RaftService::new(raft.clone(), handoff));
         let serve = peer::serve(listener, id, SECRET, PeerOptions::default(), service).unwrap();
         let serving = tokio::spawn(serve);
         let runtime = tokio::runtime::Handle::current();
@@ -298,6 +310,7 @@ impl Cluster {
                 broker,
                 proposer,
                 serving,
+                handing_off,
             },
         );
     }
@@ -567,6 +580,37 @@ async fn a_partitioned_leader_loses_its_uncommitted_tail() {
         .map(|r| r.log.read_entries(before + 1..before + 3).unwrap())
         .collect();
     assert!(logs.windows(2).all(|w| w[0] == w[1]), "{logs:?}");
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}
+
+/// The leader goes while one follower lacks its last entries. That follower stands first (the other
+/// has its own elections switched off) and is refused for its shorter log; the refusing follower,
+/// which holds every entry, then stands itself and leads (handoff.rs). Without the hand-off nobody
+/// would lead: the one that may stand never wins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_refusing_a_shorter_log_stands_itself_and_leads() {
+    let mut cluster = Cluster::new(3).await;
+    let first = cluster.append("shared").await;
+    cluster.applied_everywhere(first, "shared").await;
+    let old = cluster.leader().await;
+    let mut followers = cluster.members.keys().copied().filter(|id| *id != old);
+    let (behind, ahead) = (followers.next().unwrap(), followers.next().unwrap());
+    // The leader's link to `behind` is cut: the next entry is committed with `ahead` alone.
+    cluster.proxies[&behind].block([old]).await;
+    cluster.proxies[&old].block([behind]).await;
+    let last = cluster.append("only ahead").await;
+    cluster.applied_on(&[old, ahead], last, "only ahead").await;
+    cluster.running[&ahead].raft.runtime_config().elect(false);
+
+    cluster.running.remove(&old).unwrap().stop().await;
+    cluster.heal();
+    let new = cluster.leader_among(&[behind, ahead]).await;
+    assert_eq!(new, ahead, "the member with the longer log leads");
+    cluster
+        .applied_on(&[behind, ahead], last, "only ahead")
+        .await;
     for (_, running) in std::mem::take(&mut cluster.running) {
         running.stop().await;
     }

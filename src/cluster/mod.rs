@@ -11,6 +11,7 @@
 //! - `node`: a running member: Raft, peer listener, proposer, delivery lease, status and metrics.
 //! - `rpc`: the binary codec of the RPCs (its byte layout is there).
 //! - `network`: [`network::PeerNetwork`] sends them to members, [`network::RaftService`] answers them.
+//! - `handoff`: a member that refuses a candidate for its shorter log stands itself at once.
 //!
 //! Invariants:
 //! - A [`Proposal`] is opaque here: its frames are the WAL frames of one group commit, sealed by the
@@ -20,6 +21,7 @@
 //!   keep in step. openraft is pinned to one exact version in Cargo.toml, so their shape cannot change
 //!   under the codec.
 
+pub mod handoff;
 pub mod network;
 pub mod node;
 pub mod propose;

@@ -39,6 +39,7 @@
 //! - [`RaftService`] answers a vote or an append only if the authenticated caller is the member the
 //!   vote names (the candidate, or the leader): a member cannot speak for another.
 
+use super::handoff::Handoff;
 use super::rpc::{self, DecodeError, EncodeError, Wire, APPEND, VOTE};
 use super::{Member, TypeConfig};
 use crate::peer::{PeerClient, PeerError, PeerOptions, PeerService, MIN_SECRET_BYTES};
@@ -444,9 +445,11 @@ impl RaftNetwork<TypeConfig> for MemberClient {
     }
 }
 
-/// A member's answers to the others' Raft RPCs, given to `peer::serve`.
+/// A member's answers to the others' Raft RPCs, given to `peer::serve`. It tells `handoff` what it
+/// saw: appends accepted from a leader, and candidates refused for their shorter log.
 pub struct RaftService {
     raft: openraft::Raft<TypeConfig>,
+    handoff: Arc<Handoff>,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -456,8 +459,8 @@ impl std::fmt::Debug for RaftService {
 }
 
 impl RaftService {
-    pub fn new(raft: openraft::Raft<TypeConfig>) -> RaftService {
-        RaftService { raft }
+    pub fn new(raft: openraft::Raft<TypeConfig>, handoff: Arc<Handoff>) -> RaftService {
+        RaftService { raft, handoff }
     }
 }
 
@@ -473,12 +476,24 @@ impl PeerService for RaftService {
                 VOTE => {
                     let request = take::<VoteRequest<u64>>(from, &payload)?;
                     speaks_for(from, &request.vote)?;
-                    answer(self.raft.vote(request).await)
+                    let (term, last) = (request.vote.leader_id.term, request.last_log_id);
+                    let answered = self.raft.vote(request).await;
+                    if let Ok(vote) = &answered {
+                        if !vote.vote_granted && vote.last_log_id > last {
+                            self.handoff.refused_shorter(term);
+                        }
+                    }
+                    answer(answered)
                 }
                 APPEND => {
                     let request = take::<AppendEntriesRequest<TypeConfig>>(from, &payload)?;
                     speaks_for(from, &request.vote)?;
-                    answer(self.raft.append_entries(request).await)
+                    let answered = self.raft.append_entries(request).await;
+                    if matches!(&answered, Ok(a) if !matches!(a, AppendEntriesResponse::HigherVote(_)))
+                    {
+                        self.handoff.heard_leader();
+                    }
+                    answer(answered)
                 }
                 other => Err(format!(
                     "no Raft request of kind {other} is served here (vote {VOTE}, append {APPEND})"

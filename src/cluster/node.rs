@@ -14,6 +14,7 @@
 //!   batches to sinks.
 //! - A member that does not lead holds no lease.
 
+use super::handoff::Handoff;
 use super::network::{Answers, PeerNetwork, RaftService};
 use super::store::{Applier, LogStore, StateMachine};
 use super::{Member, TypeConfig};
@@ -99,9 +100,18 @@ impl Node {
         )
         .await
         .context("starting Raft")?;
-        let service = Arc::new(RaftService::new(raft.clone()));
+        let handoff = Arc::new(Handoff::default());
+        let service = Arc::new(RaftService::new(raft.clone(), handoff.clone()));
         let serving = peer::serve(listener, id, &secret, PeerOptions::default(), service)?;
-        let mut tasks = vec![tokio::spawn(serving)];
+        let mut tasks = vec![
+            tokio::spawn(serving),
+            tokio::spawn(super::handoff::run(
+                raft.clone(),
+                handoff,
+                id,
+                election_timeout,
+            )),
+        ];
         // A member that holds a log or a vote was part of the cluster already: nothing to found.
         let founded = raft.is_initialized().await.unwrap_or(true);
         let found = async {
