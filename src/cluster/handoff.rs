@@ -92,7 +92,11 @@ pub async fn run(
         let led_since = || handoff.heard() > refused_at;
         tokio::time::sleep_until((handoff.heard() + quiet).into()).await;
         for _ in 0..MAX_CAMPAIGNS {
-            let state = raft.metrics().borrow().state;
+            let (state, before) = {
+                let metrics = raft.metrics();
+                let metrics = metrics.borrow();
+                (metrics.state, metrics.vote.leader_id().term)
+            };
             if led_since() || matches!(state, ServerState::Leader | ServerState::Shutdown) {
                 break;
             }
@@ -104,14 +108,16 @@ pub async fn run(
             if raft.trigger().elect().await.is_err() {
                 return; // Raft stopped
             }
-            // Elected, or refused by a vote of the refused candidate's term or later, which this
-            // member's next campaign goes above (a campaign only reaches the term after its own vote).
+            // Elected, or refused by another's vote of a later term than this member's was (the
+            // refused candidate's, when this campaign only reached its term), which this member's
+            // next campaign goes above: a campaign takes the term after the member's vote.
             let answered = raft
                 .wait(Some(quiet / 2))
                 .metrics(
                     |m| {
                         m.state == ServerState::Leader
-                            || (m.vote.leader_id().node_id != id && m.vote.leader_id().term >= term)
+                            || (m.vote.leader_id().node_id != id
+                                && m.vote.leader_id().term > before)
                     },
                     "a campaign answered",
                 )
