@@ -357,6 +357,29 @@ fn members_form_a_cluster_any_member_answers_and_only_the_leader_delivers() {
         (on_leader["members"].as_array().unwrap().iter()).all(|m| m["matched_index"].is_u64()),
         "the leader knows what each member holds: {on_leader}"
     );
+    // The answer has the fields the OpenAPI document gives it (served through any member).
+    let mut doc = Value::Null;
+    wait_for("the OpenAPI document", READY, || {
+        let answer = request(&cluster.members[0].api, "GET", "/openapi.json", None, None);
+        doc = answer.json;
+        answer.status == 200
+    });
+    let schemas = &doc["components"]["schemas"];
+    let fields = |schema: &Value| -> BTreeSet<String> {
+        schema["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect()
+    };
+    let keys = |answer: &Value| -> BTreeSet<String> {
+        answer.as_object().unwrap().keys().cloned().collect()
+    };
+    assert_eq!(fields(&schemas["ClusterStatus"]), keys(&on_leader));
+    for member in on_leader["members"].as_array().unwrap() {
+        assert_eq!(fields(&schemas["MemberStatus"]), keys(member));
+    }
 
     // A message through each member: followers forward to the leader (an election on a busy
     // machine is answered 503, and the client sends again).

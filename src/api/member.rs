@@ -73,7 +73,18 @@ async fn authenticate(State(state): State<Member>, request: Request, next: Next)
 }
 
 /// `GET /v1/cluster`: the cluster as this member sees it.
-async fn cluster(State(state): State<Member>) -> Json<ClusterStatus> {
+///
+/// Answered by the member asked, never forwarded. A single node (no `[cluster]` section) answers 404.
+#[utoipa::path(
+    get,
+    path = "/v1/cluster",
+    tag = "cluster",
+    responses(
+        (status = 200, description = "the cluster as this member sees it: its leader, term, indexes and members", body = ClusterStatus),
+        (status = 404, description = "`not_found`: a single node, no cluster member", body = crate::api::error::Problem, content_type = "application/problem+json"),
+    )
+)]
+pub(crate) async fn cluster(State(state): State<Member>) -> Json<ClusterStatus> {
     Json(state.node.status())
 }
 

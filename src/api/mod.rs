@@ -89,6 +89,15 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/sources", get(sources))
         .route("/v1/sinks", get(sinks))
+        // A cluster member answers it itself (member.rs); a single node is none.
+        .route(
+            "/v1/cluster",
+            get(|| async {
+                ApiError::not_found(
+                    "this node runs alone (no [cluster] section): it is no cluster's member",
+                )
+            }),
+        )
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(v1)

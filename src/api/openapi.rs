@@ -45,6 +45,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
         super::consume::group_offsets,
         super::sources,
         super::sinks,
+        super::member::cluster,
         super::healthz,
         super::ready,
         super::metrics,
@@ -66,6 +67,7 @@ use utoipa::{Modify, OpenApi, ToSchema};
         (name = "dead letters", description = "Requeue or discard dead messages"),
         (name = "broker", description = "The built-in broker: topics, pulls, consumer group offsets"),
         (name = "connections", description = "The MQ sources and the sinks"),
+        (name = "cluster", description = "A cluster member's view of its cluster"),
         (name = "operations", description = "Probes, metrics, the console and this document"),
     )
 )]

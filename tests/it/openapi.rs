@@ -24,6 +24,7 @@ const ROUTES: &[(&str, &[&str])] = &[
     ("/v1/groups/{group}/offsets/{topic}", &["get"]),
     ("/v1/sources", &["get"]),
     ("/v1/sinks", &["get"]),
+    ("/v1/cluster", &["get"]),
     ("/healthz", &["get"]),
     ("/readyz", &["get"]),
     ("/metrics", &["get"]),
@@ -706,6 +707,9 @@ fn every_answer_conforms_to_its_documented_schema() {
         call("DELETE", "/v1/messages?topic=batched", None),
     );
     assert_eq!(purged["cancelled"], 1, "{purged}");
+    // A single node is no cluster member (a member's 200 is checked in tests/cluster.rs).
+    let alone = check("get", "/v1/cluster", call("GET", "/v1/cluster", None));
+    assert_eq!(alone["code"], "not_found", "{alone}");
 
     // Every JSON route's answer was checked; the rest are text, HTML and this document.
     let json_routes: BTreeSet<(String, String)> = ROUTES
