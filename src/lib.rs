@@ -6,6 +6,16 @@
 //! [`run`] wires them together on a listener the caller bound, so tests can bind port 0: a single node
 //! runs one term (term.rs) from start to stop; with a `[cluster]` section the node is a [`cluster`]
 //! member, which runs a term each time it leads and forwards requests to the leader otherwise.
+//!
+//! A member's own state beside the schedule goes through Raft as application payloads of entries
+//! (`ScheduleLog::propose_app`), which every member applies in log order ([`applier`]). Each payload
+//! starts with its version (byte 0, 1 for all so far) and its kind (byte 1), which says whose it is:
+//!
+//! ```text
+//! kind 1  a broker append          broker/op.rs
+//! kind 2  a broker offset commit   broker/op.rs
+//! kind 3  a source's state file    source/state.rs (its mark; a Kafka source's epochs)
+//! ```
 
 #![forbid(unsafe_code)]
 
@@ -159,12 +169,11 @@ pub async fn run_with_ready(
                     .collect(),
             };
             let raft_dir = config.data_dir.join(RAFT_DIR);
-            // The broker's appends and group offsets are entries too (DESIGN.md §10): proposed
-            // through the log, applied by every member into its own broker files.
+            // The broker's appends and group offsets are entries too (DESIGN.md §10), and so are
+            // the sources' marks (term.rs): proposed through the log, applied by every member
+            // into its own files.
             base.broker.replicate_through(&log);
-            let broker = base.broker.clone();
-            let applier: cluster::store::Applier =
-                Arc::new(move |at, op| broker.apply_op(at, op).map_err(|e| e.to_string()));
+            let applier = applier(base.broker.clone(), config.data_dir.clone());
             let node = Arc::new(
                 cluster::node::Node::start(
                     settings,
@@ -272,6 +281,18 @@ pub async fn run_with_ready(
 
 /// A member's Raft state (its vote) in the data dir.
 const RAFT_DIR: &str = "raft";
+
+/// What a cluster member applies of each entry's application payloads (module doc), by their kind:
+/// the broker's ops into its broker files, the sources' state files into `data_dir/sources/`.
+pub(crate) fn applier(
+    broker: Arc<Broker>,
+    data_dir: std::path::PathBuf,
+) -> cluster::store::Applier {
+    Arc::new(move |at, payload| match source::state::is_op(payload) {
+        true => source::state::apply_op(&data_dir, at, payload).map_err(|e| e.to_string()),
+        false => broker.apply_op(at, payload).map_err(|e| e.to_string()),
+    })
+}
 
 /// Once a second: broker retention, the disk's state, and the log's health, each change logged once.
 async fn housekeeping(

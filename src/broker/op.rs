@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! 0   1  version  u8 = 1
-//! 1   1  kind     u8: 1 append, 2 commit offset
+//! 1   1  kind     u8: 1 append, 2 commit offset (3 is a source's state file, source/state.rs:
+//!                 lib.rs's applier hands the broker only its own kinds)
 //!
 //! append (kind 1)
 //! 2   8  nonce    u64: the proposing broker's, to find the placements its own apply produced

@@ -9,6 +9,7 @@ use super::store::{LogStore, StateMachine};
 use super::{Member, TypeConfig};
 use crate::broker::{Broker, BrokerError, BrokerOptions, Incoming};
 use crate::peer::{self, PeerOptions};
+use crate::source::{StateFileError, StateFiles};
 use openraft::Raft;
 use schedulelog::{
     AppendError, EncodedMessage, ManualClock, MessageId, MessageState, NewMessage, Options,
@@ -42,7 +43,8 @@ fn message(body: &str) -> EncodedMessage {
 struct Running {
     raft: Raft<TypeConfig>,
     log: Arc<ScheduleLog>,
-    /// Its built-in broker, replicated through the log (as `[cluster]` in lib.rs makes it).
+    /// Its built-in broker, replicated through the log (as `[cluster]` in lib.rs makes it); the
+    /// sources' state files are kept beside it (`sources/`), as lib.rs keeps them.
     broker: Arc<Broker>,
     proposer: std::thread::JoinHandle<()>,
     serving: tokio::task::JoinHandle<()>,
@@ -264,11 +266,8 @@ impl Cluster {
         let store = LogStore::open(log.clone(), &self.dir(id).join("raft")).unwrap();
         let broker = Arc::new(Broker::open(self.dir(id), BrokerOptions::default()).unwrap());
         broker.replicate_through(&log);
-        let applier = broker.clone();
-        let machine = StateMachine::with_applier(
-            log.clone(),
-            Arc::new(move |at, op| applier.apply_op(at, op).map_err(|e| e.to_string())),
-        );
+        let applier = crate::applier(broker.clone(), self.dir(id).to_path_buf());
+        let machine = StateMachine::with_applier(log.clone(), applier);
         let network = PeerNetwork::new(id, SECRET, PeerOptions::default()).unwrap();
         let config = super::raft_config(ELECTION_TIMEOUT);
         let raft = Raft::new(id, config, network, store, machine)
@@ -752,6 +751,114 @@ async fn the_broker_is_replicated_and_outlives_its_leader() {
         .map(|r| r.broker.queue_offsets("orders"))
         .collect();
     assert_eq!(ends.len(), 1, "{ends:?}");
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}
+
+impl Cluster {
+    /// Replaces a source's state file through the leader (as its sources do), retrying while
+    /// leadership moves; returns the member that took it.
+    async fn replace_state_file(&self, file: &str, content: &[u8]) -> u64 {
+        for _ in 0..100 {
+            let leader = self.leader().await;
+            let files = StateFiles::replicated(self.dir(leader), &self.running[&leader].log);
+            let (name, bytes) = (file.to_string(), content.to_vec());
+            let replaced = tokio::task::spawn_blocking(move || files.replace(&name, &bytes))
+                .await
+                .unwrap();
+            match replaced {
+                Ok(()) => return leader,
+                Err(StateFileError::Replication {
+                    source: AppendError::NotLeader { .. } | AppendError::Uncertain,
+                    ..
+                }) => {}
+                Err(e) => panic!("replacing {file}: {e}"),
+            }
+        }
+        panic!("no leader took the state file");
+    }
+
+    /// A member's `sources/{file}`, if it has one.
+    fn state_file(&self, id: u64, file: &str) -> Option<Vec<u8>> {
+        std::fs::read(self.dir(id).join("sources").join(file)).ok()
+    }
+
+    /// Waits until every running member's `sources/{file}` holds `content`.
+    async fn state_file_everywhere(&self, file: &str, content: &[u8]) {
+        for member in self.running.keys() {
+            wait_until(&format!("member {member} has {file}"), || {
+                self.state_file(*member, file).as_deref() == Some(content)
+            })
+            .await;
+        }
+    }
+}
+
+/// The sources' state files through Raft (DESIGN.md §10): a mark replaced through the leader is in
+/// its `sources/` when the call returns, and then in every member's, byte for byte, among the
+/// broker's ops of the same log; a member stopped meanwhile catches up when it comes back, and the
+/// entries a restart applies again leave the same file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_state_files_are_the_same_on_every_member() {
+    let mut cluster = Cluster::new(3).await;
+    let first = br#"{"below":42,"unacked":[["1700000000000-0",41]]}"#;
+    let took = cluster.replace_state_file("orders-in", first).await;
+    assert_eq!(
+        cluster.state_file(took, "orders-in").as_deref(),
+        Some(&first[..]),
+        "applied on the member that proposed it once the call returned"
+    );
+    cluster.state_file_everywhere("orders-in", first).await;
+
+    // A follower goes; a newer mark, a Kafka source's epochs and a broker append go through the
+    // other two.
+    let leader = cluster.leader().await;
+    let away = *cluster.running.keys().find(|id| **id != leader).unwrap();
+    cluster.running.remove(&away).unwrap().stop().await;
+    let newer = br#"{"below":97,"unacked":[]}"#;
+    cluster.replace_state_file("orders-in", newer).await;
+    let epochs = br#"{"delayd-in/0":{"epoch":0,"committed":true}}"#;
+    let epochs_file = "orders-in~kafka-epochs";
+    cluster.replace_state_file(epochs_file, epochs).await;
+    let placed = cluster
+        .broker_append(vec![delivered("orders", Some("k"), b"beside")])
+        .await;
+    cluster.state_file_everywhere("orders-in", newer).await;
+    assert_eq!(
+        cluster.state_file(away, "orders-in").as_deref(),
+        Some(&first[..])
+    );
+
+    // It comes back and catches up; then every member restarts, applying the entries past its
+    // checkpoint again: the same files.
+    cluster.start(away).await;
+    cluster.state_file_everywhere("orders-in", newer).await;
+    cluster.state_file_everywhere(epochs_file, epochs).await;
+    let (queue, offset) = placed[0];
+    cluster
+        .in_every_broker("orders", queue, offset, b"beside")
+        .await;
+    for id in cluster.members.keys().copied().collect::<Vec<_>>() {
+        cluster.running.remove(&id).unwrap().stop().await;
+        cluster.start(id).await;
+    }
+    cluster.leader().await;
+    cluster.state_file_everywhere("orders-in", newer).await;
+    cluster.state_file_everywhere(epochs_file, epochs).await;
+    for id in cluster.members.keys() {
+        let names: Vec<_> = std::fs::read_dir(cluster.dir(*id).join("sources"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        assert_eq!(
+            names,
+            ["orders-in", "orders-in~kafka-epochs"],
+            "member {id}"
+        );
+    }
     for (_, running) in std::mem::take(&mut cluster.running) {
         running.stop().await;
     }

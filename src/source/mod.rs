@@ -30,8 +30,10 @@ pub mod kafka;
 pub(crate) mod mark;
 pub mod nats;
 pub mod redis;
+pub mod state;
 
 pub use config::{default_group, SourceContext, SourceShared, UnusedSourceKeys};
+pub use state::{StateFileError, StateFiles};
 
 use crate::connection::ConnectionState;
 use crate::intake::{
