@@ -256,15 +256,22 @@ async fn start_sources(
 )> {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut started = Vec::new();
+    // A member's sources keep their marks (and Kafka's epochs) through the cluster's log, on every
+    // member, for whichever member leads next to start from (DESIGN.md §10); a single node's, in its
+    // own dir, with no Raft on the path.
+    let files = match &config.cluster {
+        Some(_) => source::StateFiles::replicated(&config.data_dir, &intake.log),
+        None => source::StateFiles::local(&config.data_dir),
+    };
     for (name, source) in &config.sources {
         let transport = source
-            .build(name, &config.data_dir)
+            .build(name, &files)
             .with_context(|| format!("sources.{name}"))?;
         let settings = source::SourceSettings {
             name: name.clone(),
             sink: source.shared.sink.clone().unwrap_or_default(),
             batch: source.shared.batch,
-            data_dir: config.data_dir.clone(),
+            files: files.clone(),
         };
         let connection = connection::ConnectionState::new("source", name, source.kind.name());
         let (intake, runner_connection) = (intake.clone(), connection.clone());

@@ -7,8 +7,7 @@ use crate::source::amqp::AmqpSourceConfig;
 use crate::source::kafka::KafkaSourceConfig;
 use crate::source::nats::NatsSourceConfig;
 use crate::source::redis::RedisSourceConfig;
-use crate::source::{SourceContext, SourceShared, Transport, UnusedSourceKeys};
-use std::path::Path;
+use crate::source::{SourceContext, SourceShared, StateFiles, Transport, UnusedSourceKeys};
 
 /// One `[sources.NAME]` table: delay requests consumed from another MQ (DESIGN.md §11).
 #[derive(Debug, Clone, PartialEq)]
@@ -90,12 +89,12 @@ impl SourceConfig {
         }
     }
 
-    /// The transport of the source named `name`; `data_dir`: where it may keep files of its own.
-    pub fn build(&self, name: &str, data_dir: &Path) -> anyhow::Result<Box<dyn Transport>> {
+    /// The transport of the source named `name`; `files`: where it may keep files of its own.
+    pub fn build(&self, name: &str, files: &StateFiles) -> anyhow::Result<Box<dyn Transport>> {
         let context = SourceContext {
             name: name.to_string(),
             batch: self.shared.batch,
-            data_dir: data_dir.to_path_buf(),
+            files: files.clone(),
         };
         Ok(match &self.kind {
             SourceKind::Redis(config) => Box::new(config.build(&context)?),

@@ -1,9 +1,9 @@
 //! What every `[sources.NAME]` table has whatever its kind, and what a source adapter is given to
 //! build its transport. Each kind's own keys are its adapter's (`RedisSourceConfig`, ...).
 
+use super::StateFiles;
 use crate::setting::{invalid, ConfigError, Millis};
 use serde::Deserialize;
-use std::path::PathBuf;
 
 /// The keys every source takes.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -66,6 +66,7 @@ pub struct SourceContext {
     pub name: String,
     /// Requests per batch.
     pub batch: usize,
-    /// The data dir, where a source may keep files of its own.
-    pub data_dir: PathBuf,
+    /// Where a source may keep files of its own (`sources/{name}~{what}`, mark::beside): replaced
+    /// through the cluster's log on a member, so a new leader's source finds them.
+    pub files: StateFiles,
 }

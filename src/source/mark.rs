@@ -16,13 +16,14 @@
 //!   acknowledged yet.
 //!
 //! The file of older versions, a decimal `below` alone, reads as one with nothing unacknowledged. The
-//! file is replaced durably (a temporary file, fsync, rename, directory fsync). One that cannot be
-//! read or parsed is an error naming it: a guess would either read the whole store again (the old
-//! fallback, an out-of-memory at start with millions pending) or forget requests the MQ may deliver
-//! again.
+//! file is replaced durably (a temporary file, fsync, rename, directory fsync), and on a cluster member
+//! through the cluster's log, on every member (state.rs): seqs are the same on every member, so a new
+//! leader reads back from the mark the old one saved. One that cannot be read or parsed is an error
+//! naming it: a guess would either read the whole store again (the old fallback, an out-of-memory at
+//! start with millions pending) or forget requests the MQ may deliver again.
 
+use super::state::{StateFileError, StateFiles};
 use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -32,20 +33,16 @@ pub struct Mark {
     pub unacked: Vec<(String, u64)>,
 }
 
-/// Where a source's mark is kept.
-pub fn path(data_dir: &Path, source: &str) -> PathBuf {
-    data_dir.join("sources").join(source)
+/// The name of another file of a source's state, `what` (`kafka-epochs`), in `sources/`:
+/// `{source}~{what}`, a name no source's mark can have (no source name holds `~`).
+pub fn beside(source: &str, what: &str) -> String {
+    format!("{source}~{what}")
 }
 
-/// Where a source keeps another file of its state, `what` (`kafka-epochs`): `sources/{name}~{what}`,
-/// a name no source's mark can have (no source name holds `~`).
-pub fn beside(data_dir: &Path, source: &str, what: &str) -> PathBuf {
-    data_dir.join("sources").join(format!("{source}~{what}"))
-}
-
-/// Reads a mark; `None` when there is none (the source never ran).
-pub fn read(path: &Path) -> anyhow::Result<Option<Mark>> {
-    let text = match std::fs::read_to_string(path) {
+/// Reads a source's mark (`sources/{source}`); `None` when there is none (the source never ran).
+pub fn read(files: &StateFiles, source: &str) -> anyhow::Result<Option<Mark>> {
+    let path = files.path(source);
+    let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => anyhow::bail!("reading the source's mark {}: {e}", path.display()),
@@ -65,18 +62,14 @@ pub fn read(path: &Path) -> anyhow::Result<Option<Mark>> {
     })
 }
 
-/// Replaces a mark durably.
-pub fn write(path: &Path, mark: &Mark) -> std::io::Result<()> {
-    write_durably(path, &serde_json::to_vec(mark)?)
+/// Replaces a source's mark durably (on a cluster member, on every member). Blocks.
+pub fn save(files: &StateFiles, source: &str, mark: &Mark) -> Result<(), StateFileError> {
+    files.replace(source, &encode(mark))
 }
 
-/// Replaces a file of a source's state durably (the engine's atomic replace: a temporary file beside
-/// it, fsync, rename, directory fsync), its directory made first if need be.
-pub fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    schedulelog::create_dir_durably(dir)
-        .and_then(|()| schedulelog::write_atomically(path, bytes))
-        .map_err(std::io::Error::other)
+/// A mark's bytes, as its file holds them.
+pub fn encode(mark: &Mark) -> Vec<u8> {
+    serde_json::to_vec(mark).expect("a mark is numbers and strings")
 }
 
 #[cfg(test)]
@@ -86,33 +79,35 @@ mod tests {
     #[test]
     fn a_mark_round_trips_an_old_one_reads_and_a_damaged_one_is_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
-        let at = path(dir.path(), "orders-in");
-        assert_eq!(read(&at).unwrap(), None);
+        let files = StateFiles::local(dir.path());
+        assert_eq!(read(&files, "orders-in").unwrap(), None);
         let mark = Mark {
             below: 1234,
             unacked: vec![("id with \"quotes\"\n".into(), 1200), ("18".into(), 1201)],
         };
-        write(&at, &mark).unwrap();
-        assert_eq!(read(&at).unwrap(), Some(mark));
+        save(&files, "orders-in", &mark).unwrap();
+        assert_eq!(read(&files, "orders-in").unwrap(), Some(mark));
+        let at = files.path("orders-in");
+        assert_eq!(at, dir.path().join("sources").join("orders-in"));
         std::fs::write(&at, "977\n").unwrap();
         assert_eq!(
-            read(&at).unwrap(),
+            read(&files, "orders-in").unwrap(),
             Some(Mark {
                 below: 977,
                 unacked: Vec::new()
             })
         );
         // Sources whose names differ after a dot do not share a temporary file, nor a file beside.
-        let eu = path(dir.path(), "orders-in.eu");
-        let us = path(dir.path(), "orders-in.us");
+        let eu = files.path("orders-in.eu");
+        let us = files.path("orders-in.us");
         assert_ne!(schedulelog::temp_path(&eu), schedulelog::temp_path(&us));
         assert_ne!(schedulelog::temp_path(&at), schedulelog::temp_path(&eu));
-        write(&eu, &Mark::default()).unwrap();
-        assert_eq!(read(&eu).unwrap(), Some(Mark::default()));
-        assert_ne!(beside(dir.path(), "orders-in", "kafka-epochs"), eu);
+        save(&files, "orders-in.eu", &Mark::default()).unwrap();
+        assert_eq!(read(&files, "orders-in.eu").unwrap(), Some(Mark::default()));
+        assert_ne!(files.path(&beside("orders-in", "kafka-epochs")), eu);
         for damaged in ["", "97x", "{\"below\": -1}", "{\"unacked\": []}"] {
             std::fs::write(&at, damaged).unwrap();
-            let error = read(&at).unwrap_err().to_string();
+            let error = read(&files, "orders-in").unwrap_err().to_string();
             assert!(
                 error.contains(&at.display().to_string()),
                 "{damaged:?}: {error}"

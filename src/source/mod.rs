@@ -12,7 +12,8 @@
 //! - A request the MQ delivers again (a crash between the fsync and the ack) is not scheduled twice. Each
 //!   message records where its request was (the header `delayd-source-position`, `{source}/{position}`);
 //!   the runner remembers the positions written and not yet acknowledged, and keeps them on disk with
-//!   a seq below which every other record of the source was acknowledged (mark.rs). At a start it
+//!   a seq below which every other record of the source was acknowledged (mark.rs); on a cluster
+//!   member every member keeps them (state.rs), so a new leader's source knows them. At a start it
 //!   reads back the positions (never the bodies) of the source's records from that seq on, which
 //!   follows the log's end: what a start reads grows with what the source has not acknowledged, not
 //!   with the store. A redelivered request is acknowledged without a second message.
@@ -46,7 +47,6 @@ use futures_core::future::BoxFuture;
 use mark::Mark;
 use schedulelog::{EncodedMessage, MessageRef};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -352,7 +352,8 @@ pub struct SourceSettings {
     pub sink: String,
     /// Requests per batch (one group commit) at most.
     pub batch: usize,
-    pub data_dir: PathBuf,
+    /// Where its mark is kept (`sources/{name}`): on a cluster member, on every member.
+    pub files: StateFiles,
 }
 
 /// Runs one source: receive, schedule, acknowledge; reconnect when the MQ goes away.
@@ -409,15 +410,15 @@ const STOP_ACK_WAIT: Duration = Duration::from_secs(5);
 
 impl SourceRunner {
     /// Loads the source's mark (blocking: call it off the async threads). A mark that cannot be read
-    /// is an error naming its file.
+    /// is an error naming its file; so is a first mark that cannot be saved (on a cluster member: one
+    /// the cluster did not take, this member no longer leading, say).
     pub fn open(
         settings: SourceSettings,
         intake: Arc<Intake>,
         connection: ConnectionState,
         transport: Box<dyn Transport>,
     ) -> anyhow::Result<SourceRunner> {
-        let path = mark::path(&settings.data_dir, &settings.name);
-        let (saved, read_back_from) = match mark::read(&path)? {
+        let (saved, read_back_from) = match mark::read(&settings.files, &settings.name)? {
             Some(saved) => {
                 let below = saved.below;
                 (saved, Some(below))
@@ -428,8 +429,8 @@ impl SourceRunner {
                     below: intake.log.filed_below(),
                     unacked: Vec::new(),
                 };
-                mark::write(&path, &new)
-                    .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+                mark::save(&settings.files, &settings.name, &new)
+                    .map_err(|e| anyhow::anyhow!("saving the source's first mark: {e}"))?;
                 (new, None)
             }
         };
@@ -1076,17 +1077,16 @@ impl Writer {
         if !self.unsaved && !moved {
             return;
         }
-        let path = mark::path(&self.settings.data_dir, &self.settings.name);
         let mark = Mark {
             below,
             unacked: (self.unacked.iter())
                 .map(|(position, (seq, _))| (position.clone(), *seq))
                 .collect(),
         };
-        // An fsync: off the async threads.
-        let written = tokio::task::spawn_blocking(move || mark::write(&path, &mark))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        // An fsync (on a cluster member, a round of Raft): off the async threads.
+        let written = (self.settings.files)
+            .replace_off_thread(self.settings.name.clone(), mark::encode(&mark))
+            .await;
         match written {
             Ok(()) => {
                 self.saved_below = below;
@@ -1094,7 +1094,8 @@ impl Writer {
                 self.mark_written_at = Instant::now();
             }
             Err(error) => {
-                tracing::warn!(source = %self.settings.name, %error, "saving the source's mark failed; a restart reads more records")
+                // Tried again at the next save; the mark saved last stays right, only older.
+                tracing::warn!(source = %self.settings.name, %error, "saving the source's mark failed; a start reads back more records until a save succeeds")
             }
         }
     }

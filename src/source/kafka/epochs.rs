@@ -18,14 +18,15 @@
 //!
 //! The epoch is looked up when this consumer first reads from a partition, after a rebalance, and when
 //! the partition's offsets go back (the topic was made again while delayd ran). Epochs are this node's:
-//! nodes sharing a group keep theirs apart, as they keep their messages. A topic made again before
+//! nodes sharing a group keep theirs apart, as they keep their messages; the members of a cluster
+//! share theirs (the file is replaced through the cluster's log: state.rs), as they share their
+//! messages, so a new leader knows where the old one committed. A topic made again before
 //! delayd committed anything in it is not seen as new: its requests may be taken for redeliveries of the
 //! old one's not yet acknowledged (within the redelivery window).
 
-use super::super::mark::write_durably;
+use super::super::{StateFileError, StateFiles};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -38,15 +39,18 @@ struct Epoch {
 /// The partitions' epochs of one source, kept in a file.
 #[derive(Debug)]
 pub(super) struct Epochs {
-    path: PathBuf,
+    files: StateFiles,
+    /// Its name among them (`{source}~kafka-epochs`).
+    file: String,
     /// By `{topic}/{partition}`.
     partitions: BTreeMap<String, Epoch>,
 }
 
 impl Epochs {
     /// Reads the file (none: every partition in epoch 0); one that cannot be read is an error naming it.
-    pub(super) fn open(path: &Path) -> anyhow::Result<Epochs> {
-        let partitions = match std::fs::read(path) {
+    pub(super) fn open(files: &StateFiles, file: &str) -> anyhow::Result<Epochs> {
+        let path = files.path(file);
+        let partitions = match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
                 anyhow::anyhow!(
                     "the Kafka partition epochs {} are unreadable: {e}",
@@ -57,7 +61,8 @@ impl Epochs {
             Err(e) => anyhow::bail!("reading {}: {e}", path.display()),
         };
         Ok(Epochs {
-            path: path.to_path_buf(),
+            files: files.clone(),
+            file: file.to_string(),
             partitions,
         })
     }
@@ -69,7 +74,7 @@ impl Epochs {
         topic: &str,
         partition: i32,
         has_committed_offset: bool,
-    ) -> std::io::Result<u64> {
+    ) -> Result<u64, StateFileError> {
         let name = format!("{topic}/{partition}");
         let known = self.partitions.get(&name).copied().unwrap_or_default();
         if has_committed_offset || !known.committed {
@@ -97,7 +102,10 @@ impl Epochs {
     }
 
     /// Offsets were committed in these partitions: remembered, and saved when that is new.
-    pub(super) async fn committed(&mut self, partitions: &[(String, i32)]) -> std::io::Result<()> {
+    pub(super) async fn committed(
+        &mut self,
+        partitions: &[(String, i32)],
+    ) -> Result<(), StateFileError> {
         let mut changed = false;
         for (topic, partition) in partitions {
             let entry = self
@@ -113,12 +121,12 @@ impl Epochs {
         }
     }
 
-    /// Writes the file durably (off the async threads).
-    async fn save(&self) -> std::io::Result<()> {
-        let (path, bytes) = (self.path.clone(), serde_json::to_vec(&self.partitions)?);
-        tokio::task::spawn_blocking(move || write_durably(&path, &bytes))
+    /// Writes the file durably (off the async threads; on a cluster member, on every member).
+    async fn save(&self) -> Result<(), StateFileError> {
+        let bytes = serde_json::to_vec(&self.partitions).expect("epochs are numbers and names");
+        self.files
+            .replace_off_thread(self.file.clone(), bytes)
             .await
-            .map_err(std::io::Error::other)?
     }
 }
 
@@ -133,8 +141,8 @@ mod tests {
             .build()
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("in~kafka-epochs");
-        let mut epochs = Epochs::open(&path).unwrap();
+        let files = StateFiles::local(dir.path());
+        let mut epochs = Epochs::open(&files, "in~kafka-epochs").unwrap();
         runtime.block_on(async {
             // A new group: nothing committed anywhere, epoch 0 (positions as before epochs).
             assert_eq!(epochs.resolve("t", 0, false).await.unwrap(), 0);
@@ -146,15 +154,19 @@ mod tests {
             assert!(new > 0);
             // Before the first commit in it (a crash, say) the epoch holds.
             assert_eq!(epochs.resolve("t", 0, false).await.unwrap(), new);
-            assert_eq!(Epochs::open(&path).unwrap().partitions["t/0"].epoch, new);
+            let reopened = Epochs::open(&files, "in~kafka-epochs").unwrap();
+            assert_eq!(reopened.partitions["t/0"].epoch, new);
             epochs.committed(&[("t".into(), 0)]).await.unwrap();
             let newer = epochs.resolve("t", 0, false).await.unwrap();
             assert!(newer > new, "{newer} after {new}");
             // Other partitions are their own.
             assert_eq!(epochs.resolve("t", 1, false).await.unwrap(), 0);
         });
+        let path = files.path("in~kafka-epochs");
         std::fs::write(&path, "{").unwrap();
-        let error = Epochs::open(&path).unwrap_err().to_string();
+        let error = Epochs::open(&files, "in~kafka-epochs")
+            .unwrap_err()
+            .to_string();
         assert!(error.contains(&path.display().to_string()), "{error}");
     }
 }

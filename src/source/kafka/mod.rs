@@ -217,7 +217,8 @@ impl KafkaSourceConfig {
             &self.topics,
             &self.group,
             self.consumer.as_deref().unwrap_or_default(),
-            &super::mark::beside(&context.data_dir, &context.name, "kafka-epochs"),
+            &context.files,
+            &super::mark::beside(&context.name, "kafka-epochs"),
         )
     }
 }
@@ -254,14 +255,15 @@ fn failed(what: &str, error: impl std::fmt::Display) -> TransportError {
 }
 
 impl KafkaTransport {
-    /// `epochs`: where the partitions' epochs are kept (epochs.rs); an unreadable file is an error
-    /// naming it.
+    /// `epochs`: the state file in `files` where the partitions' epochs are kept (epochs.rs); an
+    /// unreadable one is an error naming it.
     pub fn new(
         url: &str,
         topics: &[String],
         group: &str,
         instance: &str,
-        epochs: &std::path::Path,
+        files: &super::StateFiles,
+        epochs: &str,
     ) -> anyhow::Result<KafkaTransport> {
         Ok(KafkaTransport {
             url: url.to_string(),
@@ -272,7 +274,7 @@ impl KafkaTransport {
             reopen: false,
             committing: None,
             partitions: HashMap::new(),
-            epochs: Epochs::open(epochs)?,
+            epochs: Epochs::open(files, epochs)?,
             revocations_seen: 0,
         })
     }
