@@ -246,7 +246,9 @@ impl Term {
     }
 }
 
-/// Opens and starts every configured source; each runs until the sender says `true`.
+/// Opens and starts every configured source; each runs until the sender says `true`. When one cannot
+/// be opened, those started before it are stopped before the error is returned: the term is tried
+/// again (a member's, by [`lead`]), and no source may run twice meanwhile.
 async fn start_sources(
     config: &Config,
     intake: &Arc<intake::Intake>,
@@ -264,9 +266,6 @@ async fn start_sources(
         None => source::StateFiles::local(&config.data_dir),
     };
     for (name, source) in &config.sources {
-        let transport = source
-            .build(name, &files)
-            .with_context(|| format!("sources.{name}"))?;
         let settings = source::SourceSettings {
             name: name.clone(),
             sink: source.shared.sink.clone().unwrap_or_default(),
@@ -275,12 +274,26 @@ async fn start_sources(
         };
         let connection = connection::ConnectionState::new("source", name, source.kind.name());
         let (intake, runner_connection) = (intake.clone(), connection.clone());
-        let runner = tokio::task::spawn_blocking(move || {
-            source::SourceRunner::open(settings, intake, runner_connection, transport)
-        })
-        .await?
-        .with_context(|| format!("opening sources.{name}"))?;
-        started.push((connection, tokio::spawn(runner.run(stopped.clone()))));
+        let opened = async {
+            let transport = source
+                .build(name, &files)
+                .with_context(|| format!("sources.{name}"))?;
+            tokio::task::spawn_blocking(move || {
+                source::SourceRunner::open(settings, intake, runner_connection, transport)
+            })
+            .await?
+            .with_context(|| format!("opening sources.{name}"))
+        };
+        match opened.await {
+            Ok(runner) => started.push((connection, tokio::spawn(runner.run(stopped.clone())))),
+            Err(error) => {
+                let _ = stop.send(true);
+                for (_, task) in started {
+                    let _ = task.await;
+                }
+                return Err(error);
+            }
+        }
     }
     Ok((stop, started))
 }
