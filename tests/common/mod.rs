@@ -2,13 +2,14 @@
 //! guards for the real `delayd` binary ([`spawn`] → [`Process`] for `serve`, also under a low open-file
 //! limit with [`spawn_with_ulimit`]; [`spawn_cli`] → [`Background`] for a client command such as `tail`)
 //! that kill it when dropped, pass or fail; [`slowloris`] clients for the HTTP edge's tests; the
-//! [`sidecar`] tests' harness over the four MQs.
+//! [`sidecar`] tests' harness over the four MQs, and a [`redis_server`] for them and the cluster tests.
 //!
 //! A test binary at the top of `tests/` includes it with `mod common;`; one in a directory
 //! (`tests/it/main.rs`) with `#[path = "../common/mod.rs"] mod common;`.
 
 #![allow(dead_code, reason = "each test binary uses a part of these helpers")]
 
+pub mod redis_server;
 pub mod sidecar;
 pub mod slowloris;
 
