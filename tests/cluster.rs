@@ -12,6 +12,8 @@ mod common;
 
 use axum::extract::{Path as UrlPath, State};
 use axum::http::HeaderMap;
+use common::redis_server::RedisServer;
+use common::sidecar::{source_count, Mq};
 use common::{agent, now_ms, request, scrape, spawn_member, wait_for, Process};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,6 +35,8 @@ const BATCH: u64 = 64;
 struct Hit {
     /// The member that delivered it.
     member: u64,
+    /// Its `webhook-id`: the message's id, the same on every attempt.
+    id: String,
     body: String,
     at_ms: i64,
 }
@@ -47,11 +51,13 @@ struct Receiver {
 async fn receive(
     State(hits): State<Arc<Mutex<Vec<Hit>>>>,
     UrlPath(member): UrlPath<u64>,
-    _headers: HeaderMap,
+    headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> axum::http::StatusCode {
+    let id = headers.get("webhook-id").and_then(|v| v.to_str().ok());
     hits.lock().unwrap().push(Hit {
         member,
+        id: id.unwrap_or_default().to_string(),
         body: String::from_utf8_lossy(&body).into_owned(),
         at_ms: now_ms(),
     });
@@ -180,6 +186,11 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 impl Cluster {
     /// Starts `size` members and waits until each is ready (a leader is elected and known).
     fn start(size: u64) -> Cluster {
+        Cluster::start_with(size, "")
+    }
+
+    /// [`Cluster::start`] with `tables` (TOML: sources, more sinks) in every member's config.
+    fn start_with(size: u64, tables: &str) -> Cluster {
         let serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let receiver = Receiver::start();
         let ports: Vec<(u16, u16)> = (0..size).map(|_| (member_port(), member_port())).collect();
@@ -202,6 +213,7 @@ impl Cluster {
                     "listen = \"127.0.0.1:{api}\"\n\
                      [limits]\nmin_free_disk_bytes = 0\n\
                      [sinks.hook]\nkind = \"webhook\"\nurl = \"{}/hooks/{id}\"\nsecret = \"{HOOK_SECRET}\"\nmax_in_flight = {IN_FLIGHT}\nmax_batch = {BATCH}\n\
+                     {tables}\n\
                      [cluster]\nnode_id = {id}\nlisten = \"127.0.0.1:{peer}\"\nsecret = \"{SECRET}\"\nelection_timeout = \"1s\"\n{roster}",
                     receiver.url
                 );
@@ -866,4 +878,135 @@ fn broker_messages_and_group_offsets_survive_a_leader_kill() {
     wait_for("the next message at offset 20", READY, || {
         pull_tasks(&follower_api, queue, 20).0 == ["t20"]
     });
+}
+
+/// A member's `sources/{name}`: its source's mark, if it has one.
+fn mark_of(cluster: &Cluster, id: u64) -> Option<Vec<u8>> {
+    let data = cluster.members[(id - 1) as usize].dir.path().join("data");
+    std::fs::read(data.join("sources").join("in")).ok()
+}
+
+/// The positions a mark lists as written and not acknowledged to the MQ.
+fn unacked_in(mark: &[u8]) -> usize {
+    let mark: Value = serde_json::from_slice(mark).unwrap();
+    mark["unacked"].as_array().unwrap().len()
+}
+
+/// Waits until every running member's mark holds the same bytes, listing `unacked` positions.
+fn marks_alike(cluster: &Cluster, unacked: usize) -> Vec<u8> {
+    let mut alike = Vec::new();
+    let what = format!("every member's mark alike, listing {unacked} unacknowledged requests");
+    wait_for(&what, READY, || {
+        let marks: BTreeSet<Option<Vec<u8>>> = (cluster.running().into_iter())
+            .map(|id| mark_of(cluster, id))
+            .collect();
+        match marks.into_iter().collect::<Vec<_>>().as_slice() {
+            [Some(mark)] if unacked_in(mark) == unacked => {
+                alike = mark.clone();
+                true
+            }
+            _ => false,
+        }
+    });
+    alike
+}
+
+/// A Redis Streams source on the cluster (DESIGN.md §10, §11): its mark is an entry, so every member's
+/// `sources/in` holds the same bytes, and a new leader starts the source from the old leader's mark.
+/// Redis refuses `XACK` at first, so the requests the leader scheduled stay unacknowledged, listed in
+/// its mark; the leader is killed, and Redis (restarted with `XACK`) delivers them again to the new
+/// leader, which recognises every one: none is scheduled twice, each request has one `webhook-id`.
+#[test]
+fn a_sources_mark_is_on_every_member_and_a_new_leader_schedules_nothing_twice() {
+    const REQUESTS: usize = 20;
+    const AFTER: usize = 5;
+    if !common::server_installed("redis-server", "apt-get install -y redis-server") {
+        return;
+    }
+    // On a member's kind of port: Redis binds it again when it restarts.
+    let redis_dir = tempfile::tempdir().unwrap();
+    let no_acks = ["--rename-command", "XACK", ""];
+    let mut redis = RedisServer::start_on(member_port(), redis_dir.path(), &no_acks);
+    for n in 0..REQUESTS {
+        let fields = [("delayd-delay", "1s"), ("delayd-target", "orders")];
+        redis.publish(&fields, &format!("r{n}"));
+    }
+    // One consumer name on every member: only the leader runs the source, and a new leader must be
+    // handed what the old one read and did not acknowledge (Redis keeps that per consumer).
+    let source = format!(
+        "[sources.in]\nkind = \"redis\"\nurl = \"{}\"\nstream_key = \"delayd:in\"\nconsumer = \"delayd\"\nsink = \"hook\"\n",
+        redis.url()
+    );
+    let mut cluster = Cluster::start_with(3, &source);
+    let before = marks_alike(&cluster, REQUESTS);
+    let old = cluster.leader();
+    println!(
+        "member {old} leads; the mark on every member: {}",
+        String::from_utf8_lossy(&before)
+    );
+
+    cluster.member(old).process.as_mut().unwrap().kill();
+    cluster.member(old).process = None;
+    redis.restart_with(&[]);
+    let new = cluster.leader();
+    assert_ne!(new, old);
+    let api = cluster.member(new).api.clone();
+    let taken = |outcome| source_count(&api, outcome);
+    wait_for(
+        "the new leader's source took the requests again, and Redis has them acknowledged",
+        READY,
+        || taken("duplicate") + taken("scheduled") >= REQUESTS as f64 && redis.pending() == 0,
+    );
+    assert_eq!(
+        (taken("scheduled"), taken("duplicate") >= REQUESTS as f64),
+        (0.0, true),
+        "the new leader scheduled requests the old one had"
+    );
+    let log = cluster
+        .member(new)
+        .process
+        .as_ref()
+        .unwrap()
+        .stdout_so_far();
+    assert!(
+        log.contains(&format!(
+            "they will not be scheduled twice source=in records={REQUESTS}"
+        )),
+        "the new leader started the source from the old leader's mark:\n{log}"
+    );
+    // New requests are scheduled as usual.
+    for n in REQUESTS..REQUESTS + AFTER {
+        let fields = [("delayd-delay", "1s"), ("delayd-target", "orders")];
+        redis.publish(&fields, &format!("r{n}"));
+    }
+    wait_for("the new requests scheduled", READY, || {
+        taken("scheduled") == AFTER as f64 && redis.pending() == 0
+    });
+    wait_for("every request delivered", READY, || {
+        let bodies: BTreeSet<String> = (cluster.receiver.hits().into_iter())
+            .map(|h| h.body)
+            .collect();
+        (0..REQUESTS + AFTER).all(|n| bodies.contains(&format!("r{n}")))
+    });
+    // Each request was one message: one id, however often it was delivered.
+    let mut ids: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for hit in cluster.receiver.hits() {
+        ids.entry(hit.body).or_default().insert(hit.id);
+    }
+    for (body, ids) in &ids {
+        assert_eq!(ids.len(), 1, "{body} was scheduled as {ids:?}");
+    }
+    assert_eq!(taken("scheduled"), AFTER as f64);
+
+    // The old leader comes back and catches up: every member's mark is the new leader's, with
+    // nothing unacknowledged.
+    cluster.launch(old);
+    cluster
+        .member(old)
+        .process
+        .as_mut()
+        .unwrap()
+        .wait_ready_within(READY);
+    cluster.caught_up();
+    marks_alike(&cluster, 0);
 }
