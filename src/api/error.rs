@@ -309,6 +309,7 @@ impl From<crate::intake::IntakeError> for ApiError {
             IntakeError::Lookup(e) => e.into(),
             IntakeError::Interrupted(e) => ApiError::internal(e),
             IntakeError::KeysNotReady => ApiError::disk_full(error.to_string()),
+            IntakeError::KeyUnsettled => ApiError::write_uncertain(error.to_string()),
         }
     }
 }

@@ -615,6 +615,102 @@ async fn a_follower_refusing_a_shorter_log_stands_itself_and_leads() {
     }
 }
 
+/// A keyed write that the leader answers as uncertain (its followers do not answer in time), and
+/// that is committed afterwards in the same term, is not scheduled a second time when its client
+/// sends it again: until the intake finds it filed the key is refused as unsettled, then the message
+/// is found pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_write_answered_uncertain_is_not_scheduled_twice_when_it_commits_later() {
+    use crate::intake::{Admission, Intake, IntakeError, Keyed, MessageKey};
+    let mut cluster = Cluster::new(3).await;
+    let first = cluster.append("shared").await;
+    cluster.applied_everywhere(first, "shared").await;
+    let leader = cluster.leader().await;
+    let term = cluster.running[&leader]
+        .raft
+        .metrics()
+        .borrow()
+        .current_term;
+    let log = cluster.running[&leader].log.clone();
+    let scheduler = Arc::new(
+        crate::scheduler::Scheduler::start(
+            log.clone(),
+            &crate::sink::SinkRegistry::new(),
+            crate::scheduler::SchedulerConfig::default(),
+            cluster.clock.clone(),
+            &tokio::runtime::Handle::current(),
+        )
+        .unwrap(),
+    );
+    let disk = Arc::new(crate::disk::DiskWatch::new(cluster.dir(leader).into(), 0));
+    let opened = {
+        let (log, scheduler, clock) = (log.clone(), scheduler.clone(), cluster.clock.clone());
+        tokio::task::spawn_blocking(move || {
+            Intake::open(log, scheduler, Admission::default(), clock, disk)
+        })
+    };
+    let intake = opened.await.unwrap().unwrap();
+    let key = MessageKey {
+        sink: "broker".into(),
+        topic: "orders.timeout".into(),
+        key: "order-42".into(),
+    };
+    let keyed = || {
+        NewMessage {
+            deliver_at_ms: T0 + 3_600_000,
+            topic: key.topic.clone(),
+            sink: key.sink.clone(),
+            key: Some(key.key.clone()),
+            dedup: true,
+            body: b"cancel order 42".to_vec(),
+            ..NewMessage::default()
+        }
+        .encode()
+        .unwrap()
+    };
+
+    // The followers hear nothing from the leader for a while (and stand for nothing meanwhile).
+    let followers: Vec<u64> = (cluster.members.keys().copied())
+        .filter(|id| *id != leader)
+        .collect();
+    for follower in &followers {
+        cluster.running[follower].raft.runtime_config().elect(false);
+        cluster.proxies[follower].block([leader]).await;
+    }
+    let answered = intake.schedule_keyed(&key, keyed()).await;
+    assert!(
+        matches!(answered, Err(IntakeError::Append(AppendError::Uncertain))),
+        "{answered:?}"
+    );
+    let again = intake.schedule_keyed(&key, keyed()).await;
+    assert!(matches!(again, Err(IntakeError::KeyUnsettled)), "{again:?}");
+
+    // The links come back: the write is committed in the same term, and found, not made again.
+    cluster.heal();
+    let found = loop {
+        match intake.schedule_keyed(&key, keyed()).await {
+            Err(IntakeError::KeyUnsettled) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Ok(Keyed::Pending(id, _)) => break id,
+            other => panic!("sent again, the keyed write was {other:?}"),
+        }
+    };
+    assert_eq!(
+        cluster.running[&leader]
+            .raft
+            .metrics()
+            .borrow()
+            .current_term,
+        term,
+        "the same term"
+    );
+    assert_eq!(intake.pending_with_key(&key).await.unwrap(), Some(found));
+    scheduler.shutdown().await;
+    drop((intake, scheduler, log));
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}
+
 fn delivered(topic: &str, key: Option<&str>, body: &[u8]) -> Incoming {
     Incoming {
         topic: topic.into(),

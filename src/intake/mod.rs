@@ -278,6 +278,10 @@ pub enum IntakeError {
     /// disk holds the replayer up (it reads every pending keyed message, and must not miss one).
     #[error("keyed messages are refused until the index of idempotency keys is rebuilt, once the disk has room")]
     KeysNotReady,
+    /// A write with this key was answered [`AppendError::Uncertain`] and is not filed yet: it may
+    /// still take effect, so whether a message with the key is pending is not known.
+    #[error("a write with this idempotency key was answered write_uncertain and has not settled yet: it may still take effect; resend in a moment")]
+    KeyUnsettled,
 }
 
 /// The idempotency index, and whether it holds every pending key yet.
@@ -285,6 +289,13 @@ pub enum IntakeError {
 struct Keys {
     index: KeyIndex,
     complete: bool,
+    /// The keys of writes answered [`AppendError::Uncertain`] (a cluster member's: proposed, not seen
+    /// committed in time), each with a seq its records have at least. Such a write may still be
+    /// committed, in this leader's term (a leader never drops its own entries; another leader's term
+    /// starts a new intake, whose index is rebuilt from the files). So a key here is looked for among
+    /// the records filed since that seq, and refused ([`IntakeError::KeyUnsettled`]) until found: a
+    /// message sent again with it must not be scheduled twice.
+    unsettled: HashMap<MessageKey, u64>,
 }
 
 impl Keys {
@@ -325,12 +336,14 @@ impl Intake {
             Ok(index) => Keys {
                 index,
                 complete: true,
+                unsettled: HashMap::new(),
             },
             Err(schedulelog::Error::NotFiledYet { cause }) => {
                 tracing::warn!(cause = cause.as_deref().unwrap_or("the replayer is behind"), "the index of idempotency keys waits for the disk: keyed messages are refused until it is rebuilt");
                 Keys {
                     index: KeyIndex::new(),
                     complete: false,
+                    unsettled: HashMap::new(),
                 }
             }
             Err(e) => return Err(e),
@@ -371,13 +384,14 @@ impl Intake {
         self.start_pruning();
         // Check and append under one lock, so that two requests with one key make one message.
         let mut keys = self.keys.clone().lock_owned().await;
-        let index = keys.complete()?;
-        let hash = index.hash(&key.sink, &key.topic, &key.key);
-        if let Some((id, status)) = self.pending_of(index, hash, key).await? {
+        let hash = keys.complete()?.hash(&key.sink, &key.topic, &key.key);
+        if let Some((id, status)) = self.pending_with(&mut keys, hash, key).await? {
             return Ok(Keyed::Pending(id, status));
         }
+        let from = self.log.filed_below();
         let ack = self.log.append(vec![message]);
-        let appended = file_when_durable(ack, keys, move |index, appended| {
+        let unsettled = vec![key.clone()];
+        let appended = file_when_durable(ack, keys, (unsettled, from), move |index, appended| {
             if let Some(one) = appended.first() {
                 index.insert(hash, one.id);
             }
@@ -402,20 +416,23 @@ impl Intake {
             true => Some(self.keys.clone().lock_owned().await),
             false => None,
         };
-        let mut index = match keys.as_mut() {
-            Some(keys) => Some(keys.complete()?),
-            None => None,
-        };
+        if let Some(keys) = keys.as_mut() {
+            keys.complete()?;
+        }
         let mut kept = Vec::with_capacity(messages.len());
         let mut encoded = Vec::with_capacity(messages.len());
         let mut this_call = std::collections::HashSet::new();
+        let mut unsettled = Vec::new();
         for (key, message) in messages {
-            let filed = match (&key, index.as_mut()) {
-                (Some(key), Some(index)) => {
-                    let hash = index.hash(&key.sink, &key.topic, &key.key);
+            let filed = match (&key, keys.as_mut()) {
+                (Some(key), Some(keys)) => {
+                    let hash = keys.index.hash(&key.sink, &key.topic, &key.key);
                     let first = this_call.insert(key.clone());
-                    match first && self.pending_of(index, hash, key).await?.is_none() {
-                        true => Some(Some(hash)),
+                    match first && self.pending_with(keys, hash, key).await?.is_none() {
+                        true => {
+                            unsettled.push(key.clone());
+                            Some(Some(hash))
+                        }
                         false => None,
                     }
                 }
@@ -430,8 +447,9 @@ impl Intake {
         let appended = match (encoded.is_empty(), keys) {
             (true, _) => Vec::new(),
             (false, Some(keys)) => {
+                let from = self.log.filed_below();
                 let ack = self.log.append(encoded);
-                file_when_durable(ack, keys, move |index, appended| {
+                file_when_durable(ack, keys, (unsettled, from), move |index, appended| {
                     for (hash, one) in hashes.iter().zip(appended) {
                         if let Some(hash) = hash {
                             index.insert(*hash, one.id);
@@ -463,9 +481,61 @@ impl Intake {
         key: &MessageKey,
     ) -> Result<Option<MessageId>, IntakeError> {
         let mut keys = self.keys.lock().await;
-        let index = keys.complete()?;
-        let hash = index.hash(&key.sink, &key.topic, &key.key);
-        Ok(self.pending_of(index, hash, key).await?.map(|(id, _)| id))
+        let hash = keys.complete()?.hash(&key.sink, &key.topic, &key.key);
+        Ok(self
+            .pending_with(&mut keys, hash, key)
+            .await?
+            .map(|(id, _)| id))
+    }
+
+    /// The pending message with `key` (whose hash is `hash`), as [`Intake::pending_of`] finds it;
+    /// for a key of a write whose fate is open (`Keys::unsettled`), once that write is found filed
+    /// (until then [`IntakeError::KeyUnsettled`]).
+    async fn pending_with(
+        &self,
+        keys: &mut Keys,
+        hash: KeyHash,
+        key: &MessageKey,
+    ) -> Result<Option<(MessageId, Box<MessageStatus>)>, IntakeError> {
+        if let Some(&from) = keys.unsettled.get(key) {
+            let found = self.filed_with_key(from, key).await?;
+            if found.is_empty() {
+                return Err(IntakeError::KeyUnsettled);
+            }
+            keys.unsettled.remove(key);
+            for id in found {
+                keys.complete()?.insert(hash, id);
+            }
+        }
+        self.pending_of(keys.complete()?, hash, key).await
+    }
+
+    /// The ids of the records with `key` filed from seq `from` on (messages, not retries), read
+    /// from their starts off the async threads.
+    async fn filed_with_key(
+        &self,
+        from: u64,
+        key: &MessageKey,
+    ) -> Result<Vec<MessageId>, IntakeError> {
+        let (log, key) = (self.log.clone(), key.clone());
+        let found = tokio::task::spawn_blocking(move || {
+            let mut found = Vec::new();
+            log.records_since(from, &key.sink, |meta| {
+                if let Ok(meta) = meta {
+                    let named = meta.dedup
+                        && meta.attempt == 0
+                        && meta.topic == key.topic
+                        && meta.key.as_deref() == Some(key.key.as_str());
+                    if named {
+                        found.push(meta.id);
+                    }
+                }
+            })
+            .map(|()| found)
+        })
+        .await
+        .map_err(|e| IntakeError::Interrupted(e.to_string()))??;
+        Ok(found)
     }
 
     /// The pending message with `key` among the index's candidates for its `hash`, read from disk.
@@ -530,14 +600,25 @@ fn report_size(index: &KeyIndex) {
 /// Waits for an append made under the index's lock, and files its ids in the index (`file`) before the
 /// lock is let go, in a task of its own: a caller that stops waiting (an HTTP client gone, a handler
 /// dropped) must not leave messages it appended out of the index, where a retry with their key would
-/// not find them and would schedule each again.
+/// not find them and would schedule each again. An append answered `Uncertain` leaves its keys
+/// unsettled instead (`Keys::unsettled`, with `from`, the log's `filed_below` before the append).
 async fn file_when_durable(
     ack: schedulelog::Ack<Vec<Appended>>,
     mut keys: tokio::sync::OwnedMutexGuard<Keys>,
+    (unsettled, from): (Vec<MessageKey>, u64),
     file: impl FnOnce(&mut KeyIndex, &[Appended]) + Send + 'static,
 ) -> Result<Vec<Appended>, IntakeError> {
     let filed = tokio::spawn(async move {
-        let appended = ack.await?;
+        let appended = match ack.await {
+            Ok(appended) => appended,
+            Err(AppendError::Uncertain) => {
+                for key in unsettled {
+                    keys.unsettled.insert(key, from);
+                }
+                return Err(AppendError::Uncertain.into());
+            }
+            Err(other) => return Err(other.into()),
+        };
         file(&mut keys.index, &appended);
         Ok(appended)
     });
@@ -561,10 +642,8 @@ async fn maintain_keys(
                     keys = index.len(),
                     "the index of idempotency keys is rebuilt: keyed messages are taken again"
                 );
-                *keys.lock().await = Keys {
-                    index,
-                    complete: true,
-                };
+                let mut keys = keys.lock().await;
+                (keys.index, keys.complete) = (index, true);
             }
             Ok(Err(error)) => {
                 tracing::debug!(%error, "the index of idempotency keys still waits");
@@ -624,6 +703,7 @@ mod tests {
         let keys = Arc::new(tokio::sync::Mutex::new(Keys {
             index,
             complete: true,
+            unsettled: HashMap::new(),
         }));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let finished = |topic: &str, k: &str, seq| FinishedKey {
@@ -681,6 +761,7 @@ mod tests {
             keys: Arc::new(tokio::sync::Mutex::new(Keys {
                 index,
                 complete: true,
+                unsettled: HashMap::new(),
             })),
         };
         Harness {
