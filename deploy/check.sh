@@ -3,8 +3,9 @@
 #   docker/Dockerfile         hadolint, every rule down to style
 #   systemd/delayd.service    systemd-analyze verify (silent), systemd-analyze security --offline
 #                             (exposure at most 2.0, printed)
-#   kubernetes/*.yaml         kubernetes-validate --strict, against Kubernetes 1.29 (the first with
-#                             native sidecars on) and 1.37
+#   kubernetes/*.yaml,        kubernetes-validate --strict, against Kubernetes 1.29 (the first with
+#   kubernetes/cluster/*.yaml native sidecars on) and 1.37; the cluster's ConfigMap names the pods
+#                             the StatefulSet makes, on their ports, and its PDB keeps a majority
 #   prometheus/               promtool check config, check rules, test rules; every alert tested,
 #                             labelled and linked to its runbook anchor
 #   grafana/delayd.json       valid JSON, each panel's queries parsed by promtool
@@ -87,9 +88,64 @@ echo "$out" | grep -F 'Overall exposure level' || { echo "$out"; fail "no exposu
 
 # ---- Kubernetes ----------------------------------------------------------------------------------
 for version in 1.29.0 "$KUBERNETES_VALIDATE_VERSION"; do
-  step "kubernetes-validate --strict -k $version kubernetes/*.yaml"
-  "$venv/bin/kubernetes-validate" --strict -k "$version" kubernetes/*.yaml
+  step "kubernetes-validate --strict -k $version kubernetes/*.yaml kubernetes/cluster/*.yaml"
+  "$venv/bin/kubernetes-validate" --strict -k "$version" kubernetes/*.yaml kubernetes/cluster/*.yaml
 done
+step "kubernetes/cluster: the members are the StatefulSet's pods"
+# The ConfigMap's [[cluster.members]] must be the pods the StatefulSet makes (delayd-N, N from
+# ordinals.start, member N), by their names in the headless Service and on the container's ports;
+# each member's id comes from its pod index, and the PDB must keep a majority. (tests/it/deploy.rs
+# starts members from this ConfigMap's file.)
+"$py" - <<'EOF'
+import sys, tomllib, yaml
+docs = [d for f in ("statefulset", "service", "configmap", "pdb")
+        for d in yaml.safe_load_all(open(f"kubernetes/cluster/{f}.yaml"))]
+def one(kind, name=None):
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"{kind} {name or ''}: {len(found)} found"
+    return found[0]
+problems = []
+def need(ok, what):
+    if not ok:
+        problems.append(what)
+sts = one("StatefulSet")
+spec, name = sts["spec"], sts["metadata"]["name"]
+start, replicas = spec.get("ordinals", {}).get("start", 0), spec["replicas"]
+need(start >= 1, "ordinals.start: member ids start at 1 (delayd refuses 0)")
+need(spec.get("podManagementPolicy") == "Parallel", "podManagementPolicy: Parallel (members are ready only together)")
+pod = spec["template"]
+(container,) = pod["spec"]["containers"]
+ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+env = {e["name"]: e for e in container["env"]}
+need(env.get("DELAYD_CLUSTER_NODE_ID", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+     == "metadata.labels['apps.kubernetes.io/pod-index']", "DELAYD_CLUSTER_NODE_ID from the pod-index label")
+need("secretKeyRef" in env.get("DELAYD_CLUSTER_SECRET", {}).get("valueFrom", {}), "DELAYD_CLUSTER_SECRET from a Secret")
+need(env.get("DELAYD_LISTEN", {}).get("value", "").endswith(f":{ports['http']}"), "DELAYD_LISTEN on the http port")
+headless = one("Service", spec["serviceName"])
+need(headless["spec"].get("clusterIP") == "None", f"Service {spec['serviceName']}: headless")
+need(headless["spec"].get("publishNotReadyAddresses") is True, f"Service {spec['serviceName']}: publishNotReadyAddresses")
+need({p["name"] for p in headless["spec"]["ports"]} >= {"http", "peer"}, f"Service {spec['serviceName']}: ports http and peer")
+(volume,) = [v for v in pod["spec"]["volumes"] if "configMap" in v]
+config = tomllib.loads(one("ConfigMap", volume["configMap"]["name"])["data"]["delayd.toml"])
+cluster = config["cluster"]
+need("node_id" not in cluster and "secret" not in cluster, "[cluster]: node_id and secret come from the environment")
+need(cluster["listen"].endswith(f":{ports['peer']}"), "cluster.listen on the peer port")
+need(config.get("fsync", "always") == "always", 'fsync = "always" in a cluster')
+host = lambda i: f"{name}-{i}.{spec['serviceName']}"
+expected = [{"id": i, "api": f"http://{host(i)}:{ports['http']}", "peer": f"{host(i)}:{ports['peer']}"}
+            for i in range(start, start + replicas)]
+need(cluster["members"] == expected, f"[[cluster.members]] are not the pods: want {expected}")
+budget = one("PodDisruptionBudget")["spec"]
+need(budget["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), "the PDB selects the pods")
+left = replicas - budget["maxUnavailable"] if "maxUnavailable" in budget else budget.get("minAvailable", 0)
+need(left > replicas // 2, f"the PDB lets the members fall to {left} of {replicas}, no majority")
+for p in problems:
+    print(p, file=sys.stderr)
+if problems:
+    sys.exit(1)
+print(f"{replicas} members, ids {start}..{start + replicas - 1}: {', '.join(m['peer'] for m in expected)}; "
+      f"the PDB keeps {left}")
+EOF
 
 # ---- Prometheus ----------------------------------------------------------------------------------
 step "promtool check config prometheus/prometheus.yml"
@@ -135,7 +191,7 @@ step "image tag"
 # command is the image the manifests name. (An upper-case tag, such as delayd:NEW, is a placeholder.)
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/Cargo.toml" | head -1)
 [ -n "$version" ] || fail "no version in Cargo.toml"
-for file in kubernetes/*.yaml docker/Dockerfile ../docs/operations.md; do
+for file in kubernetes/*.yaml kubernetes/cluster/*.yaml docker/Dockerfile ../docs/operations.md; do
   if grep -nE '(image: |-t |delayd-data:/var/lib/delayd |:ro" )delayd(:[^ ]*)?( |$)' "$file" |
     grep -vE "delayd:($version|[A-Z]+)( |$)" >&2; then
     fail "$file names the image without its version tag delayd:$version"
