@@ -6,8 +6,8 @@
 #   kubernetes/*.yaml,        kubernetes-validate --strict, against Kubernetes 1.29 (the first with
 #   kubernetes/cluster/*.yaml native sidecars on) and 1.37; the cluster's ConfigMap names the pods
 #                             the StatefulSet makes, on their ports, and its PDB keeps a majority
-#   prometheus/               promtool check config, check rules, test rules; every alert tested,
-#                             labelled and linked to its runbook anchor
+#   prometheus/               promtool check config (both scrape configs), check rules, test rules;
+#                             every alert tested, labelled and linked to its runbook anchor
 #   grafana/delayd.json       valid JSON, each panel's queries parsed by promtool
 #   dashboard + alerts        every delayd_* metric they name is one the source exports
 # Missing tools are installed (as root, as CI runs it): systemd and prometheus (for promtool) from
@@ -139,6 +139,9 @@ budget = one("PodDisruptionBudget")["spec"]
 need(budget["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), "the PDB selects the pods")
 left = replicas - budget["maxUnavailable"] if "maxUnavailable" in budget else budget.get("minAvailable", 0)
 need(left > replicas // 2, f"the PDB lets the members fall to {left} of {replicas}, no majority")
+scrape = yaml.safe_load(open("prometheus/prometheus-cluster.yml"))["scrape_configs"][0]
+need(all(n.startswith(f"_http._tcp.{spec['serviceName']}.") for c in scrape["dns_sd_configs"] for n in c["names"]),
+     "prometheus-cluster.yml looks up the headless Service's http port")
 for p in problems:
     print(p, file=sys.stderr)
 if problems:
@@ -148,8 +151,10 @@ print(f"{replicas} members, ids {start}..{start + replicas - 1}: {', '.join(m['p
 EOF
 
 # ---- Prometheus ----------------------------------------------------------------------------------
-step "promtool check config prometheus/prometheus.yml"
-promtool check config prometheus/prometheus.yml
+for config in prometheus.yml prometheus-cluster.yml; do
+  step "promtool check config prometheus/$config"
+  promtool check config "prometheus/$config"
+done
 step "promtool check rules prometheus/alerts.yml"
 promtool check rules prometheus/alerts.yml
 step "promtool test rules prometheus/alerts_test.yml"

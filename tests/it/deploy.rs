@@ -1,10 +1,14 @@
 //! The operations kit (`deploy/`) against the real binary: every metric the Grafana dashboard and the
-//! Prometheus alert rules name is in a live `/metrics`; systemd hears `READY=1` and `STOPPING=1`; the
-//! container health check (`delayd probe`) tells a ready service from an absent one; `--version`.
-//! The files themselves are checked by their own tools in `deploy/check.sh`.
+//! Prometheus alert rules name is in a live `/metrics` (a single node's, or the cluster members' for
+//! the `delayd_cluster_*` ones, the members started from the cluster ConfigMap's file); systemd hears
+//! `READY=1` and `STOPPING=1`; the container health check (`delayd probe`) tells a ready service from
+//! an absent one; `--version`. The files themselves are checked by their own tools in
+//! `deploy/check.sh`.
 
-use crate::common::{free_port, request, scrape, spawn_with_env, wait_for, write_file};
-use std::collections::BTreeSet;
+use crate::common::{
+    free_port, request, scrape, spawn_member, spawn_with_env, wait_for, write_file, Process,
+};
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::net::UnixDatagram;
 use std::process::Command;
 use std::time::Duration;
@@ -47,12 +51,8 @@ fn dashboard_queries(value: &serde_json::Value, out: &mut Vec<String>) {
     }
 }
 
-/// A dashboard or an alert that names a metric the service does not export shows nothing, or never
-/// fires. With a source and an MQ sink configured (their servers absent: the series exist anyway) and
-/// one message delivered (the WAL, the broker and the HTTP histograms have observations), every name
-/// the dashboard's queries and the alert rules use is a series of the live `/metrics`.
-#[test]
-fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
+/// Every `delayd_*` name the dashboard's queries and the alert rules use.
+fn named_by_deploy() -> BTreeSet<String> {
     let dashboard: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(format!("{DEPLOY}/grafana/delayd.json")).unwrap(),
     )
@@ -64,6 +64,23 @@ fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
     let alerts = std::fs::read_to_string(format!("{DEPLOY}/prometheus/alerts.yml")).unwrap();
     named.extend(metric_names(&alerts));
     assert!(named.len() >= 25, "{named:?}");
+    named
+}
+
+/// Only cluster members export these (checked by the cluster test below).
+const CLUSTER_METRICS: &str = "delayd_cluster_";
+
+/// A dashboard or an alert that names a metric the service does not export shows nothing, or never
+/// fires. With a source and an MQ sink configured (their servers absent: the series exist anyway) and
+/// one message delivered (the WAL, the broker and the HTTP histograms have observations), every name
+/// the dashboard's queries and the alert rules use is a series of the live `/metrics`, but for the
+/// cluster's, which a single node does not export.
+#[test]
+fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
+    let (cluster, named): (BTreeSet<String>, BTreeSet<String>) = named_by_deploy()
+        .into_iter()
+        .partition(|name| name.starts_with(CLUSTER_METRICS));
+    assert!(cluster.len() >= 5, "{cluster:?}");
 
     let dir = tempfile::tempdir().unwrap();
     let nothing = format!("redis://127.0.0.1:{}/", free_port());
@@ -271,4 +288,144 @@ fn version_is_the_crates() {
         String::from_utf8_lossy(&output.stdout).trim(),
         format!("delayd {}", env!("CARGO_PKG_VERSION"))
     );
+}
+
+/// The `delayd.toml` of the cluster's ConfigMap (the block scalar under its key), unindented.
+fn cluster_configmap_file() -> String {
+    let yaml =
+        std::fs::read_to_string(format!("{DEPLOY}/kubernetes/cluster/configmap.yaml")).unwrap();
+    let mut lines = yaml.lines().skip_while(|line| *line != "  delayd.toml: |");
+    assert!(lines.next().is_some(), "no delayd.toml key in {yaml}");
+    let mut file = String::new();
+    for line in lines.take_while(|line| line.is_empty() || line.starts_with("    ")) {
+        file.push_str(line.get(4..).unwrap_or(""));
+        file.push('\n');
+    }
+    file
+}
+
+/// Whether the members' metrics, as scraped, show one term and a leader that reports member 3's lag.
+fn settled(scraped: &[(u64, BTreeMap<String, f64>)]) -> bool {
+    let terms: BTreeSet<Option<u64>> = (scraped.iter())
+        .map(|(_, series)| series.get("delayd_cluster_term").map(|term| *term as u64))
+        .collect();
+    let lag = r#"delayd_cluster_peer_lag_entries{peer="3"}"#;
+    terms.len() == 1
+        && scraped.iter().any(|(_, series)| {
+            series.get("delayd_cluster_leader") == Some(&1.0) && series.contains_key(lag)
+        })
+}
+
+/// The cluster kit as the StatefulSet runs it, on loopback: members started from the ConfigMap's
+/// file, each told its id and the shared secret by DELAYD_CLUSTER_NODE_ID and DELAYD_CLUSTER_SECRET,
+/// its members' DNS names (delayd-N.delayd-peers) pointed at loopback ports. Two of the three form the
+/// cluster (member 3's pod is, say, Pending). Then every `delayd_cluster_*` name the dashboard and the
+/// alerts use is exported by a member, and what the alerts assume holds: the leader reports a lag
+/// for every other member, the absent one included (DelaydClusterMemberUnreachable counts them), and
+/// the members agree on the term.
+#[test]
+fn members_started_from_the_cluster_configmap_export_what_the_alerts_name() {
+    let named: BTreeSet<String> = named_by_deploy()
+        .into_iter()
+        .filter(|name| name.starts_with(CLUSTER_METRICS))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    // Each member's api and peer port, six ports that differ: each is held until all are found (a
+    // port asked for and let go may be handed out again at once).
+    let held: Vec<std::net::TcpListener> = (0..6)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let ports: Vec<(u16, u16)> = (held.chunks(2))
+        .map(|pair| {
+            let port = |listener: &std::net::TcpListener| listener.local_addr().unwrap().port();
+            (port(&pair[0]), port(&pair[1]))
+        })
+        .collect();
+    drop(held);
+    let mut text = cluster_configmap_file();
+    for (id, (api, peer)) in (1..).zip(&ports) {
+        let (api_name, peer_name) = (
+            format!("\"http://delayd-{id}.delayd-peers:7070\""),
+            format!("\"delayd-{id}.delayd-peers:7171\""),
+        );
+        assert!(
+            text.contains(&api_name) && text.contains(&peer_name),
+            "member {id} is not {api_name} and {peer_name} in\n{text}"
+        );
+        text = text
+            .replace(&api_name, &format!("\"http://127.0.0.1:{api}\""))
+            .replace(&peer_name, &format!("\"127.0.0.1:{peer}\""));
+    }
+    let config = write_file(dir.path(), "delayd.toml", &text);
+    let secret = "0123456789abcdef0123456789abcdef";
+    let mut members: Vec<(u64, Process)> = (1..=2u64)
+        .zip(&ports)
+        .map(|(id, (api, peer))| {
+            let env = [
+                ("DELAYD_CLUSTER_NODE_ID", id.to_string()),
+                ("DELAYD_CLUSTER_SECRET", secret.to_string()),
+                // As the StatefulSet's DELAYD_LISTEN, and the file's cluster.listen, on a port of
+                // the member's own.
+                ("DELAYD_LISTEN", format!("127.0.0.1:{api}")),
+                ("DELAYD_CLUSTER_LISTEN", format!("127.0.0.1:{peer}")),
+                ("DELAYD_MIN_FREE_DISK_BYTES", "0".to_string()),
+            ];
+            let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let data = dir.path().join(format!("data-{id}"));
+            (id, spawn_member(&config, &data, &env))
+        })
+        .collect();
+    for (_, member) in &mut members {
+        member.wait_ready_within(Duration::from_secs(60));
+    }
+    for (id, member) in &members {
+        let status = request(&member.base, "GET", "/v1/cluster", None, None);
+        assert_eq!(status.status, 200, "{}", status.json);
+        assert_eq!(status.json["node_id"], *id, "{}", status.json);
+        assert_eq!(status.json["members"].as_array().unwrap().len(), 3);
+    }
+
+    // The metrics follow Raft's within a second or so: the leader's lags once it leads, a follower's
+    // term once it heard of the election.
+    let mut last = Vec::new();
+    wait_for(
+        "the leader's lags, one term",
+        Duration::from_secs(30),
+        || {
+            last = (members.iter())
+                .map(|(id, member)| (*id, scrape(&member.base)))
+                .collect();
+            settled(&last)
+        },
+    );
+    let exported: BTreeSet<&str> = (last.iter())
+        .flat_map(|(_, series)| series.keys())
+        .map(|series| series.split('{').next().unwrap())
+        .collect();
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|name| !exported.contains(name.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "named by deploy/ but not exported by a member: {missing:?}\nexported: {exported:?}"
+    );
+    let (leader, series) = (last.iter())
+        .find(|(_, series)| series.get("delayd_cluster_leader") == Some(&1.0))
+        .unwrap();
+    let follower = if *leader == 1 { 2 } else { 1 };
+    for peer in [follower, 3] {
+        let lag = format!(r#"delayd_cluster_peer_lag_entries{{peer="{peer}"}}"#);
+        assert!(
+            series.contains_key(&lag),
+            "leader {leader}: no {lag} in {series:#?}"
+        );
+    }
+    // What GET /v1/cluster says of the member that never answered, the alert reads from the lag.
+    let leader_base = &members[(*leader - 1) as usize].1.base;
+    let status = request(leader_base, "GET", "/v1/cluster", None, None);
+    let absent = (status.json["members"].as_array().unwrap().iter())
+        .find(|member| member["id"] == 3)
+        .unwrap();
+    assert_eq!(absent["state"], "unreachable", "{}", status.json);
 }
