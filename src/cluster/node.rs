@@ -397,6 +397,10 @@ async fn keep_lease(raft: Raft<TypeConfig>, lease: Arc<Lease>, election_timeout:
 /// Sets the `delayd_cluster_*` metrics from Raft's, as they change (and once a second, for the
 /// committed index, which Raft's metrics do not carry).
 async fn report(raft: Raft<TypeConfig>, store: LogStore, lease: Arc<Lease>) {
+    // At 0 from the start, as every unlabelled counter. It counts the terms begun after the first
+    // report, and the founding election usually comes before that: without this it would not exist
+    // until a second election.
+    metrics::counter!("delayd_cluster_elections_total").increment(0);
     let mut metrics = raft.metrics();
     let mut term = None;
     let mut lagging: Vec<u64> = Vec::new();

@@ -410,6 +410,16 @@ fn members_started_from_the_cluster_configmap_export_what_the_alerts_name() {
         missing.is_empty(),
         "named by deploy/ but not exported by a member: {missing:?}\nexported: {exported:?}"
     );
+    // A member's unlabelled counters exist from its start, for increase() and rate() (the founding
+    // election comes before the member's first report of its metrics).
+    for (id, series) in &last {
+        for counter in [
+            "delayd_cluster_elections_total",
+            "delayd_cluster_forwarded_requests_total",
+        ] {
+            assert!(series.contains_key(counter), "member {id}: no {counter}");
+        }
+    }
     let (leader, series) = (last.iter())
         .find(|(_, series)| series.get("delayd_cluster_leader") == Some(&1.0))
         .unwrap();
