@@ -167,8 +167,10 @@ pub enum AppendError {
     #[error("this member does not lead the cluster (the leader is {leader:?})")]
     NotLeader { leader: Option<u64> },
     /// A replicated log's write was proposed, but no quorum took it in time: it may still take effect.
+    /// Every record of it has a seq below `seqs_below` (the end of the entry it was proposed in), so
+    /// once the log has filed that far it is known whether it did.
     #[error("no quorum took the write in time; it may still take effect")]
-    Uncertain,
+    Uncertain { seqs_below: u64 },
     /// A request this log does not take: Raft entries that do not continue it, or one too large for a
     /// WAL file; a plain append to a replicated log, or entries to a single node's. Nothing was written.
     #[error("refused: {0}")]

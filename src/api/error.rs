@@ -189,7 +189,7 @@ impl From<AppendError> for ApiError {
             AppendError::NotLeader { .. } => ApiError::no_leader(
                 "this cluster member could not propose the write (it does not lead, or its last write is unresolved); nothing was stored, retry shortly",
             ),
-            AppendError::Uncertain => ApiError::write_uncertain(
+            AppendError::Uncertain { .. } => ApiError::write_uncertain(
                 "no quorum of the cluster took the write in time: it may still take effect; resend it with an idempotency key (dedup)",
             ),
             // What the log refuses is the caller's mistake in this process, not the client's.
@@ -342,7 +342,7 @@ mod tests {
     #[test]
     fn a_refused_cluster_write_says_whether_it_may_take_effect() {
         let not_proposed = ApiError::from(AppendError::NotLeader { leader: Some(2) });
-        let uncertain = ApiError::from(AppendError::Uncertain);
+        let uncertain = ApiError::from(AppendError::Uncertain { seqs_below: 1 });
         for (error, code) in [
             (&not_proposed, "no_leader"),
             (&uncertain, "write_uncertain"),

@@ -33,8 +33,8 @@ use openraft::{Raft, ServerState};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// Campaigns one refusal may start: one that the refused candidate refuses in turn (its term is not
-/// above the candidate's), one above it, and one more for an answer that came late.
+/// Campaigns one refusal may start: one that only reaches the refused candidate's term (which it
+/// refuses), one above it, and one more for an answer that came late.
 const MAX_CAMPAIGNS: usize = 3;
 
 /// What this member's Raft service saw that bears on a hand-off (network.rs reports it).
@@ -72,8 +72,10 @@ impl Handoff {
     }
 }
 
-/// Stands for election after each refusal, as the module doc says, until `raft` shuts down. `quiet`:
-/// the election timeout, how long no leader must have been heard from.
+/// Stands for election after each refusal, as the module doc says; runs until aborted (the member's
+/// shutdown aborts it) or Raft refuses a campaign because it stopped. `quiet`: the election timeout,
+/// how long no leader must have been heard from (at least the longest election timeout, openraft's
+/// leader lease, for the delivery lease's margin: node.rs).
 pub async fn run(
     raft: Raft<TypeConfig>,
     handoff: std::sync::Arc<Handoff>,
@@ -108,16 +110,26 @@ pub async fn run(
             if raft.trigger().elect().await.is_err() {
                 return; // Raft stopped
             }
-            // Elected, or refused by another's vote of a later term than this member's was (the
-            // refused candidate's, when this campaign only reached its term), which this member's
-            // next campaign goes above: a campaign takes the term after the member's vote.
+            // The campaign's term, once Raft took it up: the term after this member's vote.
+            let campaign = raft
+                .wait(Some(quiet / 2))
+                .metrics(|m| m.vote.leader_id().term > before, "a campaign begun")
+                .await;
+            let Ok(campaign) = campaign else { continue };
+            let campaign = campaign.vote.leader_id().term;
+            if campaign <= term {
+                // The refused candidate voted for itself in its term: it refuses this campaign
+                // (and openraft takes no other's vote of the same term in answer). One above, at once.
+                continue;
+            }
+            // Elected, or refused by another's vote of a later term, which the next campaign goes above.
             let answered = raft
                 .wait(Some(quiet / 2))
                 .metrics(
                     |m| {
                         m.state == ServerState::Leader
                             || (m.vote.leader_id().node_id != id
-                                && m.vote.leader_id().term > before)
+                                && m.vote.leader_id().term > campaign)
                     },
                     "a campaign answered",
                 )

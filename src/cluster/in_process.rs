@@ -359,7 +359,7 @@ impl Cluster {
             let leader = self.leader().await;
             match self.running[&leader].log.append(vec![message(body)]).await {
                 Ok(appended) => return appended[0].id,
-                Err(AppendError::NotLeader { .. } | AppendError::Uncertain) => {}
+                Err(AppendError::NotLeader { .. } | AppendError::Uncertain { .. }) => {}
                 Err(e) => panic!("append: {e}"),
             }
         }
@@ -421,7 +421,7 @@ async fn three_members_replicate_and_survive_the_loss_of_their_leader() {
             Ok(()) => break,
             // Leadership moved (an election on a busy machine): ask the new leader.
             Err(schedulelog::Error::Append(
-                AppendError::NotLeader { .. } | AppendError::Uncertain,
+                AppendError::NotLeader { .. } | AppendError::Uncertain { .. },
             )) if attempt < 100 => {}
             Err(e) => panic!("recording the outcome: {e}"),
         }
@@ -539,7 +539,10 @@ async fn a_partitioned_leader_loses_its_uncommitted_tail() {
     // and a write after it is not even proposed.
     let held = cluster.running[&old].log.append(vec![message("isolated")]);
     let held = held.await;
-    assert!(matches!(held, Err(AppendError::Uncertain)), "{held:?}");
+    assert!(
+        matches!(held, Err(AppendError::Uncertain { .. })),
+        "{held:?}"
+    );
     let refused = cluster.running[&old]
         .log
         .append(vec![message("refused")])
@@ -562,7 +565,7 @@ async fn a_partitioned_leader_loses_its_uncommitted_tail() {
             .await
         {
             Ok(appended) => break appended[0].id,
-            Err(AppendError::NotLeader { .. } | AppendError::Uncertain) => {
+            Err(AppendError::NotLeader { .. } | AppendError::Uncertain { .. }) => {
                 cluster.leader_among(&majority).await;
             }
             Err(e) => panic!("append on the majority: {e}"),
@@ -610,6 +613,43 @@ async fn a_follower_refusing_a_shorter_log_stands_itself_and_leads() {
     cluster
         .applied_on(&[behind, ahead], last, "only ahead")
         .await;
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
+}
+
+/// A follower cut off from the leader stands again and again, and is refused by the other, which has
+/// a longer log but still hears from the leader: that one does not stand (handoff.rs waits until no
+/// leader has spoken for an election timeout), and the leader leads on in its term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_hears_its_leader_does_not_stand_after_refusing_a_shorter_log() {
+    let mut cluster = Cluster::new(3).await;
+    let first = cluster.append("shared").await;
+    cluster.applied_everywhere(first, "shared").await;
+    let leader = cluster.leader().await;
+    let term = |id: u64| cluster.running[&id].raft.metrics().borrow().current_term;
+    let before = term(leader);
+    let mut followers = cluster.members.keys().copied().filter(|id| *id != leader);
+    let (behind, heard) = (followers.next().unwrap(), followers.next().unwrap());
+    cluster.proxies[&behind].block([leader]).await;
+    cluster.proxies[&leader].block([behind]).await;
+    // `heard` has an entry `behind` lacks: `behind`'s campaigns are refused for their shorter log.
+    let last = cluster.append("only heard").await;
+    cluster
+        .applied_on(&[leader, heard], last, "only heard")
+        .await;
+    wait_until("the cut-off follower stood twice", || {
+        term(behind) >= before + 2
+    })
+    .await;
+    assert_eq!(term(leader), before, "the leader leads on in its term");
+    assert_eq!(
+        term(heard),
+        before,
+        "the follower that hears its leader stood for nothing"
+    );
+    assert_eq!(cluster.leader_among(&[leader, heard]).await, leader);
+    cluster.heal();
     for (_, running) in std::mem::take(&mut cluster.running) {
         running.stop().await;
     }
@@ -679,7 +719,10 @@ async fn a_keyed_write_answered_uncertain_is_not_scheduled_twice_when_it_commits
     }
     let answered = intake.schedule_keyed(&key, keyed()).await;
     assert!(
-        matches!(answered, Err(IntakeError::Append(AppendError::Uncertain))),
+        matches!(
+            answered,
+            Err(IntakeError::Append(AppendError::Uncertain { .. }))
+        ),
         "{answered:?}"
     );
     let again = intake.schedule_keyed(&key, keyed()).await;
@@ -687,9 +730,16 @@ async fn a_keyed_write_answered_uncertain_is_not_scheduled_twice_when_it_commits
 
     // The links come back: the write is committed in the same term, and found, not made again.
     cluster.heal();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let found = loop {
         match intake.schedule_keyed(&key, keyed()).await {
-            Err(IntakeError::KeyUnsettled) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(IntakeError::KeyUnsettled) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the key stays unsettled"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             Ok(Keyed::Pending(id, _)) => break id,
             other => panic!("sent again, the keyed write was {other:?}"),
         }
@@ -866,7 +916,7 @@ impl Cluster {
             match replaced {
                 Ok(()) => return leader,
                 Err(StateFileError::Replication {
-                    source: AppendError::NotLeader { .. } | AppendError::Uncertain,
+                    source: AppendError::NotLeader { .. } | AppendError::Uncertain { .. },
                     ..
                 }) => {}
                 Err(e) => panic!("replacing {file}: {e}"),

@@ -11,7 +11,8 @@
 //!   followers refuse to vote for anyone else for the longest election timeout (the election timeout
 //!   itself, `super::raft_config`) after such a heartbeat, so the lease ends before another member can
 //!   be elected, by half an election timeout at least, which is this member's margin to stop handing
-//!   batches to sinks.
+//!   batches to sinks. A member that stands by itself (handoff.rs) waits as long since its own last
+//!   acknowledgement of a leader.
 //! - A member that does not lead holds no lease.
 
 use super::handoff::Handoff;
@@ -134,13 +135,20 @@ impl Node {
                 return Err(anyhow::anyhow!("founding the cluster: {e}"));
             }
         }
-        let proposer = super::propose::start(
+        let proposer = match super::propose::start(
             raft.clone(),
             log,
             clock,
             tokio::runtime::Handle::current(),
             answer_within(election_timeout),
-        )?;
+        ) {
+            Ok(proposer) => proposer,
+            Err(error) => {
+                let _ = raft.shutdown().await;
+                tasks.iter().for_each(|t| t.abort());
+                return Err(anyhow::Error::new(error).context("starting the proposer"));
+            }
+        };
         let lease = Arc::new(Lease::new());
         tasks.push(tokio::spawn(keep_lease(
             raft.clone(),

@@ -64,7 +64,8 @@ pub fn start(
                     // A leader cut off from the others keeps its write pending: its submitters are
                     // told now; later writes are not proposed while its fate is open (their seqs
                     // would come after it), and are told so at once.
-                    group.answer(Err(AppendError::Uncertain));
+                    let seqs_below = group.next_seq;
+                    group.answer(Err(AppendError::Uncertain { seqs_below }));
                     loop {
                         let settled = async { tokio::time::timeout(IDLE_WAIT, &mut write).await };
                         if runtime.block_on(settled).is_ok() {
@@ -84,6 +85,7 @@ pub fn start(
                     continue;
                 }
             };
+            let seqs_below = group.next_seq;
             let error = |e: openraft::error::RaftError<u64, _>| match e {
                 e if e.forward_to_leader().is_some() => AppendError::NotLeader {
                     leader: e.forward_to_leader().and_then(|f| f.leader_id),
@@ -92,7 +94,7 @@ pub fn start(
                     AppendError::Closed
                 }
                 // Raft failed with the entry proposed: it may have reached the others.
-                _ => AppendError::Uncertain,
+                _ => AppendError::Uncertain { seqs_below },
             };
             group.answer(written.map(|_| ()).map_err(error));
         })?;

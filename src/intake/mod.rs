@@ -26,7 +26,7 @@ use schedulelog::{
     MessageStatus, ScheduleLog,
 };
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -290,12 +290,12 @@ struct Keys {
     index: KeyIndex,
     complete: bool,
     /// The keys of writes answered [`AppendError::Uncertain`] (a cluster member's: proposed, not seen
-    /// committed in time), each with a seq its records have at least. Such a write may still be
-    /// committed, in this leader's term (a leader never drops its own entries; another leader's term
-    /// starts a new intake, whose index is rebuilt from the files). So a key here is looked for among
-    /// the records filed since that seq, and refused ([`IntakeError::KeyUnsettled`]) until found: a
-    /// message sent again with it must not be scheduled twice.
-    unsettled: HashMap<MessageKey, u64>,
+    /// committed in time). Such a write may still be committed, in this leader's term (a leader never
+    /// drops its own entries; another leader's term starts a new intake, whose index is rebuilt from
+    /// the files), so a message sent again with one of its keys is refused
+    /// ([`IntakeError::KeyUnsettled`]) until [`settle`] knows: once the log has filed every seq the
+    /// write could have, its records found there go into the index and its keys leave this set.
+    unsettled: HashSet<MessageKey>,
 }
 
 impl Keys {
@@ -336,14 +336,14 @@ impl Intake {
             Ok(index) => Keys {
                 index,
                 complete: true,
-                unsettled: HashMap::new(),
+                unsettled: HashSet::new(),
             },
             Err(schedulelog::Error::NotFiledYet { cause }) => {
                 tracing::warn!(cause = cause.as_deref().unwrap_or("the replayer is behind"), "the index of idempotency keys waits for the disk: keyed messages are refused until it is rebuilt");
                 Keys {
                     index: KeyIndex::new(),
                     complete: false,
-                    unsettled: HashMap::new(),
+                    unsettled: HashSet::new(),
                 }
             }
             Err(e) => return Err(e),
@@ -388,10 +388,9 @@ impl Intake {
         if let Some((id, status)) = self.pending_with(&mut keys, hash, key).await? {
             return Ok(Keyed::Pending(id, status));
         }
-        let from = self.log.filed_below();
+        let unsettled = self.unsettled(vec![key.clone()]);
         let ack = self.log.append(vec![message]);
-        let unsettled = vec![key.clone()];
-        let appended = file_when_durable(ack, keys, (unsettled, from), move |index, appended| {
+        let appended = file_when_durable(ack, keys, unsettled, move |index, appended| {
             if let Some(one) = appended.first() {
                 index.insert(hash, one.id);
             }
@@ -421,7 +420,7 @@ impl Intake {
         }
         let mut kept = Vec::with_capacity(messages.len());
         let mut encoded = Vec::with_capacity(messages.len());
-        let mut this_call = std::collections::HashSet::new();
+        let mut this_call = HashSet::new();
         let mut unsettled = Vec::new();
         for (key, message) in messages {
             let filed = match (&key, keys.as_mut()) {
@@ -447,9 +446,9 @@ impl Intake {
         let appended = match (encoded.is_empty(), keys) {
             (true, _) => Vec::new(),
             (false, Some(keys)) => {
-                let from = self.log.filed_below();
+                let unsettled = self.unsettled(unsettled);
                 let ack = self.log.append(encoded);
-                file_when_durable(ack, keys, (unsettled, from), move |index, appended| {
+                file_when_durable(ack, keys, unsettled, move |index, appended| {
                     for (hash, one) in hashes.iter().zip(appended) {
                         if let Some(hash) = hash {
                             index.insert(*hash, one.id);
@@ -489,53 +488,28 @@ impl Intake {
     }
 
     /// The pending message with `key` (whose hash is `hash`), as [`Intake::pending_of`] finds it;
-    /// for a key of a write whose fate is open (`Keys::unsettled`), once that write is found filed
-    /// (until then [`IntakeError::KeyUnsettled`]).
+    /// [`IntakeError::KeyUnsettled`] while a write with the key is in doubt (`Keys::unsettled`).
     async fn pending_with(
         &self,
         keys: &mut Keys,
         hash: KeyHash,
         key: &MessageKey,
     ) -> Result<Option<(MessageId, Box<MessageStatus>)>, IntakeError> {
-        if let Some(&from) = keys.unsettled.get(key) {
-            let found = self.filed_with_key(from, key).await?;
-            if found.is_empty() {
-                return Err(IntakeError::KeyUnsettled);
-            }
-            keys.unsettled.remove(key);
-            for id in found {
-                keys.complete()?.insert(hash, id);
-            }
+        if keys.unsettled.contains(key) {
+            return Err(IntakeError::KeyUnsettled);
         }
         self.pending_of(keys.complete()?, hash, key).await
     }
 
-    /// The ids of the records with `key` filed from seq `from` on (messages, not retries), read
-    /// from their starts off the async threads.
-    async fn filed_with_key(
-        &self,
-        from: u64,
-        key: &MessageKey,
-    ) -> Result<Vec<MessageId>, IntakeError> {
-        let (log, key) = (self.log.clone(), key.clone());
-        let found = tokio::task::spawn_blocking(move || {
-            let mut found = Vec::new();
-            log.records_since(from, &key.sink, |meta| {
-                if let Ok(meta) = meta {
-                    let named = meta.dedup
-                        && meta.attempt == 0
-                        && meta.topic == key.topic
-                        && meta.key.as_deref() == Some(key.key.as_str());
-                    if named {
-                        found.push(meta.id);
-                    }
-                }
-            })
-            .map(|()| found)
-        })
-        .await
-        .map_err(|e| IntakeError::Interrupted(e.to_string()))??;
-        Ok(found)
+    /// What settles the keys of a keyed write about to be appended, should it be answered
+    /// `Uncertain`: its records' seqs are this or above.
+    fn unsettled(&self, keys: Vec<MessageKey>) -> Unsettled {
+        Unsettled {
+            keys,
+            from: self.log.filed_below(),
+            log: Arc::downgrade(&self.log),
+            index: Arc::downgrade(&self.keys),
+        }
     }
 
     /// The pending message with `key` among the index's candidates for its `hash`, read from disk.
@@ -601,21 +575,20 @@ fn report_size(index: &KeyIndex) {
 /// lock is let go, in a task of its own: a caller that stops waiting (an HTTP client gone, a handler
 /// dropped) must not leave messages it appended out of the index, where a retry with their key would
 /// not find them and would schedule each again. An append answered `Uncertain` leaves its keys
-/// unsettled instead (`Keys::unsettled`, with `from`, the log's `filed_below` before the append).
+/// unsettled instead (`Keys::unsettled`), for [`settle`] to settle.
 async fn file_when_durable(
     ack: schedulelog::Ack<Vec<Appended>>,
     mut keys: tokio::sync::OwnedMutexGuard<Keys>,
-    (unsettled, from): (Vec<MessageKey>, u64),
+    unsettled: Unsettled,
     file: impl FnOnce(&mut KeyIndex, &[Appended]) + Send + 'static,
 ) -> Result<Vec<Appended>, IntakeError> {
     let filed = tokio::spawn(async move {
         let appended = match ack.await {
             Ok(appended) => appended,
-            Err(AppendError::Uncertain) => {
-                for key in unsettled {
-                    keys.unsettled.insert(key, from);
-                }
-                return Err(AppendError::Uncertain.into());
+            Err(AppendError::Uncertain { seqs_below }) => {
+                keys.unsettled.extend(unsettled.keys.iter().cloned());
+                tokio::spawn(settle(unsettled, seqs_below));
+                return Err(AppendError::Uncertain { seqs_below }.into());
             }
             Err(other) => return Err(other.into()),
         };
@@ -625,6 +598,86 @@ async fn file_when_durable(
     filed
         .await
         .map_err(|e| IntakeError::Interrupted(format!("filing keyed messages failed: {e}")))?
+}
+
+/// The keys of a keyed write, and what [`settle`] needs should the write be answered `Uncertain`.
+struct Unsettled {
+    keys: Vec<MessageKey>,
+    /// The log's `filed_below` before the append: the write's records have this seq or above.
+    from: u64,
+    /// Weak: a write in doubt holds neither the log open nor the intake of a term that ended.
+    log: std::sync::Weak<ScheduleLog>,
+    index: std::sync::Weak<tokio::sync::Mutex<Keys>>,
+}
+
+/// How often [`settle`] looks whether the log has filed as far as a write in doubt could reach.
+const SETTLE_POLL: Duration = Duration::from_millis(50);
+
+/// Settles the keys of a write answered `Uncertain`, whose records (if it took effect) have seqs in
+/// `from..seqs_below`: once the log has filed below `seqs_below` (the write was committed, or
+/// another's records took its seqs), the records with those keys filed in that range go into the
+/// index, and the keys are taken again. The range is the few entries proposed meanwhile (a
+/// proposer proposes nothing while a write is in doubt), read right away. Ends early once the
+/// intake (its term) or the log is gone.
+async fn settle(unsettled: Unsettled, seqs_below: u64) {
+    let found = loop {
+        let Some(log) = unsettled.log.upgrade() else {
+            return;
+        };
+        if unsettled.index.strong_count() == 0 {
+            return;
+        }
+        if log.filed_below() < seqs_below {
+            drop(log);
+            tokio::time::sleep(SETTLE_POLL).await;
+            continue;
+        }
+        let (keys, from) = (unsettled.keys.clone(), unsettled.from);
+        let scanned = tokio::task::spawn_blocking(move || {
+            let sinks: HashSet<&str> = keys.iter().map(|k| k.sink.as_str()).collect();
+            let mut found = Vec::new();
+            for sink in sinks {
+                log.records_since(from, sink, |meta| {
+                    let Ok(meta) = meta else { return };
+                    if meta.seq >= seqs_below || !meta.dedup || meta.attempt != 0 {
+                        return;
+                    }
+                    let named = keys.iter().find(|k| {
+                        k.sink == meta.sink
+                            && k.topic == meta.topic
+                            && meta.key.as_deref() == Some(k.key.as_str())
+                    });
+                    if let Some(key) = named {
+                        found.push((key.clone(), meta.id));
+                    }
+                })?;
+            }
+            Ok::<_, schedulelog::Error>(found)
+        })
+        .await;
+        match scanned {
+            Ok(Ok(found)) => break found,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "reading back a write in doubt failed; its keys stay refused, trying again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "reading back a write in doubt panicked; trying again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    let Some(keys) = unsettled.index.upgrade() else {
+        return;
+    };
+    let mut keys = keys.lock().await;
+    for (key, id) in found {
+        let hash = keys.index.hash(&key.sink, &key.topic, &key.key);
+        keys.index.insert(hash, id);
+    }
+    for key in &unsettled.keys {
+        keys.unsettled.remove(key);
+    }
 }
 
 /// Rebuilds the index if the start could not (retrying each second), then drops each finished
@@ -703,7 +756,7 @@ mod tests {
         let keys = Arc::new(tokio::sync::Mutex::new(Keys {
             index,
             complete: true,
-            unsettled: HashMap::new(),
+            unsettled: HashSet::new(),
         }));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let finished = |topic: &str, k: &str, seq| FinishedKey {
@@ -761,7 +814,7 @@ mod tests {
             keys: Arc::new(tokio::sync::Mutex::new(Keys {
                 index,
                 complete: true,
-                unsettled: HashMap::new(),
+                unsettled: HashSet::new(),
             })),
         };
         Harness {
