@@ -288,9 +288,15 @@ pub(crate) fn applier(
     broker: Arc<Broker>,
     data_dir: std::path::PathBuf,
 ) -> cluster::store::Applier {
-    Arc::new(move |at, payload| match source::state::is_op(payload) {
-        true => source::state::apply_op(&data_dir, at, payload).map_err(|e| e.to_string()),
-        false => broker.apply_op(at, payload).map_err(|e| e.to_string()),
+    Arc::new(move |at, payload| {
+        match payload.get(1) {
+        Some(1 | 2) => broker.apply_op(at, payload).map_err(|e| e.to_string()),
+        Some(3) => source::state::apply_op(&data_dir, at, payload).map_err(|e| e.to_string()),
+        kind => Err(format!(
+            "application payload {} of Raft entry {}: kind {kind:?} is none this delayd knows (1 and 2 the broker's, 3 a source's state file)",
+            at.1, at.0
+        )),
+    }
     })
 }
 

@@ -165,11 +165,6 @@ fn write_durably(path: &Path, content: &[u8]) -> Result<(), StateFileError> {
     Ok(())
 }
 
-/// Whether an application payload is a state file op (rather than the broker's).
-pub fn is_op(payload: &[u8]) -> bool {
-    payload.get(1) == Some(&KIND)
-}
-
 /// The op replacing `file` (a valid name) with `content`.
 fn encode(file: &str, content: &[u8]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(HEAD_LEN + file.len() + content.len());
@@ -248,7 +243,7 @@ mod tests {
             ("in", &[0, 255, 1, 3][..]),
         ] {
             let bytes = encode(file, content);
-            assert!(is_op(&bytes));
+            assert_eq!(bytes[..2], [VERSION, KIND]);
             assert_eq!(decode(&bytes), Ok((file, content)));
             // Every cut within the head and the name is an error; a cut in the content is a
             // shorter content (the content runs to the end of the payload: the entry's frame
@@ -258,7 +253,7 @@ mod tests {
             }
         }
         // A broker op is not one.
-        assert!(!is_op(&[1, 1, 0, 0]) && !is_op(&[1, 2]) && !is_op(&[]));
+        assert!(decode(&[1, 1, 0, 0]).is_err() && decode(&[1, 2, 0, 0, b'x']).is_err());
         for bad in BAD_NAMES {
             let mut bytes = vec![VERSION, KIND];
             bytes.extend_from_slice(&(bad.len() as u16).to_le_bytes());
