@@ -587,10 +587,12 @@ impl Writer {
                 .max()
                 .unwrap_or(cut.end),
         };
+        // Out of the log's map before the file is cut back: a read that located an entry before this
+        // and finds its bytes gone sees it is no longer placed (read_entries), not a corrupt log.
+        log.cut(from);
         self.wal.cut_back(cut.file, cut.at, end).map_err(|e| {
             AppendError::Poisoned(format!("truncating the WAL from entry {from} failed: {e}"))
         })?;
-        log.cut(from);
         self.next_seq = cut.first_seq;
         self.next_index = from;
         Ok(())

@@ -536,6 +536,11 @@ impl EntryLog {
         }
     }
 
+    /// Whether the entry `placed` names is still there (not cut since it was located).
+    pub(crate) fn still_placed(&self, placed: &Placed) -> bool {
+        self.state().placed.get(&placed.log_id.index) == Some(placed)
+    }
+
     /// (last purged, last) entry.
     pub(crate) fn bounds(&self) -> (Option<LogId>, Option<LogId>) {
         let state = self.state();

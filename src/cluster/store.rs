@@ -165,6 +165,14 @@ impl LogStore {
         self.votes.lock().unwrap_or_else(|p| p.into_inner()).1
     }
 
+    /// Whether the log now ends before `end - 1` (a tail cut since it was looked at).
+    fn shorter_than(&self, end: u64) -> bool {
+        match self.log.entry_bounds() {
+            Ok((_, last)) => last.is_none_or(|last| last.index + 1 < end),
+            Err(_) => false,
+        }
+    }
+
     /// The entries of `[start, end)` that the log holds, reading on (past the first) only while
     /// `limit` bytes are not reached.
     fn read(&self, start: u64, end: u64, limit: usize) -> StorageResult<Vec<Entry<TypeConfig>>> {
@@ -190,10 +198,22 @@ impl LogStore {
         while at < end {
             // A batch a time: a limited read stops near its byte budget without reading the rest.
             let batch_end = end.min(at + 64);
-            let read = self
-                .log
-                .read_entries(at..batch_end)
-                .map_err(|e| storage_error(ErrorSubject::LogIndex(at), ErrorVerb::Read, e))?;
+            let read = match self.log.read_entries(at..batch_end) {
+                Ok(read) => read,
+                // The tail was cut since the bounds above were read (this member stopped leading and
+                // follows another, whose entries replace its own): the read ends where the log does
+                // now. openraft allows fewer entries than asked; a deposed leader's replication that
+                // asked for them stops anyway.
+                Err(_) if self.shorter_than(batch_end) => return Ok(entries),
+                Err(e) => {
+                    return Err(storage_error(
+                        ErrorSubject::LogIndex(at),
+                        ErrorVerb::Read,
+                        e,
+                    ))
+                }
+            };
+            let short = read.len() < (batch_end - at) as usize;
             for entry in read {
                 bytes += match &entry.payload {
                     schedulelog::EntryPayload::Normal(frames) => frames.len(),
@@ -204,6 +224,9 @@ impl LogStore {
                 if bytes >= limit {
                     return Ok(entries);
                 }
+            }
+            if short {
+                return Ok(entries); // cut while it was read (read_entries): it ends there
             }
             at = batch_end;
         }

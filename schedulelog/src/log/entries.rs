@@ -4,8 +4,9 @@
 //!
 //! Invariants:
 //! - An entry handed in is readable at once (before its `fdatasync`), durable when its [`Ack`] resolves.
-//! - A read returns every entry asked for or an error, never fewer: a short read would let a leader send
-//!   a follower a log with a hole.
+//! - A read returns every entry asked for or an error, never fewer (a short read would let a leader
+//!   send a follower a log with a hole), but for a tail cut while it was read (a leader deposed while
+//!   its replication reads): then the entries before the cut, which the log still holds.
 //! - Records reach the schedule only through [`ScheduleLog::apply_entries`], in entry order; an entry
 //!   that may still be cut off is never applied (the caller applies only committed entries, and a cut
 //!   below the applied index is refused).
@@ -27,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 impl ScheduleLog {
-    fn entry_log(&self) -> Result<&EntryLog> {
+    pub(crate) fn entry_log(&self) -> Result<&EntryLog> {
         self.entry_log
             .as_deref()
             .ok_or_else(|| Error::InvalidOption("this data dir is not replicated".into()))
@@ -76,13 +77,26 @@ impl ScheduleLog {
                 last.map(|l| l.index)
             ))
         })?;
-        located
-            .into_iter()
-            .map(|l| match l {
-                Located::Fresh(entry) => Ok(Entry::clone(&entry)),
-                Located::Placed(placed) => self.read_placed(&placed),
-            })
-            .collect()
+        self.read_located(located)
+    }
+
+    /// The entries `located` found, read from memory or their WAL files, up to one cut since then.
+    pub(crate) fn read_located(&self, located: Vec<Located>) -> Result<Vec<Entry>> {
+        let log = self.entry_log()?;
+        let mut entries = Vec::with_capacity(located.len());
+        for located in located {
+            match located {
+                Located::Fresh(entry) => entries.push(Entry::clone(&entry)),
+                Located::Placed(placed) => match self.read_placed(&placed) {
+                    Ok(entry) => entries.push(entry),
+                    // Cut while it was read (its file cut back, perhaps written over since): the log
+                    // ends before it now, and so does this read.
+                    Err(_) if !log.still_placed(&placed) => return Ok(entries),
+                    Err(e) => return Err(e),
+                },
+            }
+        }
+        Ok(entries)
     }
 
     /// Reads an entry from its WAL file.

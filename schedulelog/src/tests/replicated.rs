@@ -119,6 +119,36 @@ fn applied_entries_are_filed_and_survive_a_reopen() {
     assert_eq!(all_messages(&log).len(), 2);
 }
 
+/// A read that located entries on disk before a cut, and reads them after it, ends before the cut
+/// (openraft's replication of a leader just deposed reads on while its tail is cut): never an error
+/// that would stop the member as if its log were corrupt.
+#[test]
+fn a_read_across_a_cut_ends_where_the_cut_began() {
+    let (dir, clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    let mut old = Vec::new();
+    for index in 1..6 {
+        let (entry, _) = normal(&log, 3, index, &["old"]);
+        append(&log, vec![entry.clone()]);
+        old.push(entry);
+    }
+    log.crash();
+    // Reopened: every entry is read from its WAL file.
+    let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
+    let located = log.entry_log().unwrap().locate(1..6).unwrap();
+    log.truncate_entries(3).wait().unwrap();
+    assert_eq!(
+        log.read_located(located.clone()).unwrap(),
+        old[..2].to_vec()
+    );
+    // Written over by the entries that replace them: the same.
+    for index in 3..6 {
+        let (entry, _) = normal(&log, 4, index, &["new", "longer than the old"]);
+        append(&log, vec![entry]);
+    }
+    assert_eq!(log.read_located(located).unwrap(), old[..2].to_vec());
+}
+
 /// A conflicting tail is cut, across WAL files, and new entries (of a lower term, with the same seqs)
 /// take its place; a crash keeps the new ones, not the old.
 #[test]
