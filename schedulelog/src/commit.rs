@@ -589,7 +589,11 @@ impl Writer {
         };
         // Out of the log's map before the file is cut back: a read that located an entry before this
         // and finds its bytes gone sees it is no longer placed (read_entries), not a corrupt log.
-        log.cut(from);
+        if log.cut(from).is_none() {
+            return Err(AppendError::Refused(format!(
+                "entry {from} could not be cut off (applied, or not in the log)"
+            )));
+        }
         self.wal.cut_back(cut.file, cut.at, end).map_err(|e| {
             AppendError::Poisoned(format!("truncating the WAL from entry {from} failed: {e}"))
         })?;

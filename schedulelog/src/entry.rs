@@ -552,20 +552,23 @@ impl EntryLog {
         self.state().next_seq
     }
 
-    /// For each index of `range`: the entry in memory, or where it is on disk. `Err` names the first
-    /// index the log does not have (purged, or past its end).
-    pub(crate) fn locate(&self, range: Range<u64>) -> Result<Vec<Located>, u64> {
+    /// For each index of `range`, as the log is at this moment: the entry in memory, or where it is
+    /// on disk; up to the first index the log does not have (purged, or past its end), which comes
+    /// second.
+    pub(crate) fn locate(&self, range: Range<u64>) -> (Vec<Located>, Option<u64>) {
         let state = self.state();
-        range
-            .map(|index| match state.fresh.get(&index) {
-                Some(entry) => Ok(Located::Fresh(entry.clone())),
-                None => state
-                    .placed
-                    .get(&index)
-                    .map(|p| Located::Placed(*p))
-                    .ok_or(index),
-            })
-            .collect()
+        let mut located =
+            Vec::with_capacity(range.end.saturating_sub(range.start).min(4096) as usize);
+        for index in range {
+            match state.fresh.get(&index) {
+                Some(entry) => located.push(Located::Fresh(entry.clone())),
+                None => match state.placed.get(&index) {
+                    Some(placed) => located.push(Located::Placed(*placed)),
+                    None => return (located, Some(index)),
+                },
+            }
+        }
+        (located, None)
     }
 }
 

@@ -711,8 +711,10 @@ impl Replay {
                     }
                     continue;
                 }
-                wal::retire(&self.wal_dir, path, *first_seq, self.wal_spares)?;
+                // Out of the log's map before the file goes: a read that located one of its entries
+                // before this and finds the file gone sees it no longer placed (read_located).
                 log.purge_file(*first_seq);
+                wal::retire(&self.wal_dir, path, *first_seq, self.wal_spares)?;
             } else {
                 wal::retire(&self.wal_dir, path, *first_seq, self.wal_spares)?;
             }

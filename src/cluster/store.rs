@@ -10,8 +10,10 @@
 //!   asks no more of it: a lost one is learnt again from the leader).
 //! - An entry's application payloads are applied before the entry is handed to the log: once the
 //!   log says an entry is applied (which answers its proposer's submitters), so is their effect.
-//! - Reads never come back short: a purged or missing entry is an error. Only entries past the end are
-//!   simply absent, as openraft's reader contract allows.
+//! - A read is the log as it was at one moment, from the first entry asked for on: a purged first entry
+//!   is an error, never left out. Entries past the end are simply absent, as openraft's reader contract
+//!   allows, and so are those of a tail cut while it was read (this member deposed, following another):
+//!   never old entries joined to those that replaced them.
 //! - Entries go only once openraft purged them (after a snapshot, once no member needs them), and
 //!   then with their WAL files, once everything in those is applied and checkpointed.
 //! - Snapshots are only their meta (issue 34 streams the files): a member that needs one is told so,
@@ -165,18 +167,11 @@ impl LogStore {
         self.votes.lock().unwrap_or_else(|p| p.into_inner()).1
     }
 
-    /// Whether the log now ends before `end - 1` (a tail cut since it was looked at).
-    fn shorter_than(&self, end: u64) -> bool {
-        match self.log.entry_bounds() {
-            Ok((_, last)) => last.is_none_or(|last| last.index + 1 < end),
-            Err(_) => false,
-        }
-    }
-
-    /// The entries of `[start, end)` that the log holds, reading on (past the first) only while
-    /// `limit` bytes are not reached.
+    /// The entries of `[start, end)` that the log holds, as it is at one moment, reading on (past the
+    /// first) only while `limit` bytes are not reached. A purged first entry is an error; a tail cut
+    /// meanwhile (this member deposed, following another) ends the read early, which openraft allows.
     fn read(&self, start: u64, end: u64, limit: usize) -> StorageResult<Vec<Entry<TypeConfig>>> {
-        let (purged, last) = self
+        let (purged, _) = self
             .log
             .entry_bounds()
             .map_err(|e| storage_error(ErrorSubject::Logs, ErrorVerb::Read, e))?;
@@ -191,46 +186,11 @@ impl LogStore {
                 gone,
             ));
         }
-        let end = end.min(last.map_or(0, |l| l.index + 1));
-        let mut entries = Vec::new();
-        let mut bytes = 0;
-        let mut at = start;
-        while at < end {
-            // A batch a time: a limited read stops near its byte budget without reading the rest.
-            let batch_end = end.min(at + 64);
-            let read = match self.log.read_entries(at..batch_end) {
-                Ok(read) => read,
-                // The tail was cut since the bounds above were read (this member stopped leading and
-                // follows another, whose entries replace its own): the read ends where the log does
-                // now. openraft allows fewer entries than asked; a deposed leader's replication that
-                // asked for them stops anyway.
-                Err(_) if self.shorter_than(batch_end) => return Ok(entries),
-                Err(e) => {
-                    return Err(storage_error(
-                        ErrorSubject::LogIndex(at),
-                        ErrorVerb::Read,
-                        e,
-                    ))
-                }
-            };
-            let short = read.len() < (batch_end - at) as usize;
-            for entry in read {
-                bytes += match &entry.payload {
-                    schedulelog::EntryPayload::Normal(frames) => frames.len(),
-                    schedulelog::EntryPayload::Membership(m) => m.len(),
-                    schedulelog::EntryPayload::Blank => 0,
-                };
-                entries.push(to_raft_entry(entry)?);
-                if bytes >= limit {
-                    return Ok(entries);
-                }
-            }
-            if short {
-                return Ok(entries); // cut while it was read (read_entries): it ends there
-            }
-            at = batch_end;
-        }
-        Ok(entries)
+        let read = self
+            .log
+            .read_entries_within(start..end, limit)
+            .map_err(|e| storage_error(ErrorSubject::LogIndex(start), ErrorVerb::Read, e))?;
+        read.into_iter().map(to_raft_entry).collect()
     }
 }
 

@@ -4,9 +4,10 @@
 //!
 //! Invariants:
 //! - An entry handed in is readable at once (before its `fdatasync`), durable when its [`Ack`] resolves.
-//! - A read returns every entry asked for or an error, never fewer (a short read would let a leader
-//!   send a follower a log with a hole), but for a tail cut while it was read (a leader deposed while
-//!   its replication reads): then the entries before the cut, which the log still holds.
+//! - [`ScheduleLog::read_entries`] returns every entry asked for or an error. What replication reads
+//!   ([`ScheduleLog::read_entries_within`]) is the log as it was at one moment, from the first entry
+//!   asked for on, never with a hole and never old entries joined to those that replaced them: a
+//!   tail cut (or a head purged) while it is read ends it early.
 //! - Records reach the schedule only through [`ScheduleLog::apply_entries`], in entry order; an entry
 //!   that may still be cut off is never applied (the caller applies only committed entries, and a cut
 //!   below the applied index is refused).
@@ -69,31 +70,53 @@ impl ScheduleLog {
     /// The entries with indexes in `range`, all of them, or an error naming the first missing one.
     pub fn read_entries(&self, range: Range<u64>) -> Result<Vec<Entry>> {
         let log = self.entry_log()?;
-        let located = log.locate(range.clone()).map_err(|index| {
+        let (located, missing) = log.locate(range.clone());
+        if let Some(index) = missing {
             let (purged, last) = log.bounds();
-            Error::InvalidOption(format!(
+            return Err(Error::InvalidOption(format!(
                 "entry {index} is not in the log (last purged {:?}, last {:?})",
                 purged.map(|p| p.index),
                 last.map(|l| l.index)
-            ))
-        })?;
-        self.read_located(located)
+            )));
+        }
+        self.read_located(located, usize::MAX)
     }
 
-    /// The entries `located` found, read from memory or their WAL files, up to one cut since then.
-    pub(crate) fn read_located(&self, located: Vec<Located>) -> Result<Vec<Entry>> {
+    /// The entries of `range` the log holds, from its start on, as they are at one moment: up to its
+    /// end (or the end of the log), reading on past the first only while `limit` payload bytes are not
+    /// reached. What openraft's replication reads: a tail cut meanwhile (this member deposed, following
+    /// another) shortens the read, never mixes the old entries with those that replace them. Empty
+    /// when the first entry is not in the log (purged; the caller checks that first).
+    pub fn read_entries_within(&self, range: Range<u64>, limit: usize) -> Result<Vec<Entry>> {
+        let (located, _) = self.entry_log()?.locate(range);
+        self.read_located(located, limit)
+    }
+
+    /// The entries `located` found, read from memory or their WAL files, up to one cut (or purged)
+    /// since then, and past the first only while `limit` payload bytes are not reached.
+    pub(crate) fn read_located(&self, located: Vec<Located>, limit: usize) -> Result<Vec<Entry>> {
         let log = self.entry_log()?;
-        let mut entries = Vec::with_capacity(located.len());
+        let mut entries = Vec::with_capacity(located.len().min(1024));
+        let mut bytes = 0;
         for located in located {
-            match located {
-                Located::Fresh(entry) => entries.push(Entry::clone(&entry)),
+            let entry = match located {
+                Located::Fresh(entry) => Entry::clone(&entry),
                 Located::Placed(placed) => match self.read_placed(&placed) {
-                    Ok(entry) => entries.push(entry),
-                    // Cut while it was read (its file cut back, perhaps written over since): the log
-                    // ends before it now, and so does this read.
+                    Ok(entry) => entry,
+                    // Cut (its file cut back, perhaps written over since) or purged while it was
+                    // read: the log no longer has it, and this read ends there.
                     Err(_) if !log.still_placed(&placed) => return Ok(entries),
                     Err(e) => return Err(e),
                 },
+            };
+            bytes += match &entry.payload {
+                EntryPayload::Normal(frames) => frames.len(),
+                EntryPayload::Membership(m) => m.len(),
+                EntryPayload::Blank => 0,
+            };
+            entries.push(entry);
+            if bytes >= limit {
+                break;
             }
         }
         Ok(entries)

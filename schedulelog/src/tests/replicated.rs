@@ -135,10 +135,11 @@ fn a_read_across_a_cut_ends_where_the_cut_began() {
     log.crash();
     // Reopened: every entry is read from its WAL file.
     let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
-    let located = log.entry_log().unwrap().locate(1..6).unwrap();
+    let (located, missing) = log.entry_log().unwrap().locate(1..6);
+    assert_eq!((located.len(), missing), (5, None));
     log.truncate_entries(3).wait().unwrap();
     assert_eq!(
-        log.read_located(located.clone()).unwrap(),
+        log.read_located(located.clone(), usize::MAX).unwrap(),
         old[..2].to_vec()
     );
     // Written over by the entries that replace them: the same.
@@ -146,7 +147,21 @@ fn a_read_across_a_cut_ends_where_the_cut_began() {
         let (entry, _) = normal(&log, 4, index, &["new", "longer than the old"]);
         append(&log, vec![entry]);
     }
-    assert_eq!(log.read_located(located).unwrap(), old[..2].to_vec());
+    assert_eq!(
+        log.read_located(located, usize::MAX).unwrap(),
+        old[..2].to_vec()
+    );
+    // What replication reads now is the new tail, whole: never old entries joined to new ones.
+    let read = log.read_entries_within(1..6, usize::MAX).unwrap();
+    assert_eq!(read[..2], old[..2]);
+    assert!(read[2..].iter().all(|e| e.log_id.term == 4), "{read:?}");
+    assert_eq!(read.len(), 5);
+    // A byte budget: past the first entry only while it is not reached.
+    assert_eq!(log.read_entries_within(1..6, 1).unwrap().len(), 1);
+    assert!(log
+        .read_entries_within(6..9, usize::MAX)
+        .unwrap()
+        .is_empty());
 }
 
 /// A conflicting tail is cut, across WAL files, and new entries (of a lower term, with the same seqs)
