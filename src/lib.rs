@@ -288,15 +288,17 @@ pub(crate) fn applier(
     broker: Arc<Broker>,
     data_dir: std::path::PathBuf,
 ) -> cluster::store::Applier {
-    Arc::new(move |at, payload| {
-        match payload.get(1) {
-        Some(1 | 2) => broker.apply_op(at, payload).map_err(|e| e.to_string()),
-        Some(3) => source::state::apply_op(&data_dir, at, payload).map_err(|e| e.to_string()),
+    Arc::new(move |at, payload| match payload.get(1).copied() {
+        Some(kind) if broker::op::KINDS.contains(&kind) => {
+            broker.apply_op(at, payload).map_err(|e| e.to_string())
+        }
+        Some(source::state::KIND) => {
+            source::state::apply_op(&data_dir, at, payload).map_err(|e| e.to_string())
+        }
         kind => Err(format!(
-            "application payload {} of Raft entry {}: kind {kind:?} is none this delayd knows (1 and 2 the broker's, 3 a source's state file)",
+            "application payload {} of Raft entry {}: kind {kind:?} is none this delayd knows",
             at.1, at.0
         )),
-    }
     })
 }
 

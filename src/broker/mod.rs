@@ -43,7 +43,7 @@ mod config;
 mod error;
 mod inspect;
 mod offsets;
-mod op;
+pub(crate) mod op;
 mod queue;
 mod record;
 mod sink;

@@ -37,6 +37,8 @@ use super::{Incoming, StoredMeta};
 const VERSION: u8 = 1;
 const APPEND: u8 = 1;
 const COMMIT_OFFSET: u8 = 2;
+/// The kinds of application payload (byte 1) that are broker ops.
+pub(crate) const KINDS: [u8; 2] = [APPEND, COMMIT_OFFSET];
 
 /// A message of an append op, with the queue the leader chose.
 #[derive(Debug, Clone)]

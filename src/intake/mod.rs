@@ -621,12 +621,12 @@ const SETTLE_POLL: Duration = Duration::from_millis(50);
 /// intake (its term) or the log is gone.
 async fn settle(unsettled: Unsettled, seqs_below: u64) {
     let found = loop {
-        let Some(log) = unsettled.log.upgrade() else {
-            return;
-        };
         if unsettled.index.strong_count() == 0 {
             return;
         }
+        let Some(log) = unsettled.log.upgrade() else {
+            return;
+        };
         if log.filed_below() < seqs_below {
             drop(log);
             tokio::time::sleep(SETTLE_POLL).await;

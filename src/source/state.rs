@@ -40,7 +40,7 @@ const DIR: &str = "sources";
 
 const VERSION: u8 = 1;
 /// This op's kind, byte 1 of an application payload.
-const KIND: u8 = 3;
+pub(crate) const KIND: u8 = 3;
 /// The bytes of an op before the file's name.
 const HEAD_LEN: usize = 4;
 
