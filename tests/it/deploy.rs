@@ -36,6 +36,25 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 }
 
 /// The `expr` of every query of a Grafana dashboard, wherever it sits (panels, rows, variables).
+/// Fails naming each metric of `named` that no series of `exported` (`name{labels}` keys) has.
+fn assert_exported<'a>(
+    named: &BTreeSet<String>,
+    exported: impl Iterator<Item = &'a String>,
+    by: &str,
+) {
+    let exported: BTreeSet<&str> = exported
+        .map(|series| series.split('{').next().unwrap())
+        .collect();
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|name| !exported.contains(name.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "named by deploy/ but not exported by {by}: {missing:?}\nexported: {exported:?}"
+    );
+}
+
 fn dashboard_queries(value: &serde_json::Value, out: &mut Vec<String>) {
     match value {
         serde_json::Value::Object(map) => {
@@ -107,18 +126,7 @@ fn every_metric_the_dashboard_and_the_alerts_name_is_exported() {
         scrape(&process.base).get(delivered) == Some(&1.0)
     });
     let series = scrape(&process.base);
-    let exported: BTreeSet<&str> = series
-        .keys()
-        .map(|series| series.split('{').next().unwrap())
-        .collect();
-    let missing: Vec<&String> = named
-        .iter()
-        .filter(|name| !exported.contains(name.as_str()))
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "named by deploy/ but not exported: {missing:?}\nexported: {exported:?}"
-    );
+    assert_exported(&named, series.keys(), "a single node");
     let version = format!(
         r#"delayd_build_info{{version="{}"}}"#,
         env!("CARGO_PKG_VERSION")
@@ -398,18 +406,8 @@ fn members_started_from_the_cluster_configmap_export_what_the_alerts_name() {
             settled(&last)
         },
     );
-    let exported: BTreeSet<&str> = (last.iter())
-        .flat_map(|(_, series)| series.keys())
-        .map(|series| series.split('{').next().unwrap())
-        .collect();
-    let missing: Vec<&String> = named
-        .iter()
-        .filter(|name| !exported.contains(name.as_str()))
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "named by deploy/ but not exported by a member: {missing:?}\nexported: {exported:?}"
-    );
+    let exported = last.iter().flat_map(|(_, series)| series.keys());
+    assert_exported(&named, exported, "the members");
     // A member's unlabelled counters exist from its start, for increase() and rate() (the founding
     // election comes before the member's first report of its metrics).
     for (id, series) in &last {

@@ -119,19 +119,25 @@ fn applied_entries_are_filed_and_survive_a_reopen() {
     assert_eq!(all_messages(&log).len(), 2);
 }
 
+/// A membership entry, then five normal ones of term 3 (indexes 1 to 5), which it returns.
+fn membership_and_five_old_entries(log: &ScheduleLog) -> Vec<Entry> {
+    append(log, vec![membership(0)]);
+    let mut old = Vec::new();
+    for index in 1..6 {
+        let (entry, _) = normal(log, 3, index, &["old"]);
+        append(log, vec![entry.clone()]);
+        old.push(entry);
+    }
+    old
+}
+
 /// A read that located entries on disk before a cut, and reads them after it, ends before the cut
 /// (openraft's replication of a leader just deposed reads on while its tail is cut): never an error
 /// that would stop the member as if its log were corrupt.
 #[test]
 fn a_read_across_a_cut_ends_where_the_cut_began() {
     let (dir, clock, log) = new_log_with(replicated);
-    append(&log, vec![membership(0)]);
-    let mut old = Vec::new();
-    for index in 1..6 {
-        let (entry, _) = normal(&log, 3, index, &["old"]);
-        append(&log, vec![entry.clone()]);
-        old.push(entry);
-    }
+    let old = membership_and_five_old_entries(&log);
     log.crash();
     // Reopened: every entry is read from its WAL file.
     let log = ScheduleLog::open(dir.path(), replicated(&clock)).unwrap();
@@ -169,13 +175,7 @@ fn a_read_across_a_cut_ends_where_the_cut_began() {
 #[test]
 fn a_cut_tail_is_replaced_and_stays_cut() {
     let (dir, clock, log) = new_log_with(replicated);
-    append(&log, vec![membership(0)]);
-    let mut old = Vec::new();
-    for index in 1..6 {
-        let (entry, _) = normal(&log, 3, index, &["old"]);
-        append(&log, vec![entry.clone()]);
-        old.push(entry);
-    }
+    let old = membership_and_five_old_entries(&log);
     let files_before = wal::list(&dir.path().join("wal")).unwrap().len();
     assert!(
         files_before >= 3,
