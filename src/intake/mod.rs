@@ -428,10 +428,7 @@ impl Intake {
                     let hash = keys.index.hash(&key.sink, &key.topic, &key.key);
                     let first = this_call.insert(key.clone());
                     match first && self.pending_with(keys, hash, key).await?.is_none() {
-                        true => {
-                            unsettled.push(key.clone());
-                            Some(Some(hash))
-                        }
+                        true => Some(Some(hash)),
                         false => None,
                     }
                 }
@@ -439,6 +436,10 @@ impl Intake {
             };
             if filed.is_some() {
                 encoded.push(message);
+            }
+            // Its key, moved (not copied), for the case the write is answered uncertain.
+            if let (Some(Some(_)), Some(key)) = (filed, key) {
+                unsettled.push(key);
             }
             kept.push(filed);
         }
