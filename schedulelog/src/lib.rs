@@ -57,7 +57,9 @@ pub use inspect::{inspect, write_end_of_frames};
 pub use listing::{
     BucketCount, InvalidCursor, ListCursor, ListPage, ListQuery, Listed, StatusFilter,
 };
-pub use log::{Attempt, BucketSnapshot, MessageState, MessageStatus, Options, ScheduleLog};
+pub use log::{
+    Attempt, BucketSnapshot, LinkedSchedule, MessageState, MessageStatus, Options, ScheduleLog,
+};
 pub use proposals::{FormedGroup, NextGroup, Proposals};
 pub use record::{
     EncodedMessage, Message, MessageMeta, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge,

@@ -761,6 +761,11 @@ impl Replay {
             .is_none_or(|s| s.written.last_seq < self.next_seq)
     }
 
+    /// Every segment's written mark (what a checkpoint taken now would list, synced or not).
+    pub(crate) fn written_marks(&self) -> BTreeMap<Bucket, SegmentMark> {
+        self.segments.iter().map(|(b, s)| (*b, s.written)).collect()
+    }
+
     /// All buckets that have a segment.
     pub(crate) fn buckets(&self) -> Vec<Bucket> {
         self.segments.keys().copied().collect()

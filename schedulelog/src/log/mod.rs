@@ -29,7 +29,7 @@
 //! concern: `open` (locking, recovery, starting the threads), `replayer` (the replayer thread), `read`
 //! (single records and outcomes), `lookup` (a message's status by id), `scan` (whole buckets: the
 //! loader's watch, rebuild scans), `retire` (retention) and `entries` (a replicated data dir's Raft
-//! log: entries in, read back, cut off and applied).
+//! log: entries in, read back, cut off and applied) and `snapshot` (its files linked for a snapshot).
 
 mod entries;
 mod lookup;
@@ -38,10 +38,12 @@ mod read;
 mod replayer;
 mod retire;
 mod scan;
+mod snapshot;
 
 pub(crate) use lookup::state_of;
 pub use lookup::{Attempt, MessageState, MessageStatus};
 pub use scan::BucketSnapshot;
+pub use snapshot::LinkedSchedule;
 
 use crate::bucket::{Bucket, SegmentMinutes};
 use crate::clock::{Clock, SystemClock};

@@ -799,3 +799,68 @@ fn propose_app_answers_once_its_entry_is_applied() {
         );
     });
 }
+
+/// A snapshot's links, opened as a data dir of their own (a member restored from it): the applied
+/// state and every message of the entries up to it, a Raft log that starts after it, a WAL of its own;
+/// and nothing the original log filed after it was taken.
+#[test]
+fn a_linked_snapshot_opens_as_the_data_dir_it_was_taken_from() {
+    let (dir, clock, log) = new_log_with(replicated);
+    append(&log, vec![membership(0)]);
+    let (one, first) = normal(&log, 1, 1, &["first", "also first"]);
+    append(&log, vec![one]);
+    let (two, second) = normal(&log, 1, 2, &["second"]);
+    append(&log, vec![two]);
+    log.apply_entries(log.read_entries(0..3).unwrap()).unwrap();
+    let (three, later) = normal(&log, 1, 3, &["later"]);
+    append(&log, vec![three.clone()]);
+
+    let snapshot = dir.path().join("snapshot");
+    let linked = log.link_snapshot(&snapshot).unwrap();
+    assert_eq!(linked.applied.log_id, id(1, 2));
+    for (file, len) in &linked.files {
+        let on_disk = std::fs::metadata(snapshot.join(file)).unwrap().len();
+        assert!(*len <= on_disk, "{file:?}: {len} of {on_disk} bytes");
+    }
+    // Applied after the snapshot: its files (links) may grow, the snapshot's lengths do not.
+    log.apply_entries(vec![three]).unwrap();
+    log.checkpoint().unwrap();
+    assert!(log.lookup(later[0].id).unwrap().is_some());
+    drop(log);
+
+    // What a member receives: exactly the snapshot's bytes of each file.
+    let restored = tempfile::tempdir().unwrap();
+    for (file, len) in &linked.files {
+        let bytes = std::fs::read(snapshot.join(file)).unwrap();
+        let to = restored.path().join(file);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::write(to, &bytes[..*len as usize]).unwrap();
+    }
+    let copy = ScheduleLog::open(restored.path(), replicated(&clock)).unwrap();
+    let applied = copy.applied_state().unwrap();
+    assert_eq!(applied.log_id, id(1, 2));
+    assert_eq!(applied.membership.as_ref().map(|m| m.0), Some(id(1, 0)));
+    assert_eq!(
+        copy.entry_bounds().unwrap(),
+        (Some(id(1, 2)), Some(id(1, 2))),
+        "the log starts after the snapshot"
+    );
+    for appended in first.iter().chain(&second) {
+        assert!(copy.lookup(appended.id).unwrap().is_some());
+    }
+    assert_eq!(
+        copy.lookup(later[0].id).unwrap(),
+        None,
+        "after the snapshot"
+    );
+    assert_eq!(all_messages(&copy).len(), 3);
+    // The restored log goes on from there: the next entry, with seqs after the snapshot's.
+    let (next, appended) = normal(&copy, 2, 3, &["after"]);
+    assert!(appended[0].location.seq > second[0].location.seq);
+    copy.append_entries(vec![next.clone()]).wait().unwrap();
+    copy.apply_entries(vec![next]).unwrap();
+    assert_eq!(
+        copy.lookup(appended[0].id).unwrap().unwrap().message.body,
+        b"after"
+    );
+}
