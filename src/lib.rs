@@ -91,9 +91,23 @@ pub async fn run_with_ready(
         replicated: config.cluster.is_some(),
         ..Options::default()
     };
+    // A member's WAL is its Raft log, purged a file at a time.
+    let options = match &config.cluster {
+        Some(cluster) => Options {
+            wal_segment_bytes: cluster.log_file_bytes,
+            ..options
+        },
+        None => options,
+    };
     let data_dir = config.data_dir.clone();
     let broker_options = config.broker.options();
+    let member = config.cluster.is_some();
     let (log, broker) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        // A snapshot this member received is swapped in before anything is opened (snapshot.rs).
+        if member {
+            cluster::snapshot::finish_install(&data_dir, &data_dir.join(RAFT_DIR))
+                .context("swapping in a received snapshot")?;
+        }
         let log = ScheduleLog::open(&data_dir, options)
             .with_context(|| format!("opening the data dir {}", data_dir.display()))?;
         let broker = Broker::open(&data_dir, broker_options).context("opening the broker store")?;
@@ -158,6 +172,7 @@ pub async fn run_with_ready(
                 listen: cluster.listen.clone(),
                 secret: cluster.secret.clone(),
                 election_timeout: cluster.election_timeout.0,
+                snapshot_entries: cluster.snapshot_entries,
                 members: (cluster.members.iter())
                     .map(|m| {
                         let member = cluster::Member {
@@ -174,6 +189,13 @@ pub async fn run_with_ready(
             // into its own files.
             base.broker.replicate_through(&log);
             let applier = applier(base.broker.clone(), config.data_dir.clone());
+            let snapshots = cluster::snapshot::Snapshots::new(
+                cluster.node_id,
+                log.clone(),
+                &raft_dir,
+                Some(app_files(base.broker.clone(), config.data_dir.clone())),
+                Arc::new(restart_in_place),
+            );
             let node = Arc::new(
                 cluster::node::Node::start(
                     settings,
@@ -181,6 +203,7 @@ pub async fn run_with_ready(
                     &raft_dir,
                     base.clock.clone(),
                     Some(applier),
+                    snapshots,
                 )
                 .await?,
             );
@@ -300,6 +323,40 @@ pub(crate) fn applier(
             at.1, at.0
         )),
     })
+}
+
+/// What a member's snapshot holds of the application's own files: the broker's (linked while the
+/// broker holds still) and the sources' state files.
+pub(crate) fn app_files(
+    broker: Arc<Broker>,
+    data_dir: std::path::PathBuf,
+) -> cluster::snapshot::AppFiles {
+    use cluster::snapshot::link_tree;
+    Arc::new(move |into| {
+        let mut files = broker
+            .quiesced(|| link_tree(&data_dir, std::path::Path::new("broker"), into))
+            .map_err(|e| e.to_string())?;
+        let dir = std::path::Path::new(source::state::DIR);
+        files.extend(link_tree(&data_dir, dir, into).map_err(|e| e.to_string())?);
+        Ok(files)
+    })
+}
+
+/// A member that received a snapshot restarts to swap it in (cluster/snapshot.rs): the process
+/// replaces itself with the same program and arguments (same pid, so a supervisor sees nothing),
+/// as a crash and restart would, without acknowledging anything more. If that fails it exits, for
+/// its supervisor to restart it.
+fn restart_in_place() {
+    use std::os::unix::process::CommandExt;
+    let program = std::env::current_exe();
+    let error = match program {
+        Ok(program) => std::process::Command::new(program)
+            .args(std::env::args_os().skip(1))
+            .exec(),
+        Err(error) => error,
+    };
+    eprintln!("delayd: restarting to install a snapshot failed ({error}); exiting for a supervisor to restart this member");
+    std::process::exit(75);
 }
 
 /// Once a second: broker retention, the disk's state, and the log's health, each change logged once.

@@ -277,6 +277,22 @@ fn describe() {
         "delayd_cluster_forwarded_requests_total",
         "Requests a cluster follower sent on to the leader, whatever came of them (DESIGN.md §10)"
     );
+    describe_counter!(
+        "delayd_cluster_snapshots_taken_total",
+        "Snapshots this cluster member took of its files (every cluster.snapshot_entries entries)"
+    );
+    describe_gauge!(
+        "delayd_cluster_snapshot_bytes",
+        "The size of the newest snapshot this cluster member took"
+    );
+    describe_counter!(
+        "delayd_cluster_snapshot_sent_bytes_total",
+        "Snapshot bytes this cluster member sent to members too far behind for its log"
+    );
+    describe_counter!(
+        "delayd_cluster_snapshots_installed_total",
+        "Snapshots this cluster member received and swapped in at its start"
+    );
     describe_histogram!(
         "delayd_http_request_seconds",
         Unit::Seconds,

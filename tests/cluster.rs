@@ -191,6 +191,11 @@ impl Cluster {
 
     /// [`Cluster::start`] with `tables` (TOML: sources, more sinks) in every member's config.
     fn start_with(size: u64, tables: &str) -> Cluster {
+        Cluster::start_configured(size, tables, "")
+    }
+
+    /// [`Cluster::start_with`], with `cluster_keys` (TOML) in every member's `[cluster]` section.
+    fn start_configured(size: u64, tables: &str, cluster_keys: &str) -> Cluster {
         let serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let receiver = Receiver::start();
         let ports: Vec<(u16, u16)> = (0..size).map(|_| (member_port(), member_port())).collect();
@@ -214,7 +219,7 @@ impl Cluster {
                      [limits]\nmin_free_disk_bytes = 0\n\
                      [sinks.hook]\nkind = \"webhook\"\nurl = \"{}/hooks/{id}\"\nsecret = \"{HOOK_SECRET}\"\nmax_in_flight = {IN_FLIGHT}\nmax_batch = {BATCH}\n\
                      {tables}\n\
-                     [cluster]\nnode_id = {id}\nlisten = \"127.0.0.1:{peer}\"\nsecret = \"{SECRET}\"\nelection_timeout = \"1s\"\n{roster}",
+                     [cluster]\nnode_id = {id}\nlisten = \"127.0.0.1:{peer}\"\nsecret = \"{SECRET}\"\nelection_timeout = \"1s\"\n{cluster_keys}\n{roster}",
                     receiver.url
                 );
                 let config = common::write_file(dir.path(), "delayd.toml", &text);
@@ -317,6 +322,149 @@ impl Cluster {
             }
         });
         leader
+    }
+}
+
+impl Cluster {
+    /// Checks that the (stopped) members `ids` hold the same schedule segments and dispatch logs,
+    /// byte for byte, and that outcomes were filed.
+    fn same_files(&self, ids: &[u64]) {
+        let files = |id: u64| -> BTreeMap<String, Vec<u8>> {
+            let data = self.members[(id - 1) as usize].dir.path().join("data");
+            let mut files = BTreeMap::new();
+            for sub in ["schedule", "dispatch"] {
+                for entry in std::fs::read_dir(data.join(sub)).unwrap() {
+                    let path = entry.unwrap().path();
+                    let name = format!("{sub}/{}", path.file_name().unwrap().to_string_lossy());
+                    files.insert(name, std::fs::read(&path).unwrap());
+                }
+            }
+            files
+        };
+        let first = files(ids[0]);
+        assert!(
+            first.keys().any(|name| name.starts_with("dispatch/")),
+            "outcomes were filed: {:?}",
+            first.keys().collect::<Vec<_>>()
+        );
+        for &id in &ids[1..] {
+            let other = files(id);
+            assert_eq!(
+                first.keys().collect::<Vec<_>>(),
+                other.keys().collect::<Vec<_>>(),
+                "member {id}'s files"
+            );
+            for (name, bytes) in &first {
+                assert!(
+                    other[name] == *bytes,
+                    "member {id}'s {name} differs from member {}'s",
+                    ids[0]
+                );
+            }
+        }
+    }
+
+    /// Waits until every message in `acknowledged` (body → due time) was delivered; checks that
+    /// none was delivered early.
+    fn delivered_all(&self, acknowledged: &BTreeMap<String, i64>) {
+        let latest_due = acknowledged.values().copied().max().unwrap();
+        wait_for(
+            "every acknowledged message delivered",
+            Duration::from_secs(90),
+            || {
+                let delivered: BTreeSet<String> =
+                    self.receiver.hits().into_iter().map(|h| h.body).collect();
+                now_ms() > latest_due && acknowledged.keys().all(|b| delivered.contains(b))
+            },
+        );
+        for hit in self.receiver.hits() {
+            assert!(hit.at_ms >= due_of(&hit.body), "never early: {hit:?}");
+        }
+    }
+}
+
+/// Client threads sending batches of 10 messages (due within 2 s) to the members, to another member
+/// after any failure (refused, uncertain, down), remembering what was acknowledged.
+struct Writers {
+    /// Body → due time of every message acknowledged.
+    acknowledged: Arc<Mutex<BTreeMap<String, i64>>>,
+    /// When the last batch was acknowledged (unix ms; 0 before the first).
+    last_ack: Arc<AtomicI64>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Writers {
+    /// `threads` writers to `apis`, each message's body padded with `pad` bytes.
+    fn start(apis: Vec<String>, threads: u64, pad: usize) -> Writers {
+        let acknowledged: Arc<Mutex<BTreeMap<String, i64>>> = Arc::default();
+        let last_ack = Arc::new(AtomicI64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..threads)
+            .map(|w| {
+                let (apis, acknowledged, last_ack, stop) = (
+                    apis.clone(),
+                    acknowledged.clone(),
+                    last_ack.clone(),
+                    stop.clone(),
+                );
+                std::thread::spawn(move || {
+                    // A client gives up on a member that does not answer (a paused one) after a while.
+                    let agent = agent(Duration::from_secs(3));
+                    let padding = "x".repeat(pad);
+                    let mut n = 0u64;
+                    let mut target = w as usize;
+                    while !stop.load(Ordering::SeqCst) {
+                        let batch: Vec<Value> = (0..10)
+                            .map(|i| {
+                                let due = now_ms() + 500 + (i as i64 * 150);
+                                let mut m = message(w * 1_000_000 + n + i, due);
+                                m["body"] =
+                                    format!("{padding}{}", m["body"].as_str().unwrap()).into();
+                                m
+                            })
+                            .collect();
+                        let url = format!("{}/v1/messages/batch", apis[target % apis.len()]);
+                        let body = json!({ "messages": batch }).to_string();
+                        let sent = agent
+                            .post(&url)
+                            .header("Content-Type", "application/json")
+                            .send(&body);
+                        match sent {
+                            Ok(response) if response.status().is_success() => {
+                                let mut acked = acknowledged.lock().unwrap();
+                                for m in &batch {
+                                    let body = m["body"].as_str().unwrap().to_string();
+                                    acked.insert(body.clone(), due_of(&body));
+                                }
+                                last_ack.store(now_ms(), Ordering::SeqCst);
+                                n += 10;
+                            }
+                            _ => {
+                                target += 1;
+                                std::thread::sleep(Duration::from_millis(50));
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        Writers {
+            acknowledged,
+            last_ack,
+            stop,
+            threads,
+        }
+    }
+
+    /// Stops the writers; what they had acknowledged.
+    fn stop(self) -> BTreeMap<String, i64> {
+        self.stop.store(true, Ordering::SeqCst);
+        for thread in self.threads {
+            thread.join().unwrap();
+        }
+        let acknowledged = self.acknowledged.lock().unwrap().clone();
+        acknowledged
     }
 }
 
@@ -451,38 +599,7 @@ fn members_form_a_cluster_any_member_answers_and_only_the_leader_delivers() {
         let status = cluster.member(id).process.as_mut().unwrap().terminate();
         assert!(status.success(), "member {id} stopped with {status}");
     }
-    let files = |id: u64| -> BTreeMap<String, Vec<u8>> {
-        let data = cluster.members[(id - 1) as usize].dir.path().join("data");
-        let mut files = BTreeMap::new();
-        for sub in ["schedule", "dispatch"] {
-            for entry in std::fs::read_dir(data.join(sub)).unwrap() {
-                let path = entry.unwrap().path();
-                let name = format!("{sub}/{}", path.file_name().unwrap().to_string_lossy());
-                files.insert(name, std::fs::read(&path).unwrap());
-            }
-        }
-        files
-    };
-    let first = files(1);
-    assert!(
-        first.keys().any(|name| name.starts_with("dispatch/")),
-        "outcomes were filed: {:?}",
-        first.keys().collect::<Vec<_>>()
-    );
-    for id in 2..=3 {
-        let other = files(id);
-        assert_eq!(
-            first.keys().collect::<Vec<_>>(),
-            other.keys().collect::<Vec<_>>(),
-            "member {id}'s files"
-        );
-        for (name, bytes) in &first {
-            assert!(
-                other[name] == *bytes,
-                "member {id}'s {name} differs from member 1's"
-            );
-        }
-    }
+    cluster.same_files(&[1, 2, 3]);
 }
 
 /// Writers sending batches to every member while the leader is killed (SIGKILL) five times and
@@ -492,52 +609,8 @@ fn members_form_a_cluster_any_member_answers_and_only_the_leader_delivers() {
 fn leader_kills_and_a_pause_lose_nothing_acknowledged() {
     let mut cluster = Cluster::start(3);
     let apis: Vec<String> = cluster.members.iter().map(|m| m.api.clone()).collect();
-    let acknowledged: Arc<Mutex<BTreeMap<String, i64>>> = Arc::default();
-    let last_ack = Arc::new(AtomicI64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let writers: Vec<_> = (0..2u64)
-        .map(|w| {
-            let (apis, acknowledged, last_ack, stop) = (
-                apis.clone(),
-                acknowledged.clone(),
-                last_ack.clone(),
-                stop.clone(),
-            );
-            std::thread::spawn(move || {
-                // A client gives up on a member that does not answer (a paused one) after a while.
-                let agent = agent(Duration::from_secs(3));
-                let mut n = 0u64;
-                let mut target = w as usize;
-                while !stop.load(Ordering::SeqCst) {
-                    let batch: Vec<Value> = (0..10)
-                        .map(|i| message(w * 1_000_000 + n + i, now_ms() + 500 + (i as i64 * 150)))
-                        .collect();
-                    let url = format!("{}/v1/messages/batch", apis[target % apis.len()]);
-                    let body = json!({ "messages": batch }).to_string();
-                    let sent = agent
-                        .post(&url)
-                        .header("Content-Type", "application/json")
-                        .send(&body);
-                    match sent {
-                        Ok(response) if response.status().is_success() => {
-                            let mut acked = acknowledged.lock().unwrap();
-                            for m in &batch {
-                                let body = m["body"].as_str().unwrap().to_string();
-                                acked.insert(body.clone(), due_of(&body));
-                            }
-                            last_ack.store(now_ms(), Ordering::SeqCst);
-                            n += 10;
-                        }
-                        // Refused, uncertain, or a member down: another member, a moment later.
-                        _ => {
-                            target += 1;
-                            std::thread::sleep(Duration::from_millis(50));
-                        }
-                    }
-                }
-            })
-        })
-        .collect();
+    let writers = Writers::start(apis, 2, 0);
+    let last_ack = writers.last_ack.clone();
     wait_for("the first acknowledgements", READY, || {
         last_ack.load(Ordering::SeqCst) > 0
     });
@@ -583,29 +656,11 @@ fn leader_kills_and_a_pause_lose_nothing_acknowledged() {
         // answers with a longer wait: a failover of its own kind, not this one).
         cluster.caught_up();
     }
-    stop.store(true, Ordering::SeqCst);
-    for writer in writers {
-        writer.join().unwrap();
-    }
-    let acknowledged = acknowledged.lock().unwrap().clone();
-    let latest_due = acknowledged.values().copied().max().unwrap();
-    wait_for(
-        "every acknowledged message delivered",
-        Duration::from_secs(90),
-        || {
-            let delivered: BTreeSet<String> = cluster
-                .receiver
-                .hits()
-                .into_iter()
-                .map(|h| h.body)
-                .collect();
-            now_ms() > latest_due && acknowledged.keys().all(|b| delivered.contains(b))
-        },
-    );
+    let acknowledged = writers.stop();
+    cluster.delivered_all(&acknowledged);
     let hits = cluster.receiver.hits();
     let mut times: BTreeMap<&str, u32> = BTreeMap::new();
     for hit in &hits {
-        assert!(hit.at_ms >= due_of(&hit.body), "never early: {hit:?}");
         *times.entry(hit.body.as_str()).or_default() += 1;
     }
     let duplicates: u32 = times.values().map(|t| t - 1).sum();
@@ -734,7 +789,6 @@ fn an_isolated_leader_stops_and_the_majority_goes_on() {
     }
     let mut times: BTreeMap<&str, u32> = BTreeMap::new();
     for hit in &hits {
-        assert!(hit.at_ms >= due_of(&hit.body), "never early: {hit:?}");
         *times.entry(hit.body.as_str()).or_default() += 1;
     }
     println!(
@@ -1009,4 +1063,109 @@ fn a_sources_mark_is_on_every_member_and_a_new_leader_schedules_nothing_twice() 
         .wait_ready_within(READY);
     cluster.caught_up();
     marks_alike(&cluster, 0);
+}
+
+/// A member whose disk is lost for good (issue 34): killed under load, its data dir deleted, and
+/// restarted empty with the same id after the others purged their logs far past what it had. It
+/// catches up by a snapshot (streamed over the peer link, swapped in at a restart of its own) and
+/// the log after it. Then the leader is killed: nothing acknowledged is lost, and the two members
+/// left hold the same files. Every member took several snapshots and kept at most two, and its WAL
+/// was purged from the front.
+#[test]
+fn a_member_restarted_empty_catches_up_by_snapshot_and_nothing_acknowledged_is_lost() {
+    let keys = "snapshot_entries = 100\nlog_file_bytes = 65536";
+    let mut cluster = Cluster::start_configured(3, "", keys);
+    let apis: Vec<String> = cluster.members.iter().map(|m| m.api.clone()).collect();
+    let writers = Writers::start(apis, 2, 1000);
+    let last_ack = writers.last_ack.clone();
+    wait_for("the first acknowledgements", READY, || {
+        last_ack.load(Ordering::SeqCst) > 0
+    });
+    let leader = cluster.leader();
+    let lost = (1..=3).find(|&id| id != leader).unwrap();
+    cluster.member(lost).process.as_mut().unwrap().kill();
+    cluster.member(lost).process = None;
+    std::fs::remove_dir_all(cluster.member(lost).dir.path().join("data")).unwrap();
+    // Enough entries meanwhile that the others purged their logs past the start: a snapshot every
+    // 100 entries, and 100 kept behind the newest.
+    let leader_api = cluster.member(leader).api.clone();
+    let commit_index = |api: &str| cluster_status(api)["commit_index"].as_u64().unwrap_or(0);
+    let from = commit_index(&leader_api);
+    wait_for("500 entries more", Duration::from_secs(120), || {
+        commit_index(&leader_api) >= from + 500
+    });
+
+    let restarted = std::time::Instant::now();
+    cluster.launch(lost);
+    cluster
+        .member(lost)
+        .process
+        .as_mut()
+        .unwrap()
+        .wait_ready_within(READY);
+    cluster.caught_up();
+    let lost_api = cluster.member(lost).api.clone();
+    let installed = scrape(&lost_api)["delayd_cluster_snapshots_installed_total"];
+    println!(
+        "member {lost}, restarted empty, caught up in {} ms by {installed} snapshot(s)",
+        restarted.elapsed().as_millis()
+    );
+    assert_eq!(installed, 1.0, "it caught up by one snapshot");
+
+    for member in &cluster.members {
+        let taken = scrape(&member.api)["delayd_cluster_snapshots_taken_total"];
+        let raft = member.dir.path().join("data/raft");
+        let kept: Vec<String> = std::fs::read_dir(raft.join("snapshots"))
+            .map(|dir| {
+                dir.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .filter(|name| !name.ends_with(".partial"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let wal: Vec<u64> = std::fs::read_dir(member.dir.path().join("data/wal"))
+            .unwrap()
+            .filter_map(|e| {
+                let name = e.unwrap().file_name().to_string_lossy().into_owned();
+                name.strip_suffix(".wal").and_then(|seq| seq.parse().ok())
+            })
+            .collect();
+        println!(
+            "member {}: {taken} snapshots taken, {} kept, {} WAL files from seq {:?}",
+            member.id,
+            kept.len(),
+            wal.len(),
+            wal.iter().min()
+        );
+        assert!(kept.len() <= 2, "member {}: {kept:?}", member.id);
+        if member.id != lost {
+            assert!(taken >= 3.0, "member {} took {taken} snapshots", member.id);
+            assert!(
+                wal.iter().min().is_some_and(|&first| first > 1),
+                "member {}: its WAL was purged from the front: {wal:?}",
+                member.id
+            );
+        }
+    }
+
+    cluster.member(leader).process.as_mut().unwrap().kill();
+    cluster.member(leader).process = None;
+    let killed_at = now_ms();
+    let new_leader = cluster.leader();
+    assert_ne!(new_leader, leader);
+    wait_for("a write acknowledged after the kill", READY, || {
+        last_ack.load(Ordering::SeqCst) > killed_at + 100
+    });
+    let acknowledged = writers.stop();
+    cluster.delivered_all(&acknowledged);
+    println!(
+        "{} messages acknowledged, all delivered",
+        acknowledged.len()
+    );
+    cluster.caught_up();
+    let left: Vec<u64> = cluster.running();
+    for &id in &left {
+        let status = cluster.member(id).process.as_mut().unwrap().terminate();
+        assert!(status.success(), "member {id} stopped with {status}");
+    }
+    cluster.same_files(&left);
 }

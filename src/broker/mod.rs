@@ -626,6 +626,16 @@ impl Broker {
 
     /// Deletes the segments whose messages are past their retention, then the oldest ones while the
     /// stores hold more than `max_bytes`, with the consume-queue files that pointed only into them.
+    /// Runs `f` while nothing changes the broker's files but its background checkpoint jobs (which
+    /// replace a checkpoint atomically, never before the data it speaks of is synced): both stores
+    /// and the group offsets are held. For linking the files into a snapshot.
+    pub fn quiesced<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _main = self.main.lock();
+        let _dead = self.dead.lock();
+        let _offsets = lock(&self.offsets);
+        f()
+    }
+
     pub fn enforce_retention(&self, now_ms: i64) -> Result<Retired, BrokerError> {
         let retention = [
             millis(self.options.retention),

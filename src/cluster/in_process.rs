@@ -5,6 +5,7 @@
 
 use super::handoff::Handoff;
 use super::network::{PeerNetwork, RaftService};
+use super::snapshot::Snapshots;
 use super::store::{LogStore, StateMachine};
 use super::{Member, TypeConfig};
 use crate::broker::{Broker, BrokerError, BrokerOptions, Incoming};
@@ -267,9 +268,17 @@ impl Cluster {
         let broker = Arc::new(Broker::open(self.dir(id), BrokerOptions::default()).unwrap());
         broker.replicate_through(&log);
         let applier = crate::applier(broker.clone(), self.dir(id).to_path_buf());
-        let machine = StateMachine::with_applier(log.clone(), applier);
+        // In-process members cannot restart themselves: none of these tests sends a snapshot.
+        let snapshots = Snapshots::new(
+            id,
+            log.clone(),
+            &self.dir(id).join("raft"),
+            Some(crate::app_files(broker.clone(), self.dir(id).to_path_buf())),
+            Arc::new(|| panic!("an in-process member cannot restart to install a snapshot")),
+        );
+        let machine = StateMachine::new(log.clone(), Some(applier), snapshots.clone());
         let network = PeerNetwork::new(id, SECRET, PeerOptions::default()).unwrap();
-        let config = super::raft_config(ELECTION_TIMEOUT);
+        let config = super::raft_config(ELECTION_TIMEOUT, 5_000);
         let raft = Raft::new(id, config, network, store, machine)
             .await
             .unwrap();
@@ -287,7 +296,7 @@ impl Cluster {
             id,
             ELECTION_TIMEOUT,
         ));
-        let service = Arc::new(RaftService::new(raft.clone(), handoff));
+        let service = Arc::new(RaftService::new(raft.clone(), handoff, snapshots));
         let serve = peer::serve(listener, id, SECRET, PeerOptions::default(), service).unwrap();
         let serving = tokio::spawn(serve);
         let runtime = tokio::runtime::Handle::current();

@@ -12,6 +12,7 @@
 //! - `rpc`: the binary codec of the RPCs (its byte layout is there).
 //! - `network`: [`network::PeerNetwork`] sends them to members, [`network::RaftService`] answers them.
 //! - `handoff`: a member that refuses a candidate for its shorter log stands itself at once.
+//! - `snapshot`: snapshots taken (the data dir's files linked), streamed, received and installed.
 //!
 //! Invariants:
 //! - A [`Proposal`] is opaque here: its frames are the WAL frames of one group commit, sealed by the
@@ -26,6 +27,7 @@ pub mod network;
 pub mod node;
 pub mod propose;
 pub mod rpc;
+pub mod snapshot;
 pub mod store;
 
 #[cfg(test)]
@@ -35,32 +37,31 @@ use serde::{Deserialize, Serialize};
 
 openraft::declare_raft_types!(
     /// openraft's types for delayd. `R = ()`: a committed entry answers nothing through Raft, the
-    /// storage layer tells its writer what became of it. Snapshots are a later issue; until then a
-    /// snapshot's data is plain bytes.
+    /// storage layer tells its writer what became of it. A snapshot's data is a directory of files
+    /// (snapshot.rs), which the network streams itself.
     pub TypeConfig:
         D = Proposal,
         R = (),
         NodeId = u64,
         Node = Member,
         Entry = openraft::Entry<TypeConfig>,
-        SnapshotData = std::io::Cursor<Vec<u8>>,
+        SnapshotData = snapshot::SnapshotFiles,
         AsyncRuntime = openraft::TokioRuntime,
 );
-
-/// Entries between two (meta-only) snapshots.
-const SNAPSHOT_EVERY_ENTRIES: u64 = 5_000;
 
 /// openraft's settings for a member whose election timeout is `election_timeout` (DESIGN.md §10):
 /// heartbeats at a quarter of it; a follower that heard from its leader stands for election after the
 /// leader's lease (openraft's: the longest election timeout, `election_timeout` itself) plus a random
 /// timeout between half of it and all of it, so 1.5 to 2 election timeouts after the last heartbeat.
 /// (openraft 0.9 adds its lease to the timeout; a range above `election_timeout` would make that 2.5
-/// to 3.) Snapshots are only their meta (store.rs), so openraft may take one
-/// as often as it likes: each lets it purge the entries more than `max_in_snapshot_log_to_keep`
-/// before it (whether every member has them or not), and the log then retires their WAL files. A
-/// member further behind than that needs a snapshot sent, which issue 34 brings: until then it stays
-/// behind (the leader offers, the network refuses, openraft backs off and offers again).
-pub fn raft_config(election_timeout: std::time::Duration) -> std::sync::Arc<openraft::Config> {
+/// to 3.) Every `snapshot_entries` applied entries a member takes a snapshot (snapshot.rs), which
+/// lets it purge the entries more than `max_in_snapshot_log_to_keep` before it (1,000, or
+/// `snapshot_entries` if fewer), whether every member has them or not; the log then retires their
+/// WAL files. A member further behind than that is sent a snapshot.
+pub fn raft_config(
+    election_timeout: std::time::Duration,
+    snapshot_entries: u64,
+) -> std::sync::Arc<openraft::Config> {
     let election_ms = u64::try_from(election_timeout.as_millis())
         .unwrap_or(u64::MAX)
         .max(4);
@@ -69,7 +70,8 @@ pub fn raft_config(election_timeout: std::time::Duration) -> std::sync::Arc<open
         heartbeat_interval: election_ms / 4,
         election_timeout_min: election_ms / 2,
         election_timeout_max: election_ms,
-        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(SNAPSHOT_EVERY_ENTRIES),
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(snapshot_entries),
+        max_in_snapshot_log_to_keep: snapshot_entries.min(1_000),
         ..openraft::Config::default()
     }
     .validate()

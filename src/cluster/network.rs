@@ -20,7 +20,9 @@
 //! an append of several entries over max_frame_bytes         PayloadTooLarge  half the entries
 //! one entry over max_frame_bytes                            Unreachable      back off, retry (it
 //!                                                                            never fits: logged)
-//! a snapshot to send (not supported yet)                    Unreachable      back off, retry
+//! a snapshot: any failure of its offer, chunks or install   as above; a      openraft sends it
+//!   (sent by `send_snapshot`, received by snapshot.rs)       cut transfer     again, from where
+//!                                                           resumes          the member is
 //! ```
 //!
 //! Invariants:
@@ -40,7 +42,11 @@
 //!   vote names (the candidate, or the leader): a member cannot speak for another.
 
 use super::handoff::Handoff;
-use super::rpc::{self, DecodeError, EncodeError, Wire, APPEND, VOTE};
+use super::rpc::{
+    self, ChunkTaken, DecodeError, EncodeError, SnapshotChunk, SnapshotHave, SnapshotInstall,
+    SnapshotOffer, Wire, APPEND, SNAPSHOT_CHUNK, SNAPSHOT_INSTALL, SNAPSHOT_OFFER, VOTE,
+};
+use super::snapshot::{Received, SnapshotFiles, Snapshots};
 use super::{Member, TypeConfig};
 use crate::peer::{PeerClient, PeerError, PeerOptions, PeerService, MIN_SECRET_BYTES};
 use futures_core::future::BoxFuture;
@@ -310,6 +316,9 @@ enum CallError {
     Encode(#[from] EncodeError),
     #[error("the answer cannot be decoded: {0}")]
     Decode(#[from] DecodeError),
+    /// A snapshot's file could not be read here, or the member kept refusing a chunk.
+    #[error("the snapshot cannot be sent: {0}")]
+    Snapshot(String),
 }
 
 /// What openraft is to make of a [`CallError`] (the table atop this module).
@@ -345,18 +354,12 @@ impl CallError {
             | CallError::Encode(EncodeError::TooLarge { .. }) => Verdict::TooLarge,
             CallError::Resolve { .. }
             | CallError::Peer(PeerError::Refused { .. } | PeerError::WeakSecret)
-            | CallError::Encode(EncodeError::Membership(_)) => Verdict::Unreachable,
-            CallError::Decode(_) => Verdict::Network,
+            | CallError::Encode(EncodeError::Membership(_) | EncodeError::Meta(_)) => {
+                Verdict::Unreachable
+            }
+            CallError::Decode(_) | CallError::Snapshot(_) => Verdict::Network,
         }
     }
-}
-
-/// Snapshots come in a later issue; until then a member that needs one waits, and the leader says
-/// why in its log each time it backs off.
-#[derive(Debug, thiserror::Error)]
-#[error("member {target} needs a snapshot to catch up; sending snapshots is not supported yet")]
-struct SnapshotsNotSupported {
-    target: u64,
 }
 
 /// openraft's client of one member: its RPCs go through the member's shared [`PeerClient`].
@@ -429,20 +432,119 @@ impl RaftNetwork<TypeConfig> for MemberClient {
             .map_err(|e| self.rpc_error(RPCTypes::Vote, 0, e))
     }
 
-    /// Not supported yet: `Unreachable`, so that openraft backs off and offers it again later
-    /// (a `StorageError` here would stop the leader).
+    /// Streams the snapshot's files (`send_snapshot`); a failure is reported as the call's would be,
+    /// and openraft sends it again later: the member's answer to the next offer says where to resume.
     async fn full_snapshot(
         &mut self,
-        _vote: Vote<u64>,
-        _snapshot: Snapshot<TypeConfig>,
-        _cancel: impl std::future::Future<Output = ReplicationClosed> + OptionalSend + 'static,
+        vote: Vote<u64>,
+        snapshot: Snapshot<TypeConfig>,
+        cancel: impl std::future::Future<Output = ReplicationClosed> + OptionalSend + 'static,
         _option: RPCOption,
     ) -> Result<SnapshotResponse<u64>, StreamingError<TypeConfig, Fatal<u64>>> {
-        let target = self.link.target;
-        Err(StreamingError::Unreachable(Unreachable::new(
-            &SnapshotsNotSupported { target },
-        )))
+        let sent = tokio::select! {
+            closed = cancel => return Err(StreamingError::Closed(closed)),
+            sent = send_snapshot(&self.link, vote, snapshot) => sent,
+        };
+        sent.map_err(
+            |error| match self.rpc_error(RPCTypes::InstallSnapshot, 0, error) {
+                RPCError::Timeout(timeout) => StreamingError::Timeout(timeout),
+                RPCError::Unreachable(unreachable) => StreamingError::Unreachable(unreachable),
+                RPCError::PayloadTooLarge(too_large) => {
+                    StreamingError::Network(NetworkError::new(&too_large))
+                }
+                RPCError::Network(network) => StreamingError::Network(network),
+                RPCError::RemoteError(remote) => {
+                    StreamingError::Network(NetworkError::new(&remote))
+                }
+            },
+        )
     }
+}
+
+/// How long one call of a snapshot's transfer may take (a chunk is a megabyte).
+const SNAPSHOT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// A chunk refused this many times in a row (its CRC did not match on arrival) fails the transfer.
+const CHUNK_REFUSALS: u32 = 5;
+
+/// Sends `snapshot` to the member at the end of `link`: offers it (the member answers what it holds
+/// of each file already), sends what it lacks a chunk at a time, then asks it to install it.
+async fn send_snapshot(
+    link: &MemberLink,
+    vote: Vote<u64>,
+    snapshot: Snapshot<TypeConfig>,
+) -> Result<SnapshotResponse<u64>, CallError> {
+    let Snapshot { meta, snapshot } = snapshot;
+    let files: Arc<SnapshotFiles> = Arc::new(*snapshot);
+    let started = std::time::Instant::now();
+    let offer = SnapshotOffer {
+        vote,
+        meta: meta.clone(),
+        files: files
+            .files
+            .iter()
+            .map(|f| (f.path.clone(), f.len))
+            .collect(),
+    };
+    let answer: SnapshotHave = link
+        .call(SNAPSHOT_OFFER, &offer, SNAPSHOT_CALL_TIMEOUT)
+        .await?;
+    let resumed: u64 = answer.have.iter().sum();
+    let mut sent = 0u64;
+    for (file, entry) in files.files.iter().enumerate() {
+        let mut have = answer.have.get(file).copied().unwrap_or(0).min(entry.len);
+        let mut refusals = 0;
+        while have < entry.len {
+            let read = files.clone();
+            let bytes = tokio::task::spawn_blocking(move || read.read_chunk(file, have))
+                .await
+                .map_err(|e| CallError::Snapshot(e.to_string()))?
+                .map_err(|e| CallError::Snapshot(format!("{}: {e}", entry.path)))?;
+            let chunk = SnapshotChunk {
+                vote,
+                snapshot_id: meta.snapshot_id.clone(),
+                file: u32::try_from(file).unwrap_or(u32::MAX),
+                offset: have,
+                crc: crc32c::crc32c(&bytes),
+                bytes,
+            };
+            let taken: ChunkTaken = link
+                .call(SNAPSHOT_CHUNK, &chunk, SNAPSHOT_CALL_TIMEOUT)
+                .await?;
+            if taken.have > have {
+                sent += taken.have - have;
+                refusals = 0;
+            } else {
+                refusals += 1;
+                if refusals >= CHUNK_REFUSALS {
+                    let why = format!(
+                        "member {} refused a chunk of {} at byte {have} {refusals} times",
+                        link.target, entry.path
+                    );
+                    return Err(CallError::Snapshot(why));
+                }
+            }
+            have = taken.have.min(entry.len);
+        }
+    }
+    let install = SnapshotInstall {
+        vote,
+        snapshot_id: meta.snapshot_id.clone(),
+    };
+    let response = link
+        .call(SNAPSHOT_INSTALL, &install, SNAPSHOT_CALL_TIMEOUT)
+        .await?;
+    let seconds = started.elapsed().as_secs_f64();
+    tracing::info!(
+        member = link.target,
+        snapshot = %meta.snapshot_id,
+        bytes = files.bytes(),
+        sent,
+        resumed,
+        seconds,
+        "sent a snapshot"
+    );
+    metrics::counter!("delayd_cluster_snapshot_sent_bytes_total").increment(sent);
+    Ok(response)
 }
 
 /// A member's answers to the others' Raft RPCs, given to `peer::serve`. It tells `handoff` what it
@@ -450,6 +552,7 @@ impl RaftNetwork<TypeConfig> for MemberClient {
 pub struct RaftService {
     raft: openraft::Raft<TypeConfig>,
     handoff: Arc<Handoff>,
+    snapshots: Snapshots,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -459,8 +562,77 @@ impl std::fmt::Debug for RaftService {
 }
 
 impl RaftService {
-    pub fn new(raft: openraft::Raft<TypeConfig>, handoff: Arc<Handoff>) -> RaftService {
-        RaftService { raft, handoff }
+    pub fn new(
+        raft: openraft::Raft<TypeConfig>,
+        handoff: Arc<Handoff>,
+        snapshots: Snapshots,
+    ) -> RaftService {
+        RaftService {
+            raft,
+            handoff,
+            snapshots,
+        }
+    }
+
+    /// A snapshot's offer, chunk or install, from the member its vote names.
+    async fn snapshot(&self, from: u64, kind: u8, payload: Vec<u8>) -> Result<Vec<u8>, String> {
+        let snapshots = self.snapshots.clone();
+        let blocking = |work: Box<dyn FnOnce() -> Result<Vec<u8>, String> + Send>| async move {
+            tokio::task::spawn_blocking(work)
+                .await
+                .unwrap_or_else(|e| Err(format!("a snapshot request's task failed: {e}")))
+        };
+        let refused = move |error: super::snapshot::SnapshotError| {
+            tracing::warn!(from, %error, "a snapshot request is refused");
+            error.to_string()
+        };
+        match kind {
+            SNAPSHOT_OFFER => {
+                let offer = take::<SnapshotOffer>(from, &payload)?;
+                speaks_for(from, &offer.vote)?;
+                blocking(Box::new(move || {
+                    let have = snapshots.offer(offer).map_err(refused)?;
+                    have.encode().map_err(|e| e.to_string())
+                }))
+                .await
+            }
+            SNAPSHOT_CHUNK => {
+                let chunk = take::<SnapshotChunk>(from, &payload)?;
+                speaks_for(from, &chunk.vote)?;
+                blocking(Box::new(move || {
+                    let taken = snapshots.chunk(&chunk).map_err(refused)?;
+                    taken.encode().map_err(|e| e.to_string())
+                }))
+                .await
+            }
+            _ => {
+                let install = take::<SnapshotInstall>(from, &payload)?;
+                speaks_for(from, &install.vote)?;
+                let id = install.snapshot_id.clone();
+                let received = tokio::task::spawn_blocking(move || snapshots.received(&id))
+                    .await
+                    .map_err(|e| format!("a snapshot request's task failed: {e}"))?
+                    .map_err(refused)?;
+                let received = match received {
+                    Received::Whole(snapshot) => snapshot,
+                    // Applied here already: the answer openraft would give, this member's vote.
+                    Received::Held => {
+                        let vote = self.raft.metrics().borrow().vote;
+                        return SnapshotResponse { vote }
+                            .encode()
+                            .map_err(|e| e.to_string());
+                    }
+                };
+                let installed = self
+                    .raft
+                    .install_full_snapshot(install.vote, received)
+                    .await;
+                match installed {
+                    Ok(response) => response.encode().map_err(|e| e.to_string()),
+                    Err(fatal) => Err(rpc::raft_error_text(&RaftError::Fatal(fatal))),
+                }
+            }
+        }
     }
 }
 
@@ -495,8 +667,11 @@ impl PeerService for RaftService {
                     }
                     answer(answered)
                 }
+                SNAPSHOT_OFFER | SNAPSHOT_CHUNK | SNAPSHOT_INSTALL => {
+                    self.snapshot(from, kind, payload).await
+                }
                 other => Err(format!(
-                    "no Raft request of kind {other} is served here (vote {VOTE}, append {APPEND})"
+                    "no Raft request of kind {other} is served here (vote {VOTE}, append {APPEND}, snapshot {SNAPSHOT_OFFER} to {SNAPSHOT_INSTALL})"
                 )),
             }
         })
@@ -654,11 +829,17 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_snapshot_is_refused_so_that_openraft_backs_off() {
-        let mut client = client("127.0.0.1:7172");
+    async fn a_snapshot_for_a_member_that_does_not_listen_is_unreachable_so_openraft_backs_off() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let mut client = client(&addr.to_string());
         let snapshot = Snapshot {
             meta: Default::default(),
-            snapshot: Box::new(std::io::Cursor::new(Vec::new())),
+            snapshot: Box::new(SnapshotFiles {
+                dir: std::env::temp_dir(),
+                files: Vec::new(),
+            }),
         };
         let sent = client
             .full_snapshot(
@@ -668,12 +849,10 @@ mod tests {
                 RPCOption::new(Duration::from_secs(1)),
             )
             .await;
-        match sent {
-            Err(StreamingError::Unreachable(error)) => {
-                assert!(error.to_string().contains("not supported yet"), "{error}")
-            }
-            other => panic!("{other:?}"),
-        }
+        assert!(
+            matches!(sent, Err(StreamingError::Unreachable(_))),
+            "{sent:?}"
+        );
     }
 
     #[tokio::test]

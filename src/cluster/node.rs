@@ -17,6 +17,7 @@
 
 use super::handoff::Handoff;
 use super::network::{Answers, PeerNetwork, RaftService};
+use super::snapshot::Snapshots;
 use super::store::{Applier, LogStore, StateMachine};
 use super::{Member, TypeConfig};
 use crate::peer::{self, PeerOptions};
@@ -38,6 +39,8 @@ pub struct Settings {
     pub listen: String,
     pub secret: String,
     pub election_timeout: Duration,
+    /// Entries applied between two snapshots (`cluster.snapshot_entries`).
+    pub snapshot_entries: u64,
     /// Every member, this one too, by id.
     pub members: BTreeMap<u64, Member>,
 }
@@ -66,19 +69,21 @@ impl Node {
     /// Starts member `settings.id` on `log` (opened replicated), with its vote in `raft_dir`: binds
     /// the peer listener, starts Raft, founds the cluster if nobody has yet, and starts proposing.
     /// `applier` applies committed entries' application payloads (the built-in broker's ops) on this
-    /// member, before each entry is filed.
+    /// member, before each entry is filed; `snapshots` takes, receives and installs its snapshots.
     pub async fn start(
         settings: Settings,
         log: &Arc<ScheduleLog>,
         raft_dir: &Path,
         clock: Arc<dyn Clock>,
         applier: Option<Applier>,
+        snapshots: Snapshots,
     ) -> anyhow::Result<Node> {
         let Settings {
             id,
             listen,
             secret,
             election_timeout,
+            snapshot_entries,
             members,
         } = settings;
         let listener = tokio::net::TcpListener::bind(&listen)
@@ -86,15 +91,12 @@ impl Node {
             .with_context(|| format!("binding cluster.listen {listen}"))?;
         let store = LogStore::open(log.clone(), raft_dir)
             .with_context(|| format!("opening the Raft state in {}", raft_dir.display()))?;
-        let machine = match applier {
-            Some(applier) => StateMachine::with_applier(log.clone(), applier),
-            None => StateMachine::new(log.clone()),
-        };
+        let machine = StateMachine::new(log.clone(), applier, snapshots.clone());
         let network = PeerNetwork::new(id, &secret, PeerOptions::default())?;
         let answers = network.answers();
         let raft = Raft::new(
             id,
-            super::raft_config(election_timeout),
+            super::raft_config(election_timeout, snapshot_entries),
             network,
             store.clone(),
             machine,
@@ -102,7 +104,7 @@ impl Node {
         .await
         .context("starting Raft")?;
         let handoff = Arc::new(Handoff::default());
-        let service = Arc::new(RaftService::new(raft.clone(), handoff.clone()));
+        let service = Arc::new(RaftService::new(raft.clone(), handoff.clone(), snapshots));
         let serving = peer::serve(listener, id, &secret, PeerOptions::default(), service)?;
         let mut tasks = vec![
             tokio::spawn(serving),
@@ -409,6 +411,13 @@ async fn report(raft: Raft<TypeConfig>, store: LogStore, lease: Arc<Lease>) {
     // report, and the founding election usually comes before that: without this it would not exist
     // until a second election.
     metrics::counter!("delayd_cluster_elections_total").increment(0);
+    for made in [
+        "delayd_cluster_snapshots_taken_total",
+        "delayd_cluster_snapshots_installed_total",
+        "delayd_cluster_snapshot_sent_bytes_total",
+    ] {
+        metrics::counter!(made).increment(0);
+    }
     let mut metrics = raft.metrics();
     let mut term = None;
     let mut lagging: Vec<u64> = Vec::new();

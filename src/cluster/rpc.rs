@@ -1,5 +1,6 @@
 //! The binary codec of Raft's RPCs on the peer link (peer.rs): a request's kind is the link's kind
-//! byte ([`VOTE`], [`APPEND`]; [`SNAPSHOT`] is reserved), its body and its answer's are encoded here.
+//! byte ([`VOTE`], [`APPEND`], and a snapshot's three: [`SNAPSHOT_OFFER`], [`SNAPSHOT_CHUNK`],
+//! [`SNAPSHOT_INSTALL`]), its body and its answer's are encoded here.
 //! Little endian; every message opens with the codec's version and says what it is.
 //!
 //! ```text
@@ -21,7 +22,16 @@
 //!                             1 partial success matching opt<log_id>
 //!                             2 conflict        nothing
 //!                             3 higher vote     vote
-//! SNAPSHOT 3       reserved for snapshots (a later issue)
+//! str              len u16, UTF-8 bytes
+//! SNAPSHOT_OFFER 3 request  vote, meta (len u32, openraft's SnapshotMeta as JSON), count u32,
+//!                           count × (path str, len u64): the snapshot's files (snapshot.rs)
+//!                  answer   count u32, count × have u64: the bytes of each file the member holds
+//! SNAPSHOT_CHUNK 4 request  vote, snapshot id str, file u32 (its place in the offer), offset u64,
+//!                           crc u32 (CRC-32C of the bytes), len u32, the bytes
+//!                  answer   have u64: the file's bytes the member holds now (offset + len once
+//!                           taken; where it was when refused: the sender sends from there)
+//! SNAPSHOT_INSTALL 5 request vote, snapshot id str
+//!                  answer   vote (openraft's SnapshotResponse)
 //!
 //! error answer     the link's error status; its text is the member's `RaftError<u64>` as JSON
 //!                  ([`raft_error_text`]). Any other text is a request the member could not take
@@ -44,8 +54,10 @@
 
 use super::{Member, Proposal, TypeConfig};
 use openraft::error::RaftError;
-use openraft::raft::{AppendEntriesRequest, AppendEntriesResponse, VoteRequest, VoteResponse};
-use openraft::{Entry, EntryPayload, LeaderId, LogId, Membership, Vote};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
+};
+use openraft::{Entry, EntryPayload, LeaderId, LogId, Membership, SnapshotMeta, Vote};
 
 /// The codec's version, the first byte of every message.
 pub const VERSION: u8 = 1;
@@ -54,8 +66,12 @@ pub const VERSION: u8 = 1;
 pub const VOTE: u8 = 1;
 /// An append-entries request's kind on the peer link.
 pub const APPEND: u8 = 2;
-/// Reserved for snapshots (a later issue): not answered yet.
-pub const SNAPSHOT: u8 = 3;
+/// A snapshot offered: which files, and how much of each the member has already (snapshot.rs).
+pub const SNAPSHOT_OFFER: u8 = 3;
+/// Bytes of a snapshot's file.
+pub const SNAPSHOT_CHUNK: u8 = 4;
+/// A snapshot sent whole: install it.
+pub const SNAPSHOT_INSTALL: u8 = 5;
 
 /// Set in the message byte of an answer.
 const ANSWER: u8 = 0x80;
@@ -97,6 +113,8 @@ pub enum EncodeError {
     TooLarge { what: &'static str, len: usize },
     #[error("a membership entry does not serialize: {0}")]
     Membership(#[source] serde_json::Error),
+    #[error("a snapshot's meta does not serialize: {0}")]
+    Meta(#[source] serde_json::Error),
 }
 
 /// Why bytes are not the message they were taken for.
@@ -133,6 +151,10 @@ pub enum Problem {
     TooManyEntries { count: u32, remaining: usize },
     #[error("not a membership: {why}")]
     Membership { why: String },
+    #[error("not a snapshot's meta: {why}")]
+    Meta { why: String },
+    #[error("{what} is not UTF-8")]
+    NotUtf8 { what: &'static str },
     #[error("{len} bytes after its end")]
     Trailing { len: usize },
 }
@@ -313,6 +335,234 @@ impl Wire for AppendEntriesResponse<u64> {
     }
 }
 
+/// A snapshot offered to a member ([`SNAPSHOT_OFFER`]): its meta and its files, by path and length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotOffer {
+    pub vote: Vote<u64>,
+    pub meta: SnapshotMeta<u64, Member>,
+    pub files: Vec<(String, u64)>,
+}
+
+/// A member's answer to an offer: how many bytes of each offered file it holds already.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotHave {
+    pub have: Vec<u64>,
+}
+
+/// Bytes of one of a snapshot's files ([`SNAPSHOT_CHUNK`]), at `offset`, with their CRC-32C.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SnapshotChunk {
+    pub vote: Vote<u64>,
+    pub snapshot_id: String,
+    pub file: u32,
+    pub offset: u64,
+    pub crc: u32,
+    pub bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for SnapshotChunk {
+    /// The length only: a chunk is a megabyte.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotChunk")
+            .field("snapshot_id", &self.snapshot_id)
+            .field("file", &self.file)
+            .field("offset", &self.offset)
+            .field("len", &self.bytes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A member's answer to a chunk: the file's bytes it holds now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkTaken {
+    pub have: u64,
+}
+
+/// A snapshot whose files were all sent: install it ([`SNAPSHOT_INSTALL`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInstall {
+    pub vote: Vote<u64>,
+    pub snapshot_id: String,
+}
+
+/// The least room a file of an offer takes: an empty path's length and the file's length.
+const MIN_OFFERED_FILE_LEN: usize = 2 + 8;
+
+impl Wire for SnapshotOffer {
+    const MESSAGE: u8 = SNAPSHOT_OFFER;
+    const NAME: &'static str = "a snapshot offer";
+
+    fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let meta = serde_json::to_vec(&self.meta).map_err(EncodeError::Meta)?;
+        let files_len: usize = self.files.iter().map(|(p, _)| 2 + p.len() + 8).sum();
+        let mut out = header::<Self>(VOTE_LEN + 4 + meta.len() + 4 + files_len);
+        put_vote(&mut out, &self.vote);
+        put_len(&mut out, "a snapshot's meta", meta.len())?;
+        out.extend_from_slice(&meta);
+        put_len(&mut out, "a snapshot's files", self.files.len())?;
+        for (path, len) in &self.files {
+            put_str(&mut out, path)?;
+            out.extend_from_slice(&len.to_le_bytes());
+        }
+        Ok(out)
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        Reader::message::<Self, _>(bytes, |r| {
+            let vote = r.vote("vote")?;
+            let len = r.u32("the meta's length")? as usize;
+            let meta_at = r.at;
+            let json = r.take(len, "the meta")?;
+            let meta: SnapshotMeta<u64, Member> = serde_json::from_slice(json)
+                .map_err(|e| r.error(meta_at, Problem::Meta { why: e.to_string() }))?;
+            let stored = meta.last_membership.membership();
+            if meta.last_membership.log_id().is_some() {
+                let json = serde_json::to_vec(stored)
+                    .map_err(|e| r.error(meta_at, Problem::Membership { why: e.to_string() }))?;
+                membership(&json).map_err(|why| r.error(meta_at, Problem::Membership { why }))?;
+            }
+            let count_at = r.at;
+            let count = r.u32("the count of files")?;
+            let remaining = r.remaining();
+            if (count as usize) > remaining / MIN_OFFERED_FILE_LEN {
+                return Err(r.error(count_at, Problem::TooManyEntries { count, remaining }));
+            }
+            let mut files = Vec::with_capacity(count as usize);
+            for _ in 0..count {
+                let path = r.str("a file's path")?;
+                files.push((path, r.u64("a file's length")?));
+            }
+            Ok(SnapshotOffer { vote, meta, files })
+        })
+    }
+}
+
+impl Wire for SnapshotHave {
+    const MESSAGE: u8 = SNAPSHOT_OFFER | ANSWER;
+    const NAME: &'static str = "a snapshot offer's answer";
+
+    fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut out = header::<Self>(4 + 8 * self.have.len());
+        put_len(&mut out, "a snapshot's files", self.have.len())?;
+        for have in &self.have {
+            out.extend_from_slice(&have.to_le_bytes());
+        }
+        Ok(out)
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        Reader::message::<Self, _>(bytes, |r| {
+            let count_at = r.at;
+            let count = r.u32("the count of files")?;
+            let remaining = r.remaining();
+            if (count as usize) > remaining / 8 {
+                return Err(r.error(count_at, Problem::TooManyEntries { count, remaining }));
+            }
+            let have = (0..count)
+                .map(|_| r.u64("a file's bytes held"))
+                .collect::<Result<_, _>>()?;
+            Ok(SnapshotHave { have })
+        })
+    }
+}
+
+impl Wire for SnapshotChunk {
+    const MESSAGE: u8 = SNAPSHOT_CHUNK;
+    const NAME: &'static str = "a snapshot chunk";
+
+    fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let body = VOTE_LEN + 2 + self.snapshot_id.len() + 4 + 8 + 4 + 4 + self.bytes.len();
+        let mut out = header::<Self>(body);
+        put_vote(&mut out, &self.vote);
+        put_str(&mut out, &self.snapshot_id)?;
+        out.extend_from_slice(&self.file.to_le_bytes());
+        out.extend_from_slice(&self.offset.to_le_bytes());
+        out.extend_from_slice(&self.crc.to_le_bytes());
+        put_len(&mut out, "a snapshot chunk", self.bytes.len())?;
+        out.extend_from_slice(&self.bytes);
+        Ok(out)
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        Reader::message::<Self, _>(bytes, |r| {
+            let vote = r.vote("vote")?;
+            let snapshot_id = r.str("the snapshot id")?;
+            let file = r.u32("the file")?;
+            let offset = r.u64("the offset")?;
+            let crc = r.u32("the crc")?;
+            let len = r.u32("the chunk's length")? as usize;
+            let bytes = r.take(len, "the chunk")?.to_vec();
+            Ok(SnapshotChunk {
+                vote,
+                snapshot_id,
+                file,
+                offset,
+                crc,
+                bytes,
+            })
+        })
+    }
+}
+
+impl Wire for ChunkTaken {
+    const MESSAGE: u8 = SNAPSHOT_CHUNK | ANSWER;
+    const NAME: &'static str = "a snapshot chunk's answer";
+
+    fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut out = header::<Self>(8);
+        out.extend_from_slice(&self.have.to_le_bytes());
+        Ok(out)
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        Reader::message::<Self, _>(bytes, |r| {
+            Ok(ChunkTaken {
+                have: r.u64("the bytes held")?,
+            })
+        })
+    }
+}
+
+impl Wire for SnapshotInstall {
+    const MESSAGE: u8 = SNAPSHOT_INSTALL;
+    const NAME: &'static str = "a snapshot install request";
+
+    fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut out = header::<Self>(VOTE_LEN + 2 + self.snapshot_id.len());
+        put_vote(&mut out, &self.vote);
+        put_str(&mut out, &self.snapshot_id)?;
+        Ok(out)
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        Reader::message::<Self, _>(bytes, |r| {
+            Ok(SnapshotInstall {
+                vote: r.vote("vote")?,
+                snapshot_id: r.str("the snapshot id")?,
+            })
+        })
+    }
+}
+
+impl Wire for SnapshotResponse<u64> {
+    const MESSAGE: u8 = SNAPSHOT_INSTALL | ANSWER;
+    const NAME: &'static str = "a snapshot install answer";
+
+    fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut out = header::<Self>(VOTE_LEN);
+        put_vote(&mut out, &self.vote);
+        Ok(out)
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        Reader::message::<Self, _>(bytes, |r| {
+            Ok(SnapshotResponse {
+                vote: r.vote("vote")?,
+            })
+        })
+    }
+}
+
 /// A buffer holding `M`'s header, with room for a body of `body_len` bytes.
 fn header<M: Wire>(body_len: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + body_len);
@@ -331,6 +581,16 @@ fn opt_log_id_len(log_id: &Option<LogId<u64>>) -> usize {
 fn put_len(out: &mut Vec<u8>, what: &'static str, len: usize) -> Result<(), EncodeError> {
     let len32 = u32::try_from(len).map_err(|_| EncodeError::TooLarge { what, len })?;
     out.extend_from_slice(&len32.to_le_bytes());
+    Ok(())
+}
+
+fn put_str(out: &mut Vec<u8>, text: &str) -> Result<(), EncodeError> {
+    let len = u16::try_from(text.len()).map_err(|_| EncodeError::TooLarge {
+        what: "a string",
+        len: text.len(),
+    })?;
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(text.as_bytes());
     Ok(())
 }
 
@@ -431,6 +691,13 @@ impl<'a> Reader<'a> {
 
     fn u8(&mut self, what: &'static str) -> Result<u8, DecodeError> {
         Ok(self.array::<1>(what)?[0])
+    }
+
+    fn str(&mut self, what: &'static str) -> Result<String, DecodeError> {
+        let len = u16::from_le_bytes(self.array(what)?) as usize;
+        let at = self.at;
+        let bytes = self.take(len, what)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.error(at, Problem::NotUtf8 { what }))
     }
 
     fn u32(&mut self, what: &'static str) -> Result<u32, DecodeError> {

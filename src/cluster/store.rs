@@ -16,14 +16,15 @@
 //!   never old entries joined to those that replaced them.
 //! - Entries go only once openraft purged them (after a snapshot, once no member needs them), and
 //!   then with their WAL files, once everything in those is applied and checkpointed.
-//! - Snapshots are only their meta (issue 34 streams the files): a member that needs one is told so,
-//!   and openraft retries.
+//! - A snapshot is taken on the state machine's task, between two applies (snapshot.rs): openraft's
+//!   builder only hands it over. Installing one restarts the member (snapshot.rs says why).
 
 #![allow(
     clippy::result_large_err,
     reason = "openraft's StorageError is what its traits return, and these helpers feed them"
 )]
 
+use super::snapshot::{SnapshotError, SnapshotFiles, Snapshots};
 use super::{Member, Proposal, TypeConfig};
 use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
 use openraft::{
@@ -52,7 +53,7 @@ fn storage_error(
     }
 }
 
-fn to_raft_log_id(id: schedulelog::LogId) -> LogId<u64> {
+pub(super) fn to_raft_log_id(id: schedulelog::LogId) -> LogId<u64> {
     LogId::new(LeaderId::new(id.term, id.node_id), id.index)
 }
 
@@ -319,12 +320,13 @@ async fn run_blocking<T: Send + 'static>(
 /// error: openraft stops this member (its files could no longer match the others').
 pub type Applier = Arc<dyn Fn((u64, u32), &[u8]) -> Result<(), String> + Send + Sync>;
 
-/// The state machine: the schedule the applied entries' records are filed into, and the application's
-/// own state (through its [`Applier`]).
+/// The state machine: the schedule the applied entries' records are filed into, the application's
+/// own state (through its [`Applier`]), and their snapshots.
 #[derive(Clone)]
 pub struct StateMachine {
     log: Arc<ScheduleLog>,
     applier: Option<Applier>,
+    snapshots: Snapshots,
 }
 
 impl Debug for StateMachine {
@@ -332,24 +334,51 @@ impl Debug for StateMachine {
         f.debug_struct("StateMachine")
             .field("log", &self.log)
             .field("applier", &self.applier.is_some())
+            .field("snapshots", &self.snapshots)
             .finish()
     }
 }
 
 impl StateMachine {
-    /// A state machine without an applier: entries' application payloads are passed over.
-    pub fn new(log: Arc<ScheduleLog>) -> StateMachine {
-        StateMachine { log, applier: None }
-    }
-
-    /// A state machine that hands application payloads to `applier` before each entry is filed.
-    pub fn with_applier(log: Arc<ScheduleLog>, applier: Applier) -> StateMachine {
+    /// The state machine of `log`: with an `applier`, application payloads go to it before each
+    /// entry is filed (without one they are passed over).
+    pub fn new(
+        log: Arc<ScheduleLog>,
+        applier: Option<Applier>,
+        snapshots: Snapshots,
+    ) -> StateMachine {
         StateMachine {
             log,
-            applier: Some(applier),
+            applier,
+            snapshots,
         }
     }
+
+    /// The newest snapshot, or one taken now if there is none (and anything is applied).
+    async fn newest_snapshot(&self) -> StorageResult<Option<Snapshot<TypeConfig>>> {
+        let (snapshots, log) = (self.snapshots.clone(), self.log.clone());
+        run_blocking(move || {
+            let newest = snapshots.current().map_err(snapshot_error)?;
+            match newest {
+                Some(snapshot) => Ok(Some(snapshot)),
+                None if log.applied_state().is_some() => {
+                    snapshots.take().map(Some).map_err(snapshot_error)
+                }
+                None => Ok(None),
+            }
+        })
+        .await
+    }
 }
+
+fn snapshot_error(error: SnapshotError) -> StorageError<u64> {
+    storage_error(ErrorSubject::Snapshot(None), ErrorVerb::Write, error)
+}
+
+/// openraft's snapshot builder: the snapshot taken when openraft asked for the builder (on the
+/// state machine's task, between two applies), or why it could not be.
+#[derive(Debug)]
+pub struct Taken(Option<StorageResult<Snapshot<TypeConfig>>>);
 
 /// Applies `entries` in log order: each one's application payloads through `applier` first, then the
 /// entry itself into the schedule (entries without payloads handed over together).
@@ -394,31 +423,27 @@ fn apply_in_order(
 #[error("{0}")]
 struct Refused(String);
 
-/// Snapshots are issue 34's: every snapshot call says so.
-#[derive(Debug, thiserror::Error)]
-#[error("snapshots are not supported yet")]
-struct NoSnapshots;
-
-/// A snapshot is, for now, only its meta: what the data dir's files hold (the last applied entry and
-/// membership), which openraft needs once entries are purged. Its data is empty; sending it to a member
-/// is refused (`network`), and installing one is too, until issue 34 streams the files.
-impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
+impl RaftSnapshotBuilder<TypeConfig> for Taken {
     async fn build_snapshot(&mut self) -> StorageResult<Snapshot<TypeConfig>> {
-        let (last_log_id, last_membership) = self.applied_state().await?;
-        let snapshot_id = last_log_id.map_or("none".into(), |id| id.to_string());
-        Ok(Snapshot {
-            meta: SnapshotMeta {
-                last_log_id,
-                last_membership,
-                snapshot_id,
-            },
-            snapshot: Box::new(std::io::Cursor::new(Vec::new())),
+        self.0.take().unwrap_or_else(|| {
+            let twice = std::io::Error::other("a snapshot builder was used twice");
+            Err(storage_error(
+                ErrorSubject::Snapshot(None),
+                ErrorVerb::Read,
+                twice,
+            ))
         })
     }
 }
 
+/// openraft receives snapshots through `Raft::install_full_snapshot` (snapshot.rs streams them over
+/// the peer link), never in its own chunks.
+#[derive(Debug, thiserror::Error)]
+#[error("snapshots arrive over the peer link, not in openraft's chunks")]
+struct NotChunked;
+
 impl RaftStateMachine<TypeConfig> for StateMachine {
-    type SnapshotBuilder = StateMachine;
+    type SnapshotBuilder = Taken;
 
     async fn applied_state(
         &mut self,
@@ -450,35 +475,35 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         Ok(vec![(); count])
     }
 
-    async fn get_snapshot_builder(&mut self) -> StateMachine {
-        self.clone()
-    }
-
-    async fn begin_receiving_snapshot(&mut self) -> StorageResult<Box<std::io::Cursor<Vec<u8>>>> {
-        Err(storage_error(
-            ErrorSubject::Snapshot(None),
-            ErrorVerb::Write,
-            NoSnapshots,
+    /// Takes the snapshot here, where no entry is being applied: the builder only hands it over.
+    async fn get_snapshot_builder(&mut self) -> Taken {
+        let snapshots = self.snapshots.clone();
+        Taken(Some(
+            run_blocking(move || snapshots.take().map_err(snapshot_error)).await,
         ))
     }
 
+    async fn begin_receiving_snapshot(&mut self) -> StorageResult<Box<SnapshotFiles>> {
+        Err(storage_error(
+            ErrorSubject::Snapshot(None),
+            ErrorVerb::Write,
+            NotChunked,
+        ))
+    }
+
+    /// Marks the snapshot to be swapped in and restarts this member (snapshot.rs).
     async fn install_snapshot(
         &mut self,
-        _meta: &SnapshotMeta<u64, Member>,
-        _snapshot: Box<std::io::Cursor<Vec<u8>>>,
+        meta: &SnapshotMeta<u64, Member>,
+        snapshot: Box<SnapshotFiles>,
     ) -> StorageResult<()> {
-        Err(storage_error(
-            ErrorSubject::Snapshot(None),
-            ErrorVerb::Write,
-            NoSnapshots,
-        ))
+        let (snapshots, meta) = (self.snapshots.clone(), meta.clone());
+        run_blocking(move || snapshots.install(&meta, &snapshot).map_err(snapshot_error)).await
     }
 
-    /// There is one as soon as anything is applied: openraft asks for it for a member that needs
-    /// entries it purged, which it may do before the log retired them (and the network refuses to
-    /// send it, for now). `None` would stop the leader.
+    /// The newest snapshot; one is taken now if there is none and anything is applied (a member
+    /// restored from a snapshot has purged its log up to it, and must be able to send one).
     async fn get_current_snapshot(&mut self) -> StorageResult<Option<Snapshot<TypeConfig>>> {
-        let snapshot = self.build_snapshot().await?;
-        Ok(snapshot.meta.last_log_id.is_some().then_some(snapshot))
+        self.newest_snapshot().await
     }
 }

@@ -34,9 +34,19 @@ pub struct ClusterConfig {
     /// How long a follower waits without hearing from a leader before it stands for election;
     /// heartbeats go at a quarter of it.
     pub election_timeout: Millis,
+    /// Entries applied between two snapshots of this member's files; each lets its Raft log be
+    /// purged up to 1,000 entries (or `snapshot_entries`, if fewer) behind it.
+    pub snapshot_entries: u64,
+    /// The size of this member's Raft log (WAL) files: the log is purged a whole file at a time.
+    pub log_file_bytes: u64,
     /// Every member, this one included, the same on every member.
     pub members: Vec<MemberConfig>,
 }
+
+/// The fewest and the most entries between two snapshots.
+const SNAPSHOT_ENTRIES_RANGE: [u64; 2] = [100, 100_000_000];
+/// The smallest and the largest Raft log file.
+const LOG_FILE_BYTES_RANGE: [u64; 2] = [64 << 10, 1 << 30];
 
 /// One `[[cluster.members]]` table. Its keys default (to 0 and empty) only so that a missing one is
 /// refused by [`ClusterConfig::validate`] naming it, like any other mistake in the section.
@@ -62,6 +72,8 @@ impl Default for ClusterConfig {
             listen: String::new(),
             secret: String::new(),
             election_timeout: Millis(Duration::from_secs(1)),
+            snapshot_entries: 5_000,
+            log_file_bytes: 64 << 20,
             members: Vec::new(),
         }
     }
@@ -75,6 +87,8 @@ impl std::fmt::Debug for ClusterConfig {
             .field("listen", &self.listen)
             .field("secret", &format_args!("({} bytes)", self.secret.len()))
             .field("election_timeout", &self.election_timeout)
+            .field("snapshot_entries", &self.snapshot_entries)
+            .field("log_file_bytes", &self.log_file_bytes)
             .field("members", &self.members)
             .finish()
     }
@@ -140,6 +154,25 @@ impl ClusterConfig {
                 "cluster.election_timeout",
                 "must be between 100ms and 60s (heartbeats go at a quarter of it; \"1s\" suits a \
                  local network)",
+            ));
+        }
+        let [fewest, most] = SNAPSHOT_ENTRIES_RANGE;
+        if !(fewest..=most).contains(&self.snapshot_entries) {
+            return Err(invalid(
+                "cluster.snapshot_entries",
+                format!("must be between {fewest} and {most} (5000 is the default)"),
+            ));
+        }
+        let [smallest, largest] = LOG_FILE_BYTES_RANGE;
+        if !(smallest..=largest).contains(&self.log_file_bytes)
+            || !self.log_file_bytes.is_multiple_of(4096)
+        {
+            return Err(invalid(
+                "cluster.log_file_bytes",
+                format!(
+                    "must be a multiple of 4096 between {smallest} and {largest} (67108864, 64 MiB, \
+                     is the default)"
+                ),
             ));
         }
         self.validate_members()?;

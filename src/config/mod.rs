@@ -318,6 +318,10 @@ impl Config {
             "DELAYD_CLUSTER_ELECTION_TIMEOUT" => {
                 self.cluster_mut().election_timeout = duration(value)?
             }
+            "DELAYD_CLUSTER_SNAPSHOT_ENTRIES" => {
+                self.cluster_mut().snapshot_entries = number(value)?
+            }
+            "DELAYD_CLUSTER_LOG_FILE_BYTES" => self.cluster_mut().log_file_bytes = number(value)?,
             "DELAYD_AUTH_TOKENS" => {
                 self.auth.tokens = value
                     .split(',')

@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 
 /// The directory of the state files, in the data dir.
-const DIR: &str = "sources";
+pub const DIR: &str = "sources";
 
 const VERSION: u8 = 1;
 /// This op's kind, byte 1 of an application payload.

@@ -1,0 +1,700 @@
+//! A member's snapshots (DESIGN.md §10): the data dir at one applied entry, taken by linking its
+//! files, sent over the peer link a chunk at a time, and installed by swapping them in at a restart.
+//!
+//! ```text
+//! {data}/raft/snapshots/{id}/        one snapshot: its files as links, and
+//!   MANIFEST                          JSON: openraft's meta, then every file's path and length
+//! {data}/raft/snapshots/{id}.partial  one being taken (a crash leaves it; the next take removes it)
+//! {data}/raft/incoming/{id}/          one being received: the offered files, as much of each as came
+//! {data}/raft/INSTALL                 JSON {"staged": "incoming/{id}", "carried": [top-level names]}:
+//!                                     a received snapshot to swap in before the data dir is opened
+//! ```
+//!
+//! A snapshot's files are the data dir's `meta`, `checkpoint` (written for it: schedulelog's
+//! `link_snapshot`), `schedule/`, `dispatch/`, `broker/` and `sources/` ([`CARRIED`]); not the WAL
+//! (the Raft log, which starts after the snapshot) nor `raft/` (the member's own vote).
+//!
+//! Invariants:
+//! - Taken on the state machine's task, so that no entry is applied meanwhile: the files are the
+//!   effect of every entry up to `meta.last_log_id` and of no later one, except bytes appended after
+//!   it to files the snapshot links, which its lengths leave out. Linking costs a link per file and
+//!   holds the schedule's and the broker's locks only while it links: never while it is sent.
+//! - The broker's and the schedule's checkpoints are linked before their data files, so that no file
+//!   is shorter than a checkpoint says: the snapshot is what a crash at that moment would have left,
+//!   which each store's recovery already handles (what the leader applied after it comes again as
+//!   entries).
+//! - Ids are unique per take (the applied entry, the taker, the time): bytes of two snapshots are
+//!   never joined in one staged file. The newest [`KEEP`] snapshots are kept, older ones deleted.
+//! - Received bytes are checked (CRC-32C per chunk, each file's exact length, paths that stay in
+//!   [`CARRIED`]) and synced before openraft is told the snapshot arrived; a refused chunk is sent
+//!   again from where the member is. A transfer cut off resumes: the next offer of the same snapshot
+//!   answers how much of each file is staged.
+//! - A member whose log reaches past a snapshot refuses it: installing drops its whole log, and
+//!   entries past the snapshot that it acknowledged may be counted in a commit (Raft keeps them;
+//!   this member waits for a newer snapshot, or for the entries).
+//! - Installing writes `raft/INSTALL` (the commit point) and restarts the member at once, before it
+//!   appends or acknowledges anything more: at start, [`finish_install`] swaps the staged files in,
+//!   empties the WAL, and removes the marker last, so a crash anywhere in between swaps again.
+
+use super::store::to_raft_log_id;
+use super::{Member, TypeConfig};
+use crate::cluster::rpc::{ChunkTaken, SnapshotChunk, SnapshotHave, SnapshotOffer};
+use openraft::storage::Snapshot;
+use openraft::{SnapshotMeta, StoredMembership};
+use schedulelog::{sync_dir, write_atomically, ScheduleLog, TEMP_SUFFIX};
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// A snapshot's list of its files, in its directory.
+pub const MANIFEST: &str = "MANIFEST";
+/// The marker of a received snapshot to swap in, in the raft dir.
+const INSTALL: &str = "INSTALL";
+const SNAPSHOTS: &str = "snapshots";
+const INCOMING: &str = "incoming";
+const PARTIAL: &str = ".partial";
+/// Snapshots kept: the newest, and the one before it (which a transfer may still be reading).
+pub const KEEP: usize = 2;
+/// What one chunk carries at most.
+pub const CHUNK_BYTES: usize = 1 << 20;
+/// The data dir's files and directories a snapshot carries, by their top-level name.
+pub const CARRIED: [&str; 6] = [
+    "meta",
+    "checkpoint",
+    "schedule",
+    "dispatch",
+    "broker",
+    "sources",
+];
+
+/// One of a snapshot's files: its path under the snapshot's directory (and the data dir), and how
+/// many of its bytes are the snapshot's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotFile {
+    pub path: String,
+    pub len: u64,
+}
+
+/// openraft's snapshot data: a directory holding the snapshot's files (taken, or received).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotFiles {
+    pub dir: PathBuf,
+    pub files: Vec<SnapshotFile>,
+}
+
+impl SnapshotFiles {
+    /// Every byte the snapshot's files hold.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.len).sum()
+    }
+
+    /// Up to [`CHUNK_BYTES`] of file `file` from `offset` (fewer at its end).
+    pub fn read_chunk(&self, file: usize, offset: u64) -> io::Result<Vec<u8>> {
+        let entry = self.files.get(file).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, format!("no file {file}"))
+        })?;
+        let len = entry.len.saturating_sub(offset).min(CHUNK_BYTES as u64) as usize;
+        let mut bytes = vec![0u8; len];
+        let opened = fs::File::open(self.dir.join(&entry.path))?;
+        opened.read_exact_at(&mut bytes, offset)?;
+        Ok(bytes)
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    meta: SnapshotMeta<u64, Member>,
+    files: Vec<SnapshotFile>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct InstallMarker {
+    staged: String,
+    carried: Vec<String>,
+}
+
+/// Why a snapshot could not be taken, received or installed.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Log(#[from] schedulelog::Error),
+    #[error("linking the application's files: {0}")]
+    App(String),
+    #[error("{path}: not a snapshot manifest: {why}")]
+    Manifest { path: PathBuf, why: String },
+    /// A request of the sender that this member does not take: the text says why.
+    #[error("{0}")]
+    Refused(String),
+}
+
+fn io_error(path: &Path) -> impl FnOnce(io::Error) -> SnapshotError + '_ {
+    move |source| SnapshotError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Links the application's own files (the broker's, the sources') into a snapshot's directory:
+/// returns each one's path relative to it, and its length.
+pub type AppFiles = Arc<dyn Fn(&Path) -> Result<Vec<(PathBuf, u64)>, String> + Send + Sync>;
+
+/// What a member does once a received snapshot is ready to swap in (`raft/INSTALL` written): it
+/// restarts (the process replaces itself), and never returns. Tests may do otherwise.
+pub type OnInstall = Arc<dyn Fn() + Send + Sync>;
+
+/// The snapshots of one member: taken from its log, received from a leader, installed.
+#[derive(Clone)]
+pub struct Snapshots {
+    node_id: u64,
+    log: Arc<ScheduleLog>,
+    raft_dir: PathBuf,
+    app: Option<AppFiles>,
+    on_install: OnInstall,
+    /// The snapshot being received, as its offer said.
+    incoming: Arc<Mutex<Option<Incoming>>>,
+}
+
+impl std::fmt::Debug for Snapshots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshots")
+            .field("node_id", &self.node_id)
+            .field("raft_dir", &self.raft_dir)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Incoming {
+    meta: SnapshotMeta<u64, Member>,
+    files: SnapshotFiles,
+    /// This member has applied the snapshot's last entry already (it installed it, and restarted
+    /// before its answer reached the leader): nothing is sent, nothing installed.
+    held: bool,
+}
+
+/// A snapshot received whole, or one this member holds already.
+#[derive(Debug)]
+pub enum Received {
+    Whole(Snapshot<TypeConfig>),
+    Held,
+}
+
+impl Snapshots {
+    /// The snapshots of member `node_id`, whose replicated log is `log` and Raft state `raft_dir`;
+    /// `app` links the application's files into one.
+    pub fn new(
+        node_id: u64,
+        log: Arc<ScheduleLog>,
+        raft_dir: &Path,
+        app: Option<AppFiles>,
+        on_install: OnInstall,
+    ) -> Snapshots {
+        Snapshots {
+            node_id,
+            log,
+            raft_dir: raft_dir.to_path_buf(),
+            app,
+            on_install,
+            incoming: Arc::default(),
+        }
+    }
+
+    fn root(&self) -> PathBuf {
+        self.raft_dir.join(SNAPSHOTS)
+    }
+
+    /// Takes a snapshot of everything applied so far, or returns the newest one if it is of that
+    /// already. Blocking; called where no entry is being applied (the state machine's task).
+    pub fn take(&self) -> Result<Snapshot<TypeConfig>, SnapshotError> {
+        let root = self.root();
+        schedulelog::create_dir_durably(&root)?;
+        let applied = self.log.applied_state().map(|a| to_raft_log_id(a.log_id));
+        if let Some(newest) = self.current()? {
+            if newest.meta.last_log_id == applied {
+                return Ok(newest);
+            }
+        }
+        for entry in fs::read_dir(&root).map_err(io_error(&root))? {
+            let path = entry.map_err(io_error(&root))?.path();
+            if path.to_string_lossy().ends_with(PARTIAL) {
+                fs::remove_dir_all(&path).map_err(io_error(&path))?;
+            }
+        }
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        let taking = root.join(format!("taking{PARTIAL}"));
+        let linked = self.log.link_snapshot(&taking)?;
+        let mut files = linked.files;
+        if let Some(app) = &self.app {
+            files.extend(app(&taking).map_err(SnapshotError::App)?);
+        }
+        let last_log_id = to_raft_log_id(linked.applied.log_id);
+        let last_membership = match &linked.applied.membership {
+            Some((id, bytes)) => {
+                let membership = serde_json::from_slice(bytes).map_err(|e| {
+                    SnapshotError::Refused(format!("the applied membership does not decode: {e}"))
+                })?;
+                StoredMembership::new(Some(to_raft_log_id(*id)), membership)
+            }
+            None => StoredMembership::default(),
+        };
+        let id = format!(
+            "{}-{}-{}-{}-{now_ms}",
+            last_log_id.index,
+            last_log_id.leader_id.term,
+            last_log_id.leader_id.node_id,
+            self.node_id
+        );
+        let files: Vec<SnapshotFile> = files
+            .into_iter()
+            .map(|(path, len)| SnapshotFile {
+                path: path.to_string_lossy().into_owned(),
+                len,
+            })
+            .collect();
+        let manifest = Manifest {
+            meta: SnapshotMeta {
+                last_log_id: Some(last_log_id),
+                last_membership,
+                snapshot_id: id.clone(),
+            },
+            files,
+        };
+        let json = serde_json::to_vec(&manifest).map_err(|e| SnapshotError::Manifest {
+            path: taking.join(MANIFEST),
+            why: e.to_string(),
+        })?;
+        write_atomically(&taking.join(MANIFEST), &json)?;
+        let dir = root.join(&id);
+        fs::rename(&taking, &dir).map_err(io_error(&dir))?;
+        sync_dir(&root)?;
+        self.prune()?;
+        let bytes: u64 = manifest.files.iter().map(|f| f.len).sum();
+        tracing::info!(snapshot = %id, files = manifest.files.len(), bytes, "took a snapshot");
+        metrics::counter!("delayd_cluster_snapshots_taken_total").increment(1);
+        metrics::gauge!("delayd_cluster_snapshot_bytes").set(bytes as f64);
+        Ok(Snapshot {
+            meta: manifest.meta,
+            snapshot: Box::new(SnapshotFiles {
+                dir,
+                files: manifest.files,
+            }),
+        })
+    }
+
+    /// The newest snapshot taken, if any.
+    pub fn current(&self) -> Result<Option<Snapshot<TypeConfig>>, SnapshotError> {
+        Ok(self.taken()?.pop().map(|(_, snapshot)| snapshot))
+    }
+
+    /// Every complete snapshot, oldest first (by applied index).
+    fn taken(&self) -> Result<Vec<(u64, Snapshot<TypeConfig>)>, SnapshotError> {
+        let root = self.root();
+        let entries = match fs::read_dir(&root) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_error(&root)(e)),
+        };
+        let mut taken = Vec::new();
+        for entry in entries {
+            let dir = entry.map_err(io_error(&root))?.path();
+            if dir.to_string_lossy().ends_with(PARTIAL) {
+                continue;
+            }
+            let path = dir.join(MANIFEST);
+            let bytes = fs::read(&path).map_err(io_error(&path))?;
+            let manifest: Manifest =
+                serde_json::from_slice(&bytes).map_err(|e| SnapshotError::Manifest {
+                    path: path.clone(),
+                    why: e.to_string(),
+                })?;
+            let index = manifest.meta.last_log_id.map_or(0, |id| id.index);
+            let files = SnapshotFiles {
+                dir,
+                files: manifest.files,
+            };
+            let snapshot = Snapshot {
+                meta: manifest.meta,
+                snapshot: Box::new(files),
+            };
+            taken.push((index, snapshot));
+        }
+        taken.sort_by(|a, b| (a.0, &a.1.meta.snapshot_id).cmp(&(b.0, &b.1.meta.snapshot_id)));
+        Ok(taken)
+    }
+
+    /// Deletes all but the newest [`KEEP`] snapshots.
+    fn prune(&self) -> Result<(), SnapshotError> {
+        let taken = self.taken()?;
+        let old = taken.len().saturating_sub(KEEP);
+        for (_, snapshot) in taken.into_iter().take(old) {
+            let dir = &snapshot.snapshot.dir;
+            fs::remove_dir_all(dir).map_err(io_error(dir))?;
+        }
+        Ok(())
+    }
+
+    /// A leader's offer: starts (or resumes) receiving its snapshot, and answers how much of each
+    /// file is staged already. Blocking.
+    pub fn offer(&self, offer: SnapshotOffer) -> Result<SnapshotHave, SnapshotError> {
+        let SnapshotOffer { meta, files, .. } = offer;
+        let id = meta.snapshot_id.clone();
+        if id.is_empty()
+            || id.len() > 128
+            || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        {
+            return Err(SnapshotError::Refused(format!(
+                "snapshot id {id:?}: not [A-Za-z0-9-]{{1,128}}"
+            )));
+        }
+        let Some(last) = meta.last_log_id else {
+            return Err(SnapshotError::Refused(format!(
+                "snapshot {id} holds no entry"
+            )));
+        };
+        let applied = self.log.applied_state().map(|a| a.log_id.index);
+        if let Some(applied) = applied.filter(|&applied| applied >= last.index) {
+            tracing::info!(snapshot = %id, up_to = last.index, applied, "offered a snapshot this member has applied already");
+            let have = files.iter().map(|(_, len)| *len).collect();
+            *self.incoming.lock().unwrap_or_else(|p| p.into_inner()) = Some(Incoming {
+                meta,
+                files: SnapshotFiles {
+                    dir: PathBuf::new(),
+                    files: Vec::new(),
+                },
+                held: true,
+            });
+            return Ok(SnapshotHave { have });
+        }
+        let (_, own_last) = self.log.entry_bounds()?;
+        if let Some(own_last) = own_last.filter(|l| l.index > last.index) {
+            return Err(SnapshotError::Refused(format!(
+                "this member's log reaches entry {}, past snapshot {id} (up to {}): it waits for a newer snapshot, or for entries",
+                own_last.index, last.index
+            )));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for file in &files {
+            if carried(&file.0).is_none() || !seen.insert(file.0.as_str()) {
+                return Err(SnapshotError::Refused(format!(
+                    "snapshot {id}: file {:?} is not one a snapshot carries, or comes twice",
+                    file.0
+                )));
+            }
+        }
+        let incoming_root = self.raft_dir.join(INCOMING);
+        schedulelog::create_dir_durably(&incoming_root)?;
+        // One snapshot is received at a time: any other's staged files go.
+        for entry in fs::read_dir(&incoming_root).map_err(io_error(&incoming_root))? {
+            let path = entry.map_err(io_error(&incoming_root))?.path();
+            if path.file_name().is_some_and(|name| *name != *id) {
+                fs::remove_dir_all(&path).map_err(io_error(&path))?;
+            }
+        }
+        let dir = incoming_root.join(&id);
+        let mut have = Vec::with_capacity(files.len());
+        for (path, len) in &files {
+            let staged = dir.join(path);
+            let held = match fs::metadata(&staged) {
+                Ok(found) if found.len() <= *len => found.len(),
+                // Longer than the file offered: not this snapshot's bytes; start it again.
+                Ok(_) => {
+                    fs::remove_file(&staged).map_err(io_error(&staged))?;
+                    0
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+                Err(e) => return Err(io_error(&staged)(e)),
+            };
+            have.push(held);
+        }
+        let files = files
+            .into_iter()
+            .map(|(path, len)| SnapshotFile { path, len })
+            .collect();
+        *self.incoming.lock().unwrap_or_else(|p| p.into_inner()) = Some(Incoming {
+            meta,
+            files: SnapshotFiles { dir, files },
+            held: false,
+        });
+        Ok(SnapshotHave { have })
+    }
+
+    /// A chunk of the snapshot being received: taken if it is where the staged file ends and its
+    /// CRC matches; the answer says where the file ends now either way. Blocking.
+    pub fn chunk(&self, chunk: &SnapshotChunk) -> Result<ChunkTaken, SnapshotError> {
+        let incoming = self.incoming(&chunk.snapshot_id)?;
+        if incoming.held {
+            return Err(SnapshotError::Refused(format!(
+                "snapshot {} is applied here already: nothing to send",
+                chunk.snapshot_id
+            )));
+        }
+        let file = incoming
+            .files
+            .files
+            .get(chunk.file as usize)
+            .ok_or_else(|| {
+                SnapshotError::Refused(format!(
+                    "snapshot {} has no file {}",
+                    chunk.snapshot_id, chunk.file
+                ))
+            })?;
+        let path = incoming.files.dir.join(&file.path);
+        let have = match fs::metadata(&path) {
+            Ok(found) => found.len(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(io_error(&path)(e)),
+        };
+        let end = chunk.offset.saturating_add(chunk.bytes.len() as u64);
+        if end > file.len {
+            return Err(SnapshotError::Refused(format!(
+                "snapshot {}: a chunk of {} ends at byte {end}, past its {} bytes",
+                chunk.snapshot_id, file.path, file.len
+            )));
+        }
+        if chunk.offset != have {
+            return Ok(ChunkTaken { have });
+        }
+        if crc32c::crc32c(&chunk.bytes) != chunk.crc {
+            tracing::warn!(snapshot = %chunk.snapshot_id, file = %file.path, offset = chunk.offset, "a snapshot chunk's CRC does not match its bytes: refused, to be sent again");
+            return Ok(ChunkTaken { have });
+        }
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).map_err(io_error(parent))?;
+        }
+        let staged = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io_error(&path))?;
+        staged
+            .write_all_at(&chunk.bytes, chunk.offset)
+            .map_err(io_error(&path))?;
+        Ok(ChunkTaken { have: end })
+    }
+
+    fn incoming(&self, id: &str) -> Result<Incoming, SnapshotError> {
+        let incoming = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+        match &*incoming {
+            Some(open) if open.meta.snapshot_id == id => Ok(open.clone()),
+            _ => Err(SnapshotError::Refused(format!(
+                "snapshot {id} is not being received here: offer it first"
+            ))),
+        }
+    }
+
+    /// The snapshot being received, once every file is whole: synced, for openraft to install.
+    /// Blocking.
+    pub fn received(&self, id: &str) -> Result<Received, SnapshotError> {
+        let incoming = self.incoming(id)?;
+        if incoming.held {
+            return Ok(Received::Held);
+        }
+        let dir = &incoming.files.dir;
+        let mut dirs = std::collections::BTreeSet::from([dir.clone()]);
+        for file in &incoming.files.files {
+            let path = dir.join(&file.path);
+            let staged = match fs::File::open(&path) {
+                Ok(staged) => staged,
+                // An empty file has no chunk: it is made here.
+                Err(e) if e.kind() == io::ErrorKind::NotFound && file.len == 0 => {
+                    if let Some(parent) = path.parent() {
+                        fs::create_dir_all(parent).map_err(io_error(parent))?;
+                    }
+                    fs::File::create(&path).map_err(io_error(&path))?
+                }
+                Err(e) => return Err(io_error(&path)(e)),
+            };
+            let held = staged.metadata().map_err(io_error(&path))?.len();
+            if held != file.len {
+                return Err(SnapshotError::Refused(format!(
+                    "snapshot {id}: {} has {held} of its {} bytes",
+                    file.path, file.len
+                )));
+            }
+            staged.sync_all().map_err(io_error(&path))?;
+            let mut parent = path.parent();
+            while let Some(p) = parent.filter(|p| p.starts_with(dir)) {
+                dirs.insert(p.to_path_buf());
+                parent = p.parent();
+            }
+        }
+        for dir in dirs.iter().rev() {
+            sync_dir(dir)?;
+        }
+        Ok(Received::Whole(Snapshot {
+            meta: incoming.meta,
+            snapshot: Box::new(incoming.files),
+        }))
+    }
+
+    /// Installs a received snapshot: marks it to be swapped in (the commit point), then restarts
+    /// this member (`on_install`). Blocking.
+    pub fn install(
+        &self,
+        meta: &SnapshotMeta<u64, Member>,
+        files: &SnapshotFiles,
+    ) -> Result<(), SnapshotError> {
+        let staged = files
+            .dir
+            .strip_prefix(&self.raft_dir)
+            .map_err(|_| {
+                SnapshotError::Refused(format!(
+                    "snapshot {} is not staged in {}",
+                    meta.snapshot_id,
+                    self.raft_dir.display()
+                ))
+            })?
+            .to_string_lossy()
+            .into_owned();
+        let mut carried_names: Vec<String> = files
+            .files
+            .iter()
+            .filter_map(|f| carried(&f.path).map(|top| top.to_string()))
+            .collect();
+        carried_names.sort();
+        carried_names.dedup();
+        let marker = InstallMarker {
+            staged,
+            carried: carried_names,
+        };
+        let json = serde_json::to_vec(&marker).map_err(|e| SnapshotError::Manifest {
+            path: self.raft_dir.join(INSTALL),
+            why: e.to_string(),
+        })?;
+        write_atomically(&self.raft_dir.join(INSTALL), &json)?;
+        tracing::info!(
+            snapshot = %meta.snapshot_id,
+            up_to = ?meta.last_log_id.map(|id| id.index),
+            bytes = files.bytes(),
+            "received a snapshot: this member restarts to swap it in"
+        );
+        (self.on_install)();
+        Ok(())
+    }
+}
+
+/// The top-level name of `path` if it is a relative path a snapshot may carry: plain components
+/// under one of [`CARRIED`], no temporary file.
+fn carried(path: &str) -> Option<&'static str> {
+    let mut parts = path.split('/');
+    let top = parts.next()?;
+    let top = CARRIED.into_iter().find(|c| *c == top)?;
+    let rest_ok = parts.all(|p| !p.is_empty() && p != "." && p != ".." && !p.contains('\0'));
+    let plain = path.len() <= 1024 && !path.ends_with(TEMP_SUFFIX) && !path.contains('\0');
+    (rest_ok && plain).then_some(top)
+}
+
+/// Links every file under `data_dir/relative` (recursively, but for temporary files) into `into`,
+/// at the same relative path: in each directory a `checkpoint` first, then the other files, then
+/// its subdirectories (a store's checkpoint before the files it speaks of). Returns each file's
+/// relative path and its length when linked. A directory that does not exist links nothing.
+pub fn link_tree(
+    data_dir: &Path,
+    relative: &Path,
+    into: &Path,
+) -> Result<Vec<(PathBuf, u64)>, SnapshotError> {
+    let from = data_dir.join(relative);
+    let entries = match fs::read_dir(&from) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_error(&from)(e)),
+    };
+    let (mut files, mut dirs) = (Vec::new(), Vec::new());
+    for entry in entries {
+        let entry = entry.map_err(io_error(&from))?;
+        let name = entry.file_name();
+        if name.to_string_lossy().ends_with(TEMP_SUFFIX) {
+            continue;
+        }
+        let kind = entry.file_type().map_err(io_error(&entry.path()))?;
+        if kind.is_dir() {
+            dirs.push(name);
+        } else if kind.is_file() {
+            files.push(name);
+        }
+    }
+    files.sort_by_key(|name| (name != "checkpoint", name.clone()));
+    dirs.sort();
+    fs::create_dir_all(into.join(relative)).map_err(io_error(&into.join(relative)))?;
+    let mut linked = Vec::new();
+    for name in files {
+        let path = relative.join(&name);
+        let (source, target) = (data_dir.join(&path), into.join(&path));
+        fs::hard_link(&source, &target).map_err(io_error(&target))?;
+        let len = fs::metadata(&target).map_err(io_error(&target))?.len();
+        linked.push((path, len));
+    }
+    for name in dirs {
+        linked.extend(link_tree(data_dir, &relative.join(name), into)?);
+    }
+    Ok(linked)
+}
+
+/// Swaps in a received snapshot marked for install (`raft/INSTALL`), before the data dir is opened:
+/// the carried files and directories replace the data dir's, the WAL goes (the Raft log starts
+/// after the snapshot), and so do this member's own older snapshots. Idempotent: a crash part-way
+/// leaves the marker, and the next start finishes. Whether there was one.
+pub fn finish_install(data_dir: &Path, raft_dir: &Path) -> Result<bool, SnapshotError> {
+    let marker_path = raft_dir.join(INSTALL);
+    let bytes = match fs::read(&marker_path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(io_error(&marker_path)(e)),
+    };
+    let marker: InstallMarker =
+        serde_json::from_slice(&bytes).map_err(|e| SnapshotError::Manifest {
+            path: marker_path.clone(),
+            why: e.to_string(),
+        })?;
+    let staged_ok = marker.staged.strip_prefix("incoming/").is_some_and(|id| {
+        !id.is_empty() && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    });
+    if !staged_ok {
+        return Err(SnapshotError::Manifest {
+            path: marker_path,
+            why: format!("{:?} is no staged snapshot", marker.staged),
+        });
+    }
+    let staged = raft_dir.join(&marker.staged);
+    for name in CARRIED {
+        let (from, to) = (staged.join(name), data_dir.join(name));
+        if from.exists() {
+            remove_any(&to)?;
+            fs::rename(&from, &to).map_err(io_error(&to))?;
+        } else if !marker.carried.iter().any(|c| c == name) {
+            remove_any(&to)?;
+        }
+    }
+    remove_any(&data_dir.join("wal"))?;
+    remove_any(&raft_dir.join(SNAPSHOTS))?;
+    sync_dir(data_dir)?;
+    fs::remove_file(&marker_path).map_err(io_error(&marker_path))?;
+    sync_dir(raft_dir)?;
+    remove_any(&raft_dir.join(INCOMING))?;
+    tracing::info!(staged = %marker.staged, "swapped in the snapshot this member received");
+    metrics::counter!("delayd_cluster_snapshots_installed_total").increment(1);
+    Ok(true)
+}
+
+/// Removes a file or a directory tree, if there is one.
+fn remove_any(path: &Path) -> Result<(), SnapshotError> {
+    let removed = match fs::symlink_metadata(path) {
+        Ok(found) if found.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    };
+    removed.map_err(io_error(path))
+}
