@@ -173,6 +173,7 @@ pub async fn run_with_ready(
                 secret: cluster.secret.clone(),
                 election_timeout: cluster.election_timeout.0,
                 snapshot_entries: cluster.snapshot_entries,
+                join: cluster.join,
                 members: (cluster.members.iter())
                     .map(|m| {
                         let member = cluster::Member {

@@ -37,6 +37,43 @@ enum Command {
     /// Exit 0 when the service answers GET /readyz with 200 (recovered, storage working; a full
     /// disk still answers 200), 1 otherwise: a container health check that needs no curl
     Probe(ProbeArgs),
+    /// A cluster's members: show them, add one, remove one (through any member's HTTP API)
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum ClusterCommand {
+    /// The cluster as the member at --url sees it: its leader, term, indexes and members
+    Status {
+        #[command(flatten)]
+        client: Client,
+    },
+    /// Add a member (started with `join = true`): a learner until it has caught up, then a voter.
+    /// Waits while it catches up, up to --wait
+    Add {
+        #[command(flatten)]
+        client: Client,
+        /// The member's id: a whole number above 0, no other member's
+        #[arg(long)]
+        id: u64,
+        /// Its client listener, http://host:port
+        #[arg(long)]
+        api: String,
+        /// Its peer listener as the others reach it, host:port
+        #[arg(long)]
+        peer: String,
+        /// How long to wait for it to catch up, at most
+        #[arg(long, default_value = "10m")]
+        wait: String,
+    },
+    /// Remove a member (a voter or a learner); the leader may remove itself
+    Remove {
+        #[command(flatten)]
+        client: Client,
+        /// The member's id
+        id: u64,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -160,6 +197,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Send(args) => send(args),
         Command::Tail(args) => tail(args),
         Command::Probe(args) => probe(args),
+        Command::Cluster(command) => cluster(command),
         Command::Inspect { path } => {
             let out = &mut std::io::stdout().lock();
             let clean = match delayd::broker::inspect(&path, out) {
@@ -331,6 +369,7 @@ fn exchange(
     let mut request = match (method, body) {
         ("GET", _) => agent.get(&url),
         ("PUT", Some(body)) => agent.put(&url).json(body),
+        ("DELETE", None) => agent.delete(&url),
         (_, Some(body)) => agent.post(&url).json(body),
         _ => bail!("unsupported request"),
     };
@@ -377,6 +416,75 @@ fn queue_offsets(client: &Client, topic: &str) -> anyhow::Result<Option<Vec<(u64
                 .collect(),
         )),
         _ => Err(problem("GET", &path, status, &info)),
+    }
+}
+
+fn cluster(command: ClusterCommand) -> anyhow::Result<()> {
+    let status = match command {
+        ClusterCommand::Status { client } => call(&client, "GET", "/v1/cluster", None)?,
+        ClusterCommand::Add {
+            client,
+            id,
+            api,
+            peer,
+            wait,
+        } => {
+            let wait = delayd::config::parse_duration(&wait)
+                .map_err(|e| anyhow::anyhow!("--wait {wait:?}: {e}"))?;
+            let deadline = std::time::Instant::now() + wait;
+            let member = json!({"id": id, "api": api, "peer": peer});
+            loop {
+                let (status, answer) =
+                    exchange(&client, "POST", "/v1/cluster/members", Some(&member))?;
+                let catching_up = status == 503 && answer["code"] == "member_catching_up";
+                if catching_up && std::time::Instant::now() < deadline {
+                    eprintln!("{}", answer["detail"].as_str().unwrap_or("catching up"));
+                    std::thread::sleep(Duration::from_secs(2));
+                    continue;
+                }
+                if !(200..300).contains(&status) {
+                    return Err(problem("POST", "/v1/cluster/members", status, &answer));
+                }
+                break answer;
+            }
+        }
+        ClusterCommand::Remove { client, id } => {
+            let path = format!("/v1/cluster/members/{id}");
+            call(&client, "DELETE", &path, None)?
+        }
+    };
+    print_cluster(&status);
+    Ok(())
+}
+
+/// A cluster's status as a table: one line per member.
+fn print_cluster(status: &Value) {
+    let leader = status["leader_id"].as_u64();
+    println!(
+        "member {} sees: leader {}, term {}, committed {}, applied {}",
+        status["node_id"],
+        leader.map_or("none".to_string(), |l| l.to_string()),
+        status["term"],
+        status["commit_index"],
+        status["applied_index"]
+    );
+    println!(
+        "{:>4}  {:<12} {:<6} {:>10}  {:<28} peer",
+        "id", "state", "voter", "matched", "api"
+    );
+    for member in status["members"].as_array().into_iter().flatten() {
+        let matched = member["matched_index"]
+            .as_u64()
+            .map_or("-".to_string(), |m| m.to_string());
+        println!(
+            "{:>4}  {:<12} {:<6} {:>10}  {:<28} {}",
+            member["id"],
+            member["state"].as_str().unwrap_or("?"),
+            member["voter"],
+            matched,
+            member["api"].as_str().unwrap_or("?"),
+            member["peer"].as_str().unwrap_or("?")
+        );
     }
 }
 

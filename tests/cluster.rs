@@ -196,48 +196,7 @@ impl Cluster {
 
     /// [`Cluster::start_with`], with `cluster_keys` (TOML) in every member's `[cluster]` section.
     fn start_configured(size: u64, tables: &str, cluster_keys: &str) -> Cluster {
-        let serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-        let receiver = Receiver::start();
-        let ports: Vec<(u16, u16)> = (0..size).map(|_| (member_port(), member_port())).collect();
-        let proxies: Vec<Proxy> = (ports.iter())
-            .map(|(_, peer)| Proxy::start(&receiver.runtime, *peer))
-            .collect();
-        let mut roster = String::new();
-        for (i, ((api, _), proxy)) in ports.iter().zip(&proxies).enumerate() {
-            roster.push_str(&format!(
-                "[[cluster.members]]\nid = {}\napi = \"http://127.0.0.1:{api}\"\npeer = \"127.0.0.1:{}\"\n",
-                i + 1,
-                proxy.port
-            ));
-        }
-        let members: Vec<Member> = (1..=size)
-            .zip(&ports)
-            .map(|(id, (api, peer))| {
-                let dir = tempfile::tempdir().unwrap();
-                let text = format!(
-                    "listen = \"127.0.0.1:{api}\"\n\
-                     [limits]\nmin_free_disk_bytes = 0\n\
-                     [sinks.hook]\nkind = \"webhook\"\nurl = \"{}/hooks/{id}\"\nsecret = \"{HOOK_SECRET}\"\nmax_in_flight = {IN_FLIGHT}\nmax_batch = {BATCH}\n\
-                     {tables}\n\
-                     [cluster]\nnode_id = {id}\nlisten = \"127.0.0.1:{peer}\"\nsecret = \"{SECRET}\"\nelection_timeout = \"1s\"\n{cluster_keys}\n{roster}",
-                    receiver.url
-                );
-                let config = common::write_file(dir.path(), "delayd.toml", &text);
-                Member {
-                    id,
-                    api: format!("http://127.0.0.1:{api}"),
-                    dir,
-                    config,
-                    process: None,
-                }
-            })
-            .collect();
-        let mut cluster = Cluster {
-            members,
-            proxies,
-            receiver,
-            _serial: serial,
-        };
+        let mut cluster = Cluster::prepare(size, size, tables, cluster_keys);
         for id in 1..=size {
             cluster.launch(id);
         }
@@ -250,6 +209,62 @@ impl Cluster {
                 .wait_ready_within(READY);
         }
         cluster
+    }
+
+    /// `size` members, none running: the first `founders` found the cluster (each lists them), the
+    /// others are to be added to it (each lists every member, and has `join = true`).
+    fn prepare(size: u64, founders: u64, tables: &str, cluster_keys: &str) -> Cluster {
+        let serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let receiver = Receiver::start();
+        let ports: Vec<(u16, u16)> = (0..size).map(|_| (member_port(), member_port())).collect();
+        let proxies: Vec<Proxy> = (ports.iter())
+            .map(|(_, peer)| Proxy::start(&receiver.runtime, *peer))
+            .collect();
+        let mut everyone = String::new();
+        let mut founding = String::new();
+        for (i, ((api, _), proxy)) in ports.iter().zip(&proxies).enumerate() {
+            let table = format!(
+                "[[cluster.members]]\nid = {}\napi = \"http://127.0.0.1:{api}\"\npeer = \"127.0.0.1:{}\"\n",
+                i + 1,
+                proxy.port
+            );
+            everyone.push_str(&table);
+            if (i as u64) < founders {
+                founding.push_str(&table);
+            }
+        }
+        let members: Vec<Member> = (1..=size)
+            .zip(&ports)
+            .map(|(id, (api, peer))| {
+                let (roster, join) = match id <= founders {
+                    true => (&founding, ""),
+                    false => (&everyone, "join = true"),
+                };
+                let dir = tempfile::tempdir().unwrap();
+                let text = format!(
+                    "listen = \"127.0.0.1:{api}\"\n\
+                     [limits]\nmin_free_disk_bytes = 0\n\
+                     [sinks.hook]\nkind = \"webhook\"\nurl = \"{}/hooks/{id}\"\nsecret = \"{HOOK_SECRET}\"\nmax_in_flight = {IN_FLIGHT}\nmax_batch = {BATCH}\n\
+                     {tables}\n\
+                     [cluster]\nnode_id = {id}\nlisten = \"127.0.0.1:{peer}\"\nsecret = \"{SECRET}\"\nelection_timeout = \"1s\"\n{cluster_keys}\n{join}\n{roster}",
+                    receiver.url
+                );
+                let config = common::write_file(dir.path(), "delayd.toml", &text);
+                Member {
+                    id,
+                    api: format!("http://127.0.0.1:{api}"),
+                    dir,
+                    config,
+                    process: None,
+                }
+            })
+            .collect();
+        Cluster {
+            members,
+            proxies,
+            receiver,
+            _serial: serial,
+        }
     }
 
     fn member(&mut self, id: u64) -> &mut Member {
@@ -1168,4 +1183,220 @@ fn a_member_restarted_empty_catches_up_by_snapshot_and_nothing_acknowledged_is_l
         assert!(status.success(), "member {id} stopped with {status}");
     }
     cluster.same_files(&left);
+}
+
+/// `delayd cluster ARGS...` against the member at `api`: its output, once it exited 0.
+fn cluster_cli(api: &str, args: &[&str]) -> String {
+    let mut all = vec!["cluster"];
+    all.extend_from_slice(args);
+    let mut cli = common::spawn_cli(api, &all);
+    let (lines, status) = cli.finish_before(std::time::Instant::now() + Duration::from_secs(120));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "delayd {all:?} failed ({status:?}): {lines:?}"
+    );
+    lines.join("\n")
+}
+
+/// The voters the member at `api` knows.
+fn voters(api: &str) -> BTreeSet<u64> {
+    cluster_status(api)["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|m| m["voter"] == true)
+        .map(|m| m["id"].as_u64().unwrap())
+        .collect()
+}
+
+/// Membership (issue 34), under load: two members started with `join = true` are added with the
+/// CLI through a follower (each a learner until caught up, then a voter: 3 → 5); then the leader is
+/// removed (it steps down, another leads) and one more (5 → 3). Nothing acknowledged is lost, and
+/// the three members left hold the same files.
+#[test]
+fn the_cluster_grows_to_five_and_shrinks_back_under_load_losing_nothing() {
+    let mut cluster = Cluster::prepare(5, 3, "", "");
+    for id in 1..=3 {
+        cluster.launch(id);
+    }
+    for id in 1..=3 {
+        let process = cluster.member(id).process.as_mut().unwrap();
+        process.wait_ready_within(READY);
+    }
+    let apis: Vec<String> = (cluster.members.iter().take(3))
+        .map(|m| m.api.clone())
+        .collect();
+    let writers = Writers::start(apis, 2, 0);
+    let last_ack = writers.last_ack.clone();
+    wait_for("the first acknowledgements", READY, || {
+        last_ack.load(Ordering::SeqCst) > 0
+    });
+
+    for id in [4, 5] {
+        // (Asked before it runs: a member not added yet knows no leader.)
+        let leader = cluster.leader();
+        cluster.launch(id);
+        let follower = (1..=3).find(|&f| f != leader).unwrap();
+        let via = cluster.member(follower).api.clone();
+        let (api, peer) = {
+            let added = &cluster.members[(id - 1) as usize];
+            let peer = format!("127.0.0.1:{}", cluster.proxies[(id - 1) as usize].port);
+            (added.api.clone(), peer)
+        };
+        let id_text = id.to_string();
+        let shown = cluster_cli(
+            &via,
+            &["add", "--id", &id_text, "--api", &api, "--peer", &peer],
+        );
+        assert!(shown.contains(&api), "{shown}");
+        let process = cluster.member(id).process.as_mut().unwrap();
+        process.wait_ready_within(READY);
+        let leader_api = cluster.member(cluster.leader()).api.clone();
+        assert!(voters(&leader_api).contains(&id), "member {id} is a voter");
+    }
+    let leader_api = cluster.member(cluster.leader()).api.clone();
+    assert_eq!(voters(&leader_api), BTreeSet::from([1, 2, 3, 4, 5]));
+    cluster.caught_up();
+
+    // Shrink: the leader first (asked through another member), then member 4.
+    let leader = cluster.leader();
+    let via = cluster.member(if leader == 5 { 1 } else { 5 }).api.clone();
+    cluster_cli(&via, &["remove", &leader.to_string()]);
+    let status = cluster.member(leader).process.as_mut().unwrap().terminate();
+    assert!(
+        status.success(),
+        "the removed leader stopped cleanly: {status}"
+    );
+    cluster.member(leader).process = None;
+    let next = cluster.leader();
+    assert_ne!(next, leader);
+    let removed = if leader == 4 { 5 } else { 4 };
+    cluster_cli(
+        &cluster.member(next).api.clone(),
+        &["remove", &removed.to_string()],
+    );
+    let status = cluster
+        .member(removed)
+        .process
+        .as_mut()
+        .unwrap()
+        .terminate();
+    assert!(
+        status.success(),
+        "member {removed} stopped cleanly: {status}"
+    );
+    cluster.member(removed).process = None;
+    let left = cluster.running();
+    let next_api = cluster.member(cluster.leader()).api.clone();
+    assert_eq!(
+        voters(&next_api),
+        left.iter().copied().collect::<BTreeSet<u64>>()
+    );
+
+    // The last voters cannot go below one; a member that is none is not found.
+    let removed_again = request(
+        &next_api,
+        "DELETE",
+        &format!("/v1/cluster/members/{leader}"),
+        None,
+        None,
+    );
+    assert_eq!(removed_again.status, 404, "{removed_again:?}");
+
+    let since = now_ms();
+    wait_for("writes acknowledged by the three left", READY, || {
+        last_ack.load(Ordering::SeqCst) > since + 500
+    });
+    let acknowledged = writers.stop();
+    cluster.delivered_all(&acknowledged);
+    println!(
+        "{} messages acknowledged across the changes, all delivered",
+        acknowledged.len()
+    );
+    cluster.caught_up();
+    for &id in &left {
+        let status = cluster.member(id).process.as_mut().unwrap().terminate();
+        assert!(status.success(), "member {id} stopped with {status}");
+    }
+    cluster.same_files(&left);
+}
+
+/// Membership changes the cluster refuses, each saying why: the last voter, a member that is none,
+/// a voter added again, a body that is no member, and a member that never answers (taken out again).
+#[test]
+fn membership_refusals_explain_themselves() {
+    let mut cluster = Cluster::start(1);
+    let api = cluster.member(1).api.clone();
+    let refused = |method: &str, path: &str, body: Option<&str>, status: u16, code: &str| {
+        let answer = request(&api, method, path, body, None);
+        assert_eq!(answer.status, status, "{method} {path}: {answer:?}");
+        assert_eq!(answer.json["code"], code, "{answer:?}");
+        answer.json["detail"].as_str().unwrap().to_string()
+    };
+    let why = refused(
+        "DELETE",
+        "/v1/cluster/members/1",
+        None,
+        409,
+        "membership_conflict",
+    );
+    assert!(why.contains("only voter"), "{why}");
+    refused("DELETE", "/v1/cluster/members/9", None, 404, "not_found");
+    refused(
+        "DELETE",
+        "/v1/cluster/members/x",
+        None,
+        400,
+        "invalid_member",
+    );
+    let no_port = r#"{"id": 2, "api": "http://127.0.0.1:1", "peer": "127.0.0.1"}"#;
+    let why = refused(
+        "POST",
+        "/v1/cluster/members",
+        Some(no_port),
+        400,
+        "invalid_member",
+    );
+    assert!(why.starts_with("peer: "), "{why}");
+    refused(
+        "POST",
+        "/v1/cluster/members",
+        Some("{}"),
+        400,
+        "invalid_json",
+    );
+    let me = cluster_status(&api)["members"][0].clone();
+    let again = json!({"id": 1, "api": me["api"], "peer": me["peer"]}).to_string();
+    let why = refused(
+        "POST",
+        "/v1/cluster/members",
+        Some(&again),
+        409,
+        "membership_conflict",
+    );
+    assert!(why.contains("a voter already"), "{why}");
+
+    // Nothing listens where member 2 is said to be.
+    let closed = member_port();
+    let nobody =
+        json!({"id": 2, "api": "http://127.0.0.1:1", "peer": format!("127.0.0.1:{closed}")});
+    let why = refused(
+        "POST",
+        "/v1/cluster/members",
+        Some(&nobody.to_string()),
+        422,
+        "member_unreachable",
+    );
+    assert!(
+        why.contains("did not answer") && why.contains("was not added"),
+        "{why}"
+    );
+    assert_eq!(voters(&api), BTreeSet::from([1]));
+    let members = cluster_status(&api)["members"].as_array().unwrap().len();
+    assert_eq!(members, 1, "member 2 was taken out again");
+    let shown = cluster_cli(&api, &["status"]);
+    assert!(
+        shown.contains("leader 1") && !shown.contains(&closed.to_string()),
+        "{shown}"
+    );
 }

@@ -9,18 +9,21 @@
 //!   `no_leader` by a member that does not lead (two members disagreeing on who leads, during an
 //!   election), never sent on.
 //! - `GET /v1/cluster` is never forwarded: it says what this member sees.
+//! - A membership change (`POST /v1/cluster/members`, `DELETE /v1/cluster/members/{id}`) is made by
+//!   the leader: a follower forwards it like any other request.
 
 use super::error::ApiError;
 use super::forward::{self, Forwarder};
 use super::{check_token, count_requests, healthz, render_metrics, storage_failure};
 use crate::broker::Broker;
+use crate::cluster::membership::{self, MembershipError};
 use crate::cluster::node::{ClusterStatus, Node};
 use crate::config::Config;
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use schedulelog::ScheduleLog;
@@ -52,6 +55,8 @@ type Member = Arc<MemberState>;
 pub fn router(state: Member) -> Router {
     let cluster = Router::new()
         .route("/v1/cluster", get(cluster))
+        .route("/v1/cluster/members", post(add_member))
+        .route("/v1/cluster/members/{id}", delete(remove_member))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(cluster)
@@ -86,6 +91,124 @@ async fn authenticate(State(state): State<Member>, request: Request, next: Next)
 )]
 pub(crate) async fn cluster(State(state): State<Member>) -> Json<ClusterStatus> {
     Json(state.node.status())
+}
+
+/// A member to add: its id and addresses, as in `[[cluster.members]]`.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewMember {
+    /// The member's id: a whole number above 0, no other member's.
+    pub id: u64,
+    /// Its client listener, `http://host:port` (followers forward requests here).
+    pub api: String,
+    /// Its peer listener as the others reach it, `host:port`.
+    pub peer: String,
+}
+
+/// `POST /v1/cluster/members`: adds a member, started with `join = true`: a learner until it has
+/// caught up with the leader's log, then a voter (joint consensus). Made by the leader (a follower
+/// forwards it).
+#[utoipa::path(
+    post,
+    path = "/v1/cluster/members",
+    tag = "cluster",
+    request_body = NewMember,
+    responses(
+        (status = 200, description = "the member is a voter; the cluster as the leader sees it", body = ClusterStatus),
+        (status = 400, description = "`invalid_json` or `invalid_member`: the body is not a member (`id` above 0, `api` an http(s) URL, `peer` host:port)", body = crate::api::error::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: a single node, no cluster member", body = crate::api::error::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`membership_conflict`: a voter already, another member's address, or another change under way", body = crate::api::error::Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`member_unreachable`: the member never answered the leader; it was not added", body = crate::api::error::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`member_catching_up` (it stays a learner: add it again to make it a voter) or `no_leader`, with `Retry-After`", body = crate::api::error::Problem, content_type = "application/problem+json"),
+    )
+)]
+pub(crate) async fn add_member(State(state): State<Member>, request: Request) -> Response {
+    if !state.node.leads() {
+        return elsewhere(State(state), request).await;
+    }
+    let body = match axum::body::to_bytes(request.into_body(), 64 << 10).await {
+        Ok(body) => body,
+        Err(e) => return ApiError::bad_request("invalid_json", e.to_string()).into_response(),
+    };
+    let new: NewMember = match serde_json::from_slice(&body) {
+        Ok(new) => new,
+        Err(e) => {
+            return ApiError::bad_request("invalid_json", format!("not a member: {e}"))
+                .into_response()
+        }
+    };
+    let invalid = |why: String| ApiError::bad_request("invalid_member", why).into_response();
+    if new.id == 0 {
+        return invalid("id: a whole number above 0".into());
+    }
+    if let Err(why) = crate::config::cluster::api_url(&new.api) {
+        return invalid(format!("api: {why}"));
+    }
+    if let Err(why) = crate::config::cluster::host_port(&new.peer) {
+        return invalid(format!("peer: {why}"));
+    }
+    let member = crate::cluster::Member {
+        api: new.api,
+        peer: new.peer,
+    };
+    match membership::add(&state.node, new.id, member, membership::CATCH_UP_WITHIN).await {
+        Ok(()) => Json(state.node.status()).into_response(),
+        Err(error) => membership_refused(error).into_response(),
+    }
+}
+
+/// `DELETE /v1/cluster/members/{id}`: removes a member, a voter (joint consensus) or a learner.
+/// Made by the leader (a follower forwards it); the leader may remove itself, and then steps down.
+#[utoipa::path(
+    delete,
+    path = "/v1/cluster/members/{id}",
+    tag = "cluster",
+    params(("id" = u64, Path, description = "the member's id")),
+    responses(
+        (status = 200, description = "the member is removed; the cluster as the leader sees it", body = ClusterStatus),
+        (status = 400, description = "`invalid_member`: the id is not a whole number", body = crate::api::error::Problem, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such member, or a single node", body = crate::api::error::Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`membership_conflict`: the last voter, a removal that would leave no answering majority, or another change under way", body = crate::api::error::Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`no_leader`, with `Retry-After`", body = crate::api::error::Problem, content_type = "application/problem+json"),
+    )
+)]
+pub(crate) async fn remove_member(State(state): State<Member>, request: Request) -> Response {
+    if !state.node.leads() {
+        return elsewhere(State(state), request).await;
+    }
+    let id = request.uri().path().rsplit('/').next().unwrap_or_default();
+    let Ok(id) = id.parse::<u64>() else {
+        return ApiError::bad_request("invalid_member", format!("{id:?} is no member id"))
+            .into_response();
+    };
+    match membership::remove(&state.node, id).await {
+        Ok(()) => Json(state.node.status()).into_response(),
+        Err(error) => membership_refused(error).into_response(),
+    }
+}
+
+fn membership_refused(error: MembershipError) -> ApiError {
+    let detail = error.to_string();
+    match error {
+        MembershipError::Conflict(_) => {
+            ApiError::new(StatusCode::CONFLICT, "membership_conflict", detail)
+        }
+        MembershipError::NotFound(_) => ApiError::not_found(detail),
+        MembershipError::Unreachable(_) => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "member_unreachable",
+            detail,
+        ),
+        MembershipError::CatchingUp(_) => ApiError {
+            retry_after_secs: Some(5),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "member_catching_up",
+                detail,
+            )
+        },
+        MembershipError::NotLeader(_) => ApiError::no_leader(detail),
+    }
 }
 
 /// `GET /readyz` of a member: storage working, a leader known, and every entry this member knows

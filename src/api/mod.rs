@@ -23,7 +23,7 @@ use axum::extract::{FromRequest, MatchedPath, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use error::{ApiError, Problem};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -90,14 +90,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sources", get(sources))
         .route("/v1/sinks", get(sinks))
         // A cluster member answers it itself (member.rs); a single node is none.
-        .route(
-            "/v1/cluster",
-            get(|| async {
-                ApiError::not_found(
-                    "this node runs alone (no [cluster] section): it is no cluster's member",
-                )
-            }),
-        )
+        .route("/v1/cluster", get(alone))
+        .route("/v1/cluster/members", post(alone))
+        .route("/v1/cluster/members/{id}", delete(alone))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .merge(v1)
@@ -162,6 +157,11 @@ pub struct SourceState {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(format = DateTime, nullable = false)]
     last_error_at: Option<String>,
+}
+
+/// The cluster's routes on a single node, which is no cluster's member.
+async fn alone() -> ApiError {
+    ApiError::not_found("this node runs alone (no [cluster] section): it is no cluster's member")
 }
 
 /// `GET /v1/sinks`: each sink, its kind, and for an MQ sink its connection.

@@ -46,6 +46,8 @@ use utoipa::{Modify, OpenApi, ToSchema};
         super::sources,
         super::sinks,
         super::member::cluster,
+        super::member::add_member,
+        super::member::remove_member,
         super::healthz,
         super::ready,
         super::metrics,

@@ -526,13 +526,7 @@ async fn send_snapshot(
             have = taken.have.min(entry.len);
         }
     }
-    let install = SnapshotInstall {
-        vote,
-        snapshot_id: meta.snapshot_id.clone(),
-    };
-    let response = link
-        .call(SNAPSHOT_INSTALL, &install, SNAPSHOT_CALL_TIMEOUT)
-        .await?;
+    // Logged before the install: a member that installs it restarts before it answers.
     let seconds = started.elapsed().as_secs_f64();
     tracing::info!(
         member = link.target,
@@ -541,10 +535,15 @@ async fn send_snapshot(
         sent,
         resumed,
         seconds,
-        "sent a snapshot"
+        "sent a snapshot's files; asking the member to install it"
     );
     metrics::counter!("delayd_cluster_snapshot_sent_bytes_total").increment(sent);
-    Ok(response)
+    let install = SnapshotInstall {
+        vote,
+        snapshot_id: meta.snapshot_id.clone(),
+    };
+    link.call(SNAPSHOT_INSTALL, &install, SNAPSHOT_CALL_TIMEOUT)
+        .await
 }
 
 /// A member's answers to the others' Raft RPCs, given to `peer::serve`. It tells `handoff` what it
@@ -576,64 +575,78 @@ impl RaftService {
 
     /// A snapshot's offer, chunk or install, from the member its vote names.
     async fn snapshot(&self, from: u64, kind: u8, payload: Vec<u8>) -> Result<Vec<u8>, String> {
-        let snapshots = self.snapshots.clone();
-        let blocking = |work: Box<dyn FnOnce() -> Result<Vec<u8>, String> + Send>| async move {
-            tokio::task::spawn_blocking(work)
-                .await
-                .unwrap_or_else(|e| Err(format!("a snapshot request's task failed: {e}")))
+        let (vote, received) =
+            match receive_snapshot(self.snapshots.clone(), from, kind, payload).await? {
+                Receiving::Answer(answer) => return Ok(answer),
+                Receiving::Install(vote, received) => (vote, received),
+            };
+        let received = match received {
+            Received::Whole(snapshot) => snapshot,
+            // Applied here already: the answer openraft would give, this member's vote.
+            Received::Held => {
+                let vote = self.raft.metrics().borrow().vote;
+                return SnapshotResponse { vote }
+                    .encode()
+                    .map_err(|e| e.to_string());
+            }
         };
-        let refused = move |error: super::snapshot::SnapshotError| {
-            tracing::warn!(from, %error, "a snapshot request is refused");
-            error.to_string()
-        };
+        match self.raft.install_full_snapshot(vote, received).await {
+            Ok(response) => response.encode().map_err(|e| e.to_string()),
+            Err(fatal) => Err(rpc::raft_error_text(&RaftError::Fatal(fatal))),
+        }
+    }
+}
+
+/// What a snapshot request comes to on the member that receives it.
+enum Receiving {
+    /// The answer to an offer or a chunk.
+    Answer(Vec<u8>),
+    /// An install request (its vote), with the snapshot received whole (or held already).
+    Install(Vote<u64>, Received),
+}
+
+/// Takes a snapshot's offer, chunk or install request (the file work on a blocking thread): what to
+/// answer, or what to install. A refusal's text is the error answer.
+async fn receive_snapshot(
+    snapshots: Snapshots,
+    from: u64,
+    kind: u8,
+    payload: Vec<u8>,
+) -> Result<Receiving, String> {
+    let refused = move |error: super::snapshot::SnapshotError| {
+        tracing::warn!(from, %error, "a snapshot request is refused");
+        error.to_string()
+    };
+    let work = move || -> Result<Receiving, String> {
         match kind {
             SNAPSHOT_OFFER => {
                 let offer = take::<SnapshotOffer>(from, &payload)?;
                 speaks_for(from, &offer.vote)?;
-                blocking(Box::new(move || {
-                    let have = snapshots.offer(offer).map_err(refused)?;
-                    have.encode().map_err(|e| e.to_string())
-                }))
-                .await
+                let have = snapshots.offer(offer).map_err(refused)?;
+                have.encode()
+                    .map(Receiving::Answer)
+                    .map_err(|e| e.to_string())
             }
             SNAPSHOT_CHUNK => {
                 let chunk = take::<SnapshotChunk>(from, &payload)?;
                 speaks_for(from, &chunk.vote)?;
-                blocking(Box::new(move || {
-                    let taken = snapshots.chunk(&chunk).map_err(refused)?;
-                    taken.encode().map_err(|e| e.to_string())
-                }))
-                .await
+                let taken = snapshots.chunk(&chunk).map_err(refused)?;
+                taken
+                    .encode()
+                    .map(Receiving::Answer)
+                    .map_err(|e| e.to_string())
             }
             _ => {
                 let install = take::<SnapshotInstall>(from, &payload)?;
                 speaks_for(from, &install.vote)?;
-                let id = install.snapshot_id.clone();
-                let received = tokio::task::spawn_blocking(move || snapshots.received(&id))
-                    .await
-                    .map_err(|e| format!("a snapshot request's task failed: {e}"))?
-                    .map_err(refused)?;
-                let received = match received {
-                    Received::Whole(snapshot) => snapshot,
-                    // Applied here already: the answer openraft would give, this member's vote.
-                    Received::Held => {
-                        let vote = self.raft.metrics().borrow().vote;
-                        return SnapshotResponse { vote }
-                            .encode()
-                            .map_err(|e| e.to_string());
-                    }
-                };
-                let installed = self
-                    .raft
-                    .install_full_snapshot(install.vote, received)
-                    .await;
-                match installed {
-                    Ok(response) => response.encode().map_err(|e| e.to_string()),
-                    Err(fatal) => Err(rpc::raft_error_text(&RaftError::Fatal(fatal))),
-                }
+                let received = snapshots.received(&install.snapshot_id).map_err(refused)?;
+                Ok(Receiving::Install(install.vote, received))
             }
         }
-    }
+    };
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| Err(format!("a snapshot request's task failed: {e}")))
 }
 
 impl PeerService for RaftService {
@@ -714,7 +727,7 @@ fn answer<A: Wire>(answered: Result<A, RaftError<u64>>) -> Result<Vec<u8>, Strin
 mod tests {
     use super::*;
 
-    fn client(peer: &str) -> MemberClient {
+    pub(super) fn client(peer: &str) -> MemberClient {
         let link = MemberLink {
             id: 1,
             target: 2,
@@ -991,5 +1004,222 @@ mod tests {
         assert!(speaks_for(2, &vote).is_ok());
         let refused = speaks_for(3, &vote).unwrap_err();
         assert!(refused.contains("member 3 cannot send"), "{refused}");
+    }
+}
+
+/// A snapshot's transfer under faults, over a real peer link through a TCP proxy: cut halfway it
+/// resumes where the member is; a chunk damaged on the way is refused and sent again.
+#[cfg(test)]
+mod snapshot_faults {
+    use super::*;
+    use crate::cluster::snapshot::{SnapshotFile, CHUNK_BYTES};
+    use openraft::{LeaderId, LogId, SnapshotMeta};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    const SECRET: &str = "a long random string";
+
+    /// Receives snapshots as a member does (`receive_snapshot`); an install answers the vote and
+    /// keeps what it would have installed.
+    struct Receiver {
+        snapshots: Snapshots,
+        installed: Mutex<Vec<Snapshot<TypeConfig>>>,
+    }
+
+    impl PeerService for Receiver {
+        fn handle(
+            &self,
+            from: u64,
+            kind: u8,
+            payload: Vec<u8>,
+        ) -> BoxFuture<'_, Result<Vec<u8>, String>> {
+            Box::pin(async move {
+                match receive_snapshot(self.snapshots.clone(), from, kind, payload).await? {
+                    Receiving::Answer(answer) => Ok(answer),
+                    Receiving::Install(vote, Received::Whole(snapshot)) => {
+                        self.installed.lock().unwrap().push(snapshot);
+                        SnapshotResponse { vote }
+                            .encode()
+                            .map_err(|e| e.to_string())
+                    }
+                    Receiving::Install(_, Received::Held) => Err("held already".into()),
+                }
+            })
+        }
+    }
+
+    /// Forwards connections to `target`; counts the bytes sent towards it; cuts the first
+    /// connection that has carried `cut_after` bytes, and flips the byte at `flip_at` of the first
+    /// connection's stream. Each fault happens once.
+    struct FaultyProxy {
+        port: u16,
+        forwarded: Arc<AtomicU64>,
+    }
+
+    impl FaultyProxy {
+        async fn start(target: SocketAddr, cut_after: u64, flip_at: u64) -> FaultyProxy {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let forwarded = Arc::new(AtomicU64::new(0));
+            let (cut, flipped) = (
+                Arc::new(AtomicBool::new(false)),
+                Arc::new(AtomicBool::new(false)),
+            );
+            let counted = forwarded.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Ok((inbound, _)) = listener.accept().await else {
+                        return;
+                    };
+                    let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+                        continue;
+                    };
+                    let (mut in_read, mut in_write) = inbound.into_split();
+                    let (mut out_read, mut out_write) = outbound.into_split();
+                    let (counted, cut, flipped) = (counted.clone(), cut.clone(), flipped.clone());
+                    let towards = tokio::spawn(async move {
+                        let mut at = 0u64;
+                        let mut buffer = vec![0u8; 64 << 10];
+                        loop {
+                            let Ok(n) = in_read.read(&mut buffer).await else {
+                                return;
+                            };
+                            if n == 0 {
+                                return;
+                            }
+                            let bytes = &mut buffer[..n];
+                            if (at..at + n as u64).contains(&flip_at)
+                                && !flipped.swap(true, Ordering::SeqCst)
+                            {
+                                bytes[(flip_at - at) as usize] ^= 0xff;
+                            }
+                            at += n as u64;
+                            counted.fetch_add(n as u64, Ordering::SeqCst);
+                            if out_write.write_all(bytes).await.is_err() {
+                                return;
+                            }
+                            if at >= cut_after && !cut.swap(true, Ordering::SeqCst) {
+                                return; // drops both halves towards the member: the link is cut
+                            }
+                        }
+                    });
+                    tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut out_read, &mut in_write).await;
+                    });
+                    let _ = towards.await;
+                }
+            });
+            FaultyProxy { port, forwarded }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cut_transfer_resumes_and_a_damaged_chunk_is_sent_again() {
+        // The leader's snapshot: a file of 3.5 chunks, a small one and an empty one.
+        let leader = tempfile::tempdir().unwrap();
+        let big: Vec<u8> = (0..CHUNK_BYTES * 7 / 2)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        std::fs::create_dir_all(leader.path().join("schedule")).unwrap();
+        std::fs::write(leader.path().join("schedule/a.log"), &big).unwrap();
+        std::fs::write(leader.path().join("checkpoint"), b"small").unwrap();
+        std::fs::write(leader.path().join("meta"), b"").unwrap();
+        let files = SnapshotFiles {
+            dir: leader.path().to_path_buf(),
+            files: vec![
+                SnapshotFile {
+                    path: "schedule/a.log".into(),
+                    len: big.len() as u64,
+                },
+                SnapshotFile {
+                    path: "checkpoint".into(),
+                    len: 5,
+                },
+                SnapshotFile {
+                    path: "meta".into(),
+                    len: 0,
+                },
+            ],
+        };
+        let meta = SnapshotMeta {
+            last_log_id: Some(LogId::new(LeaderId::new(3, 1), 42)),
+            last_membership: Default::default(),
+            snapshot_id: "42-3-1-1-1".into(),
+        };
+
+        // The member: an empty replicated log, its snapshots received through the peer link.
+        let member = tempfile::tempdir().unwrap();
+        let options = schedulelog::Options {
+            replicated: true,
+            ..Default::default()
+        };
+        let log =
+            Arc::new(schedulelog::ScheduleLog::open(member.path().join("data"), options).unwrap());
+        let raft_dir = member.path().join("raft");
+        let snapshots = Snapshots::new(2, log, &raft_dir, None, Arc::new(|| {}));
+        let receiver = Arc::new(Receiver {
+            snapshots,
+            installed: Mutex::default(),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = listener.local_addr().unwrap();
+        let served = crate::peer::serve(
+            listener,
+            2,
+            SECRET,
+            PeerOptions::default(),
+            receiver.clone(),
+        )
+        .unwrap();
+        let _served = tokio::spawn(served);
+        // Cut after two chunks and a half; damage a byte in the middle of the first chunk.
+        let proxy = FaultyProxy::start(
+            target,
+            (CHUNK_BYTES * 5 / 2) as u64,
+            (CHUNK_BYTES / 2) as u64,
+        )
+        .await;
+        let mut client = tests::client(&format!("127.0.0.1:{}", proxy.port));
+        let vote = Vote::new_committed(3, 1);
+        let snapshot = || Snapshot {
+            meta: meta.clone(),
+            snapshot: Box::new(files.clone()),
+        };
+
+        let first = send_snapshot(&client.link, vote, snapshot()).await;
+        assert!(first.is_err(), "the link was cut: {first:?}");
+        let staged = raft_dir.join("incoming/42-3-1-1-1/schedule/a.log");
+        let held = std::fs::metadata(&staged).unwrap().len();
+        // 2.5 chunks' worth went through before the cut: the first chunk damaged (refused), the
+        // first again (taken), half the second.
+        assert_eq!(
+            held, CHUNK_BYTES as u64,
+            "the first chunk, taken the second time"
+        );
+        assert!(receiver.installed.lock().unwrap().is_empty());
+
+        let before = proxy.forwarded.load(Ordering::SeqCst);
+        let response = client
+            .full_snapshot(
+                vote,
+                snapshot(),
+                std::future::pending(),
+                RPCOption::new(Duration::from_secs(5)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.vote, vote);
+        let resent = proxy.forwarded.load(Ordering::SeqCst) - before;
+        assert!(
+            resent < big.len() as u64 - held + (CHUNK_BYTES as u64 / 4),
+            "resumed from byte {held}, not from the start: {resent} bytes sent again"
+        );
+        let installed = receiver.installed.lock().unwrap().pop().expect("installed");
+        assert_eq!(installed.meta, meta);
+        for file in &files.files {
+            let got = std::fs::read(installed.snapshot.dir.join(&file.path)).unwrap();
+            let sent = std::fs::read(leader.path().join(&file.path)).unwrap();
+            assert!(got == sent, "{} arrived whole and unchanged", file.path);
+        }
     }
 }

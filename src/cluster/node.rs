@@ -5,7 +5,8 @@
 //! Invariants:
 //! - The cluster forms by itself: every member started with the same members and nothing in its log
 //!   proposes that membership as its first entry (all of them the same entry, so it does not matter
-//!   who wins the first election); one that was a member already (a log or a vote) proposes nothing.
+//!   who wins the first election); one that was a member already (a log or a vote), or one started
+//!   to join a running cluster (`join`), proposes nothing.
 //! - The delivery lease (`scheduler::Lease`) is extended only by a round of heartbeats that a majority
 //!   acknowledged, to the moment the round was sent plus half the election timeout. openraft's
 //!   followers refuse to vote for anyone else for the longest election timeout (the election timeout
@@ -41,6 +42,8 @@ pub struct Settings {
     pub election_timeout: Duration,
     /// Entries applied between two snapshots (`cluster.snapshot_entries`).
     pub snapshot_entries: u64,
+    /// Never found a cluster: wait to be added to a running one (`cluster.join`).
+    pub join: bool,
     /// Every member, this one too, by id.
     pub members: BTreeMap<u64, Member>,
 }
@@ -84,6 +87,7 @@ impl Node {
             secret,
             election_timeout,
             snapshot_entries,
+            join,
             members,
         } = settings;
         let listener = tokio::net::TcpListener::bind(&listen)
@@ -115,8 +119,10 @@ impl Node {
                 election_timeout,
             )),
         ];
-        // A member that holds a log or a vote was part of the cluster already: nothing to found.
-        let founded = raft.is_initialized().await.unwrap_or(true);
+        // A member that holds a log or a vote was part of the cluster already: nothing to found. One
+        // being added to a running cluster founds nothing either: the leader's entries make it a
+        // member (a membership of its own, however like the file's, would not be the cluster's).
+        let founded = join || raft.is_initialized().await.unwrap_or(true);
         let found = async {
             match founded {
                 true => Ok(()),
@@ -296,7 +302,7 @@ impl Node {
     }
 
     /// Whether member `id` answered one of this member's calls within the last election timeout.
-    fn answered_lately(&self, id: u64) -> bool {
+    pub fn answered_lately(&self, id: u64) -> bool {
         self.answers
             .last(id)
             .is_some_and(|at| at.elapsed() < self.election_timeout)

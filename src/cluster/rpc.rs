@@ -929,6 +929,35 @@ mod tests {
         let _ = VoteResponse::<u64>::decode(bytes);
         let _ = AppendEntriesRequest::<TypeConfig>::decode(bytes);
         let _ = AppendEntriesResponse::<u64>::decode(bytes);
+        let _ = SnapshotOffer::decode(bytes);
+        let _ = SnapshotHave::decode(bytes);
+        let _ = SnapshotChunk::decode(bytes);
+        let _ = ChunkTaken::decode(bytes);
+        let _ = SnapshotInstall::decode(bytes);
+        let _ = SnapshotResponse::<u64>::decode(bytes);
+    }
+
+    fn snapshot_offer() -> impl Strategy<Value = SnapshotOffer> {
+        let files = proptest::collection::vec(("[a-z/.]{0,40}", any::<u64>()), 0..8);
+        (
+            vote(),
+            proptest::option::of(log_id()),
+            membership(),
+            log_id(),
+            "[0-9a-z-]{0,40}",
+            files,
+        )
+            .prop_map(
+                |(vote, last, membership, at, snapshot_id, files)| SnapshotOffer {
+                    vote,
+                    meta: SnapshotMeta {
+                        last_log_id: last,
+                        last_membership: openraft::StoredMembership::new(Some(at), membership),
+                        snapshot_id,
+                    },
+                    files,
+                },
+            )
     }
 
     proptest! {
@@ -964,6 +993,36 @@ mod tests {
         }
 
         #[test]
+        fn snapshot_messages_round_trip(
+            offer in snapshot_offer(),
+            have in proptest::collection::vec(any::<u64>(), 0..8),
+            (file, offset, crc) in (any::<u32>(), any::<u64>(), any::<u32>()),
+            bytes in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let encoded = offer.encode().unwrap();
+            prop_assert_eq!(SnapshotOffer::decode(&encoded).unwrap(), offer.clone());
+            assert_cuts_and_tails_refused::<SnapshotOffer>(&encoded);
+            let answer = SnapshotHave { have };
+            let encoded = answer.encode().unwrap();
+            prop_assert_eq!(SnapshotHave::decode(&encoded).unwrap(), answer);
+            assert_cuts_and_tails_refused::<SnapshotHave>(&encoded);
+            let snapshot_id = offer.meta.snapshot_id.clone();
+            let chunk = SnapshotChunk { vote: offer.vote, snapshot_id: snapshot_id.clone(), file, offset, crc, bytes };
+            let encoded = chunk.encode().unwrap();
+            prop_assert_eq!(SnapshotChunk::decode(&encoded).unwrap(), chunk);
+            assert_cuts_and_tails_refused::<SnapshotChunk>(&encoded);
+            let taken = ChunkTaken { have: offset };
+            prop_assert_eq!(ChunkTaken::decode(&taken.encode().unwrap()).unwrap(), taken);
+            let install = SnapshotInstall { vote: offer.vote, snapshot_id };
+            let encoded = install.encode().unwrap();
+            prop_assert_eq!(SnapshotInstall::decode(&encoded).unwrap(), install);
+            assert_cuts_and_tails_refused::<SnapshotInstall>(&encoded);
+            let response = SnapshotResponse { vote: offer.vote };
+            let encoded = response.encode().unwrap();
+            prop_assert_eq!(SnapshotResponse::<u64>::decode(&encoded).unwrap(), response);
+        }
+
+        #[test]
         fn any_bytes_decode_without_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             decode_all(&bytes);
         }
@@ -971,7 +1030,11 @@ mod tests {
         /// Random bodies behind a valid header get past it, into the fields' checks.
         #[test]
         fn any_body_decodes_without_panic(
-            message in prop_oneof![Just(VOTE), Just(APPEND), Just(VOTE | ANSWER), Just(APPEND | ANSWER)],
+            message in prop_oneof![
+                Just(VOTE), Just(APPEND), Just(VOTE | ANSWER), Just(APPEND | ANSWER),
+                Just(SNAPSHOT_OFFER), Just(SNAPSHOT_OFFER | ANSWER), Just(SNAPSHOT_CHUNK),
+                Just(SNAPSHOT_CHUNK | ANSWER), Just(SNAPSHOT_INSTALL), Just(SNAPSHOT_INSTALL | ANSWER),
+            ],
             body in proptest::collection::vec(any::<u8>(), 0..256),
         ) {
             let bytes = [&[VERSION, message][..], &body].concat();

@@ -698,3 +698,228 @@ fn remove_any(path: &Path) -> Result<(), SnapshotError> {
     };
     removed.map_err(io_error(path))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::rpc::SnapshotOffer;
+    use openraft::{LeaderId, LogId, Membership, Vote};
+    use std::collections::{BTreeMap, BTreeSet};
+
+    fn replicated(dir: &Path) -> Arc<ScheduleLog> {
+        let options = schedulelog::Options {
+            replicated: true,
+            ..Default::default()
+        };
+        Arc::new(ScheduleLog::open(dir.join("data"), options).unwrap())
+    }
+
+    /// A membership entry at index 0 and blank ones up to `last`, appended and applied.
+    fn applied_up_to(log: &ScheduleLog, last: u64) {
+        let member = Member {
+            api: "http://127.0.0.1:7071".into(),
+            peer: "127.0.0.1:7171".into(),
+        };
+        let membership = Membership::new(
+            vec![BTreeSet::from([1u64])],
+            BTreeMap::from([(1u64, member)]),
+        );
+        let id = |index| schedulelog::LogId {
+            term: 1,
+            node_id: 1,
+            index,
+        };
+        let mut entries = vec![schedulelog::Entry {
+            log_id: id(0),
+            payload: schedulelog::EntryPayload::Membership(
+                serde_json::to_vec(&membership).unwrap(),
+            ),
+        }];
+        entries.extend((1..=last).map(|index| schedulelog::Entry {
+            log_id: id(index),
+            payload: schedulelog::EntryPayload::Blank,
+        }));
+        let from = log.entry_bounds().unwrap().1.map_or(0, |l| l.index + 1);
+        let entries: Vec<_> = entries.into_iter().skip(from as usize).collect();
+        log.append_entries(entries.clone()).wait().unwrap();
+        log.apply_entries(entries).unwrap();
+    }
+
+    fn snapshots(dir: &Path, log: Arc<ScheduleLog>) -> Snapshots {
+        Snapshots::new(1, log, &dir.join("raft"), None, Arc::new(|| {}))
+    }
+
+    fn offer(id: &str, last: u64, files: &[(&str, u64)]) -> SnapshotOffer {
+        SnapshotOffer {
+            vote: Vote::new_committed(2, 2),
+            meta: SnapshotMeta {
+                last_log_id: Some(LogId::new(LeaderId::new(2, 2), last)),
+                last_membership: StoredMembership::default(),
+                snapshot_id: id.into(),
+            },
+            files: files.iter().map(|(p, l)| (p.to_string(), *l)).collect(),
+        }
+    }
+
+    #[test]
+    fn a_snapshot_is_taken_once_per_applied_entry_and_two_are_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = replicated(dir.path());
+        let snapshots = snapshots(dir.path(), log.clone());
+        assert!(snapshots.current().unwrap().is_none());
+        applied_up_to(&log, 3);
+        let first = snapshots.take().unwrap();
+        assert_eq!(first.meta.last_log_id.map(|id| id.index), Some(3));
+        assert_eq!(
+            first.meta.last_membership.log_id().map(|id| id.index),
+            Some(0)
+        );
+        let paths: Vec<&str> = first
+            .snapshot
+            .files
+            .iter()
+            .map(|f| f.path.as_str())
+            .collect();
+        assert!(
+            paths.contains(&"checkpoint") && paths.contains(&"meta"),
+            "{paths:?}"
+        );
+        assert!(first.snapshot.dir.join(MANIFEST).exists());
+        // Nothing applied since: the same snapshot.
+        let again = snapshots.take().unwrap();
+        assert_eq!(again.meta.snapshot_id, first.meta.snapshot_id);
+        for last in [5, 7] {
+            applied_up_to(&log, last);
+            snapshots.take().unwrap();
+        }
+        let kept = snapshots.taken().unwrap();
+        let indexes: Vec<u64> = kept.iter().map(|(index, _)| *index).collect();
+        assert_eq!(indexes, vec![5, 7], "the newest two");
+        assert!(!first.snapshot.dir.exists(), "the oldest went");
+    }
+
+    #[test]
+    fn offers_that_could_not_be_installed_safely_are_refused_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = replicated(dir.path());
+        applied_up_to(&log, 9);
+        let snapshots = snapshots(dir.path(), log);
+        let refused = |offer: SnapshotOffer| match snapshots.offer(offer) {
+            Err(SnapshotError::Refused(why)) => why,
+            other => panic!("{other:?}"),
+        };
+        assert!(refused(offer("../x", 20, &[])).contains("not [A-Za-z0-9-]"));
+        for path in [
+            "../etc/passwd",
+            "/etc/passwd",
+            "wal/00000000000000000001.wal",
+            "raft/vote",
+            "schedule/../../x",
+            "schedule//x",
+            "checkpoint.tmp~",
+            "",
+        ] {
+            let why = refused(offer("20-2-2-2-1", 20, &[(path, 1)]));
+            assert!(
+                why.contains("is not one a snapshot carries"),
+                "{path}: {why}"
+            );
+        }
+        let twice = refused(offer("20-2-2-2-1", 20, &[("meta", 1), ("meta", 1)]));
+        assert!(twice.contains("comes twice"), "{twice}");
+        // The member's log reaches entry 9, past a snapshot of entry 8... which it has applied.
+        let have = snapshots
+            .offer(offer("8-2-2-2-1", 8, &[("meta", 3)]))
+            .unwrap();
+        assert_eq!(have.have, vec![3], "held already: nothing to send");
+        assert!(matches!(
+            snapshots.received("8-2-2-2-1").unwrap(),
+            Received::Held
+        ));
+    }
+
+    #[test]
+    fn a_log_reaching_past_the_snapshot_refuses_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = replicated(dir.path());
+        applied_up_to(&log, 2);
+        // Entries 3 to 5 in the log, not applied (not known committed).
+        let more: Vec<_> = (3..=5)
+            .map(|index| schedulelog::Entry {
+                log_id: schedulelog::LogId {
+                    term: 1,
+                    node_id: 1,
+                    index,
+                },
+                payload: schedulelog::EntryPayload::Blank,
+            })
+            .collect();
+        log.append_entries(more).wait().unwrap();
+        let snapshots = snapshots(dir.path(), log);
+        match snapshots.offer(offer("4-2-2-2-1", 4, &[("meta", 1)])) {
+            Err(SnapshotError::Refused(why)) => assert!(why.contains("reaches entry 5"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The swap at start: the staged files replace the data dir's, the WAL and own snapshots go;
+    /// interrupted part-way (some names moved already), the next start finishes it.
+    #[test]
+    fn an_install_interrupted_part_way_is_finished_at_the_next_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let (data, raft) = (dir.path().join("data"), dir.path().join("data/raft"));
+        for (path, text) in [
+            ("meta", "old meta"),
+            ("checkpoint", "old checkpoint"),
+            ("schedule/old.log", "old segment"),
+            ("sources/in", "old mark"),
+            ("wal/00000000000000000001.wal", "old wal"),
+            ("raft/vote", "the vote"),
+            ("raft/snapshots/1-1-1-1-1/MANIFEST", "{}"),
+            ("raft/incoming/9-2-2-2-1/meta", "new meta"),
+            ("raft/incoming/9-2-2-2-1/checkpoint", "new checkpoint"),
+            ("raft/incoming/9-2-2-2-1/schedule/new.log", "new segment"),
+            ("raft/incoming/9-2-2-2-1/broker/commitlog/0", "new broker"),
+        ] {
+            let path = data.join(path);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, text).unwrap();
+        }
+        let marker = InstallMarker {
+            staged: "incoming/9-2-2-2-1".into(),
+            carried: ["broker", "checkpoint", "meta", "schedule"]
+                .map(String::from)
+                .to_vec(),
+        };
+        write_atomically(&raft.join(INSTALL), &serde_json::to_vec(&marker).unwrap()).unwrap();
+        // Interrupted after `meta` and `checkpoint` moved in.
+        for name in ["meta", "checkpoint"] {
+            fs::remove_file(data.join(name)).unwrap();
+            fs::rename(raft.join("incoming/9-2-2-2-1").join(name), data.join(name)).unwrap();
+        }
+        assert!(finish_install(&data, &raft).unwrap());
+        let read = |path: &str| fs::read_to_string(data.join(path)).ok();
+        assert_eq!(read("meta").as_deref(), Some("new meta"));
+        assert_eq!(read("checkpoint").as_deref(), Some("new checkpoint"));
+        assert_eq!(read("schedule/new.log").as_deref(), Some("new segment"));
+        assert_eq!(read("schedule/old.log"), None);
+        assert_eq!(read("broker/commitlog/0").as_deref(), Some("new broker"));
+        assert_eq!(
+            read("sources/in"),
+            None,
+            "not carried: the snapshot had none"
+        );
+        assert!(
+            !data.join("wal").exists(),
+            "the log starts after the snapshot"
+        );
+        assert_eq!(
+            read("raft/vote").as_deref(),
+            Some("the vote"),
+            "the vote stays"
+        );
+        assert!(!raft.join("snapshots").exists() && !raft.join("incoming").exists());
+        assert!(!raft.join(INSTALL).exists());
+        assert!(!finish_install(&data, &raft).unwrap(), "nothing left to do");
+    }
+}

@@ -39,6 +39,9 @@ pub struct ClusterConfig {
     pub snapshot_entries: u64,
     /// The size of this member's Raft log (WAL) files: the log is purged a whole file at a time.
     pub log_file_bytes: u64,
+    /// A member being added to a running cluster (`POST /v1/cluster/members`): it never founds a
+    /// cluster of its own from `members`, it waits to be added.
+    pub join: bool,
     /// Every member, this one included, the same on every member.
     pub members: Vec<MemberConfig>,
 }
@@ -74,6 +77,7 @@ impl Default for ClusterConfig {
             election_timeout: Millis(Duration::from_secs(1)),
             snapshot_entries: 5_000,
             log_file_bytes: 64 << 20,
+            join: false,
             members: Vec::new(),
         }
     }
@@ -89,6 +93,7 @@ impl std::fmt::Debug for ClusterConfig {
             .field("election_timeout", &self.election_timeout)
             .field("snapshot_entries", &self.snapshot_entries)
             .field("log_file_bytes", &self.log_file_bytes)
+            .field("join", &self.join)
             .field("members", &self.members)
             .finish()
     }
@@ -264,7 +269,7 @@ impl ClusterConfig {
 /// A member's `api`: an `http://` or `https://` URL with a host, a port or its scheme's default, and
 /// nothing after them (followers append the request's own path and query). What two spellings of one
 /// listener have in common (`http://A` and `http://a:80/`): scheme, lowercase host and port.
-fn api_url(text: &str) -> Result<(String, String, u16), String> {
+pub(crate) fn api_url(text: &str) -> Result<(String, String, u16), String> {
     let example = "such as \"http://10.0.0.1:7070\"";
     let url = reqwest::Url::parse(text)
         .map_err(|e| format!("{text:?} is not a URL ({e}): write one {example}"))?;
@@ -297,7 +302,7 @@ fn api_url(text: &str) -> Result<(String, String, u16), String> {
 /// A `host:port` (`10.0.0.1:7171`, `[fd00::1]:7171`, `delayd-1.delayd:7171`): an IP address or a DNS
 /// name, and a port other than 0 (the others dial the port they are given). Returns the lowercase
 /// host and the port, what two spellings of one address have in common.
-fn host_port(text: &str) -> Result<(String, u16), String> {
+pub(crate) fn host_port(text: &str) -> Result<(String, u16), String> {
     let example = "such as \"10.0.0.1:7171\", \"[fd00::1]:7171\" or \"delayd-1.delayd:7171\"";
     let (host, port) = match text.strip_prefix('[') {
         Some(rest) => {

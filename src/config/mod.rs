@@ -2,7 +2,7 @@
 //! variables, then command-line flags; each layer overrides the one before. Every key is documented in
 //! docs/configuration.md; unknown keys in the file are an error, not a silent no-op.
 
-mod cluster;
+pub(crate) mod cluster;
 mod sinks;
 mod sources;
 #[cfg(test)]
@@ -322,6 +322,13 @@ impl Config {
                 self.cluster_mut().snapshot_entries = number(value)?
             }
             "DELAYD_CLUSTER_LOG_FILE_BYTES" => self.cluster_mut().log_file_bytes = number(value)?,
+            "DELAYD_CLUSTER_JOIN" => {
+                self.cluster_mut().join = match value {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err(invalid(key, "true or false")),
+                }
+            }
             "DELAYD_AUTH_TOKENS" => {
                 self.auth.tokens = value
                     .split(',')

@@ -723,6 +723,22 @@ fn cluster_mistakes_are_refused_with_the_fix() {
         "cluster.node_id: 4 is not among the members' ids (1, 2, 3): set it to this member's own id"
     );
 
+    let timeout = "election_timeout = \"1s\"";
+    assert_eq!(
+        refused(timeout, "election_timeout = \"1s\"\nsnapshot_entries = 10"),
+        "cluster.snapshot_entries: must be between 100 and 100000000 (5000 is the default)"
+    );
+    for bytes in ["4096", "65537", "2147483648"] {
+        assert_eq!(
+            refused(
+                timeout,
+                &format!("election_timeout = \"1s\"\nlog_file_bytes = {bytes}")
+            ),
+            "cluster.log_file_bytes: must be a multiple of 4096 between 65536 and 1073741824 \
+             (67108864, 64 MiB, is the default)"
+        );
+    }
+
     let listen = "listen = \"127.0.0.1:7171\"";
     assert_eq!(
         refused(listen, ""),
@@ -913,7 +929,7 @@ fn unknown_cluster_keys_are_refused() {
             "node_id = 1",
             "node_id = 1\nnodes = 3",
             "unknown field `nodes`, expected one of `node_id`, `listen`, `secret`, \
-             `election_timeout`, `members`",
+             `election_timeout`, `snapshot_entries`, `log_file_bytes`, `join`, `members`",
         ),
         (
             "id = 2\n",
@@ -940,6 +956,9 @@ fn cluster_env_overrides() {
         ("DELAYD_CLUSTER_LISTEN", "0.0.0.0:7173"),
         ("DELAYD_CLUSTER_SECRET", "0123456789abcdef0123456789abcdef"),
         ("DELAYD_CLUSTER_ELECTION_TIMEOUT", "1500ms"),
+        ("DELAYD_CLUSTER_SNAPSHOT_ENTRIES", "250"),
+        ("DELAYD_CLUSTER_LOG_FILE_BYTES", "1048576"),
+        ("DELAYD_CLUSTER_JOIN", "true"),
     ]);
     let cluster = Config::load(Some(&path), vars, &Flags::default())
         .unwrap()
@@ -949,6 +968,10 @@ fn cluster_env_overrides() {
     assert_eq!(cluster.listen, "0.0.0.0:7173");
     assert_eq!(cluster.secret, "0123456789abcdef0123456789abcdef");
     assert_eq!(cluster.election_timeout.0, Duration::from_millis(1500));
+    assert_eq!(
+        (cluster.snapshot_entries, cluster.log_file_bytes),
+        (250, 1 << 20)
+    );
     assert_eq!(cluster.this_member().peer, "127.0.0.1:7173");
     assert_eq!(cluster.members.len(), 3);
     // Without a secret anywhere, the file alone is refused.

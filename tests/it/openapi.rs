@@ -25,6 +25,8 @@ const ROUTES: &[(&str, &[&str])] = &[
     ("/v1/sources", &["get"]),
     ("/v1/sinks", &["get"]),
     ("/v1/cluster", &["get"]),
+    ("/v1/cluster/members", &["post"]),
+    ("/v1/cluster/members/{id}", &["delete"]),
     ("/healthz", &["get"]),
     ("/readyz", &["get"]),
     ("/metrics", &["get"]),
@@ -709,6 +711,20 @@ fn every_answer_conforms_to_its_documented_schema() {
     assert_eq!(purged["cancelled"], 1, "{purged}");
     // A single node is no cluster member (a member's 200 is checked in tests/cluster.rs).
     let alone = check("get", "/v1/cluster", call("GET", "/v1/cluster", None));
+    assert_eq!(alone["code"], "not_found", "{alone}");
+    let member =
+        serde_json::json!({"id": 4, "api": "http://127.0.0.1:7074", "peer": "127.0.0.1:7174"});
+    let alone = check(
+        "post",
+        "/v1/cluster/members",
+        call("POST", "/v1/cluster/members", Some(member)),
+    );
+    assert_eq!(alone["code"], "not_found", "{alone}");
+    let alone = check(
+        "delete",
+        "/v1/cluster/members/{id}",
+        call("DELETE", "/v1/cluster/members/2", None),
+    );
     assert_eq!(alone["code"], "not_found", "{alone}");
 
     // Every JSON route's answer was checked; the rest are text, HTML and this document.
