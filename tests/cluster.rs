@@ -1110,6 +1110,14 @@ fn a_member_restarted_empty_catches_up_by_snapshot_and_nothing_acknowledged_is_l
         commit_index(&leader_api) >= from + 500
     });
 
+    // Restarted as the runbook says: `join = true` (it founds nothing, and votes only once caught up).
+    let config = cluster.member(lost).config.clone();
+    let text = std::fs::read_to_string(&config).unwrap();
+    let text = text.replace(
+        "election_timeout = \"1s\"\n",
+        "election_timeout = \"1s\"\njoin = true\n",
+    );
+    std::fs::write(&config, text).unwrap();
     let restarted = std::time::Instant::now();
     cluster.launch(lost);
     cluster
@@ -1151,7 +1159,8 @@ fn a_member_restarted_empty_catches_up_by_snapshot_and_nothing_acknowledged_is_l
             wal.len(),
             wal.iter().min()
         );
-        assert!(kept.len() <= 2, "member {}: {kept:?}", member.id);
+        // The newest; one a transfer still reads; one being replaced at that moment: no more.
+        assert!(kept.len() <= 3, "member {}: {kept:?}", member.id);
         if member.id != lost {
             assert!(taken >= 3.0, "member {} took {taken} snapshots", member.id);
             assert!(

@@ -124,7 +124,7 @@ pub struct NewMember {
 )]
 pub(crate) async fn add_member(State(state): State<Member>, request: Request) -> Response {
     if !state.node.leads() {
-        return elsewhere(State(state), request).await;
+        return not_here(state, request).await;
     }
     let body = match axum::body::to_bytes(request.into_body(), 64 << 10).await {
         Ok(body) => body,
@@ -174,7 +174,7 @@ pub(crate) async fn add_member(State(state): State<Member>, request: Request) ->
 )]
 pub(crate) async fn remove_member(State(state): State<Member>, request: Request) -> Response {
     if !state.node.leads() {
-        return elsewhere(State(state), request).await;
+        return not_here(state, request).await;
     }
     let id = request.uri().path().rsplit('/').next().unwrap_or_default();
     let Ok(id) = id.parse::<u64>() else {
@@ -185,6 +185,18 @@ pub(crate) async fn remove_member(State(state): State<Member>, request: Request)
         Ok(()) => Json(state.node.status()).into_response(),
         Err(error) => membership_refused(error).into_response(),
     }
+}
+
+/// A membership change on a member that does not lead: to the leader, as any request goes; but
+/// not to this member's own term, still running while it steps down (whose API is a single node's).
+async fn not_here(state: Member, request: Request) -> Response {
+    if state.leading.borrow().is_some() {
+        return ApiError::no_leader(
+            "this member is stepping down: no leader to change the membership",
+        )
+        .into_response();
+    }
+    elsewhere(State(state), request).await
 }
 
 fn membership_refused(error: MembershipError) -> ApiError {

@@ -5,6 +5,7 @@
 
 use super::handoff::Handoff;
 use super::network::{PeerNetwork, RaftService};
+use super::rejoin::Rejoin;
 use super::snapshot::Snapshots;
 use super::store::{LogStore, StateMachine};
 use super::{Member, TypeConfig};
@@ -190,6 +191,8 @@ struct Cluster {
     proxies: BTreeMap<u64, Proxy>,
     members: BTreeMap<u64, Member>,
     running: BTreeMap<u64, Running>,
+    /// Members started as `cluster.join` starts them (rejoin.rs).
+    joining: BTreeSet<u64>,
     clock: Arc<ManualClock>,
 }
 
@@ -232,6 +235,7 @@ impl Cluster {
             proxies,
             members,
             running: BTreeMap::new(),
+            joining: BTreeSet::new(),
             clock: Arc::new(ManualClock::new(T0)),
         };
         for id in 1..=size {
@@ -264,7 +268,6 @@ impl Cluster {
         };
         let data = self.dir(id).join("data");
         let log = Arc::new(ScheduleLog::open(&data, options).unwrap());
-        let store = LogStore::open(log.clone(), &self.dir(id).join("raft")).unwrap();
         let broker = Arc::new(Broker::open(self.dir(id), BrokerOptions::default()).unwrap());
         broker.replicate_through(&log);
         let applier = crate::applier(broker.clone(), self.dir(id).to_path_buf());
@@ -276,6 +279,12 @@ impl Cluster {
             Some(crate::app_files(broker.clone(), self.dir(id).to_path_buf())),
             Arc::new(|| panic!("an in-process member cannot restart to install a snapshot")),
         );
+        let store = LogStore::open(
+            log.clone(),
+            &self.dir(id).join("raft"),
+            snapshots.installing(),
+        )
+        .unwrap();
         let machine = StateMachine::new(log.clone(), Some(applier), snapshots.clone());
         let network = PeerNetwork::new(id, SECRET, PeerOptions::default()).unwrap();
         let config = super::raft_config(ELECTION_TIMEOUT, 5_000);
@@ -296,7 +305,9 @@ impl Cluster {
             id,
             ELECTION_TIMEOUT,
         ));
-        let service = Arc::new(RaftService::new(raft.clone(), handoff, snapshots));
+        let empty = !raft.is_initialized().await.unwrap();
+        let rejoin = Rejoin::new(self.joining.contains(&id) && empty);
+        let service = Arc::new(RaftService::new(raft.clone(), handoff, snapshots, rejoin));
         let serve = peer::serve(listener, id, SECRET, PeerOptions::default(), service).unwrap();
         let serving = tokio::spawn(serve);
         let runtime = tokio::runtime::Handle::current();
@@ -1017,4 +1028,57 @@ async fn source_state_files_are_the_same_on_every_member() {
     for (_, running) in std::mem::take(&mut cluster.running) {
         running.stop().await;
     }
+}
+
+/// A member restarted on an empty data dir to join (its disk lost) refuses votes until it has caught
+/// up: it holds none of the entries it acknowledged, and forgot its vote. Once the others reach it, it
+/// catches up from the leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_restarted_empty_to_join_refuses_votes_until_caught_up() {
+    use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+    use openraft::raft::VoteRequest;
+    let mut cluster = Cluster::new(3).await;
+    let before = cluster.append("before").await;
+    cluster.applied_everywhere(before, "before").await;
+    let leader = cluster.leader().await;
+    let lost = (1..=3).find(|&m| m != leader).unwrap();
+    cluster.running.remove(&lost).unwrap().stop().await;
+    for entry in std::fs::read_dir(cluster.dir(lost)).unwrap() {
+        let path = entry.unwrap().path();
+        match path.is_dir() {
+            true => std::fs::remove_dir_all(&path).unwrap(),
+            false => std::fs::remove_file(&path).unwrap(),
+        }
+    }
+    cluster.isolate(lost).await;
+    cluster.joining.insert(lost);
+    cluster.start(lost).await;
+
+    // A candidate with the leader's log, in a later term, straight to the member's own listener.
+    let (term, last) = {
+        let running = &cluster.running[&leader];
+        let last = running.log.entry_bounds().unwrap().1.unwrap();
+        (
+            running.raft.metrics().borrow().current_term,
+            super::store::to_raft_log_id(last),
+        )
+    };
+    let mut network = PeerNetwork::new(leader, SECRET, PeerOptions::default()).unwrap();
+    let straight = Member {
+        api: "http://127.0.0.1:1".into(),
+        peer: cluster.peers[(lost - 1) as usize].to_string(),
+    };
+    let mut client = network.new_client(lost, &straight).await;
+    let request = VoteRequest::new(openraft::Vote::new(term + 5, leader), Some(last));
+    let answer = client
+        .vote(request, RPCOption::new(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert!(
+        !answer.vote_granted,
+        "an empty joiner votes for nobody: {answer:?}"
+    );
+
+    cluster.heal();
+    cluster.applied_on(&[lost], before, "before").await;
 }

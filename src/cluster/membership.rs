@@ -74,22 +74,35 @@ pub async fn add(
     let deadline = tokio::time::Instant::now() + within;
     let mut watch = raft.metrics();
     loop {
+        if !node.leads() {
+            return Err(MembershipError::NotLeader(format!(
+                "this member stopped leading while member {id} caught up: it is a learner; add it again (through any member) to make it a voter"
+            )));
+        }
         let matched = (watch.borrow_and_update().replication.as_ref())
             .and_then(|replication| replication.get(&id).cloned().flatten());
         if matched.is_some_and(|m| m.index >= target) {
             break;
         }
         if tokio::time::Instant::now() >= deadline {
-            if matched.is_some() {
+            // Any answer counts (a snapshot's chunks too, while `matched` says nothing yet).
+            if matched.is_some() || node.answered_lately(id) {
                 return Err(MembershipError::CatchingUp(format!(
                     "member {id} is a learner, catching up (at entry {}, the leader at {}): add it again to make it a voter once it has",
                     matched.map_or(0, |m| m.index),
-                    metrics.last_log_index.unwrap_or(0)
+                    raft.metrics().borrow().last_log_index.unwrap_or(0)
                 )));
             }
-            let _ = raft
+            let taken_out = raft
                 .change_membership(ChangeMembers::RemoveNodes(BTreeSet::from([id])), false)
                 .await;
+            if let Err(error) = taken_out {
+                return Err(MembershipError::Unreachable(format!(
+                    "member {id} at peer {} did not answer within {within:?}, and taking it out again failed ({}): it is a learner; remove it (DELETE /v1/cluster/members/{id}) or start it",
+                    member.peer,
+                    refused(error)
+                )));
+            }
             return Err(MembershipError::Unreachable(format!(
                 "member {id} at peer {} did not answer within {within:?}: is it running, with this cluster's secret and `join = true`? It was not added",
                 member.peer

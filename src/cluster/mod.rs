@@ -11,6 +11,7 @@
 //! - `node`: a running member: Raft, peer listener, proposer, delivery lease, status and metrics.
 //! - `rpc`: the binary codec of the RPCs (its byte layout is there).
 //! - `network`: [`network::PeerNetwork`] sends them to members, [`network::RaftService`] answers them.
+//! - `rejoin`: a member that joins empty votes only once it has caught up.
 //! - `membership`: members added (a learner, then a voter) and removed, on the leader.
 //! - `handoff`: a member that refuses a candidate for its shorter log stands itself at once.
 //! - `snapshot`: snapshots taken (the data dir's files linked), streamed, received and installed.
@@ -28,6 +29,7 @@ pub mod membership;
 pub mod network;
 pub mod node;
 pub mod propose;
+pub mod rejoin;
 pub mod rpc;
 pub mod snapshot;
 pub mod store;

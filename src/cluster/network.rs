@@ -42,6 +42,7 @@
 //!   vote names (the candidate, or the leader): a member cannot speak for another.
 
 use super::handoff::Handoff;
+use super::rejoin::Rejoin;
 use super::rpc::{
     self, ChunkTaken, DecodeError, EncodeError, SnapshotChunk, SnapshotHave, SnapshotInstall,
     SnapshotOffer, Wire, APPEND, SNAPSHOT_CHUNK, SNAPSHOT_INSTALL, SNAPSHOT_OFFER, VOTE,
@@ -552,6 +553,7 @@ pub struct RaftService {
     raft: openraft::Raft<TypeConfig>,
     handoff: Arc<Handoff>,
     snapshots: Snapshots,
+    rejoin: Rejoin,
 }
 
 impl std::fmt::Debug for RaftService {
@@ -561,22 +563,26 @@ impl std::fmt::Debug for RaftService {
 }
 
 impl RaftService {
+    /// `rejoin`: whether this member holds its votes until it has caught up (rejoin.rs).
     pub fn new(
         raft: openraft::Raft<TypeConfig>,
         handoff: Arc<Handoff>,
         snapshots: Snapshots,
+        rejoin: Rejoin,
     ) -> RaftService {
         RaftService {
             raft,
             handoff,
             snapshots,
+            rejoin,
         }
     }
 
     /// A snapshot's offer, chunk or install, from the member its vote names.
     async fn snapshot(&self, from: u64, kind: u8, payload: Vec<u8>) -> Result<Vec<u8>, String> {
+        let current = self.raft.metrics().borrow().vote;
         let (vote, received) =
-            match receive_snapshot(self.snapshots.clone(), from, kind, payload).await? {
+            match receive_snapshot(self.snapshots.clone(), current, from, kind, payload).await? {
                 Receiving::Answer(answer) => return Ok(answer),
                 Receiving::Install(vote, received) => (vote, received),
             };
@@ -590,7 +596,12 @@ impl RaftService {
                     .map_err(|e| e.to_string());
             }
         };
-        match self.raft.install_full_snapshot(vote, received).await {
+        let installed = self.raft.install_full_snapshot(vote, received).await;
+        // Still here: openraft did not install it (this member applied its entries meanwhile).
+        if let Err(error) = self.snapshots.discard_incoming() {
+            tracing::warn!(%error, "the staged files of a snapshot not installed could not be removed");
+        }
+        match installed {
             Ok(response) => response.encode().map_err(|e| e.to_string()),
             Err(fatal) => Err(rpc::raft_error_text(&RaftError::Fatal(fatal))),
         }
@@ -609,6 +620,7 @@ enum Receiving {
 /// answer, or what to install. A refusal's text is the error answer.
 async fn receive_snapshot(
     snapshots: Snapshots,
+    current: Vote<u64>,
     from: u64,
     kind: u8,
     payload: Vec<u8>,
@@ -617,11 +629,21 @@ async fn receive_snapshot(
         tracing::warn!(from, %error, "a snapshot request is refused");
         error.to_string()
     };
+    // A deposed leader's transfer would throw away the current one's staged files.
+    let current_leader = move |vote: &Vote<u64>| {
+        match *vote >= current {
+        true => Ok(()),
+        false => Err(format!(
+            "a snapshot from member {from} in an older vote ({vote}) than this member's ({current}): refused"
+        )),
+    }
+    };
     let work = move || -> Result<Receiving, String> {
         match kind {
             SNAPSHOT_OFFER => {
                 let offer = take::<SnapshotOffer>(from, &payload)?;
                 speaks_for(from, &offer.vote)?;
+                current_leader(&offer.vote)?;
                 let have = snapshots.offer(offer).map_err(refused)?;
                 have.encode()
                     .map(Receiving::Answer)
@@ -630,6 +652,7 @@ async fn receive_snapshot(
             SNAPSHOT_CHUNK => {
                 let chunk = take::<SnapshotChunk>(from, &payload)?;
                 speaks_for(from, &chunk.vote)?;
+                current_leader(&chunk.vote)?;
                 let taken = snapshots.chunk(&chunk).map_err(refused)?;
                 taken
                     .encode()
@@ -661,6 +684,15 @@ impl PeerService for RaftService {
                 VOTE => {
                     let request = take::<VoteRequest<u64>>(from, &payload)?;
                     speaks_for(from, &request.vote)?;
+                    let (vote, applied) = {
+                        let metrics = self.raft.metrics();
+                        let metrics = metrics.borrow();
+                        (metrics.vote, metrics.last_applied)
+                    };
+                    if let Some(refusal) = self.rejoin.refusal(vote, applied) {
+                        tracing::info!(from, "a vote refused: this member joined empty and has not caught up yet");
+                        return refusal.encode().map_err(|e| e.to_string());
+                    }
                     let (term, last) = (request.vote.leader_id.term, request.last_log_id);
                     let answered = self.raft.vote(request).await;
                     if let Ok(vote) = &answered {
@@ -673,10 +705,12 @@ impl PeerService for RaftService {
                 APPEND => {
                     let request = take::<AppendEntriesRequest<TypeConfig>>(from, &payload)?;
                     speaks_for(from, &request.vote)?;
+                    let leader_commit = request.leader_commit.map(|id| id.index);
                     let answered = self.raft.append_entries(request).await;
                     if matches!(&answered, Ok(a) if !matches!(a, AppendEntriesResponse::HigherVote(_)))
                     {
                         self.handoff.heard_leader();
+                        self.rejoin.heard_leader(leader_commit);
                     }
                     answer(answered)
                 }
@@ -849,10 +883,7 @@ mod tests {
         let mut client = client(&addr.to_string());
         let snapshot = Snapshot {
             meta: Default::default(),
-            snapshot: Box::new(SnapshotFiles {
-                dir: std::env::temp_dir(),
-                files: Vec::new(),
-            }),
+            snapshot: Box::new(SnapshotFiles::new(std::env::temp_dir(), Vec::new())),
         };
         let sent = client
             .full_snapshot(
@@ -1034,7 +1065,9 @@ mod snapshot_faults {
             payload: Vec<u8>,
         ) -> BoxFuture<'_, Result<Vec<u8>, String>> {
             Box::pin(async move {
-                match receive_snapshot(self.snapshots.clone(), from, kind, payload).await? {
+                match receive_snapshot(self.snapshots.clone(), Vote::default(), from, kind, payload)
+                    .await?
+                {
                     Receiving::Answer(answer) => Ok(answer),
                     Receiving::Install(vote, Received::Whole(snapshot)) => {
                         self.installed.lock().unwrap().push(snapshot);
@@ -1124,9 +1157,9 @@ mod snapshot_faults {
         std::fs::write(leader.path().join("schedule/a.log"), &big).unwrap();
         std::fs::write(leader.path().join("checkpoint"), b"small").unwrap();
         std::fs::write(leader.path().join("meta"), b"").unwrap();
-        let files = SnapshotFiles {
-            dir: leader.path().to_path_buf(),
-            files: vec![
+        let files = SnapshotFiles::new(
+            leader.path().to_path_buf(),
+            vec![
                 SnapshotFile {
                     path: "schedule/a.log".into(),
                     len: big.len() as u64,
@@ -1140,7 +1173,7 @@ mod snapshot_faults {
                     len: 0,
                 },
             ],
-        };
+        );
         let meta = SnapshotMeta {
             last_log_id: Some(LogId::new(LeaderId::new(3, 1), 42)),
             last_membership: Default::default(),

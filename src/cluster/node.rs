@@ -18,6 +18,7 @@
 
 use super::handoff::Handoff;
 use super::network::{Answers, PeerNetwork, RaftService};
+use super::rejoin::Rejoin;
 use super::snapshot::Snapshots;
 use super::store::{Applier, LogStore, StateMachine};
 use super::{Member, TypeConfig};
@@ -93,7 +94,7 @@ impl Node {
         let listener = tokio::net::TcpListener::bind(&listen)
             .await
             .with_context(|| format!("binding cluster.listen {listen}"))?;
-        let store = LogStore::open(log.clone(), raft_dir)
+        let store = LogStore::open(log.clone(), raft_dir, snapshots.installing())
             .with_context(|| format!("opening the Raft state in {}", raft_dir.display()))?;
         let machine = StateMachine::new(log.clone(), applier, snapshots.clone());
         let network = PeerNetwork::new(id, &secret, PeerOptions::default())?;
@@ -108,7 +109,15 @@ impl Node {
         .await
         .context("starting Raft")?;
         let handoff = Arc::new(Handoff::default());
-        let service = Arc::new(RaftService::new(raft.clone(), handoff.clone(), snapshots));
+        // Empty at start: no log, no vote (as openraft sees it before anything is founded).
+        let empty = !raft.is_initialized().await.unwrap_or(true);
+        let rejoin = Rejoin::new(join && empty);
+        let service = Arc::new(RaftService::new(
+            raft.clone(),
+            handoff.clone(),
+            snapshots,
+            rejoin,
+        ));
         let serving = peer::serve(listener, id, &secret, PeerOptions::default(), service)?;
         let mut tasks = vec![
             tokio::spawn(serving),

@@ -28,7 +28,9 @@
 //! - Received bytes are checked (CRC-32C per chunk, each file's exact length, paths that stay in
 //!   [`CARRIED`]) and synced before openraft is told the snapshot arrived; a refused chunk is sent
 //!   again from where the member is. A transfer cut off resumes: the next offer of the same snapshot
-//!   answers how much of each file is staged.
+//!   answers how much of each file is staged. Staged bytes are trusted only by the process that
+//!   wrote them (they are synced only once whole): a start removes what a stopped one staged. An
+//!   offer the disk has no room for is refused.
 //! - A member whose log reaches past a snapshot refuses it: installing drops its whole log, and
 //!   entries past the snapshot that it acknowledged may be counted in a commit (Raft keeps them;
 //!   this member waits for a newer snapshot, or for the entries).
@@ -47,6 +49,7 @@ use std::fs;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A snapshot's list of its files, in its directory.
@@ -56,8 +59,10 @@ const INSTALL: &str = "INSTALL";
 const SNAPSHOTS: &str = "snapshots";
 const INCOMING: &str = "incoming";
 const PARTIAL: &str = ".partial";
-/// Snapshots kept: the newest, and the one before it (which a transfer may still be reading).
-pub const KEEP: usize = 2;
+/// Snapshots kept: the newest, and any older one a transfer is still reading (`InUse`).
+pub const KEEP: usize = 1;
+/// Free space an offer leaves on the member's disk, beyond the snapshot's bytes.
+const STAGING_MARGIN: u64 = 64 << 20;
 /// What one chunk carries at most.
 pub const CHUNK_BYTES: usize = 1 << 20;
 /// The data dir's files and directories a snapshot carries, by their top-level name.
@@ -78,14 +83,68 @@ pub struct SnapshotFile {
     pub len: u64,
 }
 
-/// openraft's snapshot data: a directory holding the snapshot's files (taken, or received).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// openraft's snapshot data: a directory holding the snapshot's files (taken, or received). While
+/// one handed out by [`Snapshots`] lives (a transfer reads it), its directory is not pruned.
+#[derive(Debug, Clone)]
 pub struct SnapshotFiles {
     pub dir: PathBuf,
     pub files: Vec<SnapshotFile>,
+    in_use: Option<Arc<InUse>>,
+}
+
+impl PartialEq for SnapshotFiles {
+    fn eq(&self, other: &SnapshotFiles) -> bool {
+        (&self.dir, &self.files) == (&other.dir, &other.files)
+    }
+}
+
+impl Eq for SnapshotFiles {}
+
+/// Snapshot directories in use, by how many live handles: pruning passes them over.
+type InUseDirs = Arc<Mutex<std::collections::HashMap<PathBuf, usize>>>;
+
+/// One handle's hold on a snapshot directory; let go when dropped.
+#[derive(Debug)]
+struct InUse {
+    dir: PathBuf,
+    dirs: InUseDirs,
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        let mut dirs = self.dirs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = dirs.get_mut(&self.dir) {
+            *count -= 1;
+            if *count == 0 {
+                dirs.remove(&self.dir);
+            }
+        }
+    }
 }
 
 impl SnapshotFiles {
+    pub fn new(dir: PathBuf, files: Vec<SnapshotFile>) -> SnapshotFiles {
+        SnapshotFiles {
+            dir,
+            files,
+            in_use: None,
+        }
+    }
+
+    /// The same files, their directory held in `dirs` while this handle (or a clone) lives.
+    fn held_in(mut self, dirs: &InUseDirs) -> SnapshotFiles {
+        *dirs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(self.dir.clone())
+            .or_default() += 1;
+        self.in_use = Some(Arc::new(InUse {
+            dir: self.dir.clone(),
+            dirs: dirs.clone(),
+        }));
+        self
+    }
+
     /// Every byte the snapshot's files hold.
     pub fn bytes(&self) -> u64 {
         self.files.iter().map(|f| f.len).sum()
@@ -161,6 +220,11 @@ pub struct Snapshots {
     on_install: OnInstall,
     /// The snapshot being received, as its offer said.
     incoming: Arc<Mutex<Option<Incoming>>>,
+    /// Set once a received snapshot is about to be installed: the log store acknowledges no append
+    /// from then on (store.rs), since the restart drops the whole log.
+    installing: Arc<AtomicBool>,
+    /// Snapshot directories handed out and still in use (a transfer reading one).
+    in_use: InUseDirs,
 }
 
 impl std::fmt::Debug for Snapshots {
@@ -205,7 +269,14 @@ impl Snapshots {
             app,
             on_install,
             incoming: Arc::default(),
+            installing: Arc::default(),
+            in_use: InUseDirs::default(),
         }
+    }
+
+    /// Set while a received snapshot is being installed: the log store acknowledges nothing more.
+    pub fn installing(&self) -> Arc<AtomicBool> {
+        self.installing.clone()
     }
 
     fn root(&self) -> PathBuf {
@@ -238,6 +309,7 @@ impl Snapshots {
         if let Some(app) = &self.app {
             files.extend(app(&taking).map_err(SnapshotError::App)?);
         }
+        sync_tree(&taking)?;
         let last_log_id = to_raft_log_id(linked.applied.log_id);
         let last_membership = match &linked.applied.membership {
             Some((id, bytes)) => {
@@ -283,18 +355,31 @@ impl Snapshots {
         tracing::info!(snapshot = %id, files = manifest.files.len(), bytes, "took a snapshot");
         metrics::counter!("delayd_cluster_snapshots_taken_total").increment(1);
         metrics::gauge!("delayd_cluster_snapshot_bytes").set(bytes as f64);
+        let files = SnapshotFiles::new(dir, manifest.files).held_in(&self.in_use);
         Ok(Snapshot {
             meta: manifest.meta,
-            snapshot: Box::new(SnapshotFiles {
-                dir,
-                files: manifest.files,
-            }),
+            snapshot: Box::new(files),
         })
     }
 
-    /// The newest snapshot taken, if any.
+    /// The newest snapshot taken, if any: not pruned while the handle lives.
     pub fn current(&self) -> Result<Option<Snapshot<TypeConfig>>, SnapshotError> {
-        Ok(self.taken()?.pop().map(|(_, snapshot)| snapshot))
+        let newest = self.taken()?.pop().map(|(_, snapshot)| snapshot);
+        // Whole, or none: a file shorter than the manifest says (cut back by a crash) could not be
+        // sent; a new snapshot is taken instead.
+        let newest = newest.filter(|snapshot| {
+            let whole = snapshot.snapshot.files.iter().all(|file| {
+                fs::metadata(snapshot.snapshot.dir.join(&file.path)).is_ok_and(|m| m.len() >= file.len)
+            });
+            if !whole {
+                tracing::warn!(snapshot = %snapshot.meta.snapshot_id, "the newest snapshot lacks bytes of its files: a new one will be taken");
+            }
+            whole
+        });
+        Ok(newest.map(|Snapshot { meta, snapshot }| Snapshot {
+            meta,
+            snapshot: Box::new(snapshot.held_in(&self.in_use)),
+        }))
     }
 
     /// Every complete snapshot, oldest first (by applied index).
@@ -312,17 +397,19 @@ impl Snapshots {
                 continue;
             }
             let path = dir.join(MANIFEST);
-            let bytes = fs::read(&path).map_err(io_error(&path))?;
+            let bytes = match fs::read(&path) {
+                Ok(bytes) => bytes,
+                // Taken part-way before a crash, or never finished: not a snapshot.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_error(&path)(e)),
+            };
             let manifest: Manifest =
                 serde_json::from_slice(&bytes).map_err(|e| SnapshotError::Manifest {
                     path: path.clone(),
                     why: e.to_string(),
                 })?;
             let index = manifest.meta.last_log_id.map_or(0, |id| id.index);
-            let files = SnapshotFiles {
-                dir,
-                files: manifest.files,
-            };
+            let files = SnapshotFiles::new(dir, manifest.files);
             let snapshot = Snapshot {
                 meta: manifest.meta,
                 snapshot: Box::new(files),
@@ -333,13 +420,25 @@ impl Snapshots {
         Ok(taken)
     }
 
-    /// Deletes all but the newest [`KEEP`] snapshots.
+    /// Deletes all but the newest [`KEEP`] snapshots, and those in use.
     fn prune(&self) -> Result<(), SnapshotError> {
         let taken = self.taken()?;
         let old = taken.len().saturating_sub(KEEP);
+        let in_use = self
+            .in_use
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         for (_, snapshot) in taken.into_iter().take(old) {
+            if in_use.contains_key(&snapshot.snapshot.dir) {
+                continue;
+            }
+            // Out of sight first, atomically: a crash while its links go leaves a `.partial`, which
+            // the next take removes, never a snapshot without all its files.
             let dir = &snapshot.snapshot.dir;
-            fs::remove_dir_all(dir).map_err(io_error(dir))?;
+            let going = PathBuf::from(format!("{}{PARTIAL}", dir.display()));
+            fs::rename(dir, &going).map_err(io_error(dir))?;
+            fs::remove_dir_all(&going).map_err(io_error(&going))?;
         }
         Ok(())
     }
@@ -368,20 +467,23 @@ impl Snapshots {
             let have = files.iter().map(|(_, len)| *len).collect();
             *self.incoming.lock().unwrap_or_else(|p| p.into_inner()) = Some(Incoming {
                 meta,
-                files: SnapshotFiles {
-                    dir: PathBuf::new(),
-                    files: Vec::new(),
-                },
+                files: SnapshotFiles::new(PathBuf::new(), Vec::new()),
                 held: true,
             });
             return Ok(SnapshotHave { have });
         }
-        let (_, own_last) = self.log.entry_bounds()?;
-        if let Some(own_last) = own_last.filter(|l| l.index > last.index) {
+        if let Some(own_last) = self.reaches_past(last)? {
             return Err(SnapshotError::Refused(format!(
-                "this member's log reaches entry {}, past snapshot {id} (up to {}): it waits for a newer snapshot, or for entries",
-                own_last.index, last.index
+                "this member's log reaches entry {own_last}, past snapshot {id} (up to {}): it waits for a newer snapshot, or for entries",
+                last.index
             )));
+        }
+        for needed in ["meta", "checkpoint"] {
+            if !files.iter().any(|(path, _)| path == needed) {
+                return Err(SnapshotError::Refused(format!(
+                    "snapshot {id} has no {needed}: a data dir cannot be opened without it"
+                )));
+            }
         }
         let mut seen = std::collections::HashSet::new();
         for file in &files {
@@ -417,16 +519,46 @@ impl Snapshots {
             };
             have.push(held);
         }
+        let needed: u64 = files
+            .iter()
+            .zip(&have)
+            .map(|((_, len), held)| len - held)
+            .sum();
+        let free =
+            schedulelog::available_bytes(&incoming_root).map_err(io_error(&incoming_root))?;
+        if needed.saturating_add(STAGING_MARGIN) > free {
+            return Err(SnapshotError::Refused(format!(
+                "snapshot {id} needs {needed} bytes more in {}, which has {free} free (and {STAGING_MARGIN} are kept free)",
+                incoming_root.display()
+            )));
+        }
         let files = files
             .into_iter()
             .map(|(path, len)| SnapshotFile { path, len })
             .collect();
         *self.incoming.lock().unwrap_or_else(|p| p.into_inner()) = Some(Incoming {
             meta,
-            files: SnapshotFiles { dir, files },
+            files: SnapshotFiles::new(dir, files),
             held: false,
         });
         Ok(SnapshotHave { have })
+    }
+
+    /// The last entry of this member's log if the log holds the snapshot's last entry `last` and
+    /// goes on past it: those entries may have been acknowledged, and installing would drop them.
+    /// (A log that holds another entry at that index, or none, has nothing past it that counts: a
+    /// different entry at a committed index was never committed, nor was anything after it.)
+    fn reaches_past(&self, last: openraft::LogId<u64>) -> Result<Option<u64>, SnapshotError> {
+        let Some(own_last) = self.log.entry_bounds()?.1.filter(|l| l.index > last.index) else {
+            return Ok(None);
+        };
+        let local = self
+            .log
+            .read_entries(last.index..last.index + 1)
+            .ok()
+            .and_then(|entries| entries.into_iter().next())
+            .map(|entry| to_raft_log_id(entry.log_id));
+        Ok((local == Some(last)).then_some(own_last.index))
     }
 
     /// A chunk of the snapshot being received: taken if it is where the staged file ends and its
@@ -539,6 +671,20 @@ impl Snapshots {
         }))
     }
 
+    /// Lets go of the snapshot received, when openraft did not install it (this member had applied
+    /// its entries meanwhile): its staged files go.
+    pub fn discard_incoming(&self) -> Result<(), SnapshotError> {
+        let taken = self
+            .incoming
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        match taken {
+            Some(incoming) if !incoming.held => remove_any(&incoming.files.dir),
+            _ => Ok(()),
+        }
+    }
+
     /// Installs a received snapshot: marks it to be swapped in (the commit point), then restarts
     /// this member (`on_install`). Blocking.
     pub fn install(
@@ -546,6 +692,19 @@ impl Snapshots {
         meta: &SnapshotMeta<u64, Member>,
         files: &SnapshotFiles,
     ) -> Result<(), SnapshotError> {
+        // No append is acknowledged from here on; every one that was is handed in already, so the
+        // log's last entry says whether this member acknowledged anything past the snapshot, which
+        // the restart would drop: then it does not install (Raft stops, the member restarts without
+        // the snapshot, and refuses it while its log reaches past it).
+        self.installing.store(true, Ordering::SeqCst);
+        if let Some(last) = meta.last_log_id {
+            if let Some(own) = self.reaches_past(last)? {
+                return Err(SnapshotError::Refused(format!(
+                    "this member's log reached entry {own} while snapshot {} (up to {}) arrived: not installed",
+                    meta.snapshot_id, last.index
+                )));
+            }
+        }
         let staged = files
             .dir
             .strip_prefix(&self.raft_dir)
@@ -591,6 +750,11 @@ fn carried(path: &str) -> Option<&'static str> {
     let mut parts = path.split('/');
     let top = parts.next()?;
     let top = CARRIED.into_iter().find(|c| *c == top)?;
+    // `meta` and `checkpoint` are files; the others directories, which hold files.
+    let file = matches!(top, "meta" | "checkpoint");
+    if file == path.contains('/') {
+        return None;
+    }
     let rest_ok = parts.all(|p| !p.is_empty() && p != "." && p != ".." && !p.contains('\0'));
     let plain = path.len() <= 1024 && !path.ends_with(TEMP_SUFFIX) && !path.contains('\0');
     (rest_ok && plain).then_some(top)
@@ -599,7 +763,9 @@ fn carried(path: &str) -> Option<&'static str> {
 /// Links every file under `data_dir/relative` (recursively, but for temporary files) into `into`,
 /// at the same relative path: in each directory a `checkpoint` first, then the other files, then
 /// its subdirectories (a store's checkpoint before the files it speaks of). Returns each file's
-/// relative path and its length when linked. A directory that does not exist links nothing.
+/// relative path and its length when linked. A directory that does not exist links nothing, and a
+/// file deleted between the listing and its link is left out (the broker's retention deletes whole
+/// files, the oldest first, which its recovery takes as done).
 pub fn link_tree(
     data_dir: &Path,
     relative: &Path,
@@ -632,7 +798,13 @@ pub fn link_tree(
     for name in files {
         let path = relative.join(&name);
         let (source, target) = (data_dir.join(&path), into.join(&path));
-        fs::hard_link(&source, &target).map_err(io_error(&target))?;
+        match fs::hard_link(&source, &target) {
+            Ok(()) => {}
+            // Deleted since it was listed (retention, which deletes whole files, oldest first,
+            // off the stores' locks): as if it had gone a moment earlier.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_error(&target)(e)),
+        }
         let len = fs::metadata(&target).map_err(io_error(&target))?.len();
         linked.push((path, len));
     }
@@ -650,7 +822,12 @@ pub fn finish_install(data_dir: &Path, raft_dir: &Path) -> Result<bool, Snapshot
     let marker_path = raft_dir.join(INSTALL);
     let bytes = match fs::read(&marker_path) {
         Ok(bytes) => bytes,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        // A transfer cut by a stop: its staged bytes were never synced, so none is trusted (the
+        // leader sends the snapshot again, whole).
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            remove_any(&raft_dir.join(INCOMING))?;
+            return Ok(false);
+        }
         Err(e) => return Err(io_error(&marker_path)(e)),
     };
     let marker: InstallMarker =
@@ -686,6 +863,18 @@ pub fn finish_install(data_dir: &Path, raft_dir: &Path) -> Result<bool, Snapshot
     tracing::info!(staged = %marker.staged, "swapped in the snapshot this member received");
     metrics::counter!("delayd_cluster_snapshots_installed_total").increment(1);
     Ok(true)
+}
+
+/// Syncs `dir` and every directory under it: the links made in them are durable.
+fn sync_tree(dir: &Path) -> Result<(), SnapshotError> {
+    for entry in fs::read_dir(dir).map_err(io_error(dir))? {
+        let entry = entry.map_err(io_error(dir))?;
+        if entry.file_type().map_err(io_error(&entry.path()))?.is_dir() {
+            sync_tree(&entry.path())?;
+        }
+    }
+    sync_dir(dir)?;
+    Ok(())
 }
 
 /// Removes a file or a directory tree, if there is one.
@@ -762,7 +951,7 @@ mod tests {
     }
 
     #[test]
-    fn a_snapshot_is_taken_once_per_applied_entry_and_two_are_kept() {
+    fn a_snapshot_is_taken_once_per_applied_entry_and_the_newest_and_those_in_use_are_kept() {
         let dir = tempfile::tempdir().unwrap();
         let log = replicated(dir.path());
         let snapshots = snapshots(dir.path(), log.clone());
@@ -788,14 +977,21 @@ mod tests {
         // Nothing applied since: the same snapshot.
         let again = snapshots.take().unwrap();
         assert_eq!(again.meta.snapshot_id, first.meta.snapshot_id);
-        for last in [5, 7] {
-            applied_up_to(&log, last);
-            snapshots.take().unwrap();
-        }
-        let kept = snapshots.taken().unwrap();
-        let indexes: Vec<u64> = kept.iter().map(|(index, _)| *index).collect();
-        assert_eq!(indexes, vec![5, 7], "the newest two");
-        assert!(!first.snapshot.dir.exists(), "the oldest went");
+        let indexes = |snapshots: &Snapshots| -> Vec<u64> {
+            let taken = snapshots.taken().unwrap();
+            taken.iter().map(|(index, _)| *index).collect()
+        };
+        // A snapshot being sent (its handle alive) is kept beside the newest; once let go, the
+        // next take prunes it.
+        applied_up_to(&log, 5);
+        drop(snapshots.take().unwrap());
+        assert_eq!(indexes(&snapshots), vec![3, 5], "3 is in use");
+        let first_dir = first.snapshot.dir.clone();
+        drop((first, again));
+        applied_up_to(&log, 7);
+        drop(snapshots.take().unwrap());
+        assert_eq!(indexes(&snapshots), vec![7], "the newest alone");
+        assert!(!first_dir.exists(), "the oldest went");
     }
 
     #[test]
@@ -810,6 +1006,8 @@ mod tests {
         };
         assert!(refused(offer("../x", 20, &[])).contains("not [A-Za-z0-9-]"));
         for path in [
+            "schedule",
+            "meta/x",
             "../etc/passwd",
             "/etc/passwd",
             "wal/00000000000000000001.wal",
@@ -819,14 +1017,24 @@ mod tests {
             "checkpoint.tmp~",
             "",
         ] {
-            let why = refused(offer("20-2-2-2-1", 20, &[(path, 1)]));
+            let why = refused(offer(
+                "20-2-2-2-1",
+                20,
+                &[("meta", 1), ("checkpoint", 1), (path, 1)],
+            ));
             assert!(
                 why.contains("is not one a snapshot carries"),
                 "{path}: {why}"
             );
         }
-        let twice = refused(offer("20-2-2-2-1", 20, &[("meta", 1), ("meta", 1)]));
+        let twice = refused(offer(
+            "20-2-2-2-1",
+            20,
+            &[("meta", 1), ("checkpoint", 1), ("meta", 1)],
+        ));
         assert!(twice.contains("comes twice"), "{twice}");
+        let without = refused(offer("20-2-2-2-1", 20, &[("meta", 1)]));
+        assert!(without.contains("has no checkpoint"), "{without}");
         // The member's log reaches entry 9, past a snapshot of entry 8... which it has applied.
         let have = snapshots
             .offer(offer("8-2-2-2-1", 8, &[("meta", 3)]))
@@ -839,7 +1047,7 @@ mod tests {
     }
 
     #[test]
-    fn a_log_reaching_past_the_snapshot_refuses_it() {
+    fn a_log_holding_the_snapshots_entry_and_more_refuses_it_a_diverging_one_takes_it() {
         let dir = tempfile::tempdir().unwrap();
         let log = replicated(dir.path());
         applied_up_to(&log, 2);
@@ -856,10 +1064,17 @@ mod tests {
             .collect();
         log.append_entries(more).wait().unwrap();
         let snapshots = snapshots(dir.path(), log);
-        match snapshots.offer(offer("4-2-2-2-1", 4, &[("meta", 1)])) {
+        // The snapshot's entry 4 is the one this log holds: 5 may have been acknowledged.
+        let whole = [("meta", 1), ("checkpoint", 1)];
+        let mut same = offer("4-1-1-2-1", 4, &whole);
+        same.meta.last_log_id = Some(LogId::new(LeaderId::new(1, 1), 4));
+        match snapshots.offer(same) {
             Err(SnapshotError::Refused(why)) => assert!(why.contains("reaches entry 5"), "{why}"),
             other => panic!("{other:?}"),
         }
+        // Another entry 4 (a later term's): this log's 4 and 5 were never committed.
+        let have = snapshots.offer(offer("4-2-2-2-1", 4, &whole)).unwrap();
+        assert_eq!(have.have, vec![0, 0]);
     }
 
     /// The swap at start: the staged files replace the data dir's, the WAL and own snapshots go;

@@ -36,6 +36,7 @@ use schedulelog::{Ack, RaftState, ScheduleLog, VoteFile};
 use std::fmt::Debug;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// What `limited_get_log_entries` returns at most, past its first entry: a replication batch.
@@ -114,6 +115,9 @@ type Flush = (Ack<()>, LogFlushed<TypeConfig>);
 pub struct LogStore {
     log: Arc<ScheduleLog>,
     votes: Arc<Mutex<(VoteFile, RaftState)>>,
+    /// Set while a received snapshot is installed (snapshot.rs): nothing more is appended or
+    /// acknowledged.
+    installing: Arc<AtomicBool>,
     /// To the thread that calls appends' callbacks as their acks come, in order.
     flushes: crossbeam_channel::Sender<Flush>,
 }
@@ -127,16 +131,28 @@ impl Debug for LogStore {
 }
 
 impl LogStore {
-    /// The log store of `log` (opened replicated), with the vote file in `raft_dir`. Starts the
-    /// thread that reports appends durable; it ends with the last clone of the store.
-    pub fn open(log: Arc<ScheduleLog>, raft_dir: &Path) -> Result<LogStore, schedulelog::Error> {
+    /// The log store of `log` (opened replicated), with the vote file in `raft_dir`; `installing`
+    /// is [`Snapshots::installing`]. Starts the thread that reports appends durable; it ends with the
+    /// last clone of the store.
+    pub fn open(
+        log: Arc<ScheduleLog>,
+        raft_dir: &Path,
+        installing: Arc<AtomicBool>,
+    ) -> Result<LogStore, schedulelog::Error> {
         let (file, state) = VoteFile::open(raft_dir)?;
         let (flushes, pending) = crossbeam_channel::unbounded::<Flush>();
+        let holding = installing.clone();
         std::thread::Builder::new()
             .name("delayd-raft-flush".into())
             .spawn(move || {
                 for (ack, callback) in pending {
-                    callback.log_io_completed(ack.wait().map_err(std::io::Error::other));
+                    let done = ack.wait().map_err(std::io::Error::other);
+                    // A snapshot is being installed: the member restarts and drops its log, so
+                    // nothing more may count as acknowledged (the callback goes unanswered).
+                    if holding.load(Ordering::SeqCst) {
+                        continue;
+                    }
+                    callback.log_io_completed(done);
                 }
             })
             .map_err(|source| schedulelog::Error::Io {
@@ -146,6 +162,7 @@ impl LogStore {
         Ok(LogStore {
             log,
             votes: Arc::new(Mutex::new((file, state))),
+            installing,
             flushes,
         })
     }
@@ -280,6 +297,15 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = Entry<TypeConfig>> + Send,
         I::IntoIter: Send,
     {
+        if self.installing.load(Ordering::SeqCst) {
+            let restarting =
+                std::io::Error::other("a snapshot is being installed: this member restarts");
+            return Err(storage_error(
+                ErrorSubject::Logs,
+                ErrorVerb::Write,
+                restarting,
+            ));
+        }
         let entries = to_log_entries(entries)?;
         let ack = self.log.append_entries(entries);
         // Readable now; durable when the ack comes, which the flush thread tells openraft.
@@ -475,11 +501,23 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         Ok(vec![(); count])
     }
 
-    /// Takes the snapshot here, where no entry is being applied: the builder only hands it over.
+    /// Takes the snapshot here, where no entry is being applied: the builder only hands it over. A
+    /// take that fails (a full disk) hands over the newest snapshot instead, which purges nothing
+    /// more: an error here would stop this member. Only with none at all is it an error.
     async fn get_snapshot_builder(&mut self) -> Taken {
         let snapshots = self.snapshots.clone();
         Taken(Some(
-            run_blocking(move || snapshots.take().map_err(snapshot_error)).await,
+            run_blocking(move || match snapshots.take() {
+                Ok(snapshot) => Ok(snapshot),
+                Err(error) => {
+                    tracing::error!(%error, "taking a snapshot failed; the newest one stands, and the log is not purged further until one is taken");
+                    match snapshots.current() {
+                        Ok(Some(newest)) => Ok(newest),
+                        _ => Err(snapshot_error(error)),
+                    }
+                }
+            })
+            .await,
         ))
     }
 

@@ -9,9 +9,10 @@
 //! ```
 //!
 //! Invariants:
-//! - Taken under the replayer's lock, once it has filed every entry applied so far: no record is
-//!   filed and no bucket retired meanwhile, and the checkpoint written lists exactly the segments
-//!   linked, at their written marks (the bytes are in the files, synced or not: a link reads them).
+//! - Taken under the replayer's lock, once it has filed and checkpointed every entry applied so far:
+//!   no record is filed and no bucket retired meanwhile, and the checkpoint written lists exactly the
+//!   segments linked, at their marks, which the data dir's own checkpoint holds too (so a restart,
+//!   which cuts segments back to it in place, never cuts a linked file below its length).
 //! - The checkpoint's `purged` is its `applied` entry: a data dir restored from the snapshot holds
 //!   every entry's effect up to it, and its Raft log starts after it (its WAL is empty).
 //! - Links, not copies: taking one costs a link per file, whatever the data's size. A linked file
@@ -48,10 +49,11 @@ impl ScheduleLog {
                 "only a replicated data dir has snapshots".into(),
             ));
         }
-        self.wait_replayed(0);
-        // Every entry applied so far is filed before the lock is taken (and none is applied while
-        // the caller, the state machine, takes the snapshot).
-        let _ = self.wait_applied();
+        // Every entry applied so far is filed, synced and checkpointed before the lock is taken (and
+        // none is applied while the caller, the state machine, takes the snapshot): the data dir's
+        // own checkpoint then holds the lengths linked, so a restart never cuts a segment (in place,
+        // through the snapshot's links too) below them.
+        self.checkpoint()?;
         let replay = self.shared.replay();
         let Some(applied) = replay.applied.clone() else {
             return Err(Error::InvalidOption(
@@ -94,6 +96,9 @@ impl ScheduleLog {
             }
         }
         drop(replay);
+        for sub in ["schedule", "dispatch"] {
+            header::sync_dir(&dir.join(sub))?;
+        }
         let written = checkpoint.encode(self.shared.width);
         header::write_atomically(&dir.join("checkpoint"), &written)?;
         files.push((PathBuf::from("checkpoint"), written.len() as u64));
