@@ -306,7 +306,14 @@ impl Cluster {
             ELECTION_TIMEOUT,
         ));
         let empty = !raft.is_initialized().await.unwrap();
-        let rejoin = Rejoin::new(self.joining.contains(&id) && empty);
+        let rejoin = Rejoin::open(
+            &self.dir(id).join("raft"),
+            self.joining.contains(&id) && empty,
+        )
+        .unwrap();
+        if rejoin.holds() {
+            raft.runtime_config().elect(false);
+        }
         let service = Arc::new(RaftService::new(raft.clone(), handoff, snapshots, rejoin));
         let serve = peer::serve(listener, id, SECRET, PeerOptions::default(), service).unwrap();
         let serving = tokio::spawn(serve);

@@ -65,6 +65,7 @@ pub async fn add(
             )));
         }
     }
+    let started = std::time::Instant::now();
     let added = raft
         .add_learner(id, member.clone(), false)
         .await
@@ -85,8 +86,9 @@ pub async fn add(
             break;
         }
         if tokio::time::Instant::now() >= deadline {
-            // Any answer counts (a snapshot's chunks too, while `matched` says nothing yet).
-            if matched.is_some() || node.answered_lately(id) {
+            // Any answer since it was added counts (a snapshot's chunks too, while `matched` says
+            // nothing yet).
+            if matched.is_some() || node.answered_since(id, started) {
                 return Err(MembershipError::CatchingUp(format!(
                     "member {id} is a learner, catching up (at entry {}, the leader at {}): add it again to make it a voter once it has",
                     matched.map_or(0, |m| m.index),

@@ -586,8 +586,8 @@ impl RaftService {
                 Receiving::Answer(answer) => return Ok(answer),
                 Receiving::Install(vote, received) => (vote, received),
             };
-        let received = match received {
-            Received::Whole(snapshot) => snapshot,
+        let (received, _installing) = match received {
+            Received::Whole(snapshot, installing) => (snapshot, installing),
             // Applied here already: the answer openraft would give, this member's vote.
             Received::Held => {
                 let vote = self.raft.metrics().borrow().vote;
@@ -596,9 +596,10 @@ impl RaftService {
                     .map_err(|e| e.to_string());
             }
         };
+        let id = received.meta.snapshot_id.clone();
         let installed = self.raft.install_full_snapshot(vote, received).await;
         // Still here: openraft did not install it (this member applied its entries meanwhile).
-        if let Err(error) = self.snapshots.discard_incoming() {
+        if let Err(error) = self.snapshots.discard_incoming(&id) {
             tracing::warn!(%error, "the staged files of a snapshot not installed could not be removed");
         }
         match installed {
@@ -710,7 +711,11 @@ impl PeerService for RaftService {
                     if matches!(&answered, Ok(a) if !matches!(a, AppendEntriesResponse::HigherVote(_)))
                     {
                         self.handoff.heard_leader();
-                        self.rejoin.heard_leader(leader_commit);
+                        let applied = self.raft.metrics().borrow().last_applied.map(|id| id.index);
+                        if self.rejoin.heard_leader(leader_commit, applied) {
+                            // Caught up: it may stand for election again.
+                            self.raft.runtime_config().elect(true);
+                        }
                     }
                     answer(answered)
                 }
@@ -1069,7 +1074,7 @@ mod snapshot_faults {
                     .await?
                 {
                     Receiving::Answer(answer) => Ok(answer),
-                    Receiving::Install(vote, Received::Whole(snapshot)) => {
+                    Receiving::Install(vote, Received::Whole(snapshot, _installing)) => {
                         self.installed.lock().unwrap().push(snapshot);
                         SnapshotResponse { vote }
                             .encode()

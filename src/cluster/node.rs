@@ -111,7 +111,12 @@ impl Node {
         let handoff = Arc::new(Handoff::default());
         // Empty at start: no log, no vote (as openraft sees it before anything is founded).
         let empty = !raft.is_initialized().await.unwrap_or(true);
-        let rejoin = Rejoin::new(join && empty);
+        let rejoin = Rejoin::open(raft_dir, join && empty)
+            .with_context(|| format!("opening the rejoin hold in {}", raft_dir.display()))?;
+        if rejoin.holds() {
+            tracing::info!(member = id, "joined empty: this member neither votes nor stands for election until it has caught up");
+            raft.runtime_config().elect(false);
+        }
         let service = Arc::new(RaftService::new(
             raft.clone(),
             handoff.clone(),
@@ -308,6 +313,11 @@ impl Node {
             applied_index: metrics.last_applied.map(|id| id.index),
             members,
         }
+    }
+
+    /// Whether member `id` answered one of this member's calls at `since` or later.
+    pub fn answered_since(&self, id: u64, since: Instant) -> bool {
+        self.answers.last(id).is_some_and(|at| at >= since)
     }
 
     /// Whether member `id` answered one of this member's calls within the last election timeout.

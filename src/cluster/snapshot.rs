@@ -36,7 +36,10 @@
 //!   this member waits for a newer snapshot, or for the entries).
 //! - Installing writes `raft/INSTALL` (the commit point) and restarts the member at once, before it
 //!   appends or acknowledges anything more: at start, [`finish_install`] swaps the staged files in,
-//!   empties the WAL, and removes the marker last, so a crash anywhere in between swaps again.
+//!   empties the WAL, and removes the marker last, so a crash anywhere in between swaps again. The
+//!   marker is written only once every staged file is checked whole; from the moment a snapshot is
+//!   received whole until openraft is done with it, no offer or chunk is taken (they could remove
+//!   its staged files). An install refused at the last moment restarts the member without it.
 
 use super::store::to_raft_log_id;
 use super::{Member, TypeConfig};
@@ -61,6 +64,8 @@ const INCOMING: &str = "incoming";
 const PARTIAL: &str = ".partial";
 /// Snapshots kept: the newest, and any older one a transfer is still reading (`InUse`).
 pub const KEEP: usize = 1;
+/// How long after a failed take (a full disk) the newest snapshot stands without a new try.
+const RETRY_TAKE_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
 /// Free space an offer leaves on the member's disk, beyond the snapshot's bytes.
 const STAGING_MARGIN: u64 = 64 << 20;
 /// What one chunk carries at most.
@@ -223,6 +228,10 @@ pub struct Snapshots {
     /// Set once a received snapshot is about to be installed: the log store acknowledges no append
     /// from then on (store.rs), since the restart drops the whole log.
     installing: Arc<AtomicBool>,
+    /// Set while a snapshot received whole is handed to openraft ([`Installing`]).
+    handing_over: Arc<AtomicBool>,
+    /// When a take last failed: takes are not tried again for [`RETRY_TAKE_AFTER`].
+    failed_take: Arc<Mutex<Option<std::time::Instant>>>,
     /// Snapshot directories handed out and still in use (a transfer reading one).
     in_use: InUseDirs,
 }
@@ -245,11 +254,23 @@ struct Incoming {
     held: bool,
 }
 
-/// A snapshot received whole, or one this member holds already.
+/// A snapshot received whole (with the hold that keeps other transfers out until openraft is done
+/// with it), or one this member holds already.
 #[derive(Debug)]
 pub enum Received {
-    Whole(Snapshot<TypeConfig>),
+    Whole(Snapshot<TypeConfig>, Installing),
     Held,
+}
+
+/// While it lives, this member takes no offer or chunk: a snapshot received whole is being
+/// installed, and its staged files must stay as they are.
+#[derive(Debug)]
+pub struct Installing(Arc<AtomicBool>);
+
+impl Drop for Installing {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 impl Snapshots {
@@ -270,6 +291,8 @@ impl Snapshots {
             on_install,
             incoming: Arc::default(),
             installing: Arc::default(),
+            handing_over: Arc::default(),
+            failed_take: Arc::default(),
             in_use: InUseDirs::default(),
         }
     }
@@ -362,6 +385,31 @@ impl Snapshots {
         })
     }
 
+    /// A snapshot of everything applied so far, or, when that cannot be taken (a full disk), the
+    /// newest one: an error stops Raft, which a full disk should not. After a failed take none is
+    /// tried for a while (openraft asks again at every commit meanwhile). An error only when there
+    /// is no snapshot at all. Blocking.
+    pub fn take_or_newest(&self) -> Result<Snapshot<TypeConfig>, SnapshotError> {
+        let failed = *self.failed_take.lock().unwrap_or_else(|p| p.into_inner());
+        if failed.is_some_and(|at| at.elapsed() < RETRY_TAKE_AFTER) {
+            if let Some(newest) = self.current()? {
+                return Ok(newest);
+            }
+        }
+        match self.take() {
+            Ok(snapshot) => {
+                *self.failed_take.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                Ok(snapshot)
+            }
+            Err(error) => {
+                tracing::error!(%error, "taking a snapshot failed; the newest one stands, and the log is not purged further until one is taken (tried again in a minute)");
+                *self.failed_take.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(std::time::Instant::now());
+                self.current()?.ok_or(error)
+            }
+        }
+    }
+
     /// The newest snapshot taken, if any: not pruned while the handle lives.
     pub fn current(&self) -> Result<Option<Snapshot<TypeConfig>>, SnapshotError> {
         let newest = self.taken()?.pop().map(|(_, snapshot)| snapshot);
@@ -446,6 +494,7 @@ impl Snapshots {
     /// A leader's offer: starts (or resumes) receiving its snapshot, and answers how much of each
     /// file is staged already. Blocking.
     pub fn offer(&self, offer: SnapshotOffer) -> Result<SnapshotHave, SnapshotError> {
+        self.not_installing()?;
         let SnapshotOffer { meta, files, .. } = offer;
         let id = meta.snapshot_id.clone();
         if id.is_empty()
@@ -544,26 +593,59 @@ impl Snapshots {
         Ok(SnapshotHave { have })
     }
 
+    /// Whether `files` can be swapped in now: this member's log does not go on past the snapshot's
+    /// last entry (see `reaches_past`), and every staged file is there, whole.
+    fn installable(
+        &self,
+        meta: &SnapshotMeta<u64, Member>,
+        files: &SnapshotFiles,
+    ) -> Result<(), SnapshotError> {
+        if let Some(last) = meta.last_log_id {
+            if let Some(own) = self.reaches_past(last)? {
+                return Err(SnapshotError::Refused(format!(
+                    "this member's log reached entry {own} while snapshot {} (up to {}) arrived",
+                    meta.snapshot_id, last.index
+                )));
+            }
+        }
+        for file in &files.files {
+            let path = files.dir.join(&file.path);
+            let held = fs::metadata(&path).map_or(None, |m| Some(m.len()));
+            if held != Some(file.len) {
+                return Err(SnapshotError::Refused(format!(
+                    "snapshot {}: {} is not staged whole ({held:?} of {} bytes)",
+                    meta.snapshot_id,
+                    path.display(),
+                    file.len
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The last entry of this member's log if the log holds the snapshot's last entry `last` and
     /// goes on past it: those entries may have been acknowledged, and installing would drop them.
     /// (A log that holds another entry at that index, or none, has nothing past it that counts: a
     /// different entry at a committed index was never committed, nor was anything after it.)
     fn reaches_past(&self, last: openraft::LogId<u64>) -> Result<Option<u64>, SnapshotError> {
-        let Some(own_last) = self.log.entry_bounds()?.1.filter(|l| l.index > last.index) else {
+        let (purged, own_last) = self.log.entry_bounds()?;
+        let Some(own_last) = own_last.filter(|l| l.index > last.index) else {
             return Ok(None);
         };
-        let local = self
-            .log
-            .read_entries(last.index..last.index + 1)
-            .ok()
-            .and_then(|entries| entries.into_iter().next())
-            .map(|entry| to_raft_log_id(entry.log_id));
+        // Purged up to it: the log's entry there is gone, and so is the question (a purged entry
+        // is an applied one, which a snapshot past this member's applied state cannot hold).
+        if purged.is_some_and(|p| p.index >= last.index) {
+            return Ok(None);
+        }
+        let local = self.log.read_entries(last.index..last.index + 1)?;
+        let local = local.first().map(|entry| to_raft_log_id(entry.log_id));
         Ok((local == Some(last)).then_some(own_last.index))
     }
 
     /// A chunk of the snapshot being received: taken if it is where the staged file ends and its
     /// CRC matches; the answer says where the file ends now either way. Blocking.
     pub fn chunk(&self, chunk: &SnapshotChunk) -> Result<ChunkTaken, SnapshotError> {
+        self.not_installing()?;
         let incoming = self.incoming(&chunk.snapshot_id)?;
         if incoming.held {
             return Err(SnapshotError::Refused(format!(
@@ -616,6 +698,18 @@ impl Snapshots {
         Ok(ChunkTaken { have: end })
     }
 
+    /// Refuses a transfer while a snapshot received whole is being installed.
+    fn not_installing(&self) -> Result<(), SnapshotError> {
+        let busy =
+            self.handing_over.load(Ordering::SeqCst) || self.installing.load(Ordering::SeqCst);
+        match busy {
+            true => Err(SnapshotError::Refused(
+                "a snapshot received whole is being installed here: try again later".into(),
+            )),
+            false => Ok(()),
+        }
+    }
+
     fn incoming(&self, id: &str) -> Result<Incoming, SnapshotError> {
         let incoming = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
         match &*incoming {
@@ -633,6 +727,12 @@ impl Snapshots {
         if incoming.held {
             return Ok(Received::Held);
         }
+        if self.handing_over.swap(true, Ordering::SeqCst) {
+            return Err(SnapshotError::Refused(
+                "a snapshot received whole is being installed here already".into(),
+            ));
+        }
+        let hold = Installing(self.handing_over.clone());
         let dir = &incoming.files.dir;
         let mut dirs = std::collections::BTreeSet::from([dir.clone()]);
         for file in &incoming.files.files {
@@ -665,23 +765,23 @@ impl Snapshots {
         for dir in dirs.iter().rev() {
             sync_dir(dir)?;
         }
-        Ok(Received::Whole(Snapshot {
+        let snapshot = Snapshot {
             meta: incoming.meta,
             snapshot: Box::new(incoming.files),
-        }))
+        };
+        Ok(Received::Whole(snapshot, hold))
     }
 
-    /// Lets go of the snapshot received, when openraft did not install it (this member had applied
-    /// its entries meanwhile): its staged files go.
-    pub fn discard_incoming(&self) -> Result<(), SnapshotError> {
-        let taken = self
-            .incoming
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        match taken {
-            Some(incoming) if !incoming.held => remove_any(&incoming.files.dir),
-            _ => Ok(()),
+    /// Lets go of snapshot `id`, received whole, when openraft did not install it (this member had
+    /// applied its entries meanwhile): its staged files go. Another snapshot's are left alone.
+    pub fn discard_incoming(&self, id: &str) -> Result<(), SnapshotError> {
+        let mut incoming = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+        let ours = incoming
+            .as_ref()
+            .is_some_and(|open| open.meta.snapshot_id == id && !open.held);
+        match incoming.take_if(|_| ours) {
+            Some(open) => remove_any(&open.files.dir),
+            None => Ok(()),
         }
     }
 
@@ -697,13 +797,12 @@ impl Snapshots {
         // the restart would drop: then it does not install (Raft stops, the member restarts without
         // the snapshot, and refuses it while its log reaches past it).
         self.installing.store(true, Ordering::SeqCst);
-        if let Some(last) = meta.last_log_id {
-            if let Some(own) = self.reaches_past(last)? {
-                return Err(SnapshotError::Refused(format!(
-                    "this member's log reached entry {own} while snapshot {} (up to {}) arrived: not installed",
-                    meta.snapshot_id, last.index
-                )));
-            }
+        if let Err(refused) = self.installable(meta, files) {
+            // openraft moved its state on already: this member restarts as it is (its staged files
+            // are removed at the start) rather than go on in a state it does not have.
+            tracing::warn!(%refused, "a snapshot received whole is not installed: this member restarts without it");
+            (self.on_install)();
+            return Err(refused);
         }
         let staged = files
             .dir

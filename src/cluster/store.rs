@@ -388,7 +388,7 @@ impl StateMachine {
             match newest {
                 Some(snapshot) => Ok(Some(snapshot)),
                 None if log.applied_state().is_some() => {
-                    snapshots.take().map(Some).map_err(snapshot_error)
+                    snapshots.take_or_newest().map(Some).map_err(snapshot_error)
                 }
                 None => Ok(None),
             }
@@ -507,17 +507,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     async fn get_snapshot_builder(&mut self) -> Taken {
         let snapshots = self.snapshots.clone();
         Taken(Some(
-            run_blocking(move || match snapshots.take() {
-                Ok(snapshot) => Ok(snapshot),
-                Err(error) => {
-                    tracing::error!(%error, "taking a snapshot failed; the newest one stands, and the log is not purged further until one is taken");
-                    match snapshots.current() {
-                        Ok(Some(newest)) => Ok(newest),
-                        _ => Err(snapshot_error(error)),
-                    }
-                }
-            })
-            .await,
+            run_blocking(move || snapshots.take_or_newest().map_err(snapshot_error)).await,
         ))
     }
 
