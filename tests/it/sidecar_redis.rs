@@ -392,7 +392,13 @@ fn an_outage_longer_than_the_backoff_series_kills_nothing() {
     );
     for entry in &got {
         let path = format!("/v1/messages/{}", entry.id());
-        let status = request(&delayd.base, "GET", &path, None, None);
+        // Its outcome is recorded once the sink's write returned: a moment after the entry is in
+        // Redis, where the test may read it first.
+        let mut status = request(&delayd.base, "GET", &path, None, None);
+        wait_for("the delivery recorded", Duration::from_secs(10), || {
+            status = request(&delayd.base, "GET", &path, None, None);
+            status.json["status"] != "scheduled"
+        });
         assert_eq!(status.json["status"], "delivered", "{}", status.json);
         assert_eq!(
             status.json["attempts"], 1,
