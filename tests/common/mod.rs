@@ -248,6 +248,17 @@ pub fn get_message(base: &str, id: &str) -> Answer {
     request(base, "GET", &format!("/v1/messages/{id}"), None, None)
 }
 
+/// `GET /v1/messages/{id}` once its attempt has an outcome: a sink's target (an MQ, the broker) may
+/// show a message a moment before delayd has recorded the delivery, which a test may see first.
+pub fn settled_message(base: &str, id: &str) -> Answer {
+    let mut status = get_message(base, id);
+    wait_for("the delivery recorded", Duration::from_secs(10), || {
+        status = get_message(base, id);
+        status.json["status"] != "scheduled"
+    });
+    status
+}
+
 /// The series of a Prometheus text exposition (`GET /metrics`) and their values, e.g.
 /// `delayd_messages_received_total{sink="broker"}` → 0.
 /// Asserts that every arrival `(body, arrived at, unix ms)` came no earlier than its body's due time

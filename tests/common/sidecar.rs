@@ -8,8 +8,8 @@
 //! headers, exchanges, record keys) and how it acknowledges.
 
 use super::{
-    assert_dead_letters, assert_none_early, get_message, now_ms, request, scrape, spawn, wait_for,
-    Process,
+    assert_dead_letters, assert_none_early, now_ms, request, scrape, settled_message, spawn,
+    wait_for, Process,
 };
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -205,7 +205,7 @@ pub fn assert_arrive_on_time<M: Mq>(
         if let Some(i) = message.body.strip_prefix("order ") {
             assert_eq!(message.headers["trace"], format!("t{i}"), "{message:?}");
         }
-        let status = get_message(base, message.id());
+        let status = settled_message(base, message.id());
         assert_eq!(status.json["status"], "delivered", "{}", status.json);
         check(message, &status.json);
     }

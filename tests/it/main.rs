@@ -20,7 +20,7 @@ mod sidecar_nats;
 mod sidecar_redis;
 mod webhook;
 
-use common::{now_ms, parse, request, scrape, spawn, spawn_cli, Answer};
+use common::{now_ms, parse, request, scrape, settled_message, spawn, spawn_cli, Answer};
 use delayd::schedulelog::Clock;
 use serde_json::{json, Value};
 use std::process::Command;
@@ -197,7 +197,7 @@ fn a_message_is_invisible_before_deliver_at_and_visible_after() {
         arrived_ms - deliver_at
     );
     assert!(delivered_at - deliver_at < 2_000, "loosely prompt");
-    let status = server.call("GET", &format!("/v1/messages/{id}"), None);
+    let status = settled_message(&server.base, &id);
     assert_eq!(status.json["status"], "delivered");
     assert_eq!(status.json["attempts"], 1);
     // One delivery, one time, wherever it is read.

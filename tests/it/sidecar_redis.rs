@@ -13,8 +13,8 @@ use super::common::sidecar::{
     spawn_with_config as start_delayd, Mq,
 };
 use super::common::{
-    assert_dead_letters, get_message, now_ms, request, scrape, serve_until_exit, wait_for,
-    write_file, Process,
+    assert_dead_letters, get_message, now_ms, request, scrape, serve_until_exit, settled_message,
+    wait_for, write_file, Process,
 };
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -391,14 +391,7 @@ fn an_outage_longer_than_the_backoff_series_kills_nothing() {
         "every message delivered, none dead"
     );
     for entry in &got {
-        let path = format!("/v1/messages/{}", entry.id());
-        // Its outcome is recorded once the sink's write returned: a moment after the entry is in
-        // Redis, where the test may read it first.
-        let mut status = request(&delayd.base, "GET", &path, None, None);
-        wait_for("the delivery recorded", Duration::from_secs(10), || {
-            status = request(&delayd.base, "GET", &path, None, None);
-            status.json["status"] != "scheduled"
-        });
+        let status = settled_message(&delayd.base, entry.id());
         assert_eq!(status.json["status"], "delivered", "{}", status.json);
         assert_eq!(
             status.json["attempts"], 1,
