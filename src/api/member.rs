@@ -14,12 +14,14 @@
 
 use super::error::ApiError;
 use super::forward::{self, Forwarder};
-use super::{check_token, count_requests, healthz, render_metrics, storage_failure};
+use super::{
+    check_token, count_requests, healthz, parse_json, render_metrics, storage_failure, RawBody,
+};
 use crate::broker::Broker;
 use crate::cluster::membership::{self, MembershipError};
 use crate::cluster::node::{ClusterStatus, Node};
 use crate::config::Config;
-use axum::extract::{Request, State};
+use axum::extract::{FromRequest, Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -126,16 +128,12 @@ pub(crate) async fn add_member(State(state): State<Member>, request: Request) ->
     if !state.node.leads() {
         return not_here(state, request).await;
     }
-    let body = match axum::body::to_bytes(request.into_body(), 64 << 10).await {
-        Ok(body) => body,
-        Err(e) => return ApiError::bad_request("invalid_json", e.to_string()).into_response(),
-    };
-    let new: NewMember = match serde_json::from_slice(&body) {
-        Ok(new) => new,
-        Err(e) => {
-            return ApiError::bad_request("invalid_json", format!("not a member: {e}"))
-                .into_response()
-        }
+    let new: NewMember = match RawBody::from_request(request, &()).await {
+        Ok(RawBody(body)) => match parse_json(&body) {
+            Ok(new) => new,
+            Err(refused) => return refused.into_response(),
+        },
+        Err(refused) => return refused.into_response(),
     };
     let invalid = |why: String| ApiError::bad_request("invalid_member", why).into_response();
     if new.id == 0 {

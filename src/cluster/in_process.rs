@@ -1088,4 +1088,13 @@ async fn a_member_restarted_empty_to_join_refuses_votes_until_caught_up() {
 
     cluster.heal();
     cluster.applied_on(&[lost], before, "before").await;
+    // Caught up: the hold ends (its file goes), and the member votes again.
+    let hold = cluster
+        .dir(lost)
+        .join("raft")
+        .join(super::rejoin::REJOIN_FILE);
+    wait_until("the hold ends", || !hold.exists()).await;
+    for (_, running) in std::mem::take(&mut cluster.running) {
+        running.stop().await;
+    }
 }

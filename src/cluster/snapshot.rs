@@ -94,38 +94,12 @@ pub struct SnapshotFile {
 pub struct SnapshotFiles {
     pub dir: PathBuf,
     pub files: Vec<SnapshotFile>,
-    in_use: Option<Arc<InUse>>,
+    /// The hold on `dir` of a handle [`Snapshots`] gave out, shared by its clones.
+    in_use: Option<Arc<PathBuf>>,
 }
 
-impl PartialEq for SnapshotFiles {
-    fn eq(&self, other: &SnapshotFiles) -> bool {
-        (&self.dir, &self.files) == (&other.dir, &other.files)
-    }
-}
-
-impl Eq for SnapshotFiles {}
-
-/// Snapshot directories in use, by how many live handles: pruning passes them over.
-type InUseDirs = Arc<Mutex<std::collections::HashMap<PathBuf, usize>>>;
-
-/// One handle's hold on a snapshot directory; let go when dropped.
-#[derive(Debug)]
-struct InUse {
-    dir: PathBuf,
-    dirs: InUseDirs,
-}
-
-impl Drop for InUse {
-    fn drop(&mut self) {
-        let mut dirs = self.dirs.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(count) = dirs.get_mut(&self.dir) {
-            *count -= 1;
-            if *count == 0 {
-                dirs.remove(&self.dir);
-            }
-        }
-    }
-}
+/// The snapshot directories handed out: those whose holds are still alive are in use.
+type InUseDirs = Arc<Mutex<Vec<std::sync::Weak<PathBuf>>>>;
 
 impl SnapshotFiles {
     pub fn new(dir: PathBuf, files: Vec<SnapshotFile>) -> SnapshotFiles {
@@ -136,17 +110,13 @@ impl SnapshotFiles {
         }
     }
 
-    /// The same files, their directory held in `dirs` while this handle (or a clone) lives.
+    /// The same files, their directory in use (listed in `dirs`) while this handle or a clone lives.
     fn held_in(mut self, dirs: &InUseDirs) -> SnapshotFiles {
-        *dirs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(self.dir.clone())
-            .or_default() += 1;
-        self.in_use = Some(Arc::new(InUse {
-            dir: self.dir.clone(),
-            dirs: dirs.clone(),
-        }));
+        let hold = Arc::new(self.dir.clone());
+        let mut dirs = dirs.lock().unwrap_or_else(|p| p.into_inner());
+        dirs.retain(|held| held.strong_count() > 0);
+        dirs.push(Arc::downgrade(&hold));
+        self.in_use = Some(hold);
         self
     }
 
@@ -412,7 +382,7 @@ impl Snapshots {
 
     /// The newest snapshot taken, if any: not pruned while the handle lives.
     pub fn current(&self) -> Result<Option<Snapshot<TypeConfig>>, SnapshotError> {
-        let newest = self.taken()?.pop().map(|(_, snapshot)| snapshot);
+        let newest = self.taken()?.pop();
         // Whole, or none: a file shorter than the manifest says (cut back by a crash) could not be
         // sent; a new snapshot is taken instead.
         let newest = newest.filter(|snapshot| {
@@ -431,7 +401,7 @@ impl Snapshots {
     }
 
     /// Every complete snapshot, oldest first (by applied index).
-    fn taken(&self) -> Result<Vec<(u64, Snapshot<TypeConfig>)>, SnapshotError> {
+    fn taken(&self) -> Result<Vec<Snapshot<TypeConfig>>, SnapshotError> {
         let root = self.root();
         let entries = match fs::read_dir(&root) {
             Ok(entries) => entries,
@@ -456,15 +426,15 @@ impl Snapshots {
                     path: path.clone(),
                     why: e.to_string(),
                 })?;
-            let index = manifest.meta.last_log_id.map_or(0, |id| id.index);
-            let files = SnapshotFiles::new(dir, manifest.files);
-            let snapshot = Snapshot {
+            taken.push(Snapshot {
                 meta: manifest.meta,
-                snapshot: Box::new(files),
-            };
-            taken.push((index, snapshot));
+                snapshot: Box::new(SnapshotFiles::new(dir, manifest.files)),
+            });
         }
-        taken.sort_by(|a, b| (a.0, &a.1.meta.snapshot_id).cmp(&(b.0, &b.1.meta.snapshot_id)));
+        taken.sort_by_cached_key(|s| {
+            let index = s.meta.last_log_id.map_or(0, |id| id.index);
+            (index, s.meta.snapshot_id.clone())
+        });
         Ok(taken)
     }
 
@@ -472,13 +442,11 @@ impl Snapshots {
     fn prune(&self) -> Result<(), SnapshotError> {
         let taken = self.taken()?;
         let old = taken.len().saturating_sub(KEEP);
-        let in_use = self
-            .in_use
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        for (_, snapshot) in taken.into_iter().take(old) {
-            if in_use.contains_key(&snapshot.snapshot.dir) {
+        let in_use: Vec<PathBuf> = (self.in_use.lock().unwrap_or_else(|p| p.into_inner()).iter())
+            .filter_map(|held| held.upgrade().map(|dir| (*dir).clone()))
+            .collect();
+        for snapshot in taken.into_iter().take(old) {
+            if in_use.contains(&snapshot.snapshot.dir) {
                 continue;
             }
             // Out of sight first, atomically: a crash while its links go leaves a `.partial`, which
@@ -1078,7 +1046,10 @@ mod tests {
         assert_eq!(again.meta.snapshot_id, first.meta.snapshot_id);
         let indexes = |snapshots: &Snapshots| -> Vec<u64> {
             let taken = snapshots.taken().unwrap();
-            taken.iter().map(|(index, _)| *index).collect()
+            taken
+                .iter()
+                .map(|s| s.meta.last_log_id.unwrap().index)
+                .collect()
         };
         // A snapshot being sent (its handle alive) is kept beside the newest; once let go, the
         // next take prunes it.

@@ -379,22 +379,6 @@ impl StateMachine {
             snapshots,
         }
     }
-
-    /// The newest snapshot, or one taken now if there is none (and anything is applied).
-    async fn newest_snapshot(&self) -> StorageResult<Option<Snapshot<TypeConfig>>> {
-        let (snapshots, log) = (self.snapshots.clone(), self.log.clone());
-        run_blocking(move || {
-            let newest = snapshots.current().map_err(snapshot_error)?;
-            match newest {
-                Some(snapshot) => Ok(Some(snapshot)),
-                None if log.applied_state().is_some() => {
-                    snapshots.take_or_newest().map(Some).map_err(snapshot_error)
-                }
-                None => Ok(None),
-            }
-        })
-        .await
-    }
 }
 
 fn snapshot_error(error: SnapshotError) -> StorageError<u64> {
@@ -532,6 +516,14 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     /// The newest snapshot; one is taken now if there is none and anything is applied (a member
     /// restored from a snapshot has purged its log up to it, and must be able to send one).
     async fn get_current_snapshot(&mut self) -> StorageResult<Option<Snapshot<TypeConfig>>> {
-        self.newest_snapshot().await
+        let (snapshots, log) = (self.snapshots.clone(), self.log.clone());
+        run_blocking(move || match snapshots.current().map_err(snapshot_error)? {
+            Some(snapshot) => Ok(Some(snapshot)),
+            None if log.applied_state().is_some() => {
+                snapshots.take_or_newest().map(Some).map_err(snapshot_error)
+            }
+            None => Ok(None),
+        })
+        .await
     }
 }
