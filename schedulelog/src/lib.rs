@@ -31,6 +31,7 @@ mod log;
 mod proposals;
 pub mod record;
 mod replay;
+mod schedules;
 mod segment;
 pub mod slow_disk;
 mod sys;
@@ -62,9 +63,11 @@ pub use log::{
 };
 pub use proposals::{FormedGroup, NextGroup, Proposals};
 pub use record::{
-    EncodedMessage, Message, MessageMeta, MessageRef, NewMessage, Outcome, OutcomeKind, TooLarge,
+    EncodedMessage, Message, MessageMeta, MessageRef, NewMessage, Outcome, OutcomeKind, ScheduleOp,
+    TooLarge, FIRE_AT_HEADER, SCHEDULE_HEADER, SCHEDULE_SINK,
 };
 pub use replay::Replayed;
+pub use schedules::{parse_fire_at, LastFiring, ScheduleState};
 pub use segment::{IndexEntry, SegmentReader};
 pub use sys::available_bytes;
 pub use vote::{RaftState, Vote, VoteFile, VOTE_FILE_NAME};

@@ -32,6 +32,15 @@
 //! 31  2  reason len u16, then reason (UTF-8)
 //! ```
 //!
+//! Schedules (schedules.rs) travel as message records too, so that they are written, replicated and
+//! recovered exactly as messages are: an op on a schedule is a message for the reserved sink
+//! [`SCHEDULE_SINK`] (no configured sink can have its name) whose topic is the schedule's id and whose
+//! body is the op byte (1 put, 2 pause, 3 resume, 4 delete) then, for a put, the definition (opaque to
+//! the engine); it is applied to the schedule table and never filed. A firing is an ordinary message
+//! whose first two headers are [`SCHEDULE_HEADER`] (the schedule's id) and [`FIRE_AT_HEADER`] (its
+//! nominal time, `YYYY-MM-DDTHH:MM:SS.mmmZ`); it is filed like any message, and its first attempt
+//! counts as the schedule's progress.
+//!
 //! The seq, created_at and id of a message are only known at commit, so [`NewMessage::encode`] writes
 //! placeholders there and the WAL writer patches them in place ([`patch_committed`]) before sealing the
 //! frame. Everything variable-length is encoded by the submitter, off the writer thread.
@@ -48,6 +57,12 @@ const SHARD: usize = 38;
 const VARIABLE: usize = 40;
 const NO_KEY: u16 = u16::MAX;
 const DEDUP_KEY: u16 = 0x8000;
+/// The sink of schedule ops: not a valid sink name (names.rs), so never a configured sink's.
+pub const SCHEDULE_SINK: &str = "$schedule";
+/// The first header of a firing: the id of its schedule.
+pub const SCHEDULE_HEADER: &str = "delayd-schedule";
+/// The second header of a firing: its nominal time, RFC 3339 in UTC with milliseconds.
+pub const FIRE_AT_HEADER: &str = "delayd-fire-at";
 /// Outcome reasons are for people; longer ones are cut at a character boundary rather than refused.
 pub const MAX_REASON_BYTES: usize = 512;
 
@@ -253,6 +268,115 @@ fn put_bytes32(buf: &mut Vec<u8>, b: &[u8], field: &'static str) -> Result<(), T
     buf.extend_from_slice(&len.to_le_bytes());
     buf.extend_from_slice(b);
     Ok(())
+}
+
+/// An op on a schedule, as its record's body starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ScheduleOp {
+    /// Create or replace; the definition follows.
+    Put = 1,
+    Pause = 2,
+    Resume = 3,
+    Delete = 4,
+}
+
+impl ScheduleOp {
+    fn from_u8(byte: u8) -> Option<ScheduleOp> {
+        match byte {
+            1 => Some(ScheduleOp::Put),
+            2 => Some(ScheduleOp::Pause),
+            3 => Some(ScheduleOp::Resume),
+            4 => Some(ScheduleOp::Delete),
+            _ => None,
+        }
+    }
+
+    /// The record of this op on schedule `id`, to append like a message. `definition` is the put's
+    /// (ignored for the other ops).
+    pub fn encode(self, id: &str, definition: &[u8]) -> Result<EncodedMessage, TooLarge> {
+        let mut body = Vec::with_capacity(1 + definition.len());
+        body.push(self as u8);
+        if self == ScheduleOp::Put {
+            body.extend_from_slice(definition);
+        }
+        MessageRef {
+            topic: id,
+            sink: SCHEDULE_SINK,
+            body: &body,
+            ..MessageRef::default()
+        }
+        .encode()
+    }
+}
+
+/// What a message record means for the schedule table, read in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ScheduleMark<'a> {
+    Op {
+        id: &'a str,
+        op: ScheduleOp,
+        definition: &'a [u8],
+    },
+    /// The first attempt of a firing.
+    Firing { id: &'a str, fire_at: &'a str },
+}
+
+/// Reads a message payload's schedule op or firing, if it is one (see the module doc).
+pub(crate) fn schedule_mark(payload: &[u8]) -> Option<ScheduleMark<'_>> {
+    let mut r = Reader {
+        bytes: payload,
+        pos: VARIABLE - 4,
+    };
+    let attempt = r.u16().ok()?;
+    r.pos = VARIABLE;
+    let topic_len = usize::from(r.u8().ok()?);
+    let topic = r.take(topic_len).ok()?;
+    let sink_len = usize::from(r.u8().ok()?);
+    let sink = r.take(sink_len).ok()?;
+    match r.u16().ok()? {
+        NO_KEY => {}
+        len => {
+            r.take(usize::from(len & !DEDUP_KEY)).ok()?;
+        }
+    }
+    let count = r.u16().ok()?;
+    if sink == SCHEDULE_SINK.as_bytes() {
+        for _ in 0..count {
+            let name_len = usize::from(r.u16().ok()?);
+            r.take(name_len).ok()?;
+            let value_len = r.u32().ok()? as usize;
+            r.take(value_len).ok()?;
+        }
+        let body_len = r.u32().ok()? as usize;
+        let (&op, definition) = r.take(body_len).ok()?.split_first()?;
+        return Some(ScheduleMark::Op {
+            id: std::str::from_utf8(topic).ok()?,
+            op: ScheduleOp::from_u8(op)?,
+            definition,
+        });
+    }
+    if attempt != 0 || count < 2 {
+        return None;
+    }
+    let mut header = || -> Option<(&[u8], &[u8])> {
+        let name_len = usize::from(r.u16().ok()?);
+        let name = r.take(name_len).ok()?;
+        let value_len = r.u32().ok()? as usize;
+        Some((name, r.take(value_len).ok()?))
+    };
+    let (name, id) = header()?;
+    if name != SCHEDULE_HEADER.as_bytes() {
+        return None;
+    }
+    let (name, fire_at) = header()?;
+    if name != FIRE_AT_HEADER.as_bytes() {
+        return None;
+    }
+    Some(ScheduleMark::Firing {
+        id: std::str::from_utf8(id).ok()?,
+        fire_at: std::str::from_utf8(fire_at).ok()?,
+    })
 }
 
 /// Bytes that do not decode as the record they claim to be. The frame checksum passed, so this means a

@@ -49,9 +49,11 @@ use crate::checkpoint::{AppliedState, Checkpoint};
 use crate::dispatch::DispatchLogs;
 use crate::entry::{EntryLog, LogId};
 use crate::error::{AppendError, Error, Result};
+use crate::frame;
 use crate::header::sync_dir;
 use crate::id::Location;
-use crate::record::{MessageHead, Outcome, OutcomeKind};
+use crate::record::{schedule_mark, MessageHead, Outcome, OutcomeKind, ScheduleMark};
+use crate::schedules::{ScheduleTable, TableFiles};
 use crate::segment::{self, IndexEntry, SegmentMark, SegmentWriter};
 use crate::wal::{self, WalRecord};
 use std::collections::{BTreeMap, HashSet};
@@ -146,6 +148,8 @@ pub(crate) struct CheckpointJob {
     file_system: Option<Arc<File>>,
     checkpoint_path: PathBuf,
     width: SegmentMinutes,
+    /// The schedule table's files that changed since last stored, written before the checkpoint.
+    table_files: TableFiles,
     #[cfg(test)]
     faults: Arc<crate::fault::Faults>,
 }
@@ -228,6 +232,7 @@ impl CheckpointJob {
             crate::fault::Point::CheckpointWrite,
             &crate::header::temp_path(&self.checkpoint_path),
         )?;
+        self.table_files.store()?;
         self.checkpoint.store(&self.checkpoint_path, self.width)?;
         metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")
             .record(started.elapsed().as_secs_f64());
@@ -238,6 +243,7 @@ impl CheckpointJob {
 /// The replayer's state, shared behind a mutex with readers that need published entry counts.
 #[derive(Debug)]
 pub(crate) struct Replay {
+    data_dir: PathBuf,
     schedule_dir: PathBuf,
     /// For checkpoint jobs (`CheckpointJob::file_system`).
     file_system: Option<Arc<File>>,
@@ -271,6 +277,9 @@ pub(crate) struct Replay {
     sync_failed: Option<String>,
     /// How many segments the last `apply` wrote to.
     spread: usize,
+    /// Recurring schedules, kept from the ops and firings applied (schedules.rs); readers lock it
+    /// after this (lock order: the replayer's, then this).
+    pub schedules: Arc<Mutex<ScheduleTable>>,
     #[cfg(test)]
     pub faults: Arc<crate::fault::Faults>,
 }
@@ -324,7 +333,9 @@ impl Replay {
             }
             false => None,
         };
+        let schedules = Arc::new(Mutex::new(ScheduleTable::load(data_dir)?));
         Ok(Replay {
+            data_dir: data_dir.to_path_buf(),
             schedule_dir,
             file_system,
             wal_dir: data_dir.join("wal"),
@@ -346,6 +357,7 @@ impl Replay {
             tap: None,
             sync_failed: None,
             spread: 0,
+            schedules,
             #[cfg(test)]
             faults: Default::default(),
         })
@@ -364,10 +376,20 @@ impl Replay {
         let mut cancels = Vec::new();
         let mut pointers = Vec::new();
         let mut messages = Vec::new();
+        // Schedule ops and firings, applied to the table once the messages are filed.
+        let mut marks = Vec::new();
         for (bytes, record) in unapplied(groups, self.next_seq) {
             match record {
                 WalRecord::Message { head, frame } => {
                     let bucket = placement(head, self.width);
+                    if let Some(mark) =
+                        schedule_mark(&bytes[frame.start + frame::HEADER_LEN..frame.end])
+                    {
+                        marks.push((head, bucket, mark));
+                        if matches!(mark, ScheduleMark::Op { .. }) {
+                            continue;
+                        }
+                    }
                     if let Some((id, attempt)) = head.retry {
                         let kind = OutcomeKind::Retried {
                             next: Location {
@@ -398,6 +420,23 @@ impl Replay {
             }
         }
         self.spread = self.file(messages)?;
+        if !marks.is_empty() {
+            let mut table = self.schedules.lock().unwrap_or_else(|p| p.into_inner());
+            for (head, bucket, mark) in marks {
+                match mark {
+                    ScheduleMark::Op { id, op, definition } => {
+                        table.apply_op(head.seq, head.created_at_ms, id, op, definition)
+                    }
+                    ScheduleMark::Firing { id, fire_at } => {
+                        let message = crate::MessageId::new(Location {
+                            bucket,
+                            seq: head.seq,
+                        });
+                        table.apply_firing(head.seq, id, fire_at, message)
+                    }
+                }
+            }
+        }
         // Checked only now: in recovery a cancel may come in the same call as its message, whose
         // bucket then exists only once the messages above are applied. (A first attempt's bucket that
         // is gone was retired: the message can no longer be looked up, and needs no pointer.)
@@ -437,7 +476,9 @@ impl Replay {
             match record {
                 WalRecord::Message { head, frame } => {
                     let bucket = placement(head, self.width);
-                    if self.watched.contains(&bucket) {
+                    let payload = &bytes[frame.start + frame::HEADER_LEN..frame.end];
+                    let op = matches!(schedule_mark(payload), Some(ScheduleMark::Op { .. }));
+                    if self.watched.contains(&bucket) && !op {
                         messages.push((bucket, head, bytes, frame.clone()));
                     }
                 }
@@ -614,6 +655,11 @@ impl Replay {
             file_system: self.file_system.clone(),
             checkpoint_path: self.checkpoint_path.clone(),
             width: self.width,
+            table_files: self
+                .schedules
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .files(&self.data_dir),
             #[cfg(test)]
             faults: self.faults.clone(),
         })
@@ -645,6 +691,7 @@ impl Replay {
             }
         }
         self.checkpointed_seq = self.checkpointed_seq.max(job.checkpoint.next_seq);
+        (self.schedules.lock().unwrap_or_else(|p| p.into_inner())).stored(&job.table_files);
         // Jobs are stored in order (an older one finds a newer stored and does nothing).
         if job.checkpoint.applied.is_some() {
             self.checkpointed_applied = job.checkpoint.applied.clone();

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! A snapshot's files are the data dir's `meta`, `checkpoint` (written for it: schedulelog's
-//! `link_snapshot`), `schedule/`, `dispatch/`, `broker/` and `sources/` ([`CARRIED`]); not the WAL
+//! `link_snapshot`), `schedule/`, `dispatch/`, `schedules/`, `broker/` and `sources/` ([`CARRIED`]); not the WAL
 //! (the Raft log, which starts after the snapshot) nor `raft/` (the member's own vote).
 //!
 //! Invariants:
@@ -71,11 +71,12 @@ const STAGING_MARGIN: u64 = 64 << 20;
 /// What one chunk carries at most.
 pub const CHUNK_BYTES: usize = 1 << 20;
 /// The data dir's files and directories a snapshot carries, by their top-level name.
-pub const CARRIED: [&str; 6] = [
+pub const CARRIED: [&str; 7] = [
     "meta",
     "checkpoint",
     "schedule",
     "dispatch",
+    "schedules",
     "broker",
     "sources",
 ];

@@ -29,7 +29,8 @@
 //! concern: `open` (locking, recovery, starting the threads), `replayer` (the replayer thread), `read`
 //! (single records and outcomes), `lookup` (a message's status by id), `scan` (whole buckets: the
 //! loader's watch, rebuild scans), `retire` (retention) and `entries` (a replicated data dir's Raft
-//! log: entries in, read back, cut off and applied) and `snapshot` (its files linked for a snapshot).
+//! log: entries in, read back, cut off and applied), `snapshot` (its files linked for a snapshot) and
+//! `schedules` (the schedule table, read).
 
 mod entries;
 mod lookup;
@@ -38,6 +39,7 @@ mod read;
 mod replayer;
 mod retire;
 mod scan;
+mod schedules;
 mod snapshot;
 
 pub(crate) use lookup::state_of;
@@ -131,6 +133,8 @@ struct Shared {
     /// Every seq below this is filed: replayed into its segment (a cancel, into its dispatch log).
     filed: AtomicU64,
     clock: Arc<dyn Clock>,
+    /// The replayer's schedule table (its `schedules`), for readers.
+    schedules: Arc<Mutex<crate::schedules::ScheduleTable>>,
     /// Why the log stopped accepting writes, once it has.
     poisoned: Arc<OnceLock<String>>,
     /// Which writers a full disk holds up.

@@ -95,6 +95,7 @@ impl ScheduleLog {
             false => Arc::new(AtomicU64::new(next_seq)),
         };
         let shared = Arc::new(Shared {
+            schedules: replay.schedules.clone(),
             data_dir,
             width,
             retention: options.retention,

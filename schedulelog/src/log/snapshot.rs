@@ -6,6 +6,8 @@
 //! {dir}/checkpoint                 written: the checkpoint of the linked files (below)
 //! {dir}/schedule/{bucket}.log|idx  hard links of every segment the checkpoint lists
 //! {dir}/dispatch/{bucket}.log      hard links of their dispatch logs
+//! {dir}/schedules/definitions      written: the schedule table as of the checkpoint (schedules.rs)
+//! {dir}/schedules/progress
 //! ```
 //!
 //! Invariants:
@@ -95,7 +97,16 @@ impl ScheduleLog {
                 Err(e) => return Err(Error::io(data_dir.join(&outcomes))(e)),
             }
         }
+        // Written, not linked (its files are replaced whole, and may lag the checkpoint): the table as
+        // of `next_seq`, which every file here holds.
+        let table = replay.schedules.lock().unwrap_or_else(|p| p.into_inner());
+        let table_files = table.all_files(dir);
+        drop(table);
         drop(replay);
+        table_files.store()?;
+        for (name, len) in table_files.lengths() {
+            files.push((Path::new(crate::schedules::DIR).join(name), len));
+        }
         for sub in ["schedule", "dispatch"] {
             header::sync_dir(&dir.join(sub))?;
         }

@@ -7,6 +7,7 @@ mod kill;
 mod listing;
 mod model;
 mod replicated;
+mod schedules;
 
 use crate::fault::Fault;
 use crate::*;
