@@ -32,6 +32,7 @@ pub mod mq;
 pub mod names;
 pub mod notify;
 pub mod peer;
+pub mod schedule;
 pub mod scheduler;
 pub mod setting;
 pub mod sink;

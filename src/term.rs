@@ -1,5 +1,5 @@
-//! Terms: what delivers and takes new messages (the scheduler, the intake, the MQ sources and the API
-//! over them), started together and stopped together. A single node runs one term from its start to
+//! Terms: what delivers and takes new messages (the scheduler, the intake, the MQ sources, the recurring
+//! schedules' planner and the API over them), started together and stopped together. A single node runs one term from its start to
 //! its stop; a cluster member runs one each time it is elected ([`lead`]), and stops it as soon as it
 //! no longer leads.
 //!
@@ -15,7 +15,7 @@ use crate::broker::{Broker, BrokerSink};
 use crate::config::Config;
 use crate::scheduler::{self, Scheduler, SchedulerConfig};
 use crate::sink::SinkRegistry;
-use crate::{api, cluster, connection, disk, intake, source};
+use crate::{api, cluster, connection, disk, intake, schedule, source};
 use anyhow::Context;
 use schedulelog::{Clock, ScheduleLog};
 use std::sync::Arc;
@@ -163,6 +163,8 @@ pub(crate) struct Term {
     pub state: api::AppState,
     stop_sources: tokio::sync::watch::Sender<bool>,
     sources: Vec<tokio::task::JoinHandle<()>>,
+    /// The recurring schedules' planner (schedule/planner.rs), stopped with the sources.
+    planner: tokio::task::JoinHandle<()>,
 }
 
 impl Term {
@@ -206,14 +208,23 @@ impl Term {
             }
         };
         intake.start_pruning();
-        let (stop_sources, sources) = match start_sources(config, &intake).await {
+        // Before the sources: their recurring requests put schedules.
+        let (schedules, planner) = schedule::Schedules::new(
+            base.log.clone(),
+            scheduler.clone(),
+            intake.admission.clone(),
+            base.clock.clone(),
+        );
+        let (stop_sources, sources) = match start_sources(config, &intake, &schedules).await {
             Ok(started) => started,
             Err(error) => {
                 scheduler.shutdown().await;
                 return Err(error);
             }
         };
+        let planner = tokio::spawn(planner.run(stop_sources.subscribe()));
         let state = Arc::new(api::Services {
+            schedules,
             log: base.log.clone(),
             scheduler,
             broker: base.broker.clone(),
@@ -232,6 +243,7 @@ impl Term {
             state,
             stop_sources,
             sources: sources.into_iter().map(|(_, task)| task).collect(),
+            planner,
         })
     }
 
@@ -242,6 +254,7 @@ impl Term {
         for task in self.sources {
             let _ = task.await;
         }
+        let _ = self.planner.await;
         self.state.scheduler.shutdown().await;
     }
 }
@@ -252,6 +265,7 @@ impl Term {
 async fn start_sources(
     config: &Config,
     intake: &Arc<intake::Intake>,
+    schedules: &Arc<schedule::Schedules>,
 ) -> anyhow::Result<(
     tokio::sync::watch::Sender<bool>,
     Vec<(connection::ConnectionState, tokio::task::JoinHandle<()>)>,
@@ -271,6 +285,7 @@ async fn start_sources(
             sink: source.shared.sink.clone().unwrap_or_default(),
             batch: source.shared.batch,
             files: files.clone(),
+            schedules: schedules.clone(),
         };
         let connection = connection::ConnectionState::new("source", name, source.kind.name());
         let (intake, runner_connection) = (intake.clone(), connection.clone());

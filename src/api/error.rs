@@ -27,10 +27,13 @@ pub const PROBLEM_CODES: &[&str] = &[
     "forbidden_target",
     "internal",
     "invalid_body",
+    "invalid_cron",
     "invalid_cursor",
-    "invalid_deliver_at",
     "invalid_delay",
     "invalid_delay_level",
+    "invalid_deliver_at",
+    "invalid_end_at",
+    "invalid_every",
     "invalid_group",
     "invalid_header",
     "invalid_json",
@@ -39,8 +42,11 @@ pub const PROBLEM_CODES: &[&str] = &[
     "invalid_offset",
     "invalid_query",
     "invalid_queue",
+    "invalid_schedule_id",
+    "invalid_start_at",
     "invalid_target",
     "invalid_topic",
+    "invalid_tz",
     "member_catching_up",
     "member_unreachable",
     "membership_conflict",
@@ -392,7 +398,7 @@ mod tests {
     fn problem_codes_are_the_codes_the_sources_give() {
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let mut files = vec![src.join("intake/mod.rs")];
-        for dir in ["api", "edge"] {
+        for dir in ["api", "edge", "schedule"] {
             for entry in std::fs::read_dir(src.join(dir)).expect("a source directory") {
                 let path = entry.expect("a directory entry").path();
                 if path.extension().is_some_and(|e| e == "rs") {

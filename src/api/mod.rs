@@ -12,6 +12,7 @@ mod listing;
 pub mod member;
 mod messages;
 mod openapi;
+mod schedules;
 
 use crate::broker::Broker;
 use crate::config::Config;
@@ -51,6 +52,8 @@ pub struct Services {
     pub metrics: PrometheusHandle,
     /// New messages' way in, shared with the MQ sources.
     pub intake: Arc<crate::intake::Intake>,
+    /// Recurring schedules (schedule/).
+    pub schedules: Arc<crate::schedule::Schedules>,
     /// The MQ sources' connections.
     pub sources: Vec<crate::connection::ConnectionState>,
     /// The MQ sinks' connections.
@@ -87,6 +90,15 @@ pub fn router(state: AppState) -> Router {
             "/v1/groups/{group}/offsets/{topic}",
             get(consume::group_offsets),
         )
+        .route("/v1/schedules", get(schedules::list))
+        .route(
+            "/v1/schedules/{id}",
+            get(schedules::get)
+                .put(schedules::put)
+                .delete(schedules::delete),
+        )
+        .route("/v1/schedules/{id}/pause", post(schedules::pause))
+        .route("/v1/schedules/{id}/resume", post(schedules::resume))
         .route("/v1/sources", get(sources))
         .route("/v1/sinks", get(sinks))
         // A cluster member answers it itself (member.rs); a single node is none.

@@ -184,6 +184,13 @@ impl Draft<'_> {
                     format!("header name {name:?} must match [A-Za-z0-9._-]{{1,256}}"),
                 ));
             }
+            let reserved = [schedulelog::SCHEDULE_HEADER, schedulelog::FIRE_AT_HEADER];
+            if reserved.iter().any(|r| name.eq_ignore_ascii_case(r)) {
+                return Err(Rejection::new(
+                    "invalid_header",
+                    format!("header {name:?} is reserved for the firings of recurring schedules"),
+                ));
+            }
             if value.len() > MAX_HEADER_VALUE_BYTES || value.chars().any(char::is_control) {
                 return Err(Rejection::new(
                     "invalid_header",

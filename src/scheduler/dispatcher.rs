@@ -806,7 +806,7 @@ fn unreadable(shared: &SchedulerState, entry: &Entry, bucket: Bucket, error: &sc
 /// Reads the records of a batch and admits them in the registry: returns the entries and deliveries to
 /// make, without the cancelled ones (dropped) and those whose cancel is in progress (held). A record
 /// that cannot be read goes back to the wheel (see the module doc).
-fn read_batch(shared: &SchedulerState, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
+fn read_batch(shared: &Arc<SchedulerState>, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     let mut read = Vec::with_capacity(batch.len());
     // Entries read, or gone with their retired bucket: no longer unreadable.
     let mut settled = Vec::new();
@@ -848,6 +848,19 @@ fn read_batch(shared: &SchedulerState, batch: &[Entry]) -> (Vec<Entry>, Vec<Deli
                 bucket,
                 seq: message.seq,
             };
+            if withdrawn(&shared.log, &message) {
+                // Cancelled like any message (the answer to the pause, replacement or delete may
+                // have cancelled it already), then met again: dropped as cancelled, or handed back if
+                // the cancel failed, to be withdrawn again.
+                let (cancelling, id) = (shared.clone(), message.id);
+                tokio::spawn(async move {
+                    if let Err(error) = super::registry::cancel(cancelling, id).await {
+                        tracing::debug!(%id, %error, "withdrawing a firing: its cancel failed");
+                    }
+                });
+                shared.requeue_at(entry, sent_at_ms.saturating_add(WITHDRAW_AGAIN_MS));
+                continue;
+            }
             match registry.admit(message.id, location, entry) {
                 Admission::Deliver => {
                     entries.push(entry);
@@ -873,6 +886,24 @@ fn read_batch(shared: &SchedulerState, batch: &[Entry]) -> (Vec<Entry>, Vec<Deli
         }
     }
     (entries, deliveries)
+}
+
+/// How long after a withdrawn firing's cancel began its entry is met again.
+const WITHDRAW_AGAIN_MS: i64 = 100;
+
+/// Whether `message` is a firing of a recurring schedule (DESIGN §14) that was paused, replaced or
+/// deleted (or paused and resumed) after the firing was written: then it is withdrawn, never delivered.
+fn withdrawn(log: &schedulelog::ScheduleLog, message: &schedulelog::Message) -> bool {
+    let [(first, id), (second, _), ..] = message.headers.as_slice() else {
+        return false;
+    };
+    if first != schedulelog::SCHEDULE_HEADER || second != schedulelog::FIRE_AT_HEADER {
+        return false;
+    }
+    match log.schedule(id) {
+        None => true,
+        Some(state) => state.paused || message.id.first.seq <= state.since_seq,
+    }
 }
 
 /// The sink of messages that name a sink nobody configured: they are dead, with the reason.

@@ -304,7 +304,7 @@ impl AmqpSink {
         };
         let mut headers = FieldTable::default();
         for (name, value) in &message.headers {
-            if !name.to_ascii_lowercase().starts_with("delayd-") {
+            if super::passed_on(name) {
                 headers.insert(
                     short("the header name", name)?,
                     AMQPValue::LongString(LongString::from(value.as_str())),

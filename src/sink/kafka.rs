@@ -123,7 +123,7 @@ impl KafkaSink {
         let id = delivery.id.to_string();
         let mut headers = OwnedHeaders::new_with_capacity(message.headers.len() + 1);
         for (name, value) in &message.headers {
-            if !name.to_ascii_lowercase().starts_with("delayd-") {
+            if super::passed_on(name) {
                 headers = headers.insert(Header {
                     key: name,
                     value: Some(value.as_bytes()),

@@ -77,6 +77,15 @@ pub enum SinkOutcome {
     },
 }
 
+/// Whether a message header goes on to the destination: delayd's own (`delayd-*`, which each sink
+/// sets itself where it has them) do not, except the two a firing of a recurring schedule carries
+/// (`delayd-schedule`, `delayd-fire-at`: DESIGN §14), which no message from outside may have.
+pub fn passed_on(name: &str) -> bool {
+    let own = name.len() >= 7 && name.as_bytes()[..7].eq_ignore_ascii_case(b"delayd-");
+    !own || name.eq_ignore_ascii_case(schedulelog::SCHEDULE_HEADER)
+        || name.eq_ignore_ascii_case(schedulelog::FIRE_AT_HEADER)
+}
+
 /// The longest a message waits for an unreachable destination before it is tried again.
 pub const UNREACHABLE_WAIT_MAX: Duration = Duration::from_secs(30);
 

@@ -42,7 +42,7 @@ fn headers(delivery: &Delivery) -> Result<HeaderMap, String> {
         // publish controls were meant for the request's own stream, not the target's (an expected
         // stream or sequence would fail every attempt there; a rollup would purge the target).
         let lower = name.to_ascii_lowercase();
-        if lower.starts_with("delayd-")
+        if !super::passed_on(name)
             || lower == "nats-msg-id"
             || lower.starts_with("nats-expected-")
             || lower.starts_with("nats-batch-")

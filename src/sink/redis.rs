@@ -107,7 +107,7 @@ impl RedisSink {
                 .arg("delayd-id")
                 .arg(delivery.id.to_string());
             for (name, value) in &message.headers {
-                if !name.to_ascii_lowercase().starts_with("delayd-") {
+                if super::passed_on(name) {
                     command.arg(name).arg(value);
                 }
             }

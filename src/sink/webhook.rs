@@ -4,7 +4,8 @@
 //! `webhook-timestamp` (unix seconds of this attempt), `webhook-signature: v1,<base64 HMAC-SHA256 of
 //! "id.timestamp.body">` keyed with the base64 part of the `whsec_…` secret; `delayd-topic`,
 //! `delayd-attempt` (0 for the first), `delayd-deliver-at`; the message's own headers except hop-by-hop
-//! ones and the names above; `content-type` from the message's headers, else `application/octet-stream`.
+//! ones and delayd's own names (a firing's `delayd-schedule` and `delayd-fire-at` do go: `passed_on`
+//! in sink/mod.rs); `content-type` from the message's headers, else `application/octet-stream`.
 //!
 //! Answers: 2xx is delivered; a network error, a timeout, 408, 429 and 5xx are retried (after
 //! `Retry-After` when the receiver sends one, else after the sink's backoff; the scheduler caps either by
@@ -191,7 +192,7 @@ impl WebhookSink {
                 content_type = value;
             } else if !RESERVED.contains(&lower.as_str())
                 && !lower.starts_with("webhook-")
-                && !lower.starts_with("delayd-")
+                && super::passed_on(name)
             {
                 request = request.header(name, value);
             }

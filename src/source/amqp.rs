@@ -225,6 +225,7 @@ impl AmqpTransport {
             default_target: Some(delivery.routing_key.as_str().to_string())
                 .filter(|key| !key.is_empty() && *key != self.queue),
             default_key: None,
+            schedule_id: None,
         };
         if let Some(table) = delivery.properties.headers() {
             for (name, value) in table.inner() {

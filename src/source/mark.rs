@@ -13,7 +13,9 @@
 //!   holds. A read-back that fails (an I/O error; a corrupt record is reported and passed over) keeps
 //!   `below` where it was until a start reads back in full.
 //! - `unacked`: the position and seq of each record below `below` whose request was not
-//!   acknowledged yet.
+//!   acknowledged yet. A recurring request writes a schedule op, which carries no position: its
+//!   position is listed with a seq at or after its op's (what the log had filed once the op was), and
+//!   only this list knows it.
 //!
 //! The file of older versions, a decimal `below` alone, reads as one with nothing unacknowledged. The
 //! file is replaced durably (a temporary file, fsync, rename, directory fsync), and on a cluster member

@@ -24,6 +24,22 @@
 //!   dropped and never delivered: it becomes a dead letter with the reason, and is acknowledged.
 //! - An MQ that is away never stops delayd: the runner reconnects with backoff, and its connection
 //!   state (connection.rs) shows it.
+//!
+//! Recurring requests (DESIGN.md §14; NATS ADR-51's recurring `Nats-Schedule` forms, see
+//! [`recurring_timing`]) make or replace a recurring schedule (schedule/) rather than a message: the one
+//! their transport names ([`Request::schedule_id`]; NATS: one per subject, nats.rs says how the id is
+//! made). Its topic is the request's target, its body and headers the request's (the headers passed
+//! on, as a message's), its key `delayd-key`, its sink the source's.
+//! - A recurring request is put on its own, outside the batch's group commit, and is acknowledged with
+//!   the batch once the put is durable (an op record through the WAL, as the HTTP API's `PUT`). One
+//!   whose schedule is refused (a bad cron, zone or interval; a field a schedule refuses) is a dead
+//!   letter with the reason, as any request that cannot be scheduled.
+//! - A redelivered recurring request changes nothing. Its position is remembered as a message's (with
+//!   the seq the log had filed once its op was: no record carries the position), so that a redelivery
+//!   the runner recognises is not put again (which would restart an interval's phase, or put back for
+//!   a while a definition a later request on the subject replaced). One it does not recognise (a crash
+//!   before the mark was saved) is put again: a definition equal to the schedule's writes nothing, and
+//!   the MQ delivers again in order, so the subject's last request is its schedule in the end.
 
 pub mod amqp;
 mod config;
@@ -41,12 +57,13 @@ use crate::intake::{
     delay_from_text, deliver_at_from_text, Draft, Intake, MessageKey, Rejection, MAX_KEY_BYTES,
 };
 use crate::mq::{MqError, EXCHANGE_HEADER};
+use crate::schedule::{Put, PutSchedule, ScheduleError, Schedules};
 use crate::scheduler::{CancelError, BODY_BYTES_HEADER, DEAD_ON_ARRIVAL_HEADER};
 use base64::Engine;
 use futures_core::future::BoxFuture;
 use mark::Mark;
 use schedulelog::{EncodedMessage, MessageRef};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,6 +90,10 @@ pub struct Request {
     pub default_target: Option<String>,
     /// The key when no header gives one (Kafka: the record's key).
     pub default_key: Option<String>,
+    /// The recurring schedule a recurring request (`Nats-Schedule: @every 5m`, a cron) makes or
+    /// replaces (NATS: one per subject, nats.rs). `None` where the MQ names none: such a request is a
+    /// dead letter.
+    pub schedule_id: Option<String>,
 }
 
 impl Request {
@@ -166,8 +187,60 @@ enum Action {
         target: String,
         key: String,
     },
+    /// Make or replace a recurring schedule.
+    Recurring(Box<Recurring>),
     Dead(Rejection),
 }
+
+/// What a recurring request asks for: a schedule, but for the sink (the source's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Recurring {
+    id: String,
+    timing: RecurringTiming,
+    target: String,
+    key: Option<String>,
+    /// The headers passed on; the values of a name given more than once joined by `,`.
+    headers: BTreeMap<String, String>,
+    body: Vec<u8>,
+}
+
+impl Recurring {
+    /// The schedule, for `sink`: a body that is not UTF-8 goes as `body_base64`.
+    fn put(self, sink: &str) -> PutSchedule {
+        let (body, body_base64) = match String::from_utf8(self.body) {
+            Ok(text) => (Some(text), None),
+            Err(bytes) => (
+                None,
+                Some(base64::engine::general_purpose::STANDARD.encode(bytes.as_bytes())),
+            ),
+        };
+        PutSchedule {
+            cron: self.timing.cron,
+            every: self.timing.every,
+            tz: self.timing.tz,
+            topic: self.target,
+            body,
+            body_base64,
+            headers: self.headers,
+            key: self.key,
+            sink: Some(sink.to_string()),
+            start_at: None,
+            end_at: None,
+            catchup: Default::default(),
+        }
+    }
+}
+
+/// A recurring `Nats-Schedule` as a schedule's timing fields (exactly one of `cron` and `every`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecurringTiming {
+    pub cron: Option<String>,
+    pub every: Option<String>,
+    pub tz: Option<String>,
+}
+
+/// The header that names a recurring schedule's time zone (ADR-51; a cron's only).
+const TIME_ZONE_HEADER: &str = "Nats-Schedule-Time-Zone";
 
 /// Headers a request's meaning is read from, which are not passed on.
 fn consumed(name: &str) -> bool {
@@ -178,6 +251,7 @@ fn consumed(name: &str) -> bool {
             "x-delay"
                 | "nats-schedule"
                 | "nats-schedule-target"
+                | "nats-schedule-time-zone"
                 | "scheduler-epoch"
                 | "scheduler-target-topic"
                 | "scheduler-target-key"
@@ -246,6 +320,10 @@ fn classify(request: &Request, now_ms: i64) -> Action {
                 "give one of delayd-deliver-at or delayd-delay",
             ))
         }
+        // ADR-51's forms other than the one-off `@at`.
+        [("Nats-Schedule", value)] if !value.starts_with("@at") => {
+            return recurring(request, target, key, value)
+        }
         [(name, value)] => match when(name, value, now_ms) {
             Ok(at) => at,
             Err(rejection) => return Action::Dead(rejection),
@@ -260,7 +338,21 @@ fn classify(request: &Request, now_ms: i64) -> Action {
             ))
         }
     };
-    let headers = request
+    if get(TIME_ZONE_HEADER).is_some() {
+        return Action::Dead(zone_without_cron());
+    }
+    Action::Schedule {
+        deliver_at_ms,
+        target: target.to_string(),
+        key: key.filter(|k| !k.is_empty()).map(str::to_string),
+        headers: passed_on(request),
+    }
+}
+
+/// A request's headers that are passed on to what it schedules: all but those its meaning is read
+/// from, and `delayd-exchange` (trimmed), which the AMQP sink reads.
+fn passed_on(request: &Request) -> Vec<(String, String)> {
+    request
         .headers
         .iter()
         .filter(|(name, _)| !consumed(name) || name.eq_ignore_ascii_case(EXCHANGE_HEADER))
@@ -270,12 +362,173 @@ fn classify(request: &Request, now_ms: i64) -> Action {
                 false => (name.clone(), value.clone()),
             },
         )
-        .collect();
-    Action::Schedule {
-        deliver_at_ms,
+        .collect()
+}
+
+fn zone_without_cron() -> Rejection {
+    Rejection::new(
+        "invalid_tz",
+        "Nats-Schedule-Time-Zone applies to a cron Nats-Schedule only (as in ADR-51)",
+    )
+}
+
+/// A recurring request (`schedule`: its `Nats-Schedule`, not `@at`): the schedule it makes or replaces.
+/// Its timing is checked where the schedule is (`PutSchedule::check`), with its other fields.
+fn recurring(request: &Request, target: &str, key: Option<&str>, schedule: &str) -> Action {
+    let Some(id) = &request.schedule_id else {
+        return Action::Dead(Rejection::new(
+            "invalid_deliver_at",
+            format!("Nats-Schedule {schedule:?}: a recurring schedule is taken from a NATS source only (one per subject); a one-off delivery time is \"@at <RFC 3339 time>\""),
+        ));
+    };
+    let timing = match recurring_timing(schedule, header(request, TIME_ZONE_HEADER)) {
+        Ok(timing) => timing,
+        Err(rejection) => return Action::Dead(rejection),
+    };
+    let mut headers: BTreeMap<String, String> = BTreeMap::new();
+    for (name, value) in passed_on(request) {
+        match headers.get_mut(&name) {
+            Some(joined) => {
+                joined.push(',');
+                joined.push_str(&value);
+            }
+            None => {
+                headers.insert(name, value);
+            }
+        }
+    }
+    Action::Recurring(Box::new(Recurring {
+        id: id.clone(),
+        timing,
         target: target.to_string(),
         key: key.filter(|k| !k.is_empty()).map(str::to_string),
         headers,
+        body: request.body.clone(),
+    }))
+}
+
+/// ADR-51's recurring `Nats-Schedule` forms as a schedule's timing, with `Nats-Schedule-Time-Zone`
+/// (`tz`):
+/// - `@every <Go duration>` (`30s`, `5m`, `1h30m`, `1.5h`, `1500ms`; whole milliseconds, at least 1 s)
+///   is an `every` (`1h30m` is `90m`); it takes no time zone.
+/// - `@yearly` (`@annually`), `@monthly`, `@weekly`, `@daily` (`@midnight`), `@hourly` are a `cron`.
+/// - Anything else is a cron of 6 fields, seconds first (`0 0 9 * * *`; day and month names, ranges,
+///   lists, steps); a 5-field one, which ADR-51 does not take, is refused rather than read minute first.
+///
+/// A time zone applies to a cron only (an IANA name; `UTC` without one). What the cron or the zone
+/// say is checked with the schedule (`invalid_cron`, `invalid_tz`); a malformed `@every` is refused here
+/// (`invalid_every`).
+pub fn recurring_timing(schedule: &str, tz: Option<&str>) -> Result<RecurringTiming, Rejection> {
+    let schedule = schedule.trim();
+    if let Some(duration) = schedule.strip_prefix("@every") {
+        if tz.is_some() {
+            return Err(zone_without_cron());
+        }
+        let duration = duration.trim();
+        let ms = go_duration_ms(duration).map_err(|why| {
+            Rejection::new(
+                "invalid_every",
+                format!("Nats-Schedule {schedule:?}: {duration:?} {why}"),
+            )
+        })?;
+        return Ok(RecurringTiming {
+            cron: None,
+            every: Some(every_text(ms)),
+            tz: None,
+        });
+    }
+    let fields = schedule.split_whitespace().count();
+    if !schedule.starts_with('@') && fields != 6 {
+        return Err(Rejection::new(
+            "invalid_cron",
+            format!("Nats-Schedule {schedule:?}: a cron has 6 fields, seconds first (0 0 9 * * *), an interval is \"@every 5m\""),
+        ));
+    }
+    Ok(RecurringTiming {
+        cron: Some(schedule.to_string()),
+        every: None,
+        tz: tz.map(str::to_string),
+    })
+}
+
+/// A Go duration (`time.ParseDuration`: `300ms`, `1.5h`, `2h45m`; units `ns`, `us`, `µs`, `ms`, `s`,
+/// `m`, `h`) in whole milliseconds; why not.
+fn go_duration_ms(text: &str) -> Result<i64, &'static str> {
+    const NOT: &str = "is not a Go duration such as 30s, 5m or 1h30m";
+    const TOO_LONG: &str = "is too long";
+    let mut rest = text.strip_prefix('+').unwrap_or(text);
+    if rest.starts_with('-') {
+        return Err("is negative");
+    }
+    if rest == "0" {
+        return Ok(0);
+    }
+    if rest.is_empty() {
+        return Err(NOT);
+    }
+    let digits_end = |s: &str| s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    // Nanoseconds, and whether a fraction left some of a nanosecond out.
+    let (mut ns, mut exact) = (0u128, true);
+    while !rest.is_empty() {
+        let (whole, after) = rest.split_at(digits_end(rest));
+        let (fraction, after) = match after.strip_prefix('.') {
+            Some(after) => after.split_at(digits_end(after)),
+            None => ("", after),
+        };
+        if whole.is_empty() && fraction.is_empty() {
+            return Err(NOT);
+        }
+        let unit_end = after
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(after.len());
+        let (unit, after) = after.split_at(unit_end);
+        let unit_ns: u128 = match unit {
+            "ns" => 1,
+            "us" | "\u{b5}s" | "\u{3bc}s" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            "" => return Err("has a number without a unit"),
+            _ => return Err(NOT),
+        };
+        let whole: u128 = match whole {
+            "" => 0,
+            digits => digits.parse().map_err(|_| TOO_LONG)?,
+        };
+        ns = whole
+            .checked_mul(unit_ns)
+            .and_then(|part| ns.checked_add(part))
+            .ok_or(TOO_LONG)?;
+        if !fraction.is_empty() {
+            let digits = u32::try_from(fraction.len()).map_err(|_| NOT)?;
+            let scale = 10u128.checked_pow(digits).ok_or(NOT)?;
+            let scaled = fraction
+                .parse::<u128>()
+                .ok()
+                .and_then(|f| f.checked_mul(unit_ns))
+                .ok_or(NOT)?;
+            exact &= scaled % scale == 0;
+            ns = ns.checked_add(scaled / scale).ok_or(TOO_LONG)?;
+        }
+        rest = after;
+    }
+    // Go's limit: an i64 of nanoseconds, about 292 years.
+    if ns > i64::MAX as u128 {
+        return Err(TOO_LONG);
+    }
+    if !exact || ns % 1_000_000 != 0 {
+        return Err("is not a whole number of milliseconds");
+    }
+    i64::try_from(ns / 1_000_000).map_err(|_| TOO_LONG)
+}
+
+/// An interval of whole milliseconds as a schedule's `every`, in its largest whole unit (`90m`, `1500ms`).
+fn every_text(ms: i64) -> String {
+    let units = [("h", 3_600_000), ("m", 60_000), ("s", 1_000)];
+    match units.iter().find(|(_, size)| ms != 0 && ms % size == 0) {
+        Some((unit, size)) => format!("{}{unit}", ms / size),
+        None => format!("{ms}ms"),
     }
 }
 
@@ -318,14 +571,17 @@ enum Outcome {
     Scheduled,
     Duplicate,
     Cancelled,
+    /// Made or replaced a recurring schedule.
+    Recurring,
     Dead,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 4] = [
+    const ALL: [Outcome; 5] = [
         Outcome::Scheduled,
         Outcome::Duplicate,
         Outcome::Cancelled,
+        Outcome::Recurring,
         Outcome::Dead,
     ];
 
@@ -334,6 +590,7 @@ impl Outcome {
             Outcome::Scheduled => "scheduled",
             Outcome::Duplicate => "duplicate",
             Outcome::Cancelled => "cancelled",
+            Outcome::Recurring => "recurring",
             Outcome::Dead => "dead",
         }
     }
@@ -354,6 +611,8 @@ pub struct SourceSettings {
     pub batch: usize,
     /// Where its mark is kept (`sources/{name}`): on a cluster member, on every member.
     pub files: StateFiles,
+    /// The term's recurring schedules, which recurring requests put.
+    pub schedules: Arc<Schedules>,
 }
 
 /// Runs one source: receive, schedule, acknowledge; reconnect when the MQ goes away.
@@ -818,6 +1077,18 @@ impl Writer {
                         .await?;
                     self.count(Outcome::Cancelled, 1);
                 }
+                // On its own: nothing in the batch depends on a schedule, nor it on them.
+                Action::Recurring(recurring) => match self.put_schedule(*recurring).await? {
+                    Ok(outcome) => {
+                        if let Some(position) = &request.position {
+                            // The op is filed: its seq is this one or an earlier one.
+                            let seq = self.intake.log.filed_below().saturating_sub(1);
+                            self.remember(position, seq);
+                        }
+                        self.count(outcome, 1);
+                    }
+                    Err(rejection) => dead.push((i, rejection)),
+                },
                 Action::Dead(rejection) => dead.push((i, rejection)),
             }
         }
@@ -894,11 +1165,49 @@ impl Writer {
     }
 
     fn written(&mut self, request: &Request, seq: u64) {
-        if let Some(position) = &request.position {
-            self.unacked.insert(position.clone(), (seq, Instant::now()));
-            self.unsaved = true;
+        match &request.position {
+            Some(position) => self.remember(position, seq),
+            None => self.last_written = self.last_written.max(seq + 1),
         }
+    }
+
+    /// What a request at `position` asked for is durable, at `seq`: its delivery again is a duplicate.
+    fn remember(&mut self, position: &str, seq: u64) {
+        self.unacked
+            .insert(position.to_string(), (seq, Instant::now()));
+        self.unsaved = true;
         self.last_written = self.last_written.max(seq + 1);
+    }
+
+    /// Makes or replaces the schedule a recurring request asks for, durably: how the request ended
+    /// (`duplicate` when the schedule has its definition already, which the put leaves as it is), or
+    /// why it is a dead letter.
+    async fn put_schedule(
+        &self,
+        recurring: Recurring,
+    ) -> Result<Result<Outcome, Rejection>, NotStored> {
+        let schedules = &self.settings.schedules;
+        let id = recurring.id.clone();
+        let put = recurring.put(&self.settings.sink);
+        let unchanged = match schedules.put(&id, put).await {
+            Ok((done, _)) => done == Put::Unchanged,
+            // (Not found: written, and gone from the table by the time the put looked.)
+            Err(ScheduleError::NotFound) => false,
+            // Durable: the table holds it once the replayer catches up.
+            Err(ScheduleError::NotFiled) => {
+                tracing::warn!(source = %self.settings.name, schedule = %id, "a recurring request's schedule is durable but not filed yet");
+                false
+            }
+            Err(ScheduleError::Rejected(rejection)) => return Ok(Err(rejection)),
+            Err(ScheduleError::Append(error)) => {
+                return Err(NotStored(format!("putting schedule {id}: {error}")))
+            }
+        };
+        tracing::debug!(source = %self.settings.name, schedule = %id, unchanged, "recurring request put");
+        Ok(Ok(match unchanged {
+            true => Outcome::Duplicate,
+            false => Outcome::Recurring,
+        }))
     }
 
     /// Cancels the pending message with this target and key, if there is one; waits while an attempt of

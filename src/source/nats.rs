@@ -14,15 +14,39 @@
 //!   recognises a redelivered request by its position either way.
 //! - An existing consumer is updated to this config (filter, ack policy, `ack_wait`); one that cannot
 //!   be (a push consumer under the same name) is an error said in the log and `GET /v1/sources`.
+//!
+//! Recurring requests (NATS ADR-51; the runner does the rest, mod.rs): as in a stream with message
+//! schedules, the subject a request is published on is its schedule's identity, so a request makes
+//! or replaces the schedule of its subject, and the next request on that subject replaces it.
+//! - `Nats-Schedule: @every <Go duration>` (`@every 30s`, `@every 5m`, `@every 1h30m`: whole
+//!   milliseconds, at least 1 s), `@yearly` (`@annually`), `@monthly`, `@weekly`, `@daily`
+//!   (`@midnight`), `@hourly`, or a cron of 6 fields, seconds first (`0 0 9 * * *`, `*/2 * * * * *`);
+//!   `Nats-Schedule: @at <RFC 3339>` stays a one-off delivery.
+//! - `Nats-Schedule-Time-Zone: Europe/Berlin`: an IANA zone for a cron (default `UTC`); refused
+//!   (`invalid_tz`) with `@every` or `@at`, as ADR-51 has it.
+//! - Where: `delayd-target` or `Nats-Schedule-Target`; key: `delayd-key`; the firings go to the
+//!   source's sink with the request's body and the headers it passes on (all but `delayd-*` and the
+//!   `Nats-Schedule*` headers read here; one given more than once, once, its values joined by `,`),
+//!   plus `delayd-schedule` and `delayd-fire-at`. The other ADR-51 headers are not read:
+//!   `Nats-Schedule-Source`, `Nats-Schedule-TTL` and `Nats-Schedule-Rollup` are passed on as they are.
+//! - The schedule's id ([`schedule_id`]): `nats.{source}.{subject}` when that is a valid schedule id
+//!   (`[A-Za-z0-9._-]{1,200}`) and the source's name has no `.` (so that the id says where the source's
+//!   name ends); otherwise `nats-{hash}.{readable}`, where `hash` is the first 16 hex digits of the
+//!   SHA-256 of `{source}/{subject}` and `readable` is `{source}.{subject}` with each character outside
+//!   `[A-Za-z0-9._-]` made `_`, the whole cut to 200 bytes. The two forms differ from their fifth
+//!   character on, the first one never names two subjects, the second one names two only through a
+//!   64-bit hash collision. A schedule made so is listed, paused and deleted through the API like any.
 
 use super::{default_group, Acked, Received, Request, SourceContext, Transport, TransportError};
 use crate::mq::nats::{connect, REQUEST_TIMEOUT};
 use crate::mq::nats::{valid_name, valid_subject};
 use crate::mq::MqKind;
+use crate::schedule::valid_id;
 use crate::setting::{invalid, ConfigError, Millis};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_core::future::BoxFuture;
 use futures_util::StreamExt;
+use sha2::Digest;
 use std::time::Duration;
 
 /// How long the server waits for an ack before delivering a request again (also what a delayd
@@ -92,6 +116,7 @@ impl NatsSourceConfig {
 
     pub fn build(&self, context: &SourceContext) -> NatsTransport {
         NatsTransport::new(
+            &context.name,
             self.url.as_deref().unwrap_or_default(),
             self.stream.as_deref().unwrap_or_default(),
             self.subject.as_deref().unwrap_or_default(),
@@ -104,6 +129,8 @@ impl NatsSourceConfig {
 
 #[derive(Debug)]
 pub struct NatsTransport {
+    /// The source's name, in the ids of the schedules recurring requests make.
+    source: String,
     url: String,
     stream: String,
     subject: String,
@@ -123,6 +150,7 @@ pub struct NatsTransport {
 
 impl NatsTransport {
     pub fn new(
+        source: &str,
         url: &str,
         stream: &str,
         subject: &str,
@@ -131,6 +159,7 @@ impl NatsTransport {
         batch: usize,
     ) -> NatsTransport {
         NatsTransport {
+            source: source.to_string(),
             url: url.to_string(),
             stream: stream.to_string(),
             subject: subject.to_string(),
@@ -167,10 +196,34 @@ fn failed(what: &str, error: impl std::fmt::Display) -> TransportError {
     TransportError(format!("{what}: {error}"))
 }
 
-/// One JetStream message as a request; `stream_sequence` is from its reply subject, `incarnation`
-/// names the stream (see the module doc).
+/// The id of the recurring schedule that requests published on `subject` make for the source
+/// `source` (module doc).
+pub fn schedule_id(source: &str, subject: &str) -> String {
+    let plain = format!("nats.{source}.{subject}");
+    if !source.contains('.') && valid_id(&plain) {
+        return plain;
+    }
+    let digest = sha2::Sha256::digest(format!("{source}/{subject}"));
+    let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let readable: String = format!("{source}.{subject}")
+        .chars()
+        .map(
+            |c| match c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                true => c,
+                false => '_',
+            },
+        )
+        .collect();
+    let mut id = format!("nats-{hash}.{readable}");
+    id.truncate(200); // ASCII: on a character boundary
+    id
+}
+
+/// One JetStream message as a request of the source `source`; `stream_sequence` is from its reply
+/// subject, `incarnation` names the stream (see the module doc).
 fn request(
     message: &async_nats::Message,
+    source: &str,
     incarnation: &str,
     stream_sequence: Option<u64>,
 ) -> Request {
@@ -197,6 +250,7 @@ fn request(
         body: message.payload.to_vec(),
         default_target: None,
         default_key: None,
+        schedule_id: Some(schedule_id(source, &message.subject)),
     }
 }
 
@@ -302,7 +356,7 @@ impl Transport for NatsTransport {
                 .iter()
                 .map(|m| {
                     let sequence = m.info().ok().map(|i| i.stream_sequence);
-                    request(&m.message, &self.incarnation, sequence)
+                    request(&m.message, &self.source, &self.incarnation, sequence)
                 })
                 .collect();
             self.held.extend(
@@ -378,7 +432,7 @@ mod tests {
             description: None,
             length: 0,
         };
-        let read = request(&message, "DELAYS@1764583200000000000", Some(17));
+        let read = request(&message, "in", "DELAYS@1764583200000000000", Some(17));
         assert_eq!(
             read.position.as_deref(),
             Some("DELAYS@1764583200000000000/17")
@@ -389,6 +443,7 @@ mod tests {
         );
         assert_eq!(read.body, b"body");
         assert!(read.unreadable.is_none());
+        assert_eq!(read.schedule_id.as_deref(), Some("nats.in.delayd.in"));
         let pairs: Vec<(&str, &str)> = read
             .headers
             .iter()
@@ -408,6 +463,36 @@ mod tests {
             reply: None,
             ..message
         };
-        assert!(request(&plain, "DELAYS@1", None).unreadable.is_some());
+        assert!(request(&plain, "in", "DELAYS@1", None).unreadable.is_some());
+    }
+
+    #[test]
+    fn a_subject_names_one_schedule_of_its_source() {
+        assert_eq!(read_id("in", "delayd.in.tick"), "nats.in.delayd.in.tick");
+        assert_eq!(read_id("orders-in", "a-b_c.9"), "nats.orders-in.a-b_c.9");
+        // Not valid as they are: a readable form after a hash of both names.
+        let dollar = schedule_id("in", "$SCHED.tick");
+        assert!(dollar.starts_with("nats-") && dollar.ends_with(".in._SCHED.tick"));
+        assert_eq!(dollar.len(), "nats-".len() + 16 + ".in._SCHED.tick".len());
+        let long = schedule_id("in", &format!("t.{}", "x".repeat(300)));
+        assert_eq!(long.len(), 200);
+        // A source name with a dot would make `nats.a.b.c` name two subjects: hashed, each its own.
+        let (dotted, plain) = (schedule_id("a.b", "c"), schedule_id("a", "b.c"));
+        assert_eq!(plain, "nats.a.b.c");
+        assert!(dotted.starts_with("nats-"));
+        assert_ne!(dotted, plain);
+        // Subjects that read the same once made readable still differ by their hash.
+        assert_ne!(schedule_id("in", "a:b"), schedule_id("in", "a;b"));
+        for id in [dollar, long, dotted, schedule_id("in", "ü.ö")] {
+            assert!(valid_id(&id), "{id}");
+        }
+        // The same names, the same id, whatever the run.
+        assert_eq!(schedule_id("in", "a:b"), schedule_id("in", "a:b"));
+    }
+
+    fn read_id(source: &str, subject: &str) -> String {
+        let id = schedule_id(source, subject);
+        assert!(valid_id(&id), "{id}");
+        id
     }
 }

@@ -172,6 +172,7 @@ fn entries(answer: Value) -> Result<Vec<Request>, TransportError> {
                 unreadable: None,
                 default_target: None,
                 default_key: None,
+                schedule_id: None,
             };
             match fields {
                 Value::Array(fields) => {

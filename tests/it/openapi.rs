@@ -22,6 +22,10 @@ const ROUTES: &[(&str, &[&str])] = &[
     ("/v1/topics/{topic}/queues/{queue}/messages", &["get"]),
     ("/v1/groups/{group}/offsets/{topic}/{queue}", &["put"]),
     ("/v1/groups/{group}/offsets/{topic}", &["get"]),
+    ("/v1/schedules", &["get"]),
+    ("/v1/schedules/{id}", &["get", "put", "delete"]),
+    ("/v1/schedules/{id}/pause", &["post"]),
+    ("/v1/schedules/{id}/resume", &["post"]),
     ("/v1/sources", &["get"]),
     ("/v1/sinks", &["get"]),
     ("/v1/cluster", &["get"]),
@@ -668,6 +672,57 @@ fn every_answer_conforms_to_its_documented_schema() {
         || call("GET", "/v1/sources", None).json["sources"][0]["last_error"].is_string(),
     );
     check("get", "/v1/sources", call("GET", "/v1/sources", None));
+    let daily = json!({"cron": "0 9 * * MON-FRI", "tz": "Europe/Berlin", "topic": "reports",
+        "body": "report"});
+    check(
+        "put",
+        "/v1/schedules/{id}",
+        call("PUT", "/v1/schedules/daily", Some(daily.clone())),
+    );
+    check(
+        "put",
+        "/v1/schedules/{id}",
+        call("PUT", "/v1/schedules/daily", Some(daily)),
+    );
+    check(
+        "put",
+        "/v1/schedules/{id}",
+        call(
+            "PUT",
+            "/v1/schedules/bad",
+            Some(json!({"cron": "x", "topic": "t", "body": "b"})),
+        ),
+    );
+    check(
+        "get",
+        "/v1/schedules",
+        call("GET", "/v1/schedules?limit=1", None),
+    );
+    check(
+        "get",
+        "/v1/schedules/{id}",
+        call("GET", "/v1/schedules/daily", None),
+    );
+    check(
+        "post",
+        "/v1/schedules/{id}/pause",
+        call("POST", "/v1/schedules/daily/pause", None),
+    );
+    check(
+        "post",
+        "/v1/schedules/{id}/resume",
+        call("POST", "/v1/schedules/daily/resume", None),
+    );
+    check(
+        "delete",
+        "/v1/schedules/{id}",
+        call("DELETE", "/v1/schedules/daily", None),
+    );
+    check(
+        "get",
+        "/v1/schedules/{id}",
+        call("GET", "/v1/schedules/daily", None),
+    );
     check("get", "/v1/sinks", call("GET", "/v1/sinks", None));
     check("get", "/readyz", call("GET", "/readyz", None));
 

@@ -11,7 +11,10 @@ use super::common::sidecar::{
     client_runtime, publish_numbered, publish_orders, source_count, source_state,
     spawn_with_config as start_delayd, Got, Mq,
 };
-use super::common::{free_port, now_ms, request, server_installed, wait_for, write_file, Process};
+use super::common::{
+    self, assert_dead_letters, free_port, now_ms, request, server_installed, wait_for, write_file,
+    Process,
+};
 use async_nats::jetstream::{self, consumer, stream};
 use futures_util::StreamExt;
 use std::collections::BTreeMap;
@@ -166,6 +169,66 @@ impl NatsServer {
     fn create_source_stream(&self) {
         self.create_stream("DELAYS", "delayd.>");
     }
+
+    /// Publishes a request on `subject` of the source stream and waits for its PubAck.
+    fn publish_on(&self, subject: &str, headers: &[(&str, &str)], body: &str) {
+        let mut map = async_nats::HeaderMap::new();
+        for (name, value) in headers {
+            map.append(*name, *value);
+        }
+        let js = self.jetstream();
+        self.runtime
+            .block_on(async {
+                js.publish_with_headers(subject.to_string(), map, body.to_string().into())
+                    .await?
+                    .await
+            })
+            .unwrap();
+    }
+
+    /// A core NATS subscription on `subject`, registered with the server once this returns: it sees
+    /// what the sink publishes there as it arrives.
+    fn subscribe(&self, subject: &str) -> async_nats::Subscriber {
+        let client = self.client.clone().unwrap();
+        self.runtime.block_on(async {
+            let subscriber = client.subscribe(subject.to_string()).await.unwrap();
+            client.flush().await.unwrap();
+            subscriber
+        })
+    }
+
+    /// What `subscriber` receives, each timed at its arrival, until `enough` holds for what came
+    /// (panics when it does not within `within`).
+    fn receive_until(
+        &self,
+        subscriber: &mut async_nats::Subscriber,
+        within: Duration,
+        mut enough: impl FnMut(&[Got<String>]) -> bool,
+    ) -> Vec<Got<String>> {
+        self.runtime.block_on(async {
+            let deadline = tokio::time::Instant::now() + within;
+            let mut got = Vec::new();
+            while !enough(&got) {
+                let message = tokio::time::timeout_at(deadline, subscriber.next())
+                    .await
+                    .unwrap_or_else(|_| panic!("not enough within {within:?}: {got:#?}"))
+                    .unwrap();
+                let at_ms = now_ms();
+                let mut headers = BTreeMap::new();
+                for (name, values) in message.headers.iter().flat_map(|h| h.iter()) {
+                    let values: Vec<&str> = values.iter().map(|v| v.as_str()).collect();
+                    headers.insert(name.to_string(), values.join(","));
+                }
+                got.push(Got {
+                    headers,
+                    body: String::from_utf8(message.payload.to_vec()).unwrap(),
+                    at_ms,
+                    mq: message.subject.to_string(),
+                });
+            }
+            got
+        })
+    }
 }
 
 /// Requests are published to `delayd.in` (stream `DELAYS`); the target is the stream `OUT`
@@ -179,18 +242,7 @@ impl Mq for NatsServer {
 
     /// Publishes a request to the source stream (`delayd.in`) and waits for its PubAck.
     fn publish(&mut self, headers: &[(&str, &str)], body: &str) {
-        let mut map = async_nats::HeaderMap::new();
-        for (name, value) in headers {
-            map.append(*name, *value);
-        }
-        let js = self.jetstream();
-        self.runtime
-            .block_on(async {
-                js.publish_with_headers("delayd.in", map, body.to_string().into())
-                    .await?
-                    .await
-            })
-            .unwrap();
+        self.publish_on("delayd.in", headers, body);
     }
 
     /// Reads the target stream from its start until `count` messages came or `within` passed.
@@ -394,12 +446,21 @@ fn bad_nats_requests_are_dead_letters_and_cancels_by_key_hold() {
             ],
             "conflicting_time_fields",
         ),
+        // Recurring forms (on a subject of their own, as a schedule is the subject's) that are refused.
+        (
+            vec![
+                ("Nats-Schedule-Target", "orders.out"),
+                ("Nats-Schedule", "0 9 * * *"),
+            ],
+            "invalid_cron",
+        ),
         (
             vec![
                 ("Nats-Schedule-Target", "orders.out"),
                 ("Nats-Schedule", "@every 5m"),
+                ("Nats-Schedule-Time-Zone", "Europe/Berlin"),
             ],
-            "invalid_deliver_at",
+            "invalid_tz",
         ),
     ]);
     let counts = (bad.len() as f64, 1.0, 2.0);
@@ -542,4 +603,213 @@ fn nats_restarted_mid_run_loses_nothing() {
         return;
     };
     assert_outage_loses_nothing(&mut nats, &delayd.base, "6s");
+}
+
+/// The schedules as `GET /v1/schedules` lists them.
+fn schedules(base: &str) -> Vec<serde_json::Value> {
+    let listed = request(base, "GET", "/v1/schedules", None, None);
+    assert_eq!(listed.status, 200, "{}", listed.json);
+    listed.json["schedules"].as_array().unwrap().clone()
+}
+
+/// The one schedule there is.
+fn only_schedule(base: &str) -> serde_json::Value {
+    let listed = schedules(base);
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    listed[0].clone()
+}
+
+/// The nominal fire time of each firing of `id` in `got` with `body` (RFC 3339 in `delayd-fire-at`,
+/// as unix ms), checking that each arrived on `orders.tick` no earlier than it, with the request's
+/// headers passed on and the ones delayd read taken off.
+fn fire_times(got: &[Got<String>], id: &str, body: &str) -> Vec<i64> {
+    let mut times = Vec::new();
+    for firing in got.iter().filter(|g| g.body == body) {
+        assert_eq!(firing.mq, "orders.tick");
+        assert_eq!(firing.headers["delayd-schedule"], id, "{firing:?}");
+        let fire_at = common::parse(&serde_json::json!(firing.headers["delayd-fire-at"]));
+        assert!(
+            firing.at_ms >= fire_at,
+            "a firing arrived {} ms before its fire time: {firing:?}",
+            fire_at - firing.at_ms
+        );
+        for read in [
+            "Nats-Schedule",
+            "Nats-Schedule-Target",
+            "Nats-Schedule-Time-Zone",
+        ] {
+            assert!(!firing.headers.contains_key(read), "{read} in {firing:?}");
+        }
+        assert_eq!(firing.headers["trace"], "t1", "{firing:?}");
+        times.push(fire_at);
+    }
+    let distinct: std::collections::BTreeSet<i64> = times.iter().copied().collect();
+    assert_eq!(
+        distinct.len(),
+        times.len(),
+        "one firing per fire time: {times:?}"
+    );
+    times
+}
+
+/// ADR-51's recurring forms: `Nats-Schedule: @every 1s` on `delayd.in.tick` makes one schedule for
+/// that subject, whose firings (`delayd-schedule`, `delayd-fire-at`) arrive at the target, none
+/// before its fire time; the next request on the subject (a 6-field cron in a zone) replaces it, and
+/// one with a bad cron is a dead letter that leaves it as it is.
+#[test]
+fn a_recurring_request_makes_the_subjects_schedule_and_the_next_one_replaces_it() {
+    let Some((_dir, nats, delayd)) = nats_and_delayd() else {
+        return;
+    };
+    let base = &delayd.base;
+    let id = "nats.in.delayd.in.tick";
+    let mut arrivals = nats.subscribe("orders.tick");
+    nats.publish_on(
+        "delayd.in.tick",
+        &[
+            ("Nats-Schedule", "@every 1s"),
+            ("Nats-Schedule-Target", "orders.tick"),
+            ("trace", "t1"),
+        ],
+        "tick",
+    );
+    let ticks = nats.receive_until(&mut arrivals, Duration::from_secs(30), |got| got.len() >= 3);
+    let tick_times = fire_times(&ticks, id, "tick");
+    assert_eq!(tick_times.len(), 3, "{ticks:?}");
+    let schedule = only_schedule(base);
+    assert_eq!(
+        (
+            &schedule["id"],
+            &schedule["every"],
+            &schedule["cron"],
+            &schedule["topic"],
+            &schedule["sink"],
+            &schedule["body"]
+        ),
+        (
+            &serde_json::json!(id),
+            &serde_json::json!("1s"),
+            &serde_json::Value::Null,
+            &serde_json::json!("orders.tick"),
+            &serde_json::json!("out"),
+            &serde_json::json!("tick")
+        ),
+        "{schedule}"
+    );
+    // An interval: its fire times are whole periods apart.
+    assert!(tick_times.windows(2).all(|w| (w[1] - w[0]) % 1000 == 0));
+    wait_for("the request acknowledged", Duration::from_secs(10), || {
+        nats.unacknowledged() == Some((0, 0))
+    });
+
+    // The next request on the subject replaces the schedule: a cron with seconds, in a zone.
+    nats.publish_on(
+        "delayd.in.tick",
+        &[
+            ("Nats-Schedule", "*/2 * * * * *"),
+            ("Nats-Schedule-Time-Zone", "Europe/Berlin"),
+            ("Nats-Schedule-Target", "orders.tick"),
+            ("trace", "t1"),
+        ],
+        "tock",
+    );
+    wait_for("the replacement", Duration::from_secs(30), || {
+        only_schedule(base)["cron"] == "*/2 * * * * *"
+    });
+    let replaced_ms = now_ms();
+    let schedule = only_schedule(base);
+    assert_eq!(
+        (&schedule["id"], &schedule["tz"], &schedule["every"]),
+        (
+            &serde_json::json!(id),
+            &serde_json::json!("Europe/Berlin"),
+            &serde_json::Value::Null
+        )
+    );
+    let after = nats.receive_until(&mut arrivals, Duration::from_secs(30), |got| {
+        got.iter().filter(|g| g.body == "tock").count() >= 2
+    });
+    // The interval's firings still arriving were due before the replacement.
+    for tick in fire_times(&after, id, "tick") {
+        assert!(tick <= replaced_ms, "a tick due after the replacement");
+    }
+    let tock_times = fire_times(&after, id, "tock");
+    // Every other second of Berlin's wall clock (an offset of whole hours): even UTC seconds.
+    assert!(tock_times.iter().all(|at| at % 2000 == 0), "{tock_times:?}");
+
+    // A bad cron on the subject is a dead letter; the schedule stays as it was.
+    nats.publish_on(
+        "delayd.in.tick",
+        &[
+            ("Nats-Schedule", "0 0 99 * * *"),
+            ("Nats-Schedule-Target", "orders.tick"),
+        ],
+        "bad",
+    );
+    assert_dead_letters(base, "bad", &["invalid_cron"]);
+    let schedule = only_schedule(base);
+    assert_eq!(
+        (&schedule["cron"], &schedule["body"]),
+        (
+            &serde_json::json!("*/2 * * * * *"),
+            &serde_json::json!("tock")
+        )
+    );
+    wait_for(
+        "every request acknowledged",
+        Duration::from_secs(10),
+        || nats.unacknowledged() == Some((0, 0)),
+    );
+    assert_eq!(
+        (
+            source_count(base, "recurring"),
+            source_count(base, "dead"),
+            source_count(base, "scheduled")
+        ),
+        (2.0, 1.0, 0.0)
+    );
+}
+
+/// A recurring request durable in delayd and never acknowledged (delayd's acks fail, then it is
+/// killed) comes again after the restart and changes nothing: the schedule keeps the definition it
+/// was made with (its `created_at`, from which an interval counts its phase).
+#[test]
+fn a_recurring_request_delivered_again_after_a_crash_is_put_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(nats) = NatsServer::start_with_streams(dir.path()) else {
+        return;
+    };
+    nats.publish_on(
+        "delayd.in.tick",
+        &[
+            ("Nats-Schedule", "@every 1h"),
+            ("Nats-Schedule-Target", "orders.tick"),
+        ],
+        "hourly",
+    );
+    let mut delayd = start_delayd_as(dir.path(), &nats, "noack", "2s");
+    wait_for("the schedule put", Duration::from_secs(30), || {
+        source_count(&delayd.base, "recurring") == 1.0
+    });
+    wait_for("the failed ack", Duration::from_secs(30), || {
+        source_state(&delayd.base)["last_error"].as_str().is_some()
+    });
+    let made = only_schedule(&delayd.base);
+    assert_eq!(made["id"], "nats.in.delayd.in.tick", "{made}");
+    assert_eq!(nats.unacknowledged(), Some((1, 0)));
+    delayd.kill();
+    let delayd = start_delayd_as(dir.path(), &nats, "delayd", "2s");
+    wait_for("the redelivery recognised", Duration::from_secs(30), || {
+        source_count(&delayd.base, "duplicate") >= 1.0
+    });
+    wait_for("the acknowledgement", Duration::from_secs(10), || {
+        nats.unacknowledged() == Some((0, 0))
+    });
+    assert_eq!(source_count(&delayd.base, "recurring"), 0.0);
+    let kept = only_schedule(&delayd.base);
+    assert_eq!(
+        (&kept["created_at"], &kept["every"], &kept["fired"]),
+        (&made["created_at"], &made["every"], &made["fired"]),
+        "{kept}"
+    );
 }

@@ -19,12 +19,12 @@ const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 
 #[derive(Debug, Clone)]
 pub(super) struct Hit {
-    body: Vec<u8>,
-    id: String,
-    attempt: u16,
-    headers: HeaderMap,
-    at: Instant,
-    at_ms: i64,
+    pub(super) body: Vec<u8>,
+    pub(super) id: String,
+    pub(super) attempt: u16,
+    pub(super) headers: HeaderMap,
+    pub(super) at: Instant,
+    pub(super) at_ms: i64,
 }
 
 #[derive(Clone, Default)]
@@ -170,12 +170,12 @@ pub(super) fn webhook_sink(
 }
 
 impl Endpoint {
-    fn hits(&self) -> Vec<Hit> {
+    pub(super) fn hits(&self) -> Vec<Hit> {
         self.receiver.hits.lock().unwrap().clone()
     }
 
     /// Waits until the receiver has `count` hits that match, woken by each arrival (30 s at most).
-    fn wait_until(&self, count: usize, matches: impl Fn(&Hit) -> bool) -> Vec<Hit> {
+    pub(super) fn wait_until(&self, count: usize, matches: impl Fn(&Hit) -> bool) -> Vec<Hit> {
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut hits = self.receiver.hits.lock().unwrap();
         loop {

@@ -460,6 +460,7 @@ fn request(message: &BorrowedMessage<'_>) -> Request {
         unreadable: None,
         default_target: None,
         default_key: None,
+        schedule_id: None,
     };
     if let Some(headers) = message.headers() {
         for header in headers.iter() {

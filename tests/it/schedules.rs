@@ -1,0 +1,477 @@
+//! Recurring schedules (DESIGN §14) in the real service: firings into a real webhook receiver, the
+//! routes' answers, pause / resume / replace / delete as the receiver sees them, and no fire time made
+//! twice (nor, with `catchup: all`, missed) across `kill -9` and restarts of the real binary.
+
+use super::webhook::{endpoint, webhook_sink, Endpoint, Hit};
+use super::*;
+use common::{env_number, wait_for, Draws, Process};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A firing as the receiver saw it: its schedule, nominal time and message id.
+fn firing(hit: &Hit) -> (String, i64, String) {
+    let header = |name: &str| {
+        hit.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_else(|| panic!("a firing carries {name}"))
+            .to_string()
+    };
+    let fire_at = delayd::timestamp::parse_rfc3339(&header("delayd-fire-at")).unwrap();
+    (header("delayd-schedule"), fire_at, hit.id.clone())
+}
+
+fn of(schedule: &str) -> impl Fn(&Hit) -> bool + '_ {
+    move |hit| {
+        hit.headers
+            .get("delayd-schedule")
+            .is_some_and(|v| v == schedule)
+    }
+}
+
+fn put(base: &str, id: &str, body: Value) -> Answer {
+    request(
+        base,
+        "PUT",
+        &format!("/v1/schedules/{id}"),
+        Some(&body.to_string()),
+        None,
+    )
+}
+
+#[test]
+fn an_interval_and_a_six_field_cron_fire_into_a_webhook_once_per_fire_time_never_early() {
+    let hook = endpoint(&[]);
+    let server = Server::start(|c| {
+        c.sinks
+            .insert("hook".into(), webhook_sink(&hook.url, |_, _| {}));
+    });
+    let answer = server.call(
+        "PUT",
+        "/v1/schedules/tick",
+        Some(
+            json!({"every": "1s", "topic": "ticks", "body": "tick", "sink": "hook",
+            "headers": {"x-kind": "interval"}}),
+        ),
+    );
+    assert_eq!(answer.status, 201, "{}", answer.json);
+    let created = parse(&answer.json["created_at"]);
+    let answer = server.call(
+        "PUT",
+        "/v1/schedules/even",
+        Some(
+            json!({"cron": "*/2 * * * * *", "tz": "Europe/Berlin", "topic": "evens",
+            "body": "even", "sink": "hook"}),
+        ),
+    );
+    assert_eq!(answer.status, 201, "{}", answer.json);
+    assert!(
+        parse(&answer.json["next_fire_at"]) % 2_000 == 0,
+        "{}",
+        answer.json
+    );
+
+    let ticks: Vec<_> = hook.wait_until(4, of("tick")).iter().map(firing).collect();
+    let evens: Vec<_> = hook.wait_until(3, of("even")).iter().map(firing).collect();
+    // The interval's phase is its creation: a second after it, then each second.
+    for (n, (_, fire_at, _)) in ticks.iter().take(4).enumerate() {
+        assert_eq!(*fire_at, created + 1_000 * (n as i64 + 1), "{ticks:?}");
+    }
+    for pair in evens.windows(2) {
+        assert_eq!(pair[1].1 - pair[0].1, 2_000, "{evens:?}");
+    }
+    assert!(evens.iter().all(|(_, at, _)| at % 2_000 == 0));
+    // Never early, each a message of its own, with the schedule's own headers after the firing's.
+    for hit in hook.hits() {
+        let (_, fire_at, _) = firing(&hit);
+        assert!(hit.at_ms >= fire_at, "delivered before its fire time");
+        assert_eq!(hit.attempt, 0);
+    }
+    let ids: BTreeSet<String> = hook.hits().iter().map(|h| h.id.clone()).collect();
+    assert_eq!(ids.len(), hook.hits().len(), "one message per firing");
+    let first = &hook.wait_until(1, of("tick"))[0];
+    assert_eq!(first.body, b"tick");
+    assert_eq!(first.headers["x-kind"], "interval");
+    assert_eq!(first.headers["delayd-topic"], "ticks");
+
+    let answer = server.call("GET", "/v1/schedules/tick", None);
+    assert_eq!(answer.status, 200);
+    assert!(
+        answer.json["fired"].as_u64().unwrap() >= 4,
+        "{}",
+        answer.json
+    );
+    let last = answer.json["last_message_id"].as_str().unwrap().to_string();
+    let status = server.call("GET", &format!("/v1/messages/{last}"), None);
+    assert_eq!(
+        status.json["topic"], "ticks",
+        "a firing is an ordinary message"
+    );
+}
+
+#[test]
+fn schedule_routes_answer_as_documented() {
+    let server = Server::start(|_| {});
+    let good = json!({"cron": "0 9 * * MON-FRI", "tz": "Europe/Berlin", "topic": "reports.daily",
+        "body": "report"});
+    let answer = server.call("PUT", "/v1/schedules/daily", Some(good.clone()));
+    assert_eq!(answer.status, 201, "{}", answer.json);
+    // 09:00 in Berlin is 08:00 or 07:00 UTC, on a weekday.
+    let next = answer.json["next_fire_at"].as_str().unwrap().to_string();
+    assert!(
+        next.ends_with("T08:00:00.000Z") || next.ends_with("T07:00:00.000Z"),
+        "{next}"
+    );
+    assert_eq!(answer.json["catchup"], "one");
+    assert_eq!(answer.json["sink"], "broker");
+    // Put again unchanged: 200, nothing new; changed: 200, replaced.
+    let again = server.call("PUT", "/v1/schedules/daily", Some(good.clone()));
+    assert_eq!(again.status, 200);
+    assert_eq!(again.json["created_at"], answer.json["created_at"]);
+    let mut changed = good.clone();
+    changed["body"] = json!("report v2");
+    let replaced = server.call("PUT", "/v1/schedules/daily", Some(changed));
+    assert_eq!(replaced.status, 200);
+    assert_eq!(replaced.json["body"], "report v2");
+
+    let cases = [
+        (
+            json!({"cron": "61 * * * *", "topic": "t", "body": "x"}),
+            "invalid_cron",
+        ),
+        (
+            json!({"cron": "* * * * *", "every": "1s", "topic": "t", "body": "x"}),
+            "invalid_cron",
+        ),
+        (json!({"topic": "t", "body": "x"}), "invalid_cron"),
+        (
+            json!({"cron": "* * * * *", "tz": "Mars/Base", "topic": "t", "body": "x"}),
+            "invalid_tz",
+        ),
+        (
+            json!({"every": "500ms", "topic": "t", "body": "x"}),
+            "invalid_every",
+        ),
+        (
+            json!({"every": "soon", "topic": "t", "body": "x"}),
+            "invalid_every",
+        ),
+        (
+            json!({"every": "1s", "topic": "t", "body": "x", "start_at": "yesterday"}),
+            "invalid_start_at",
+        ),
+        (
+            json!({"every": "1s", "topic": "t", "body": "x", "start_at": 2_000, "end_at": 1_000}),
+            "invalid_end_at",
+        ),
+        (
+            json!({"every": "1s", "topic": "bad topic", "body": "x"}),
+            "invalid_topic",
+        ),
+        (
+            json!({"every": "1s", "topic": "t", "body": "x", "sink": "nowhere"}),
+            "unknown_sink",
+        ),
+        (
+            json!({"every": "1s", "topic": "t", "body": "x", "headers": {"delayd-fire-at": "x"}}),
+            "invalid_header",
+        ),
+        (json!({"every": "1s", "topic": "t"}), "invalid_body"),
+        (
+            json!({"every": "1s", "topic": "t", "body": "x", "catchup": "some"}),
+            "invalid_json",
+        ),
+        (
+            json!({"every": "1s", "topic": "t", "body": "x", "color": "red"}),
+            "invalid_json",
+        ),
+    ];
+    for (body, code) in cases {
+        let answer = server.call("PUT", "/v1/schedules/bad", Some(body.clone()));
+        answer.assert_problem(400, code);
+    }
+    server
+        .call("PUT", "/v1/schedules/bad%20id", Some(good.clone()))
+        .assert_problem(400, "invalid_schedule_id");
+    for (method, path) in [
+        ("GET", "/v1/schedules/nothing"),
+        ("DELETE", "/v1/schedules/nothing"),
+        ("POST", "/v1/schedules/nothing/pause"),
+        ("POST", "/v1/schedules/nothing/resume"),
+    ] {
+        server
+            .call(method, path, None)
+            .assert_problem(404, "not_found");
+    }
+
+    // Paging by id: 5 schedules, 2 a page.
+    for n in 0..4 {
+        let answer = server.call("PUT", &format!("/v1/schedules/s{n}"), Some(good.clone()));
+        assert_eq!(answer.status, 201);
+    }
+    let mut ids = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/v1/schedules?limit=2&cursor={c}"),
+            None => "/v1/schedules?limit=2".to_string(),
+        };
+        let page = server.call("GET", &path, None);
+        assert_eq!(page.status, 200, "{}", page.json);
+        let schedules = page.json["schedules"].as_array().unwrap();
+        assert!(schedules.len() <= 2);
+        ids.extend(
+            schedules
+                .iter()
+                .map(|s| s["id"].as_str().unwrap().to_string()),
+        );
+        match page.json["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_string()),
+            None => break,
+        }
+    }
+    assert_eq!(ids, ["daily", "s0", "s1", "s2", "s3"]);
+    server
+        .call("GET", "/v1/schedules?limit=0", None)
+        .assert_problem(400, "invalid_query");
+    let metrics = scrape(&server.base);
+    assert_eq!(
+        metrics.get("delayd_schedules"),
+        Some(&5.0),
+        "the gauge counts them"
+    );
+}
+
+/// Waits until the receiver saw the schedule `probe` fire `count` more times: proof that firings go
+/// on, so that one that did not come for another schedule meanwhile never will.
+fn while_probe_fires(hook: &Endpoint, count: usize) {
+    let seen = hook.hits().iter().filter(|h| of("probe")(h)).count();
+    hook.wait_until(seen + count, of("probe"));
+}
+
+#[test]
+fn pause_resume_replace_and_delete_take_effect_at_their_answer() {
+    let hook = endpoint(&[]);
+    let server = Server::start(|c| {
+        c.sinks
+            .insert("hook".into(), webhook_sink(&hook.url, |_, _| {}));
+    });
+    let every = |body: &str| json!({"every": "1s", "topic": "t", "body": body, "sink": "hook"});
+    assert_eq!(
+        server
+            .call("PUT", "/v1/schedules/probe", Some(every("probe")))
+            .status,
+        201
+    );
+    assert_eq!(
+        server
+            .call("PUT", "/v1/schedules/tick", Some(every("v1")))
+            .status,
+        201
+    );
+    hook.wait_until(2, of("tick"));
+
+    // Paused: nothing of it fires after the answer (its planned firing is cancelled).
+    let paused = server.call("POST", "/v1/schedules/tick/pause", None);
+    assert_eq!(paused.status, 200, "{}", paused.json);
+    let paused_at = now_ms();
+    assert_eq!(paused.json["paused"], true);
+    assert!(paused.json["next_fire_at"].is_null());
+    while_probe_fires(&hook, 3);
+    let late: Vec<_> = (hook.hits().iter().filter(|h| of("tick")(h)))
+        .filter(|h| firing(h).1 > paused_at)
+        .map(firing)
+        .collect();
+    assert!(late.is_empty(), "fired after the pause: {late:?}");
+    // Its last firing was delivered before the pause, or is cancelled by it.
+    let last = paused.json["last_message_id"].as_str().unwrap();
+    let status = settled_message(&server.base, last).json["status"].clone();
+    assert!(status == "delivered" || status == "cancelled", "{status}");
+
+    // Resumed: it fires again, planned from the resume (nothing missed while paused is made).
+    let resuming_at = now_ms();
+    let resumed = server.call("POST", "/v1/schedules/tick/resume", None);
+    assert_eq!(resumed.status, 200);
+    assert!(
+        parse(&resumed.json["next_fire_at"]) > resuming_at,
+        "{}",
+        resumed.json
+    );
+    hook.wait_until(1, |h| of("tick")(h) && firing(h).1 > paused_at);
+    let between: Vec<_> = (hook.hits().iter().filter(|h| of("tick")(h)))
+        .map(firing)
+        .filter(|(_, at, _)| *at > paused_at && *at <= resuming_at)
+        .collect();
+    assert!(
+        between.is_empty(),
+        "made up firings of the pause: {between:?}"
+    );
+
+    // Replaced: what fires after the answer is the new definition.
+    let replaced = server.call("PUT", "/v1/schedules/tick", Some(every("v2")));
+    assert_eq!(replaced.status, 200);
+    let replaced_at = now_ms();
+    hook.wait_until(2, |h| h.body == b"v2");
+    let stale: Vec<_> = (hook.hits().iter())
+        .filter(|h| h.body == b"v1" && firing(h).1 > replaced_at)
+        .map(firing)
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "the old definition fired after the replace: {stale:?}"
+    );
+
+    // Deleted: gone, and nothing of it fires after the answer.
+    let deleted = server.call("DELETE", "/v1/schedules/tick", None);
+    assert_eq!(deleted.status, 200);
+    assert_eq!(deleted.json, json!({"id": "tick", "deleted": true}));
+    let deleted_at = now_ms();
+    server
+        .call("GET", "/v1/schedules/tick", None)
+        .assert_problem(404, "not_found");
+    while_probe_fires(&hook, 3);
+    let late: Vec<_> = (hook.hits().iter().filter(|h| of("tick")(h)))
+        .filter(|h| firing(h).1 > deleted_at)
+        .map(firing)
+        .collect();
+    assert!(late.is_empty(), "fired after the delete: {late:?}");
+}
+
+/// Every firing the broker holds for `topic`, by message id (a redelivery after a crash may store one
+/// twice: the broker sink is at least once), as (schedule, fire time).
+fn broker_firings(base: &str, topic: &str) -> BTreeMap<String, (String, i64)> {
+    let mut firings = BTreeMap::new();
+    let info = request(base, "GET", &format!("/v1/topics/{topic}"), None, None);
+    assert_eq!(info.status, 200, "{}", info.json);
+    for queue in info.json["queues"].as_array().unwrap() {
+        let queue = queue["queue"].as_u64().unwrap();
+        let mut offset = 0;
+        loop {
+            let path =
+                format!("/v1/topics/{topic}/queues/{queue}/messages?offset={offset}&max=1000");
+            let page = request(base, "GET", &path, None, None);
+            assert_eq!(page.status, 200, "{}", page.json);
+            let messages = page.json["messages"].as_array().unwrap();
+            for m in messages {
+                let fire_at = parse(&m["headers"]["delayd-fire-at"]);
+                assert!(parse(&m["delivered_at"]) >= fire_at, "never early: {m}");
+                let schedule = m["headers"]["delayd-schedule"]
+                    .as_str()
+                    .unwrap()
+                    .to_string();
+                firings.insert(m["id"].as_str().unwrap().to_string(), (schedule, fire_at));
+            }
+            let next = page.json["next_offset"].as_u64().unwrap();
+            if messages.is_empty() || next == offset {
+                break;
+            }
+            offset = next;
+        }
+    }
+    firings
+}
+
+fn fired(base: &str, id: &str) -> u64 {
+    let answer = request(base, "GET", &format!("/v1/schedules/{id}"), None, None);
+    assert_eq!(answer.status, 200, "{}", answer.json);
+    answer.json["fired"].as_u64().unwrap()
+}
+
+/// `DELAYD_SCHEDULE_KILLS` (default 12) times: wait until the schedules fired again, SIGKILL the
+/// process (now and then after staying down for 1.5 to 3 s, so that fire times are missed), start it
+/// again. Then every fire time is one message: none twice; with `catchup: all` none missing either;
+/// with `one` and `none` the fire times still follow each other on the schedule's phase.
+#[test]
+fn no_fire_time_is_made_twice_across_kill_9_and_restarts() {
+    let kills = env_number("DELAYD_SCHEDULE_KILLS", 12);
+    let dir = tempfile::tempdir().unwrap();
+    let mut process: Process = spawn(dir.path(), &[]);
+    let schedules = [
+        ("all", json!({"every": "1s", "catchup": "all"})),
+        ("one", json!({"cron": "* * * * * *", "catchup": "one"})),
+        ("none", json!({"every": "1s", "catchup": "none"})),
+    ];
+    for (id, timing) in &schedules {
+        let mut body = timing.clone();
+        body["topic"] = json!("firings");
+        body["body"] = json!(*id);
+        body["key"] = json!("one queue");
+        let answer = put(&process.base, id, body);
+        assert_eq!(answer.status, 201, "{}", answer.json);
+    }
+    let mut draws = Draws::new(now_ms() as u64);
+    for kill in 0..kills {
+        let before = fired(&process.base, "all");
+        wait_for("the schedules fired again", Duration::from_secs(30), || {
+            fired(&process.base, "all") >= before + draws.between((1, 3))
+        });
+        process.kill();
+        if kill % 3 == 2 {
+            // Down long enough to miss fire times: what catch-up is for.
+            std::thread::sleep(Duration::from_millis(draws.between((1_500, 3_000))));
+        }
+        process = spawn(dir.path(), &[]);
+    }
+    let before = fired(&process.base, "all");
+    wait_for(
+        "the schedules fired after the last start",
+        Duration::from_secs(30),
+        || fired(&process.base, "all") >= before + 2,
+    );
+    for (id, _) in &schedules {
+        let answer = request(
+            &process.base,
+            "POST",
+            &format!("/v1/schedules/{id}/pause"),
+            None,
+            None,
+        );
+        assert_eq!(answer.status, 200, "{}", answer.json);
+    }
+    // Everything written before the pauses is delivered (or cancelled by them) before counting.
+    for (id, _) in &schedules {
+        let answer = request(
+            &process.base,
+            "GET",
+            &format!("/v1/schedules/{id}"),
+            None,
+            None,
+        );
+        let last = answer.json["last_message_id"].as_str().unwrap().to_string();
+        wait_for("the last firing settled", Duration::from_secs(30), || {
+            let status = settled_message(&process.base, &last).json["status"].clone();
+            status == "delivered" || status == "cancelled"
+        });
+    }
+    let firings = broker_firings(&process.base, "firings");
+    let mut by_time: BTreeMap<(String, i64), Vec<&String>> = BTreeMap::new();
+    for (message, key) in &firings {
+        by_time.entry(key.clone()).or_default().push(message);
+    }
+    let twice: Vec<_> = by_time.iter().filter(|(_, ids)| ids.len() > 1).collect();
+    assert!(twice.is_empty(), "fire times made twice: {twice:?}");
+    for (id, _) in &schedules {
+        let times: Vec<i64> = (by_time.keys())
+            .filter(|(s, _)| s == id)
+            .map(|(_, at)| *at)
+            .collect();
+        let written = fired(&process.base, id);
+        assert!(
+            times.len() as u64 + 1 >= written && times.len() as u64 <= written,
+            "{id}: {} delivered of {written} written (the last may be cancelled by the pause)",
+            times.len()
+        );
+        assert!(
+            times.len() >= kills as usize,
+            "{id}: fired {} times",
+            times.len()
+        );
+        for pair in times.windows(2) {
+            let gap = pair[1] - pair[0];
+            assert!(gap > 0 && gap % 1_000 == 0, "{id}: {pair:?} off its phase");
+            if *id == "all" {
+                assert_eq!(gap, 1_000, "{id}: a fire time missing between {pair:?}");
+            }
+        }
+        println!("{id}: {} firings, each once", times.len());
+    }
+}
