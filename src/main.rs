@@ -1,6 +1,8 @@
-//! The `delayd` command: `serve` runs the service; `send`, `tail` and `inspect` are tools around it.
+//! The `delayd` command: `serve` runs the service; `send`, `tail`, `schedule` and `inspect` are tools
+//! around it.
 
 use anyhow::{bail, Context};
+use base64::Engine;
 use clap::{Args, Parser, Subcommand};
 use delayd::config::{Config, Flags, LogFormat};
 use serde_json::{json, Value};
@@ -40,6 +42,99 @@ enum Command {
     /// A cluster's members: show them, add one, remove one (through any member's HTTP API)
     #[command(subcommand)]
     Cluster(ClusterCommand),
+    /// Recurring schedules: create or replace one, list them, pause, resume or delete one (through
+    /// the HTTP API)
+    #[command(subcommand)]
+    Schedule(ScheduleCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum ScheduleCommand {
+    /// Create schedule ID or replace its definition (a paused one stays paused); prints the
+    /// schedule as answered, and says on stderr whether it was created or replaced
+    Put(Box<SchedulePutArgs>),
+    /// Every schedule, by id: one line each (reads every page)
+    List {
+        #[command(flatten)]
+        client: Client,
+        /// Schedules per request, 1 to 1000
+        #[arg(long)]
+        limit: Option<u32>,
+        /// A JSON array of the schedules as the API answers them, instead of the table
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pause a schedule: nothing fires after the answer (its planned firing is withdrawn)
+    Pause {
+        #[command(flatten)]
+        client: Client,
+        id: String,
+    },
+    /// Resume a paused schedule: it plans afresh from now (firings missed while paused are not made)
+    Resume {
+        #[command(flatten)]
+        client: Client,
+        id: String,
+    },
+    /// Delete a schedule: nothing fires after the answer
+    Delete {
+        #[command(flatten)]
+        client: Client,
+        id: String,
+    },
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("timing").required(true)))]
+#[command(group(clap::ArgGroup::new("payload").required(true)))]
+struct SchedulePutArgs {
+    #[command(flatten)]
+    client: Client,
+    /// The schedule's id: 1 to 200 of A-Z a-z 0-9 . _ -, not only dots
+    id: String,
+    /// A cron pattern: 5 fields (minute first) or 6 (second first), with day and month names, or
+    /// @hourly, @daily, @weekly, @monthly, @yearly; e.g. "0 9 * * MON-FRI"
+    #[arg(long, group = "timing")]
+    cron: Option<String>,
+    /// A fixed interval instead, at least 1s: e.g. 30s, 5m, 1h (its phase from --start-at, or from
+    /// now)
+    #[arg(long, group = "timing")]
+    every: Option<String>,
+    /// The IANA time zone whose wall clock the cron pattern follows, e.g. Europe/Berlin (default UTC)
+    #[arg(long)]
+    tz: Option<String>,
+    /// Each firing's topic
+    #[arg(long)]
+    topic: String,
+    /// Each firing's body, as text
+    #[arg(long, group = "payload")]
+    body: Option<String>,
+    /// Each firing's body, in standard base64
+    #[arg(long, group = "payload")]
+    body_base64: Option<String>,
+    /// Each firing's body, read from a file ("-" reads standard input): sent as text when it is
+    /// UTF-8, in base64 otherwise
+    #[arg(long, group = "payload")]
+    body_file: Option<PathBuf>,
+    /// Each firing's headers: name=value (repeatable)
+    #[arg(long = "header")]
+    headers: Vec<String>,
+    /// Each firing's key, as a message's
+    #[arg(long)]
+    key: Option<String>,
+    /// Each firing's sink (default: broker)
+    #[arg(long)]
+    sink: Option<String>,
+    /// No firing before it: RFC 3339 (e.g. 2026-12-01T09:00:00Z) or unix milliseconds
+    #[arg(long)]
+    start_at: Option<String>,
+    /// No firing after it (inclusive): RFC 3339 or unix milliseconds
+    #[arg(long)]
+    end_at: Option<String>,
+    /// What a node that was down does with the firings it missed: none (skip them), one (one
+    /// firing for all; the default), all (each, oldest first)
+    #[arg(long, value_parser = ["none", "one", "all"])]
+    catchup: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -198,6 +293,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Tail(args) => tail(args),
         Command::Probe(args) => probe(args),
         Command::Cluster(command) => cluster(command),
+        Command::Schedule(command) => schedule(command),
         Command::Inspect { path } => {
             let out = &mut std::io::stdout().lock();
             let clean = match delayd::broker::inspect(&path, out) {
@@ -370,6 +466,7 @@ fn exchange(
         ("GET", _) => agent.get(&url),
         ("PUT", Some(body)) => agent.put(&url).json(body),
         ("DELETE", None) => agent.delete(&url),
+        ("POST", None) => agent.post(&url),
         (_, Some(body)) => agent.post(&url).json(body),
         _ => bail!("unsupported request"),
     };
@@ -509,17 +606,215 @@ fn send(args: SendArgs) -> anyhow::Result<()> {
     if let Some(sink) = args.sink {
         request["sink"] = json!(sink);
     }
-    let mut headers = serde_json::Map::new();
-    for header in args.headers {
-        let (name, value) = header
-            .split_once('=')
-            .with_context(|| format!("--header {header:?}: expected name=value"))?;
-        headers.insert(name.into(), json!(value));
-    }
-    request["headers"] = Value::Object(headers);
+    request["headers"] = header_map(&args.headers)?;
     let answer = call(&args.client, "POST", "/v1/messages", Some(&request))?;
     println!("{answer}");
     Ok(())
+}
+
+/// `--header name=value` arguments as a JSON object.
+fn header_map(headers: &[String]) -> anyhow::Result<Value> {
+    let mut map = serde_json::Map::new();
+    for header in headers {
+        let (name, value) = header
+            .split_once('=')
+            .with_context(|| format!("--header {header:?}: expected name=value"))?;
+        map.insert(name.into(), json!(value));
+    }
+    Ok(Value::Object(map))
+}
+
+/// `text` percent-encoded for a URL's path segment or query value: every byte outside A-Z a-z 0-9
+/// `-._~`. An id the service refuses is then refused by the service, with its code, and never
+/// names another route.
+fn url_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn schedule(command: ScheduleCommand) -> anyhow::Result<()> {
+    match command {
+        ScheduleCommand::Put(args) => schedule_put(*args),
+        ScheduleCommand::List {
+            client,
+            limit,
+            json,
+        } => {
+            let schedules = all_schedules(&client, limit)?;
+            if json {
+                println!("{}", Value::Array(schedules));
+            } else if schedules.is_empty() {
+                eprintln!("delayd schedule: no schedules");
+            } else {
+                print_schedules(&schedules);
+            }
+            Ok(())
+        }
+        ScheduleCommand::Pause { client, id } => {
+            let path = format!("/v1/schedules/{}/pause", url_encode(&id));
+            println!("{}", call(&client, "POST", &path, None)?);
+            eprintln!("delayd schedule: paused {id}");
+            Ok(())
+        }
+        ScheduleCommand::Resume { client, id } => {
+            let path = format!("/v1/schedules/{}/resume", url_encode(&id));
+            let answer = call(&client, "POST", &path, None)?;
+            println!("{answer}");
+            eprintln!("delayd schedule: resumed {id}; {}", next_firing(&answer));
+            Ok(())
+        }
+        ScheduleCommand::Delete { client, id } => {
+            let path = format!("/v1/schedules/{}", url_encode(&id));
+            call(&client, "DELETE", &path, None)?;
+            eprintln!("delayd schedule: deleted {id}");
+            Ok(())
+        }
+    }
+}
+
+fn schedule_put(args: SchedulePutArgs) -> anyhow::Result<()> {
+    let mut request = json!({"topic": args.topic, "headers": header_map(&args.headers)?});
+    let optional = [
+        ("cron", args.cron),
+        ("every", args.every),
+        ("tz", args.tz),
+        ("body", args.body),
+        ("body_base64", args.body_base64),
+        ("key", args.key),
+        ("sink", args.sink),
+        ("catchup", args.catchup),
+    ];
+    for (field, value) in optional {
+        if let Some(value) = value {
+            request[field] = json!(value);
+        }
+    }
+    if let Some(path) = &args.body_file {
+        let bytes = if path.as_os_str() == "-" {
+            let mut bytes = Vec::new();
+            std::io::stdin().read_to_end(&mut bytes)?;
+            bytes
+        } else {
+            std::fs::read(path).with_context(|| format!("reading {}", path.display()))?
+        };
+        match String::from_utf8(bytes) {
+            Ok(text) => request["body"] = json!(text),
+            Err(binary) => {
+                let encoded = base64::engine::general_purpose::STANDARD.encode(binary.as_bytes());
+                request["body_base64"] = json!(encoded);
+            }
+        }
+    }
+    // The API takes a time as RFC 3339 text or as a number of unix milliseconds.
+    for (field, value) in [("start_at", args.start_at), ("end_at", args.end_at)] {
+        if let Some(value) = value {
+            request[field] = match value.parse::<i64>() {
+                Ok(ms) => json!(ms),
+                Err(_) => json!(value),
+            };
+        }
+    }
+    let path = format!("/v1/schedules/{}", url_encode(&args.id));
+    let (status, answer) = exchange(&args.client, "PUT", &path, Some(&request))?;
+    if !(200..300).contains(&status) {
+        return Err(problem("PUT", &path, status, &answer));
+    }
+    println!("{answer}");
+    let done = if status == 201 { "created" } else { "replaced" };
+    eprintln!(
+        "delayd schedule: {done} {}; {}",
+        args.id,
+        next_firing(&answer)
+    );
+    Ok(())
+}
+
+/// When a schedule fires next, in words.
+fn next_firing(schedule: &Value) -> String {
+    match schedule["next_fire_at"].as_str() {
+        Some(at) => format!("next firing at {at}"),
+        None if schedule["paused"] == json!(true) => "paused: no firing planned".to_string(),
+        None => "no firing planned (it has ended)".to_string(),
+    }
+}
+
+/// Every schedule, following `next_cursor` from page to page.
+fn all_schedules(client: &Client, limit: Option<u32>) -> anyhow::Result<Vec<Value>> {
+    let mut schedules = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut query = Vec::new();
+        if let Some(limit) = limit {
+            query.push(format!("limit={limit}"));
+        }
+        if let Some(cursor) = &cursor {
+            query.push(format!("cursor={}", url_encode(cursor)));
+        }
+        let path = match query.is_empty() {
+            true => "/v1/schedules".to_string(),
+            false => format!("/v1/schedules?{}", query.join("&")),
+        };
+        let page = call(client, "GET", &path, None)?;
+        schedules.extend(page["schedules"].as_array().into_iter().flatten().cloned());
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_string()),
+            None => return Ok(schedules),
+        }
+    }
+}
+
+/// Schedules as a table: one line each, the columns as wide as their widest cell.
+fn print_schedules(schedules: &[Value]) {
+    let text = |value: &Value| value.as_str().unwrap_or("-").to_string();
+    let header = [
+        "id",
+        "schedule",
+        "tz",
+        "paused",
+        "next_fire_at",
+        "last_fire_at",
+        "fired",
+    ]
+    .map(String::from);
+    let rows: Vec<[String; 7]> = schedules
+        .iter()
+        .map(|s| {
+            let timing = match (s["cron"].as_str(), s["every"].as_str()) {
+                (Some(cron), _) => cron.to_string(),
+                (None, Some(every)) => format!("every {every}"),
+                (None, None) => "-".to_string(),
+            };
+            [
+                text(&s["id"]),
+                timing,
+                text(&s["tz"]),
+                s["paused"].to_string(),
+                text(&s["next_fire_at"]),
+                text(&s["last_fire_at"]),
+                s["fired"].to_string(),
+            ]
+        })
+        .collect();
+    let mut widths = [0usize; 7];
+    for row in std::iter::once(&header).chain(&rows) {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    for row in std::iter::once(&header).chain(&rows) {
+        let cells: Vec<String> = row
+            .iter()
+            .zip(widths)
+            .map(|(cell, width)| format!("{cell:<width$}"))
+            .collect();
+        println!("{}", cells.join("  ").trim_end());
+    }
 }
 
 fn tail(args: TailArgs) -> anyhow::Result<()> {

@@ -1,6 +1,7 @@
 //! The console (`GET /ui`) in a real browser: headless Chromium from Debian driven over WebDriver
 //! (chromedriver on a free port, spoken to with the tests' own HTTP client), against the service with
-//! messages pending, delivered and dead, a bearer token, and a webhook receiver that makes dead letters.
+//! messages pending, delivered and dead, recurring schedules, a bearer token, and a webhook receiver
+//! that makes dead letters.
 //! A screenshot is saved as `target/console.png`.
 
 use super::webhook::{endpoint, webhook_sink};
@@ -198,7 +199,7 @@ fn target_dir() -> std::path::PathBuf {
 }
 
 #[test]
-fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
+fn the_console_shows_pending_hours_requeues_dead_letters_looks_up_ids_and_pauses_schedules() {
     let Some(browser) = Browser::start() else {
         return;
     };
@@ -266,6 +267,10 @@ fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
     browser.wait(
         "the dashboard shows",
         "return document.getElementById('login').hidden && !document.getElementById('dashboard').hidden",
+    );
+    browser.wait(
+        "the schedules panel says there are none",
+        "return !document.getElementById('schedules-empty').hidden",
     );
 
     // One bar per pending hour of the next 48, as high as its count; the rest per day beyond.
@@ -362,6 +367,112 @@ fn the_console_shows_pending_hours_requeues_dead_letters_and_looks_up_ids() {
         "return document.getElementById('lookup-result').textContent.includes('No message')",
     );
     assert!(browser.text("#lookup-result").contains("No message"));
+
+    // Schedules, put only now (a firing due within a minute is a pending message, which the chart
+    // above would count): one on a cron, paused and resumed from the page, and one that fires every
+    // second, whose last firing is linked.
+    let put = call(
+        "PUT",
+        "/v1/schedules/reports.daily",
+        Some(
+            json!({"cron": "0 9 * * MON-FRI", "tz": "Europe/Berlin", "topic": "reports.daily",
+                    "body": "report"}),
+        ),
+    );
+    assert_eq!(put.status, 201, "{}", put.json);
+    let next = put.json["next_fire_at"].clone();
+    let put = call(
+        "PUT",
+        "/v1/schedules/console.tick",
+        Some(json!({"every": "1s", "topic": "ticks", "body": "tick"})),
+    );
+    assert_eq!(put.status, 201, "{}", put.json);
+    let row = "tr.schedule-row[data-id='reports.daily']";
+    // The row's paused flag, cells, and next firing (null when none is shown), once `condition` (on
+    // `cells`) holds.
+    let cells = |condition: &str| {
+        format!(
+            "const r = document.querySelector(\"{row}\");
+             const cells = r && [r.dataset.paused,
+                 ...['timing', 'tz', 'paused', 'fired'].map(c => r.querySelector('td.' + c).textContent),
+                 r.querySelector('td.next-fire time')?.getAttribute('datetime') ?? null];
+             return cells && ({condition}) && cells"
+        )
+    };
+    let shown = browser.wait("the schedule is listed", &cells("true"));
+    assert_eq!(
+        shown,
+        json!(["false", "0 9 * * MON-FRI", "Europe/Berlin", "no", "0", next])
+    );
+    browser.click(&format!("{row} button.pause"));
+    let paused = browser.wait(
+        "the row shows the schedule paused",
+        &cells("cells[0] == 'true'"),
+    );
+    assert_eq!(
+        paused,
+        json!(["true", "0 9 * * MON-FRI", "Europe/Berlin", "yes", "0", null])
+    );
+    assert!(browser.text("#notice").contains("Paused reports.daily"));
+    let got = call("GET", "/v1/schedules/reports.daily", None);
+    assert_eq!(
+        (&got.json["paused"], &got.json["next_fire_at"]),
+        (&json!(true), &Value::Null)
+    );
+    browser.click(&format!("{row} button.resume"));
+    let resumed = browser.wait(
+        "the row shows the schedule resumed",
+        &cells("cells[0] == 'false'"),
+    );
+    let got = call("GET", "/v1/schedules/reports.daily", None);
+    assert_eq!(got.json["paused"], false);
+    assert_eq!(resumed[3], "no");
+    assert_eq!(resumed[5], got.json["next_fire_at"]);
+
+    let tick_link = "tr.schedule-row[data-id='console.tick'] td.last-fire a.id-link";
+    browser.wait(
+        "the ticking schedule links its last firing",
+        &format!("return document.querySelector(\"{tick_link}\")"),
+    );
+    browser.click(tick_link);
+    let looked_up = browser.wait(
+        "the lookup shows the firing",
+        "const s = document.getElementById('lookup-status');
+         return s && document.getElementById('lookup-result').textContent.includes('ticks') && s.textContent",
+    );
+    assert!(
+        ["scheduled", "delivered"].contains(&looked_up.as_str().unwrap()),
+        "{looked_up}"
+    );
+
+    // Fifty more, and the ticking one deleted: two pages, Next and Previous between them.
+    assert_eq!(
+        call("DELETE", "/v1/schedules/console.tick", None).status,
+        204
+    );
+    for i in 0..50 {
+        let put = call(
+            "PUT",
+            &format!("/v1/schedules/page.{i:02}"),
+            Some(json!({"cron": "@yearly", "topic": "pages", "body": "x"})),
+        );
+        assert_eq!(put.status, 201, "{}", put.json);
+    }
+    let ids = "const rows = [...document.querySelectorAll('#schedules tbody tr')].map(r => r.dataset.id);";
+    browser.wait(
+        "the first page is full, without the deleted schedule",
+        &format!("{ids} return rows.length == 50 && rows[0] == 'page.00' && rows[49] == 'page.49'"),
+    );
+    browser.click("#schedules-next");
+    browser.wait(
+        "the second page shows the rest",
+        &format!("{ids} return rows.length == 1 && rows[0] == 'reports.daily'"),
+    );
+    browser.click("#schedules-prev");
+    browser.wait(
+        "the first page shows again",
+        &format!("{ids} return rows.length == 50 && rows[0] == 'page.00'"),
+    );
 
     browser.script("window.scrollTo(0, 0); return null");
     let shot = target_dir().join("console.png");

@@ -14,6 +14,8 @@ mod edge;
 mod listing;
 mod openapi;
 mod retention;
+mod schedule_cli;
+mod schedules;
 mod sidecar_amqp;
 mod sidecar_kafka;
 mod sidecar_nats;
