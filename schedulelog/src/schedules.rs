@@ -477,14 +477,7 @@ pub fn parse_fire_at(text: &str) -> Option<i64> {
     if second > 59 {
         return None;
     }
-    // Days from the civil date (Howard Hinnant's algorithm), 1970-01-01 being day 0.
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
+    let days = crate::bucket::days_from_civil(year, month, day);
     Some(((days * 24 + hour) * 60 + minute) * 60_000 + second * 1000 + ms)
 }
 

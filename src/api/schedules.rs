@@ -50,8 +50,14 @@ fn existing(id: &str) -> Result<&str, ApiError> {
     params(("id" = String, Path, description = "`[A-Za-z0-9._-]{1,200}`, not only dots")),
     request_body(content = PutSchedule, content_type = "application/json"),
     responses(
-        (status = 200, description = "replaced (durable)", body = ScheduleView),
-        (status = 201, description = "created (durable)", body = ScheduleView),
+        (status = 200, description = "replaced (durable), or put again unchanged (nothing written)",
+            body = ScheduleView),
+        (status = 201, description = "created (durable)", body = ScheduleView, links(
+            ("get" = (operation_id = "get_schedule", parameters(("id" = "$response.body#/id")))),
+            ("pause" = (operation_id = "pause_schedule", parameters(("id" = "$response.body#/id")))),
+            ("resume" = (operation_id = "resume_schedule", parameters(("id" = "$response.body#/id")))),
+            ("delete" = (operation_id = "delete_schedule", parameters(("id" = "$response.body#/id")))),
+        )),
         (status = 400, description = "`invalid_schedule_id`, `invalid_cron`, `invalid_tz`, \
             `invalid_every`, `invalid_start_at`, `invalid_end_at`, `invalid_json`, `invalid_body`, \
             `invalid_topic`, `invalid_target`, `invalid_key`, `invalid_header`, `unknown_sink`, \
