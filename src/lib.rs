@@ -386,6 +386,8 @@ async fn housekeeping(
                 Err(error) => tracing::error!(%error, "broker retention failed; trying again"),
             }
             disk.check(&[log.disk_full(), broker.disk_full()]);
+            // Here rather than in a term's planner only: a cluster's followers count them too.
+            ::metrics::gauge!("delayd_schedules").set(log.schedule_count() as f64);
             log.poisoned()
         })
         .await;

@@ -60,6 +60,8 @@ const LABELLED_COUNTERS: &[(&str, &[(&str, &str)])] = &[
     ("delayd_http_timeouts_total", &[("phase", "idle")]),
     ("delayd_wal_files_total", &[("from", "spare")]),
     ("delayd_wal_files_total", &[("from", "new")]),
+    ("delayd_schedule_firings_total", &[("outcome", "fired")]),
+    ("delayd_schedule_firings_total", &[("outcome", "skipped")]),
 ];
 
 /// Counters without labels, made to exist at 0 by [`register_series`].
@@ -79,6 +81,7 @@ const COUNTERS: &[&str] = &[
 /// Gauges without labels, made to exist at 0 by [`register_series`].
 const GAUGES: &[&str] = &[
     "delayd_pending_messages",
+    "delayd_schedules",
     "delayd_wheel_entries",
     "delayd_segments",
     "delayd_disk_full",
@@ -196,6 +199,11 @@ fn describe() {
         "WAL write or fsync failures (the log then refuses writes)"
     );
     describe_gauge!("delayd_segments", "Schedule segments on disk");
+    describe_gauge!("delayd_schedules", "Recurring schedules (paused ones too)");
+    describe_counter!(
+        "delayd_schedule_firings_total",
+        "Firings of recurring schedules: written (fired), or missed and not made (skipped, by catchup)"
+    );
     describe_gauge!(
         "delayd_key_index_entries",
         "Pending messages with an idempotency key (HTTP dedup, keyed MQ requests) in the in-memory key index"

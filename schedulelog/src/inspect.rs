@@ -29,6 +29,20 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<bool> {
         INDEX_MAGIC => return inspect_index(&bytes, out),
         META_MAGIC => return inspect_meta(&bytes, out),
         checkpoint::MAGIC => return inspect_checkpoint(&bytes, out),
+        crate::schedules::DEFINITIONS_MAGIC | crate::schedules::PROGRESS_MAGIC => {
+            return match crate::schedules::describe(&bytes) {
+                Ok(lines) => {
+                    for line in lines {
+                        writeln!(out, "{line}")?;
+                    }
+                    Ok(true)
+                }
+                Err(reason) => {
+                    writeln!(out, "{}: {reason}", path.display())?;
+                    Ok(false)
+                }
+            };
+        }
         _ => {
             writeln!(
                 out,

@@ -477,8 +477,8 @@ impl Replay {
                 WalRecord::Message { head, frame } => {
                     let bucket = placement(head, self.width);
                     let payload = &bytes[frame.start + frame::HEADER_LEN..frame.end];
-                    let op = matches!(schedule_mark(payload), Some(ScheduleMark::Op { .. }));
-                    if self.watched.contains(&bucket) && !op {
+                    let op = || matches!(schedule_mark(payload), Some(ScheduleMark::Op { .. }));
+                    if self.watched.contains(&bucket) && !op() {
                         messages.push((bucket, head, bytes, frame.clone()));
                     }
                 }

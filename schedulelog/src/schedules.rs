@@ -43,8 +43,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-const DEFINITIONS_MAGIC: [u8; 8] = *b"DLYDSDEF";
-const PROGRESS_MAGIC: [u8; 8] = *b"DLYDSPRG";
+pub(crate) const DEFINITIONS_MAGIC: [u8; 8] = *b"DLYDSDEF";
+pub(crate) const PROGRESS_MAGIC: [u8; 8] = *b"DLYDSPRG";
 const VERSION: u16 = 1;
 const FIXED_LEN: usize = 22;
 /// The directory of the table's files, in the data dir.
@@ -94,35 +94,37 @@ pub(crate) struct ScheduleTable {
     saved_firing: u64,
 }
 
-/// The table's files as a checkpoint job writes them (None: unchanged since the last stored).
+/// A definition as its file holds it, taken from the table (the bytes shared, not copied).
+type DefinitionRow = (String, u64, i64, bool, Arc<[u8]>);
+
+/// The table's files as a checkpoint job writes them (None: unchanged since the last stored). The
+/// definitions are encoded by the job, off the replayer's lock (they may be many megabytes); the
+/// progress, fixed-size rows, as it is taken.
 #[derive(Debug, Default)]
 pub(crate) struct TableFiles {
     dir: PathBuf,
-    definitions: Option<(u64, Vec<u8>)>,
+    definitions: Option<(u64, Vec<DefinitionRow>)>,
     progress: Option<(u64, Vec<u8>)>,
 }
 
 impl TableFiles {
-    /// Writes the changed files, each atomically.
-    pub(crate) fn store(&self) -> Result<()> {
+    /// Writes the changed files, each atomically: the name and length of each written.
+    pub(crate) fn store(&self) -> Result<Vec<(&'static str, u64)>> {
+        let mut written = Vec::new();
         if self.definitions.is_none() && self.progress.is_none() {
-            return Ok(());
+            return Ok(written);
         }
         create_dir_durably(&self.dir)?;
-        for (name, file) in [(DEFINITIONS, &self.definitions), (PROGRESS, &self.progress)] {
-            if let Some((_, bytes)) = file {
-                write_atomically(&self.dir.join(name), bytes)?;
-            }
+        if let Some((next, rows)) = &self.definitions {
+            let bytes = encode_definitions(*next, rows);
+            write_atomically(&self.dir.join(DEFINITIONS), &bytes)?;
+            written.push((DEFINITIONS, bytes.len() as u64));
         }
-        Ok(())
-    }
-
-    /// The name and length of each file to store.
-    pub(crate) fn lengths(&self) -> Vec<(&'static str, u64)> {
-        [(DEFINITIONS, &self.definitions), (PROGRESS, &self.progress)]
-            .into_iter()
-            .filter_map(|(name, file)| Some((name, file.as_ref()?.1.len() as u64)))
-            .collect()
+        if let Some((_, bytes)) = &self.progress {
+            write_atomically(&self.dir.join(PROGRESS), bytes)?;
+            written.push((PROGRESS, bytes.len() as u64));
+        }
+        Ok(written)
     }
 
     /// What the table saved once these files are stored.
@@ -250,7 +252,7 @@ impl ScheduleTable {
         TableFiles {
             dir: data_dir.join(DIR),
             definitions: (self.next_op > self.saved_op)
-                .then(|| (self.next_op, self.encode_definitions())),
+                .then(|| (self.next_op, self.definition_rows())),
             progress: (self.next_firing > self.saved_firing)
                 .then(|| (self.next_firing, self.encode_progress())),
         }
@@ -260,7 +262,7 @@ impl ScheduleTable {
     pub(crate) fn all_files(&self, dir: &Path) -> TableFiles {
         TableFiles {
             dir: dir.join(DIR),
-            definitions: Some((self.next_op, self.encode_definitions())),
+            definitions: Some((self.next_op, self.definition_rows())),
             progress: Some((self.next_firing, self.encode_progress())),
         }
     }
@@ -272,17 +274,13 @@ impl ScheduleTable {
         self.saved_firing = self.saved_firing.max(firing.unwrap_or(0));
     }
 
-    fn encode_definitions(&self) -> Vec<u8> {
-        let mut buf = head(DEFINITIONS_MAGIC, self.next_op, self.entries.len());
-        for state in self.entries.values() {
-            put_id(&mut buf, &state.id);
-            buf.extend_from_slice(&state.since_seq.to_le_bytes());
-            buf.extend_from_slice(&state.since_ms.to_le_bytes());
-            buf.push(u8::from(state.paused));
-            buf.extend_from_slice(&(state.definition.len() as u32).to_le_bytes());
-            buf.extend_from_slice(&state.definition);
-        }
-        seal(buf)
+    fn definition_rows(&self) -> Vec<DefinitionRow> {
+        (self.entries.values())
+            .map(|s| {
+                let definition = s.definition.clone();
+                (s.id.clone(), s.since_seq, s.since_ms, s.paused, definition)
+            })
+            .collect()
     }
 
     fn encode_progress(&self) -> Vec<u8> {
@@ -299,6 +297,59 @@ impl ScheduleTable {
         }
         seal(buf)
     }
+}
+
+/// What `delayd inspect` says of a table file: its kind, `next_seq` and schedules (with, for the
+/// progress, each one's count and last fire time), or why it does not decode.
+pub(crate) fn describe(bytes: &[u8]) -> std::result::Result<Vec<String>, String> {
+    let damaged = |(offset, reason): Damage| format!("{reason} at offset {offset}");
+    let magic = bytes.get(..8).unwrap_or_default();
+    if magic == DEFINITIONS_MAGIC {
+        let (next, entries) = decode_definitions(bytes).map_err(damaged)?;
+        let mut lines = vec![format!(
+            "schedule definitions: every op below seq {next}; {} schedules",
+            entries.len()
+        )];
+        lines.extend(entries.values().map(|s| {
+            format!(
+                "{}: since seq {}{}, definition {} bytes",
+                s.id,
+                s.since_seq,
+                if s.paused { ", paused" } else { "" },
+                s.definition.len()
+            )
+        }));
+        return Ok(lines);
+    }
+    // Checked whole first (its entries are dropped: there are no definitions to hang them on).
+    let next = decode_progress(bytes, &mut BTreeMap::new()).map_err(damaged)?;
+    let (_, count, mut r) = open_file(bytes, PROGRESS_MAGIC).map_err(damaged)?;
+    let mut lines = vec![format!(
+        "schedule progress: every firing below seq {next}; {count} schedules have fired"
+    )];
+    for _ in 0..count {
+        let id = r.id().map_err(damaged)?;
+        let fired = r.u64().map_err(damaged)?;
+        let fire_at_ms = r.u64().map_err(damaged)? as i64;
+        r.take(14).map_err(damaged)?;
+        lines.push(format!(
+            "{id}: fired {fired}, last fire time {fire_at_ms} ms"
+        ));
+    }
+    Ok(lines)
+}
+
+fn encode_definitions(next: u64, rows: &[DefinitionRow]) -> Vec<u8> {
+    let mut buf = head(DEFINITIONS_MAGIC, next, rows.len());
+    for (id, since_seq, since_ms, paused, definition) in rows {
+        put_id(&mut buf, id);
+        buf.extend_from_slice(&since_seq.to_le_bytes());
+        buf.extend_from_slice(&since_ms.to_le_bytes());
+        buf.push(u8::from(*paused));
+        buf.extend_from_slice(&(definition.len() as u32).to_le_bytes());
+        buf.extend_from_slice(definition);
+    }
+    seal(buf)
 }
 
 fn read(path: &Path) -> Result<Option<Vec<u8>>> {
@@ -563,5 +614,9 @@ mod tests {
         fs::write(&path, bytes).expect("write");
         let err = ScheduleTable::load(dir.path()).expect_err("damaged");
         assert!(err.to_string().contains("definitions"), "{err}");
+        assert!(describe(&fs::read(&path).expect("read")).is_err());
+        table.files(dir.path()).store().expect("store");
+        let described = describe(&fs::read(&path).expect("read")).expect("whole");
+        assert_eq!(described[1], "a: since seq 1, definition 5 bytes");
     }
 }

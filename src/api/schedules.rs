@@ -253,7 +253,7 @@ pub async fn delete(
     state.schedules.delete(id).await?;
     Ok(Json(Deleted {
         id: id.to_string(),
-        deleted: true,
+        status: "deleted",
     }))
 }
 
@@ -261,5 +261,7 @@ pub async fn delete(
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Deleted {
     id: String,
-    deleted: bool,
+    /// `deleted`.
+    #[schema(value_type = String)]
+    status: &'static str,
 }

@@ -103,16 +103,21 @@ pub fn valid_id(id: &str) -> bool {
 /// A `start_at` or `end_at`, as unix ms; `refused` says why text that is no time is refused.
 fn time_field(
     value: Option<TimeField>,
-    refused: impl FnOnce(String) -> Rejection,
+    refused: impl Fn(String) -> Rejection,
 ) -> Result<Option<i64>, Rejection> {
-    match value {
-        None => Ok(None),
-        Some(TimeField::Ms(ms)) => Ok(Some(ms)),
-        Some(TimeField::Text(text)) => parse_rfc3339(&text).map(Some).ok_or_else(|| {
+    let ms = match value {
+        None => return Ok(None),
+        Some(TimeField::Ms(ms)) => ms,
+        Some(TimeField::Text(text)) => parse_rfc3339(&text).ok_or_else(|| {
             refused(format!(
                 "{text:?} is not an RFC 3339 time nor unix milliseconds"
             ))
-        }),
+        })?,
+    };
+    // Stored as RFC 3339 text, which must read back as the same time (years 0 to 9999).
+    match parse_rfc3339(&format_ms(ms)) == Some(ms) {
+        true => Ok(Some(ms)),
+        false => Err(refused(format!("{ms} is outside the years 0 to 9999"))),
     }
 }
 
@@ -218,8 +223,12 @@ impl Stored {
     /// The timing, parsed again (it was checked when stored).
     pub fn timing(&self) -> Option<Timing> {
         let spec = &self.spec;
-        let start_at_ms = spec.start_at.as_deref().and_then(parse_rfc3339);
-        let end_at_ms = spec.end_at.as_deref().and_then(parse_rfc3339);
+        // A stored time that does not read back means no timing (it does not fire), never none.
+        let time = |t: &Option<String>| match t {
+            None => Some(None),
+            Some(text) => parse_rfc3339(text).map(Some),
+        };
+        let (start_at_ms, end_at_ms) = (time(&spec.start_at)?, time(&spec.end_at)?);
         let calendar = Calendar::parse(
             spec.cron.as_deref(),
             spec.every.as_deref(),

@@ -147,11 +147,13 @@ impl Schedules {
             Stored::decode(&before.definition).is_some_and(|s| s.spec == stored.spec)
         });
         if !unchanged {
-            self.write_op(id, ScheduleOp::Put, &stored.encode()).await?;
+            let written = self.write_op(id, ScheduleOp::Put, &stored.encode()).await;
+            // Woken whatever the answer: a write in doubt or not filed yet may still take effect.
+            let _ = self.wake.send(id.to_string());
+            written?;
             if let Some(before) = &before {
                 self.withdraw(before).await;
             }
-            let _ = self.wake.send(id.to_string());
         }
         let state = self.log.schedule(id).ok_or(ScheduleError::NotFound)?;
         let put = match (&before, unchanged) {
@@ -175,11 +177,6 @@ impl Schedules {
         (page.iter().map(|s| self.view(s)).collect(), next)
     }
 
-    /// How many schedules there are.
-    pub fn count(&self) -> usize {
-        self.log.schedule_count()
-    }
-
     /// Pauses schedule `id` (again: nothing more is written) and withdraws its planned firing.
     pub async fn pause(&self, id: &str) -> Result<ScheduleView, ScheduleError> {
         let _writing = self.writing.lock().await;
@@ -197,8 +194,9 @@ impl Schedules {
         let _writing = self.writing.lock().await;
         let state = self.log.schedule(id).ok_or(ScheduleError::NotFound)?;
         if state.paused {
-            self.write_op(id, ScheduleOp::Resume, &[]).await?;
+            let written = self.write_op(id, ScheduleOp::Resume, &[]).await;
             let _ = self.wake.send(id.to_string());
+            written?;
         }
         let state = self.log.schedule(id).ok_or(ScheduleError::NotFound)?;
         Ok(self.view(&state))

@@ -3,41 +3,61 @@
 //! A schedule's next firing is written at its plan time: `max(after, next - LEAD) + spread`, where
 //! `after` is the nominal time of its last firing (or, for a schedule just put or resumed, the op's
 //! time) and `spread` a hash of its id below half the gap (at most `LEAD / 2`). So a firing is
-//! written between half a period (at most 60 s) and 30 s before it is due, and the firings of many
-//! schedules due at one instant are written spread over the half minute before it, not at that instant
-//! (100,000 schedules due each minute: ~3,300 writes a second). A schedule has at most one firing
-//! written ahead: the next is planned once the last one's time has come.
+//! written between half the gap since the last one (at most 60 s) and a quarter of it (at least 30 s
+//! for a schedule firing once a minute or less often) before it is due, and the firings of many
+//! schedules due at one instant are written spread over the half minute before it, not at that
+//! instant (100,000 schedules due each minute: ~3,300 writes a second). A schedule has at most one
+//! firing written ahead: the next is planned once the last one's time has come.
 //!
 //! Invariants:
 //! - What to write is decided from the table (`ScheduleLog::schedule`) under [`Schedules::writing`],
-//!   and the next decision waits until what was written is filed there: a firing whose write is in
-//!   doubt (a cluster's `Uncertain`) is waited for, never written again.
-//! - The queue is only a hint of when to look: each schedule's state is read afresh when it is due.
+//!   and no schedule is decided on again until what was written is filed there (the planner waits,
+//!   the lock released, so that the API's ops go on): a firing whose write is in doubt (a cluster's
+//!   `Uncertain`) is waited for, never written again. The first decisions wait until the log filed
+//!   everything committed before the term (a restart's WAL tail, a new leader's backlog).
+//! - A batch's appends go in order, each at most [`APPEND_BYTES`] (below a cluster entry's size), a
+//!   schedule's firings in one of them, and the batch stops at the first that fails: a later firing
+//!   of a schedule never lands while an earlier one was lost.
+//! - The queue is only a hint of when to look: each schedule's state is read afresh when it is due,
+//!   and every schedule is looked at again every [`RESCAN`] (one that a write in doubt or a slow
+//!   filing kept from the queue).
+//! - Catch-up `none` writes nothing for the fire times it skips: the planner remembers (in memory)
+//!   how far it skipped, so it plans the next on-time firing rather than meeting the same missed
+//!   ones again; a restart counts them as skipped again.
 
-use super::calendar::{plan, Firing, MISSED_AFTER_MS};
+use super::calendar::{plan, Catchup, Firing, MISSED_AFTER_MS};
 use super::{Schedules, Stored};
 use crate::timestamp::format_ms;
 use schedulelog::{AppendError, EncodedMessage, MessageRef, ScheduleState};
 use schedulelog::{FIRE_AT_HEADER, SCHEDULE_HEADER};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How far ahead of its time a firing is written at most.
 pub const LEAD_MS: i64 = 60_000;
 /// Schedules planned in one batch at most (one look at the table each, then a few group commits).
 const BATCH: usize = 5_000;
-/// Firings per append: a group commit (and a cluster entry) of a bounded size.
-const PER_APPEND: usize = 500;
+/// Bytes of firings in one batch at most: what a batch holds in memory.
+const BATCH_BYTES: usize = 32 << 20;
+/// Bytes of firings per append at most: a group commit, and a cluster entry (`MAX_ENTRY_BYTES` is
+/// 16 MiB), of a bounded size.
+pub const APPEND_BYTES: usize = 4 << 20;
 /// After a failed write, how long until the schedules are looked at again.
 const RETRY_MS: i64 = 1_000;
+/// How often every schedule is looked at again.
+const RESCAN: Duration = Duration::from_secs(600);
 
-/// The nominal time a schedule plans after: its last firing's, or the op it plans afresh from.
+/// The nominal time a schedule plans after: its last firing's, or the op it plans afresh from (put
+/// or resume) and, when later, a firing planned before it that the op withdrew (its fire time is
+/// not written again; at most a lead ahead of the op).
 fn after(state: &ScheduleState, stored: &Stored) -> i64 {
+    let since = state.since_ms.max(stored.created_at_ms);
     match state.last {
         Some(last) if last.is_current(state) => last.fire_at_ms,
         // Strictly after the op: an `every` without `start_at` first fires a period after it.
-        _ => state.since_ms.max(stored.created_at_ms),
+        Some(withdrawn) => since.max(withdrawn.fire_at_ms.min(since.saturating_add(LEAD_MS))),
+        None => since,
     }
 }
 
@@ -86,6 +106,95 @@ fn encode(id: &str, stored: &Stored, body: &[u8], firing: Firing) -> Option<Enco
     .ok()
 }
 
+/// What one batch decided: per schedule, its firings (in order); missed fire times not made; how
+/// far `none` schedules skipped.
+#[derive(Debug, Default)]
+struct Decided {
+    firings: Vec<Vec<EncodedMessage>>,
+    skipped: u64,
+    skipped_to: Vec<(String, i64)>,
+    /// Schedules left for the next batch (the batch was full).
+    left: Vec<String>,
+}
+
+/// Decides the firings of the schedules `due` at `now` (blocking: it reads the table and walks
+/// calendars).
+fn decide(
+    schedules: &Schedules,
+    due: Vec<String>,
+    skipped_to: &HashMap<String, i64>,
+    now: i64,
+) -> Decided {
+    let mut decided = Decided::default();
+    let mut bytes = 0;
+    let mut due = due.into_iter();
+    for id in due.by_ref() {
+        let Some(state) = schedules.log.schedule(&id) else {
+            continue;
+        };
+        let stored = Stored::decode(&state.definition);
+        let (Some(stored), Some(timing)) =
+            (stored.as_ref(), stored.as_ref().and_then(Stored::timing))
+        else {
+            continue;
+        };
+        if state.paused {
+            continue;
+        }
+        let after = after(&state, stored).max(skipped_to.get(&id).copied().unwrap_or(i64::MIN));
+        let Some(next) = plan(&timing, Some(after), after, after).next else {
+            continue;
+        };
+        if plan_at(&id, after, next) > now {
+            continue; // put again meanwhile: planned anew once filed
+        }
+        // Missed (the node was down): catch up as the schedule says, and write the first fire time
+        // still to come with it when it is within a lead (as it would be planned anyway), so that
+        // progress moves even when catch-up writes nothing.
+        let until = match next < now.saturating_sub(MISSED_AFTER_MS) {
+            true => (timing.calendar)
+                .next_after(now.saturating_sub(MISSED_AFTER_MS + 1))
+                .filter(|first| *first <= now.saturating_add(LEAD_MS))
+                .unwrap_or(next),
+            false => next,
+        };
+        let planned = plan(&timing, Some(after), now, until);
+        decided.skipped += planned.skipped;
+        if planned.firings.is_empty() {
+            if let (Catchup::None, Some(next)) = (timing.catchup, planned.next) {
+                decided
+                    .skipped_to
+                    .push((id.clone(), next.saturating_sub(1)));
+            }
+            continue;
+        }
+        let body = stored.body();
+        let mut firings: Vec<EncodedMessage> = (planned.firings.into_iter())
+            .filter_map(|firing| {
+                let encoded = encode(&id, stored, &body, firing);
+                if encoded.is_none() {
+                    tracing::warn!(schedule = %id, "a firing does not fit the record format: skipped");
+                }
+                encoded
+            })
+            .collect();
+        // A schedule's firings go in one append: the oldest of a long catch-up are left out (and
+        // counted as skipped) when they would not fit.
+        let mut size: usize = firings.iter().map(EncodedMessage::frame_len).sum();
+        while size > APPEND_BYTES && firings.len() > 1 {
+            size -= firings.remove(0).frame_len();
+            decided.skipped += 1;
+        }
+        bytes += size;
+        decided.firings.push(firings);
+        if bytes >= BATCH_BYTES {
+            break;
+        }
+    }
+    decided.left = due.collect();
+    decided
+}
+
 /// The planner of a term: runs until its term stops.
 #[derive(Debug)]
 pub struct Planner {
@@ -94,6 +203,8 @@ pub struct Planner {
     /// (plan time, id), and each id's plan time.
     queue: BTreeSet<(i64, String)>,
     at: HashMap<String, i64>,
+    /// How far `none` schedules skipped missed fire times (module doc).
+    skipped_to: HashMap<String, i64>,
 }
 
 impl Planner {
@@ -106,22 +217,22 @@ impl Planner {
             woken,
             queue: BTreeSet::new(),
             at: HashMap::new(),
+            skipped_to: HashMap::new(),
         }
     }
 
     /// Plans every schedule, then each as its time comes, until `stop` says `true`.
     pub async fn run(mut self, mut stop: tokio::sync::watch::Receiver<bool>) {
-        let mut after = None;
-        loop {
-            let page = self.schedules.log.schedules(after.as_deref(), 1_000);
-            let Some(last) = page.last() else { break };
-            after = Some(last.id.clone());
-            for state in &page {
-                self.enqueue_state(state);
-            }
+        if !self.caught_up(&mut stop).await {
+            return;
         }
+        self.rescan();
+        let mut rescanned = Instant::now();
         while !*stop.borrow() {
-            metrics::gauge!("delayd_schedules").set(self.schedules.count() as f64);
+            if rescanned.elapsed() >= RESCAN {
+                self.rescan();
+                rescanned = Instant::now();
+            }
             let now = self.schedules.clock.now_ms();
             let mut due = Vec::new();
             while due.len() < BATCH {
@@ -150,11 +261,45 @@ impl Planner {
         }
     }
 
+    /// Waits until the log filed everything committed so far (`false`: stopped first).
+    async fn caught_up(&self, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
+        loop {
+            let log = self.schedules.log.clone();
+            if let Ok(Ok(_)) = tokio::task::spawn_blocking(move || log.next_seq()).await {
+                return true;
+            }
+            // Held up (a full disk): nothing is planned from a table that lags the log.
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = stop.changed() => {}
+            }
+            if *stop.borrow() {
+                return false;
+            }
+        }
+    }
+
+    /// Looks at every schedule again.
+    fn rescan(&mut self) {
+        let mut after = None;
+        loop {
+            let page = self.schedules.log.schedules(after.as_deref(), 1_000);
+            let Some(last) = page.last() else { break };
+            after = Some(last.id.clone());
+            for state in &page {
+                self.enqueue_state(state);
+            }
+        }
+    }
+
     /// Looks at schedule `id` again.
     fn enqueue(&mut self, id: &str) {
         match self.schedules.log.schedule(id) {
             Some(state) => self.enqueue_state(&state),
-            None => self.dequeue(id),
+            None => {
+                self.dequeue(id);
+                self.skipped_to.remove(id);
+            }
         }
     }
 
@@ -177,7 +322,8 @@ impl Planner {
             tracing::warn!(schedule = %state.id, "a schedule's timing does not parse: it does not fire");
             return;
         };
-        let after = after(state, &stored);
+        let skipped_to = self.skipped_to.get(&state.id).copied();
+        let after = after(state, &stored).max(skipped_to.unwrap_or(i64::MIN));
         let Some(next) = plan(&timing, Some(after), after, after).next else {
             return; // ended
         };
@@ -194,63 +340,58 @@ impl Planner {
         let schedules = self.schedules.clone();
         let writing = schedules.writing.lock().await;
         let now = schedules.clock.now_ms();
-        let mut records = Vec::new();
-        let mut skipped = 0;
-        for id in &due {
-            let Some(state) = schedules.log.schedule(id) else {
-                continue;
-            };
-            let stored = Stored::decode(&state.definition);
-            let (Some(stored), Some(timing)) =
-                (stored.as_ref(), stored.as_ref().and_then(Stored::timing))
-            else {
-                continue;
-            };
-            if state.paused {
-                continue;
+        let decided = {
+            let (schedules, due, skipped_to) =
+                (schedules.clone(), due.clone(), self.skipped_to.clone());
+            tokio::task::spawn_blocking(move || decide(&schedules, due, &skipped_to, now)).await
+        };
+        let Ok(decided) = decided else {
+            tracing::error!("planning firings panicked; tried again in a second");
+            for id in &due {
+                self.insert(id, now.saturating_add(RETRY_MS));
             }
-            let after = after(&state, stored);
-            let Some(next) = plan(&timing, Some(after), after, after).next else {
-                continue;
-            };
-            if plan_at(id, after, next) > now {
-                continue; // put again meanwhile: planned below
-            }
-            // Missed (the node was down): catch up as the schedule says, and write the next fire time
-            // to come as well, so that its progress moves even when catch-up writes nothing.
-            let until = match next < now.saturating_sub(MISSED_AFTER_MS) {
-                true => (timing.calendar)
-                    .next_after(now.saturating_sub(MISSED_AFTER_MS + 1))
-                    .unwrap_or(next),
-                false => next,
-            };
-            let planned = plan(&timing, Some(after), now, until);
-            skipped += planned.skipped;
-            let body = stored.body();
-            for firing in planned.firings {
-                match encode(id, stored, &body, firing) {
-                    Some(record) => records.push(record),
-                    None => {
-                        tracing::warn!(schedule = %id, "a firing does not fit the record format: skipped");
-                    }
-                }
-            }
+            return;
+        };
+        for (id, to) in decided.skipped_to {
+            self.skipped_to.insert(id, to);
         }
-        let (written, outcome) = self.write(records, stop).await;
+        metrics::counter!("delayd_schedule_firings_total", "outcome" => "skipped")
+            .increment(decided.skipped);
+        let (written, filed_below, outcome) = self.write(decided.firings).await;
         drop(writing);
         metrics::counter!("delayd_schedule_firings_total", "outcome" => "fired")
             .increment(written as u64);
+        // Whatever was written (or may have been) is filed before the table is read again.
+        let log = &self.schedules.log;
+        while log.filed_below() < filed_below {
+            if *stop.borrow() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        for id in &decided.left {
+            self.insert(id, now);
+        }
+        let left: std::collections::HashSet<&String> = decided.left.iter().collect();
         match outcome {
             Ok(()) => {
-                metrics::counter!("delayd_schedule_firings_total", "outcome" => "skipped")
-                    .increment(skipped);
                 for id in &due {
+                    if left.contains(id) {
+                        continue;
+                    }
                     self.enqueue(id);
                     // One that wrote nothing (a firing that does not fit the record format) is not
                     // looked at again at once.
                     if self.at.get(id).is_some_and(|at| *at <= now) {
                         self.dequeue(id);
                         self.insert(id, now.saturating_add(RETRY_MS));
+                    }
+                    if self
+                        .skipped_to
+                        .get(id)
+                        .is_some_and(|to| *to < now - LEAD_MS)
+                    {
+                        self.skipped_to.remove(id);
                     }
                 }
             }
@@ -264,28 +405,35 @@ impl Planner {
         }
     }
 
-    /// Appends `records` and waits until they are filed (or, for a write in doubt, until the log
-    /// filed every seq it could have taken): how many were surely written, and `Err` when some were
-    /// not (or may not have been, and the term stopped before it knew).
+    /// Appends the firings, a schedule's together, in order, in appends of at most [`APPEND_BYTES`],
+    /// stopping at the first that fails: how many were surely written, the seq below which every
+    /// record written (or in doubt) is, and `Err` when some were not written or are in doubt (the
+    /// table says, once filed, which took effect).
     async fn write(
         &self,
-        records: Vec<EncodedMessage>,
-        stop: &mut tokio::sync::watch::Receiver<bool>,
-    ) -> (usize, Result<(), AppendError>) {
-        if records.is_empty() {
-            return (0, Ok(()));
-        }
+        firings: Vec<Vec<EncodedMessage>>,
+    ) -> (usize, u64, Result<(), AppendError>) {
         let log = &self.schedules.log;
-        let mut acks = Vec::new();
-        let mut records = records.into_iter().peekable();
-        while records.peek().is_some() {
-            acks.push(log.append(records.by_ref().take(PER_APPEND).collect()));
-        }
-        let mut result = Ok(());
-        let mut filed_below = 0;
         let mut written = 0;
-        for ack in acks {
-            match ack.await {
+        let mut filed_below = 0;
+        let mut chunk: Vec<EncodedMessage> = Vec::new();
+        let mut chunk_bytes = 0;
+        let mut firings = firings.into_iter().peekable();
+        while let Some(schedule) = firings.next() {
+            chunk_bytes += schedule
+                .iter()
+                .map(EncodedMessage::frame_len)
+                .sum::<usize>();
+            chunk.extend(schedule);
+            let full = firings.peek().is_none_or(|next| {
+                chunk_bytes + next.iter().map(EncodedMessage::frame_len).sum::<usize>()
+                    > APPEND_BYTES
+            });
+            if !full {
+                continue;
+            }
+            chunk_bytes = 0;
+            match log.append(std::mem::take(&mut chunk)).await {
                 Ok(appended) => {
                     written += appended.len();
                     if let Some(last) = appended.last() {
@@ -294,22 +442,15 @@ impl Planner {
                 }
                 Err(AppendError::Uncertain { seqs_below }) => {
                     filed_below = filed_below.max(seqs_below);
-                    result = Err(AppendError::Uncertain { seqs_below });
+                    return (
+                        written,
+                        filed_below,
+                        Err(AppendError::Uncertain { seqs_below }),
+                    );
                 }
-                Err(other) => result = result.and(Err(other)),
+                Err(other) => return (written, filed_below, Err(other)),
             }
         }
-        // Whatever was written (or may have been) is filed before the table is read again.
-        while log.filed_below() < filed_below {
-            if *stop.borrow() {
-                return (written, Err(AppendError::Closed));
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        match result {
-            // In doubt, but now filed: the table says what took effect.
-            Err(AppendError::Uncertain { .. }) => (written, Ok(())),
-            other => (written, other),
-        }
+        (written, filed_below, Ok(()))
     }
 }

@@ -12,6 +12,8 @@
 //!   or a sink delivering in place panicked, or a cluster leader's delivery lease does not hold right
 //!   before the batch would go to the sink, lease.rs) → the entry goes back to the wheel, nothing written, no
 //!   attempt used;
+//! - withdrawn (a firing of a recurring schedule paused, replaced or deleted since it was written,
+//!   DESIGN §14) → a `cancelled` outcome; it never goes to the sink;
 //! - unreachable (an MQ refused the connection, was not connected, or timed out before it answered) →
 //!   the same, after the sink's backoff for the batches in a row that found it away (at most 30 s), and
 //!   the lane holds what comes due meanwhile, unread, until then (counted as postponed,
@@ -246,10 +248,17 @@ impl Lane {
         // A sink that delivers in place does so on the thread that read the batch (Sink::deliver_blocking).
         let read = tokio::task::spawn_blocking(move || {
             let (entries, deliveries) = read_batch(&lane.shared, &batch);
+            // Firings withdrawn since they were written go no further (answered here, below).
+            let (entries, deliveries, withdrawn) =
+                split_withdrawn(&lane.shared, entries, deliveries);
             // Admitted in flight by read_batch; released once settled (or if this task ends early).
             let flight = InFlight {
                 shared: lane.shared.clone(),
                 ids: deliveries.iter().map(|d| d.id).collect(),
+            };
+            let withdrawn_flight = InFlight {
+                shared: lane.shared.clone(),
+                ids: withdrawn.iter().map(|d| d.id).collect(),
             };
             // A batch with a message dead on arrival goes the other way, which answers for those.
             let in_place =
@@ -260,16 +269,25 @@ impl Lane {
                     .or_else(|| lane.deliver_in_place(&deliveries)),
                 false => None,
             };
-            (entries, deliveries, flight, outcomes)
+            (
+                entries,
+                deliveries,
+                flight,
+                outcomes,
+                (withdrawn, withdrawn_flight),
+            )
         })
         .await;
-        let (entries, deliveries, flight, outcomes) = match read {
+        let (entries, deliveries, flight, outcomes, withdrawn) = match read {
             Ok(read) => read,
             Err(e) => {
                 tracing::error!(sink = %self.name, error = %e, "reading due messages panicked");
                 return;
             }
         };
+        if !withdrawn.0.is_empty() {
+            self.withdraw(withdrawn.0, withdrawn.1).await;
+        }
         if deliveries.is_empty() {
             return;
         }
@@ -292,6 +310,36 @@ impl Lane {
         );
         self.settle(&entries, &deliveries, outcomes, flight, probe)
             .await;
+    }
+
+    /// Records withdrawn firings as cancelled (their attempt's outcome), then releases them.
+    async fn withdraw(&self, withdrawn: Vec<Delivery>, flight: InFlight) {
+        let now = self.shared.clock.now_ms();
+        let records = (withdrawn.iter())
+            .map(|d| {
+                let outcome = Outcome {
+                    seq: d.location.seq,
+                    at_ms: now,
+                    attempt: d.message.attempt,
+                    kind: OutcomeKind::Cancelled,
+                };
+                (d.location.bucket, outcome)
+            })
+            .collect();
+        self.record_outcomes(records).await;
+        metrics::counter!("delayd_messages_cancelled_total").increment(withdrawn.len() as u64);
+        for delivery in &withdrawn {
+            self.shared.finished_key(&delivery.message, delivery.id);
+        }
+        drop(flight);
+        if let Some(settled) = &self.shared.settled {
+            let _ = settled.send(
+                withdrawn
+                    .iter()
+                    .map(|d| (d.id, Settled::Cancelled))
+                    .collect(),
+            );
+        }
     }
 
     /// Postponements for a batch of `len` when this member's delivery lease (lease.rs) does not hold
@@ -806,7 +854,7 @@ fn unreadable(shared: &SchedulerState, entry: &Entry, bucket: Bucket, error: &sc
 /// Reads the records of a batch and admits them in the registry: returns the entries and deliveries to
 /// make, without the cancelled ones (dropped) and those whose cancel is in progress (held). A record
 /// that cannot be read goes back to the wheel (see the module doc).
-fn read_batch(shared: &Arc<SchedulerState>, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
+fn read_batch(shared: &SchedulerState, batch: &[Entry]) -> (Vec<Entry>, Vec<Delivery>) {
     let mut read = Vec::with_capacity(batch.len());
     // Entries read, or gone with their retired bucket: no longer unreadable.
     let mut settled = Vec::new();
@@ -848,19 +896,6 @@ fn read_batch(shared: &Arc<SchedulerState>, batch: &[Entry]) -> (Vec<Entry>, Vec
                 bucket,
                 seq: message.seq,
             };
-            if withdrawn(&shared.log, &message) {
-                // Cancelled like any message (the answer to the pause, replacement or delete may
-                // have cancelled it already), then met again: dropped as cancelled, or handed back if
-                // the cancel failed, to be withdrawn again.
-                let (cancelling, id) = (shared.clone(), message.id);
-                tokio::spawn(async move {
-                    if let Err(error) = super::registry::cancel(cancelling, id).await {
-                        tracing::debug!(%id, %error, "withdrawing a firing: its cancel failed");
-                    }
-                });
-                shared.requeue_at(entry, sent_at_ms.saturating_add(WITHDRAW_AGAIN_MS));
-                continue;
-            }
             match registry.admit(message.id, location, entry) {
                 Admission::Deliver => {
                     entries.push(entry);
@@ -888,11 +923,10 @@ fn read_batch(shared: &Arc<SchedulerState>, batch: &[Entry]) -> (Vec<Entry>, Vec
     (entries, deliveries)
 }
 
-/// How long after a withdrawn firing's cancel began its entry is met again.
-const WITHDRAW_AGAIN_MS: i64 = 100;
-
 /// Whether `message` is a firing of a recurring schedule (DESIGN §14) that was paused, replaced or
 /// deleted (or paused and resumed) after the firing was written: then it is withdrawn, never delivered.
+/// Decided only once the schedule table holds every record up to this attempt's: an op answered
+/// after the firing was written has a later seq, and its answer waited until it was filed.
 fn withdrawn(log: &schedulelog::ScheduleLog, message: &schedulelog::Message) -> bool {
     let [(first, id), (second, _), ..] = message.headers.as_slice() else {
         return false;
@@ -900,10 +934,39 @@ fn withdrawn(log: &schedulelog::ScheduleLog, message: &schedulelog::Message) -> 
     if first != schedulelog::SCHEDULE_HEADER || second != schedulelog::FIRE_AT_HEADER {
         return false;
     }
+    if log.filed_below() <= message.seq {
+        return false;
+    }
     match log.schedule(id) {
         None => true,
         Some(state) => state.paused || message.id.first.seq <= state.since_seq,
     }
+}
+
+/// Takes the withdrawn firings out of a batch read (admitted in flight like the rest).
+fn split_withdrawn(
+    shared: &SchedulerState,
+    entries: Vec<Entry>,
+    deliveries: Vec<Delivery>,
+) -> (Vec<Entry>, Vec<Delivery>, Vec<Delivery>) {
+    if !deliveries
+        .iter()
+        .any(|d| withdrawn(&shared.log, &d.message))
+    {
+        return (entries, deliveries, Vec::new());
+    }
+    let mut kept = (Vec::new(), Vec::new());
+    let mut out = Vec::new();
+    for (entry, delivery) in entries.into_iter().zip(deliveries) {
+        match withdrawn(&shared.log, &delivery.message) {
+            true => out.push(delivery),
+            false => {
+                kept.0.push(entry);
+                kept.1.push(delivery);
+            }
+        }
+    }
+    (kept.0, kept.1, out)
 }
 
 /// The sink of messages that name a sink nobody configured: they are dead, with the reason.

@@ -321,7 +321,7 @@ fn classify(request: &Request, now_ms: i64) -> Action {
             ))
         }
         // ADR-51's forms other than the one-off `@at`.
-        [("Nats-Schedule", value)] if !value.starts_with("@at") => {
+        [("Nats-Schedule", value)] if !is_at(value) => {
             return recurring(request, target, key, value)
         }
         [(name, value)] => match when(name, value, now_ms) {
@@ -532,6 +532,13 @@ fn every_text(ms: i64) -> String {
     }
 }
 
+/// Whether a `Nats-Schedule` value is ADR-51's one-off form, `@at <time>` (any case).
+fn is_at(value: &str) -> bool {
+    value
+        .get(..3)
+        .is_some_and(|at| at.eq_ignore_ascii_case("@at"))
+}
+
 /// A delivery time from one of the time headers.
 fn when(name: &str, value: &str, now_ms: i64) -> Result<i64, Rejection> {
     let after =
@@ -546,8 +553,8 @@ fn when(name: &str, value: &str, now_ms: i64) -> Result<i64, Rejection> {
             .filter(|ms| ms.is_finite())
             .map(|ms| now_ms.saturating_add(ms.max(0.0).min(i64::MAX as f64) as i64))
             .ok_or_else(|| Rejection::new("invalid_delay", format!("x-delay {value:?} is not a number of milliseconds"))),
-        "Nats-Schedule" => value
-            .strip_prefix("@at ")
+        "Nats-Schedule" => (is_at(value).then(|| &value[3..]))
+            .filter(|rest| rest.starts_with(' '))
             .map(str::trim)
             .ok_or_else(|| Rejection::new("invalid_deliver_at", format!("Nats-Schedule {value:?}: only \"@at <RFC 3339 time>\" is a one-off delivery time")))
             .and_then(deliver_at_from_text),

@@ -233,12 +233,6 @@ fn schedule_routes_answer_as_documented() {
     server
         .call("GET", "/v1/schedules?limit=0", None)
         .assert_problem(400, "invalid_query");
-    let metrics = scrape(&server.base);
-    assert_eq!(
-        metrics.get("delayd_schedules"),
-        Some(&5.0),
-        "the gauge counts them"
-    );
 }
 
 /// Waits until the receiver saw the schedule `probe` fire `count` more times: proof that firings go
@@ -323,7 +317,7 @@ fn pause_resume_replace_and_delete_take_effect_at_their_answer() {
     // Deleted: gone, and nothing of it fires after the answer.
     let deleted = server.call("DELETE", "/v1/schedules/tick", None);
     assert_eq!(deleted.status, 200);
-    assert_eq!(deleted.json, json!({"id": "tick", "deleted": true}));
+    assert_eq!(deleted.json, json!({"id": "tick", "status": "deleted"}));
     let deleted_at = now_ms();
     server
         .call("GET", "/v1/schedules/tick", None)
@@ -398,6 +392,12 @@ fn no_fire_time_is_made_twice_across_kill_9_and_restarts() {
         let answer = put(&process.base, id, body);
         assert_eq!(answer.status, 201, "{}", answer.json);
     }
+    // (A process of its own: the in-process servers of other tests share one metrics recorder.)
+    wait_for(
+        "the gauge counts the schedules",
+        Duration::from_secs(10),
+        || scrape(&process.base).get("delayd_schedules") == Some(&3.0),
+    );
     let mut draws = Draws::new(now_ms() as u64);
     for kill in 0..kills {
         let before = fired(&process.base, "all");
@@ -474,4 +474,69 @@ fn no_fire_time_is_made_twice_across_kill_9_and_restarts() {
         }
         println!("{id}: {} firings, each once", times.len());
     }
+    let metrics = scrape(&process.base);
+    let fired = metrics.get(r#"delayd_schedule_firings_total{outcome="fired"}"#);
+    assert!(fired.is_some_and(|n| *n >= 1.0), "{metrics:?}");
+    assert!(metrics.contains_key(r#"delayd_schedule_firings_total{outcome="skipped"}"#));
+}
+
+/// A pause withdraws what it finds planned: the firing written ahead (cancelled by the pause), and
+/// an attempt of an earlier firing waiting for its retry (withdrawn by the lane when it comes due,
+/// recorded as cancelled, never sent). Neither reaches the receiver; the schedule's status says so.
+#[test]
+fn a_pause_withdraws_the_planned_firing_and_a_retry_waiting_for_its_time() {
+    // Every firing's first attempt is refused once: each waits 1.5 s for its retry.
+    let hook = endpoint(&[("flaky", vec!["503"])]);
+    let server = Server::start(|c| {
+        let sink = webhook_sink(&hook.url, |s, _| {
+            s.backoff_initial = delayd::config::Millis(Duration::from_millis(1_500));
+            s.backoff_multiplier = 1.0;
+        });
+        c.sinks.insert("hook".into(), sink);
+    });
+    let body = json!({"every": "3s", "topic": "t", "body": "flaky", "sink": "hook"});
+    assert_eq!(
+        server.call("PUT", "/v1/schedules/flaky", Some(body)).status,
+        201
+    );
+    // The first firing was refused; pause while its retry waits and the next firing is planned.
+    let refused = hook.wait_until(1, of("flaky")).remove(0);
+    let retrying = refused.id.clone();
+    wait_for("the next firing planned", Duration::from_secs(10), || {
+        let answer = server.call("GET", "/v1/schedules/flaky", None);
+        answer.json["last_message_id"].as_str() != Some(retrying.as_str())
+    });
+    let paused = server.call("POST", "/v1/schedules/flaky/pause", None);
+    assert_eq!(paused.status, 200, "{}", paused.json);
+    let planned = paused.json["last_message_id"].as_str().unwrap().to_string();
+    for id in [&planned, &retrying] {
+        wait_for("withdrawn", Duration::from_secs(10), || {
+            server.call("GET", &format!("/v1/messages/{id}"), None).json["status"] == "cancelled"
+        });
+    }
+    let status = server.call("GET", &format!("/v1/messages/{retrying}"), None);
+    let history = status.json["history"].as_array().unwrap();
+    assert_eq!(
+        (history.len(), &history[1]["outcome"]),
+        (2, &json!("cancelled")),
+        "the retry was withdrawn: {}",
+        status.json
+    );
+    // A schedule that goes on (another body, never refused) shows time passing; nothing more of the
+    // paused one arrives, and its firing's retry never went out.
+    let probe = json!({"every": "1s", "topic": "t", "body": "probe", "sink": "hook"});
+    assert_eq!(
+        server
+            .call("PUT", "/v1/schedules/probe", Some(probe))
+            .status,
+        201
+    );
+    while_probe_fires(&hook, 2);
+    let flaky: Vec<_> = hook.hits().into_iter().filter(|h| of("flaky")(h)).collect();
+    assert_eq!(
+        flaky.len(),
+        1,
+        "only the refused first attempt: {:?}",
+        flaky.iter().map(firing).collect::<Vec<_>>()
+    );
 }

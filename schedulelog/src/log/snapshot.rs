@@ -103,8 +103,7 @@ impl ScheduleLog {
         let table_files = table.all_files(dir);
         drop(table);
         drop(replay);
-        table_files.store()?;
-        for (name, len) in table_files.lengths() {
+        for (name, len) in table_files.store()? {
             files.push((Path::new(crate::schedules::DIR).join(name), len));
         }
         for sub in ["schedule", "dispatch"] {
