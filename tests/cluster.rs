@@ -1126,12 +1126,23 @@ fn a_member_restarted_empty_catches_up_by_snapshot_and_nothing_acknowledged_is_l
     });
     let leader = cluster.leader();
     let lost = (1..=3).find(|&id| id != leader).unwrap();
+    // A recurring schedule (daily: no firing during the test): a snapshot carries the schedule table
+    // (`schedules/`) too.
+    let leader_api = cluster.member(leader).api.clone();
+    let body = json!({"cron": "0 9 * * *", "topic": "reports", "body": "r"});
+    let put = request(
+        &leader_api,
+        "PUT",
+        "/v1/schedules/daily",
+        Some(&body.to_string()),
+        None,
+    );
+    assert_eq!(put.status, 201, "{}", put.json);
     cluster.member(lost).process.as_mut().unwrap().kill();
     cluster.member(lost).process = None;
     std::fs::remove_dir_all(cluster.member(lost).dir.path().join("data")).unwrap();
     // Enough entries meanwhile that the others purged their logs past the start: a snapshot every
     // 100 entries, and 100 kept behind the newest.
-    let leader_api = cluster.member(leader).api.clone();
     let commit_index = |api: &str| cluster_status(api)["commit_index"].as_u64().unwrap_or(0);
     let from = commit_index(&leader_api);
     // Long enough too for the WAL's bound to show: it keeps 100 to 200 entries, whatever went by, so
@@ -1186,6 +1197,10 @@ fn a_member_restarted_empty_catches_up_by_snapshot_and_nothing_acknowledged_is_l
         restarted.elapsed().as_millis()
     );
     assert_eq!(installed, 1.0, "it caught up by one snapshot");
+    // Its own table (the gauge counts what this member holds) has the schedule put before it died.
+    wait_for("the restarted member holds the schedule", READY, || {
+        scrape(&lost_api).get("delayd_schedules") == Some(&1.0)
+    });
 
     for member in &cluster.members {
         let taken = scrape(&member.api)["delayd_cluster_snapshots_taken_total"];

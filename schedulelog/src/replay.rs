@@ -227,12 +227,13 @@ impl CheckpointJob {
         // Every time, rather than after creations only: a job skipped above may have been the one to
         // sync the creations a newer job lists.
         sync_dir(&self.schedule_dir)?;
+        // The schedule table's files first: a checkpoint never covers records they lack.
+        self.table_files.store()?;
         #[cfg(test)]
         self.faults.disk_full_at(
             crate::fault::Point::CheckpointWrite,
             &crate::header::temp_path(&self.checkpoint_path),
         )?;
-        self.table_files.store()?;
         self.checkpoint.store(&self.checkpoint_path, self.width)?;
         metrics::histogram!("delayd_sync_seconds", "file" => "checkpoint")
             .record(started.elapsed().as_secs_f64());

@@ -126,3 +126,27 @@ fn ops_are_applied_not_filed_and_firings_count_once_across_restarts() {
     assert_eq!(log.schedule("a"), Some(a));
     assert_eq!(log.schedule("b"), Some(b));
 }
+
+/// The table's files are stored before the checkpoint that covers them: a crash between the two (here
+/// the checkpoint finds no room) leaves files newer than the checkpoint, whose records the WAL replay
+/// then skips: each op and firing is applied once.
+#[test]
+fn files_stored_before_a_checkpoint_that_failed_count_nothing_twice() {
+    let (dir, clock, log) = new_log();
+    let expected = fill(&log);
+    let before = checkpointed_seq(dir.path());
+    log.inject_fault(crate::fault::Fault::CheckpointWritesFull(u32::MAX));
+    assert!(log.checkpoint().is_err(), "the checkpoint found no room");
+    assert!(
+        dir.path().join("schedules/progress").exists(),
+        "the files were stored first"
+    );
+    assert_eq!(
+        checkpointed_seq(dir.path()),
+        before,
+        "the checkpoint did not move"
+    );
+    log.crash();
+    let log = open(dir.path(), &clock);
+    assert_eq!(summary(&log), expected);
+}
