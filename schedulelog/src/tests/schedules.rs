@@ -135,7 +135,7 @@ fn files_stored_before_a_checkpoint_that_failed_count_nothing_twice() {
     let (dir, clock, log) = new_log();
     let expected = fill(&log);
     let before = checkpointed_seq(dir.path());
-    log.inject_fault(crate::fault::Fault::CheckpointWritesFull(u32::MAX));
+    log.inject_fault(Fault::CheckpointWritesFull(u32::MAX));
     assert!(log.checkpoint().is_err(), "the checkpoint found no room");
     assert!(
         dir.path().join("schedules/progress").exists(),
