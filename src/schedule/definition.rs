@@ -37,7 +37,9 @@ pub struct PutSchedule {
     /// `@weekly`, `@monthly`, `@yearly`.
     #[schema(examples("0 9 * * MON-FRI"))]
     pub cron: Option<String>,
-    /// A fixed interval: `"30s"`, `"5m"`, `"1h"`, `"1d"`, or milliseconds; at least 1 s.
+    /// A fixed interval: `"30s"`, `"5m"`, `"1h"`, `"1d"`, or milliseconds (a number, or its digits);
+    /// at least 1 s.
+    #[serde(default, deserialize_with = "text_or_ms")]
     #[schema(examples("5m"))]
     pub every: Option<String>,
     /// An IANA time zone (default `UTC`): cron times follow its wall clock across DST.
@@ -93,6 +95,15 @@ pub struct Stored {
     pub spec: Spec,
     /// When the definition was made: an `every` without `start_at` counts its phase from it.
     pub created_at_ms: i64,
+}
+
+/// `every` as text: a number of milliseconds is taken as its digits.
+fn text_or_ms<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(match Option::<TimeField>::deserialize(d)? {
+        None => None,
+        Some(TimeField::Ms(ms)) => Some(ms.to_string()),
+        Some(TimeField::Text(text)) => Some(text),
+    })
 }
 
 /// Whether `id` may name a schedule: `[A-Za-z0-9._-]{1,200}`, not only dots.

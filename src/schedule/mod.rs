@@ -101,8 +101,9 @@ pub struct Schedules {
     clock: Arc<dyn Clock>,
     /// Held from reading the table to the write being filed (module doc).
     writing: tokio::sync::Mutex<()>,
-    /// Schedules for the planner to look at again (put, resumed).
-    wake: tokio::sync::mpsc::UnboundedSender<String>,
+    /// Schedules for the planner to look at again (put, resumed), once the log filed every seq below
+    /// the one given (the op's, or those a write in doubt could have).
+    wake: tokio::sync::mpsc::UnboundedSender<(String, u64)>,
 }
 
 impl Schedules {
@@ -142,15 +143,13 @@ impl Schedules {
         }
         let stored = request.check(&self.admission, self.clock.now_ms())?;
         let _writing = self.writing.lock().await;
+        self.settled().await?;
         let before = self.log.schedule(id);
         let unchanged = before.as_ref().is_some_and(|before| {
             Stored::decode(&before.definition).is_some_and(|s| s.spec == stored.spec)
         });
         if !unchanged {
-            let written = self.write_op(id, ScheduleOp::Put, &stored.encode()).await;
-            // Woken whatever the answer: a write in doubt or not filed yet may still take effect.
-            let _ = self.wake.send(id.to_string());
-            written?;
+            self.write_op(id, ScheduleOp::Put, &stored.encode()).await?;
             if let Some(before) = &before {
                 self.withdraw(before).await;
             }
@@ -180,6 +179,7 @@ impl Schedules {
     /// Pauses schedule `id` (again: nothing more is written) and withdraws its planned firing.
     pub async fn pause(&self, id: &str) -> Result<ScheduleView, ScheduleError> {
         let _writing = self.writing.lock().await;
+        self.settled().await?;
         let state = self.log.schedule(id).ok_or(ScheduleError::NotFound)?;
         if !state.paused {
             self.write_op(id, ScheduleOp::Pause, &[]).await?;
@@ -192,11 +192,10 @@ impl Schedules {
     /// Resumes schedule `id`: it plans afresh from now (what it missed while paused is not caught up).
     pub async fn resume(&self, id: &str) -> Result<ScheduleView, ScheduleError> {
         let _writing = self.writing.lock().await;
+        self.settled().await?;
         let state = self.log.schedule(id).ok_or(ScheduleError::NotFound)?;
         if state.paused {
-            let written = self.write_op(id, ScheduleOp::Resume, &[]).await;
-            let _ = self.wake.send(id.to_string());
-            written?;
+            self.write_op(id, ScheduleOp::Resume, &[]).await?;
         }
         let state = self.log.schedule(id).ok_or(ScheduleError::NotFound)?;
         Ok(self.view(&state))
@@ -205,13 +204,25 @@ impl Schedules {
     /// Deletes schedule `id` and withdraws its planned firing.
     pub async fn delete(&self, id: &str) -> Result<(), ScheduleError> {
         let _writing = self.writing.lock().await;
+        self.settled().await?;
         let state = self.log.schedule(id).ok_or(ScheduleError::NotFound)?;
         self.write_op(id, ScheduleOp::Delete, &[]).await?;
         self.withdraw(&state).await;
         Ok(())
     }
 
-    /// Writes an op record and waits until the table holds it.
+    /// Waits until the log filed everything committed so far: a firing the planner wrote (its lock
+    /// released while it is filed) or an op answered in doubt is in the table before it is read.
+    async fn settled(&self) -> Result<(), ScheduleError> {
+        let log = self.log.clone();
+        match tokio::task::spawn_blocking(move || log.next_seq()).await {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(ScheduleError::NotFiled),
+        }
+    }
+
+    /// Writes an op record and waits until the table holds it. The planner is told of it (a put,
+    /// a resume) whatever the answer: an op not filed in time, or in doubt, may still take effect.
     async fn write_op(
         &self,
         id: &str,
@@ -221,8 +232,21 @@ impl Schedules {
         let record = op
             .encode(id, definition)
             .map_err(|e| Rejection::too_large(e.to_string()))?;
-        let appended = self.log.append(vec![record]).await?;
+        let wake = |below: u64| {
+            if matches!(op, ScheduleOp::Put | ScheduleOp::Resume) {
+                let _ = self.wake.send((id.to_string(), below));
+            }
+        };
+        let appended = match self.log.append(vec![record]).await {
+            Ok(appended) => appended,
+            Err(AppendError::Uncertain { seqs_below }) => {
+                wake(seqs_below);
+                return Err(AppendError::Uncertain { seqs_below }.into());
+            }
+            Err(other) => return Err(other.into()),
+        };
         let seq = appended.first().map_or(0, |a| a.location.seq);
+        wake(seq + 1);
         let log = self.log.clone();
         let filed = tokio::task::spawn_blocking(move || log.wait_filed(seq))
             .await

@@ -68,7 +68,14 @@ pub(crate) fn next_fire(state: &ScheduleState, stored: &Stored, now_ms: i64) -> 
     match state.last {
         // Planned already and still ahead.
         Some(last) if last.is_current(state) && last.fire_at_ms >= now_ms => Some(last.fire_at_ms),
-        _ => plan(&timing, Some(after), after, after).next,
+        _ => {
+            let next = plan(&timing, Some(after), after, after).next?;
+            // Missed with catch-up `none`: the next one to come is the next made.
+            match timing.catchup == Catchup::None && next < now_ms - MISSED_AFTER_MS {
+                true => plan(&timing, Some(now_ms), now_ms, now_ms).next,
+                false => Some(next),
+            }
+        }
     }
 }
 
@@ -106,15 +113,33 @@ fn encode(id: &str, stored: &Stored, body: &[u8], firing: Firing) -> Option<Enco
     .ok()
 }
 
+/// How far a `none` schedule skipped missed fire times: valid for the definition (or resume) it was
+/// found under, `since_seq`.
+type Skip = (u64, i64);
+
 /// What one batch decided: per schedule, its firings (in order); missed fire times not made; how
 /// far `none` schedules skipped.
 #[derive(Debug, Default)]
 struct Decided {
     firings: Vec<Vec<EncodedMessage>>,
     skipped: u64,
-    skipped_to: Vec<(String, i64)>,
+    skipped_to: Vec<(String, Skip)>,
+    /// Schedules whose firings did not fit the record format: none written.
+    unwritable: Vec<String>,
     /// Schedules left for the next batch (the batch was full).
     left: Vec<String>,
+}
+
+/// The nominal time a schedule plans after, with what the planner skipped for it.
+fn planned_after(
+    state: &ScheduleState,
+    stored: &Stored,
+    skipped_to: &HashMap<String, Skip>,
+) -> i64 {
+    let skip = (skipped_to.get(&state.id))
+        .filter(|(since_seq, _)| *since_seq == state.since_seq)
+        .map_or(i64::MIN, |(_, to)| *to);
+    after(state, stored).max(skip)
 }
 
 /// Decides the firings of the schedules `due` at `now` (blocking: it reads the table and walks
@@ -122,7 +147,7 @@ struct Decided {
 fn decide(
     schedules: &Schedules,
     due: Vec<String>,
-    skipped_to: &HashMap<String, i64>,
+    skipped_to: &HashMap<String, Skip>,
     now: i64,
 ) -> Decided {
     let mut decided = Decided::default();
@@ -141,7 +166,7 @@ fn decide(
         if state.paused {
             continue;
         }
-        let after = after(&state, stored).max(skipped_to.get(&id).copied().unwrap_or(i64::MIN));
+        let after = planned_after(&state, stored, skipped_to);
         let Some(next) = plan(&timing, Some(after), after, after).next else {
             continue;
         };
@@ -161,30 +186,38 @@ fn decide(
         let planned = plan(&timing, Some(after), now, until);
         decided.skipped += planned.skipped;
         if planned.firings.is_empty() {
-            if let (Catchup::None, Some(next)) = (timing.catchup, planned.next) {
+            if timing.catchup == Catchup::None {
+                // No fire time lies between the skipped ones and a lead from now (`until`, above):
+                // the next is planned after now, with its usual lead.
                 decided
                     .skipped_to
-                    .push((id.clone(), next.saturating_sub(1)));
+                    .push((id.clone(), (state.since_seq, now)));
             }
             continue;
         }
-        let body = stored.body();
-        let mut firings: Vec<EncodedMessage> = (planned.firings.into_iter())
-            .filter_map(|firing| {
-                let encoded = encode(&id, stored, &body, firing);
-                if encoded.is_none() {
-                    tracing::warn!(schedule = %id, "a firing does not fit the record format: skipped");
-                }
-                encoded
-            })
-            .collect();
         // A schedule's firings go in one append: the oldest of a long catch-up are left out (and
-        // counted as skipped) when they would not fit.
-        let mut size: usize = firings.iter().map(EncodedMessage::frame_len).sum();
-        while size > APPEND_BYTES && firings.len() > 1 {
-            size -= firings.remove(0).frame_len();
-            decided.skipped += 1;
+        // counted as skipped) when they would not fit; encoded newest first, only what fits.
+        let body = stored.body();
+        let mut firings = Vec::with_capacity(planned.firings.len());
+        let mut size = 0;
+        let count = planned.firings.len();
+        for (n, firing) in planned.firings.into_iter().rev().enumerate() {
+            let Some(encoded) = encode(&id, stored, &body, firing) else {
+                tracing::warn!(schedule = %id, "a firing does not fit the record format: skipped");
+                continue;
+            };
+            if size + encoded.frame_len() > APPEND_BYTES && !firings.is_empty() {
+                decided.skipped += (count - n) as u64;
+                break;
+            }
+            size += encoded.frame_len();
+            firings.push(encoded);
         }
+        if firings.is_empty() {
+            decided.unwritable.push(id);
+            continue;
+        }
+        firings.reverse();
         bytes += size;
         decided.firings.push(firings);
         if bytes >= BATCH_BYTES {
@@ -199,22 +232,25 @@ fn decide(
 #[derive(Debug)]
 pub struct Planner {
     schedules: Arc<Schedules>,
-    woken: tokio::sync::mpsc::UnboundedReceiver<String>,
+    woken: tokio::sync::mpsc::UnboundedReceiver<(String, u64)>,
+    /// Schedules woken whose op is not filed yet, and the seq the log must have filed below.
+    waking: Vec<(String, u64)>,
     /// (plan time, id), and each id's plan time.
     queue: BTreeSet<(i64, String)>,
     at: HashMap<String, i64>,
     /// How far `none` schedules skipped missed fire times (module doc).
-    skipped_to: HashMap<String, i64>,
+    skipped_to: HashMap<String, Skip>,
 }
 
 impl Planner {
     pub(crate) fn new(
         schedules: Arc<Schedules>,
-        woken: tokio::sync::mpsc::UnboundedReceiver<String>,
+        woken: tokio::sync::mpsc::UnboundedReceiver<(String, u64)>,
     ) -> Planner {
         Planner {
             schedules,
             woken,
+            waking: Vec::new(),
             queue: BTreeSet::new(),
             at: HashMap::new(),
             skipped_to: HashMap::new(),
@@ -233,6 +269,13 @@ impl Planner {
                 self.rescan();
                 rescanned = Instant::now();
             }
+            let filed_below = self.schedules.log.filed_below();
+            let (filed, waiting): (Vec<_>, Vec<_>) = (std::mem::take(&mut self.waking).into_iter())
+                .partition(|(_, below)| filed_below >= *below);
+            self.waking = waiting;
+            for (id, _) in filed {
+                self.enqueue(&id);
+            }
             let now = self.schedules.clock.now_ms();
             let mut due = Vec::new();
             while due.len() < BATCH {
@@ -249,13 +292,18 @@ impl Planner {
                 self.fire(due, &mut stop).await;
                 continue;
             }
+            // Woken ones wait for their op's filing: looked for often.
+            let longest = match self.waking.is_empty() {
+                true => 1_000,
+                false => 5,
+            };
             let wait_ms = self
                 .queue
                 .first()
-                .map_or(1_000, |(at, _)| at.saturating_sub(now).clamp(1, 1_000));
+                .map_or(longest, |(at, _)| at.saturating_sub(now).clamp(1, longest));
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(wait_ms as u64)) => {}
-                Some(id) = self.woken.recv() => self.enqueue(&id),
+                Some(woken) = self.woken.recv() => self.waking.push(woken),
                 _ = stop.changed() => {}
             }
         }
@@ -322,8 +370,7 @@ impl Planner {
             tracing::warn!(schedule = %state.id, "a schedule's timing does not parse: it does not fire");
             return;
         };
-        let skipped_to = self.skipped_to.get(&state.id).copied();
-        let after = after(state, &stored).max(skipped_to.unwrap_or(i64::MIN));
+        let after = planned_after(state, &stored, &self.skipped_to);
         let Some(next) = plan(&timing, Some(after), after, after).next else {
             return; // ended
         };
@@ -339,6 +386,14 @@ impl Planner {
     async fn fire(&mut self, due: Vec<String>, stop: &mut tokio::sync::watch::Receiver<bool>) {
         let schedules = self.schedules.clone();
         let writing = schedules.writing.lock().await;
+        // An op answered in doubt (or not filed in time) is in the table before it is read.
+        if schedules.settled().await.is_err() {
+            let again = schedules.clock.now_ms().saturating_add(RETRY_MS);
+            for id in &due {
+                self.insert(id, again);
+            }
+            return;
+        }
         let now = schedules.clock.now_ms();
         let decided = {
             let (schedules, due, skipped_to) =
@@ -369,36 +424,33 @@ impl Planner {
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        for id in &decided.left {
-            self.insert(id, now);
-        }
-        let left: std::collections::HashSet<&String> = decided.left.iter().collect();
         match outcome {
             Ok(()) => {
-                for id in &due {
-                    if left.contains(id) {
-                        continue;
-                    }
+                for id in &decided.left {
+                    self.insert(id, now);
+                }
+                let left: std::collections::HashSet<&String> = decided.left.iter().collect();
+                for id in due.iter().filter(|id| !left.contains(id)) {
                     self.enqueue(id);
-                    // One that wrote nothing (a firing that does not fit the record format) is not
-                    // looked at again at once.
-                    if self.at.get(id).is_some_and(|at| *at <= now) {
-                        self.dequeue(id);
-                        self.insert(id, now.saturating_add(RETRY_MS));
-                    }
                     if self
                         .skipped_to
                         .get(id)
-                        .is_some_and(|to| *to < now - LEAD_MS)
+                        .is_some_and(|(_, to)| *to < now - LEAD_MS)
                     {
                         self.skipped_to.remove(id);
                     }
+                }
+                // One whose firings do not fit the record format is not looked at again at once.
+                for id in &decided.unwritable {
+                    self.dequeue(id);
+                    self.insert(id, now.saturating_add(RETRY_MS));
                 }
             }
             Err(error) => {
                 tracing::warn!(%error, schedules = due.len(), "writing firings failed; tried again in a second");
                 let again = now.saturating_add(RETRY_MS);
                 for id in &due {
+                    self.dequeue(id);
                     self.insert(id, again);
                 }
             }

@@ -926,7 +926,8 @@ fn read_batch(shared: &SchedulerState, batch: &[Entry]) -> (Vec<Entry>, Vec<Deli
 /// Whether `message` is a firing of a recurring schedule (DESIGN §14) that was paused, replaced or
 /// deleted (or paused and resumed) after the firing was written: then it is withdrawn, never delivered.
 /// Decided only once the schedule table holds every record up to this attempt's: an op answered
-/// after the firing was written has a later seq, and its answer waited until it was filed.
+/// after the firing was written has a later seq, and its answer waited until it was filed. (A
+/// member's lane meets only records its replayer filed: the loader's watch waits for them.)
 fn withdrawn(log: &schedulelog::ScheduleLog, message: &schedulelog::Message) -> bool {
     let [(first, id), (second, _), ..] = message.headers.as_slice() else {
         return false;
@@ -949,16 +950,16 @@ fn split_withdrawn(
     entries: Vec<Entry>,
     deliveries: Vec<Delivery>,
 ) -> (Vec<Entry>, Vec<Delivery>, Vec<Delivery>) {
-    if !deliveries
-        .iter()
-        .any(|d| withdrawn(&shared.log, &d.message))
-    {
+    let flags: Vec<bool> = (deliveries.iter())
+        .map(|d| withdrawn(&shared.log, &d.message))
+        .collect();
+    if !flags.contains(&true) {
         return (entries, deliveries, Vec::new());
     }
     let mut kept = (Vec::new(), Vec::new());
     let mut out = Vec::new();
-    for (entry, delivery) in entries.into_iter().zip(deliveries) {
-        match withdrawn(&shared.log, &delivery.message) {
+    for ((entry, delivery), withdrawn) in entries.into_iter().zip(deliveries).zip(flags) {
+        match withdrawn {
             true => out.push(delivery),
             false => {
                 kept.0.push(entry);

@@ -28,6 +28,13 @@ fn of(schedule: &str) -> impl Fn(&Hit) -> bool + '_ {
     }
 }
 
+/// Waits (30 s at most) until the receiver has `count` hits that match: they must come.
+fn wait_hits(hook: &Endpoint, count: usize, matches: impl Fn(&Hit) -> bool) -> Vec<Hit> {
+    let hits = hook.wait_until(count, matches);
+    assert!(hits.len() >= count, "{} of {count} arrived", hits.len());
+    hits
+}
+
 fn put(base: &str, id: &str, body: Value) -> Answer {
     request(
         base,
@@ -70,11 +77,18 @@ fn an_interval_and_a_six_field_cron_fire_into_a_webhook_once_per_fire_time_never
         answer.json
     );
 
-    let ticks: Vec<_> = hook.wait_until(4, of("tick")).iter().map(firing).collect();
-    let evens: Vec<_> = hook.wait_until(3, of("even")).iter().map(firing).collect();
-    // The interval's phase is its creation: a second after it, then each second.
+    let ticks: Vec<_> = wait_hits(&hook, 4, of("tick")).iter().map(firing).collect();
+    let evens: Vec<_> = wait_hits(&hook, 3, of("even")).iter().map(firing).collect();
+    // The interval's phase is its creation: a second after it (or the first second after the put
+    // was committed, had that taken longer), then each second.
+    let first = ticks[0].1;
+    assert!(
+        first > created && (first - created) % 1_000 == 0,
+        "{ticks:?}"
+    );
+    assert!(first <= created + 2_000, "{ticks:?}");
     for (n, (_, fire_at, _)) in ticks.iter().take(4).enumerate() {
-        assert_eq!(*fire_at, created + 1_000 * (n as i64 + 1), "{ticks:?}");
+        assert_eq!(*fire_at, first + 1_000 * n as i64, "{ticks:?}");
     }
     for pair in evens.windows(2) {
         assert_eq!(pair[1].1 - pair[0].1, 2_000, "{evens:?}");
@@ -88,7 +102,7 @@ fn an_interval_and_a_six_field_cron_fire_into_a_webhook_once_per_fire_time_never
     }
     let ids: BTreeSet<String> = hook.hits().iter().map(|h| h.id.clone()).collect();
     assert_eq!(ids.len(), hook.hits().len(), "one message per firing");
-    let first = &hook.wait_until(1, of("tick"))[0];
+    let first = &wait_hits(&hook, 1, of("tick"))[0];
     assert_eq!(first.body, b"tick");
     assert_eq!(first.headers["x-kind"], "interval");
     assert_eq!(first.headers["delayd-topic"], "ticks");
@@ -123,6 +137,19 @@ fn schedule_routes_answer_as_documented() {
     );
     assert_eq!(answer.json["catchup"], "one");
     assert_eq!(answer.json["sink"], "broker");
+    // `every` in milliseconds, a number or its digits.
+    let ms = json!({"every": 90_000, "topic": "t", "body": "x"});
+    let ninety = server.call("PUT", "/v1/schedules/ninety", Some(ms));
+    assert_eq!(
+        (ninety.status, &ninety.json["every"]),
+        (201, &json!("90000")),
+        "{}",
+        ninety.json
+    );
+    assert_eq!(
+        server.call("DELETE", "/v1/schedules/ninety", None).status,
+        200
+    );
     // Put again unchanged: 200, nothing new; changed: 200, replaced.
     let again = server.call("PUT", "/v1/schedules/daily", Some(good.clone()));
     assert_eq!(again.status, 200);
@@ -149,6 +176,10 @@ fn schedule_routes_answer_as_documented() {
         ),
         (
             json!({"every": "500ms", "topic": "t", "body": "x"}),
+            "invalid_every",
+        ),
+        (
+            json!({"every": 999, "topic": "t", "body": "x"}),
             "invalid_every",
         ),
         (
@@ -239,7 +270,7 @@ fn schedule_routes_answer_as_documented() {
 /// on, so that one that did not come for another schedule meanwhile never will.
 fn while_probe_fires(hook: &Endpoint, count: usize) {
     let seen = hook.hits().iter().filter(|h| of("probe")(h)).count();
-    hook.wait_until(seen + count, of("probe"));
+    wait_hits(hook, seen + count, of("probe"));
 }
 
 #[test]
@@ -262,7 +293,7 @@ fn pause_resume_replace_and_delete_take_effect_at_their_answer() {
             .status,
         201
     );
-    hook.wait_until(2, of("tick"));
+    wait_hits(&hook, 2, of("tick"));
 
     // Paused: nothing of it fires after the answer (its planned firing is cancelled).
     let paused = server.call("POST", "/v1/schedules/tick/pause", None);
@@ -290,7 +321,7 @@ fn pause_resume_replace_and_delete_take_effect_at_their_answer() {
         "{}",
         resumed.json
     );
-    hook.wait_until(1, |h| of("tick")(h) && firing(h).1 > paused_at);
+    wait_hits(&hook, 1, |h| of("tick")(h) && firing(h).1 > paused_at);
     let between: Vec<_> = (hook.hits().iter().filter(|h| of("tick")(h)))
         .map(firing)
         .filter(|(_, at, _)| *at > paused_at && *at <= resuming_at)
@@ -304,7 +335,7 @@ fn pause_resume_replace_and_delete_take_effect_at_their_answer() {
     let replaced = server.call("PUT", "/v1/schedules/tick", Some(every("v2")));
     assert_eq!(replaced.status, 200);
     let replaced_at = now_ms();
-    hook.wait_until(2, |h| h.body == b"v2");
+    wait_hits(&hook, 2, |h| h.body == b"v2");
     let stale: Vec<_> = (hook.hits().iter())
         .filter(|h| h.body == b"v1" && firing(h).1 > replaced_at)
         .map(firing)
@@ -485,11 +516,11 @@ fn no_fire_time_is_made_twice_across_kill_9_and_restarts() {
 /// recorded as cancelled, never sent). Neither reaches the receiver; the schedule's status says so.
 #[test]
 fn a_pause_withdraws_the_planned_firing_and_a_retry_waiting_for_its_time() {
-    // Every firing's first attempt is refused once: each waits 1.5 s for its retry.
+    // The first firing's first attempt is refused: its retry is due 4 to 8 s later (jitter).
     let hook = endpoint(&[("flaky", vec!["503"])]);
     let server = Server::start(|c| {
         let sink = webhook_sink(&hook.url, |s, _| {
-            s.backoff_initial = delayd::config::Millis(Duration::from_millis(1_500));
+            s.backoff_initial = delayd::config::Millis(Duration::from_millis(8_000));
             s.backoff_multiplier = 1.0;
         });
         c.sinks.insert("hook".into(), sink);
@@ -500,8 +531,14 @@ fn a_pause_withdraws_the_planned_firing_and_a_retry_waiting_for_its_time() {
         201
     );
     // The first firing was refused; pause while its retry waits and the next firing is planned.
-    let refused = hook.wait_until(1, of("flaky")).remove(0);
+    let refused = wait_hits(&hook, 1, of("flaky")).remove(0);
     let retrying = refused.id.clone();
+    wait_for("the retry written", Duration::from_secs(10), || {
+        server
+            .call("GET", &format!("/v1/messages/{retrying}"), None)
+            .json["status"]
+            == "retrying"
+    });
     wait_for("the next firing planned", Duration::from_secs(10), || {
         let answer = server.call("GET", "/v1/schedules/flaky", None);
         answer.json["last_message_id"].as_str() != Some(retrying.as_str())
@@ -510,7 +547,7 @@ fn a_pause_withdraws_the_planned_firing_and_a_retry_waiting_for_its_time() {
     assert_eq!(paused.status, 200, "{}", paused.json);
     let planned = paused.json["last_message_id"].as_str().unwrap().to_string();
     for id in [&planned, &retrying] {
-        wait_for("withdrawn", Duration::from_secs(10), || {
+        wait_for("withdrawn", Duration::from_secs(20), || {
             server.call("GET", &format!("/v1/messages/{id}"), None).json["status"] == "cancelled"
         });
     }
