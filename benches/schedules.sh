@@ -1,33 +1,35 @@
 #!/usr/bin/env bash
 # Recurring schedules at scale (DESIGN §14): N schedules firing every minute, on this machine:
-#   benches/schedules.sh                  N (100,000) schedules `"cron": "* * * * *"` (every minute at
-#   N=10000 MINUTES=5 benches/schedules.sh  :00, all due at one instant: the worst case) into the broker
-#   KIND=every benches/schedules.sh       sink, 1 KiB bodies (BODY_BYTES); KIND=every: `"every": "1m"`
-#                                         instead (each phased from its creation, so spread over the
-#                                         seconds the creation took); BIN= another delayd binary
-# Builds the release binary and starts it on a scratch data dir under /var/tmp (fsync always, the
-# default); measures the idle server's memory; creates the schedules with concurrent PUTs (curl
-# --parallel, CONCURRENCY 64; each PUT is answered once durable and in the schedule table), timed;
-# waits for the first minute boundary after the last PUT (B1: every schedule fires there; the firings of
-# the schedules put last were planned in the seconds before it), then for MINUTES more minutes. The
-# steady window runs from B1 + 30 s to 30 s after the last measured boundary: MINUTES whole cycles, each
-# with one burst of firings delivered and the next minute's firings written (planner.rs writes them
-# 30-60 s ahead). Then every firing is read back from the broker, and printed as one JSON line and as
-# markdown rows:
-#   - lateness: delivered_at (the broker sink's call, ms) minus the firing's nominal time (header
-#     delayd-fire-at), exact to the millisecond, over the firings due in the steady window, and
-#     separately for B1; early: delivered (or due) before the nominal time, anywhere in the run;
-#   - firings: every schedule fired once per minute, N per minute, no (schedule, fire time) twice;
-#     and the growth of delayd_schedule_firings_total{outcome="fired"} over the window;
-#   - the server's lateness histogram over the window (delayd_delivery_lateness_seconds, sink broker):
-#     quantiles as the bucket bound they fall under (buckets at 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50,
-#     100, 250, 500 ms, 1 s ...);
-#   - memory: VmRSS / VmHWM / RssAnon of the idle server, after the PUTs and at the end; per schedule
-#     = (RSS at the end - idle RSS) / N;
-#   - the server's CPU seconds (utime + stime) and disk bytes written (/proc/PID/io write_bytes) per
-#     minute of the steady window, and for the creation.
-# The disk's own speed (dd with oflag=dsync) is printed first. The server is stopped and the scratch dir
-# removed at the end (KEEP_WORK=1 keeps it).
+#   benches/schedules.sh              N (100,000) schedules `"cron": "* * * * *"` (every minute at :00,
+#   N=10000 benches/schedules.sh      all due at one instant: the worst case), 1 KiB bodies (BODY_BYTES),
+#   RESTART=1 benches/schedules.sh    into the broker sink; KIND=every: `"every": "1m"` instead, each
+#   KIND=every benches/schedules.sh   phased from its creation (spread over the seconds the PUTs took)
+# Builds the release binary (BIN= another, BUILD= its name in the results) and starts it on a scratch
+# data dir under /var/tmp (fsync always, the default); measures the idle server; puts the schedules
+# with concurrent PUTs (curl --parallel, CONCURRENCY 64; a PUT is answered once durable and in the
+# schedule table), timed; RESTART=1 then restarts the node, which plans every schedule at once, as after
+# any restart (without it, the node plans what the PUTs woke, as it goes). B1 is the first minute
+# boundary after that. The window runs from 30 s after B1 (SETTLE_MINUTES more minutes later) for
+# MINUTES (3) minutes: each minute one burst of firings delivered and the next minute's written
+# (planner.rs writes them 30-60 s ahead). A consumer long-polls the topic's queues (1,024 a pull) and
+# notes when each answer was read; at the end every firing is read back from the broker and joined to
+# its receipt by queue and offset. Printed, as one JSON line and as markdown rows:
+#   - lateness at the consumer: its receipt minus the firing's nominal time (header delayd-fire-at), over
+#     the firings due in the window (and over those the planner wrote in time, before their nominal
+#     time); at the sink call: delivered_at (ms, stamped as the batch goes to the sink) minus the same;
+#     the server's own histogram over the window (delayd_delivery_lateness_seconds, sink broker, counted
+#     from each message's due time), as the bucket bound a quantile falls under (0.1, 0.25, 0.5, 1, 2.5,
+#     5, 10, 25, 50, 100, 250, 500 ms, 1 s, ...); and the same for the firing at B1;
+#   - firings: per minute of the window (N each), each schedule once a minute, those written after
+#     their nominal time (due at once, so late) and those skipped (delayd_schedule_firings_total
+#     {outcome="skipped"}); early (delivered or due before the nominal time) and twice the same
+#     (schedule, fire time), anywhere in the run;
+#   - memory: VmRSS of the server idle, after the PUTs, after the restart and at the end; per schedule,
+#     (RSS - idle RSS) / N at each;
+#   - the server's CPU seconds (utime + stime) and disk bytes written (/proc/PID/io write_bytes; of
+#     which WAL and broker bytes from its metrics) per minute of the window, and for the PUTs.
+# The disk's own speed (dd with oflag=dsync) is printed first. The server is stopped and the scratch
+# dir removed at the end (KEEP_WORK=1 keeps it). About 7 minutes at the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-100000}
