@@ -7,7 +7,7 @@
 
 use super::error::{ApiError, Problem};
 use super::messages::{rfc3339_schema, Described, MessageState};
-use super::{query_params, AppState};
+use super::{page_limit, query_params, AppState, PAGE_MAX};
 use crate::scheduler::{CancelError, Cancelled};
 use crate::timestamp::format_ms;
 use axum::extract::rejection::QueryRejection;
@@ -19,9 +19,6 @@ use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, Schema, Type};
 use utoipa::openapi::RefOr;
 use utoipa::ToSchema;
 
-/// Messages a page holds by default, and at most.
-const DEFAULT_LIMIT: usize = 100;
-const MAX_LIMIT: usize = 1000;
 /// Records a page looks at, at most (a topic filter reads each): a sparse topic gets short pages with a
 /// cursor rather than one slow answer.
 const SCAN_LIMIT: usize = 10_000;
@@ -195,13 +192,7 @@ pub async fn list(
     params: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Json<MessagePage>, ApiError> {
     let params = query_params(params)?;
-    let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
-    if !(1..=MAX_LIMIT).contains(&limit) {
-        return Err(ApiError::bad_request(
-            "invalid_query",
-            format!("limit must be between 1 and {MAX_LIMIT}"),
-        ));
-    }
+    let limit = page_limit(params.limit)?;
     let after = match params.cursor.as_deref() {
         Some(text) => Some(
             text.parse::<ListCursor>()
@@ -335,7 +326,7 @@ pub async fn purge(
         to_ms: time_param("to", params.to.as_deref(), i64::MAX)?,
         status: StatusFilter::Pending,
         topic: Some(topic),
-        limit: MAX_LIMIT,
+        limit: PAGE_MAX,
         scan_limit: 10 * SCAN_LIMIT,
         after: None,
     };

@@ -481,6 +481,23 @@ pub fn query_params<T>(
         .map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))
 }
 
+/// Items a listing page holds by default, and at most.
+pub const PAGE_DEFAULT: usize = 100;
+pub const PAGE_MAX: usize = 1000;
+
+/// A listing's `limit` parameter: [`PAGE_DEFAULT`] when absent, 400 `invalid_query` outside 1 to
+/// [`PAGE_MAX`].
+pub fn page_limit(limit: Option<usize>) -> Result<usize, ApiError> {
+    let limit = limit.unwrap_or(PAGE_DEFAULT);
+    match (1..=PAGE_MAX).contains(&limit) {
+        true => Ok(limit),
+        false => Err(ApiError::bad_request(
+            "invalid_query",
+            format!("limit must be between 1 and {PAGE_MAX}"),
+        )),
+    }
+}
+
 /// A JSON request body whose failures are problem+json: 413 over the size limit, 400 `invalid_json`
 /// with serde's explanation for malformed JSON or wrong types.
 #[derive(Debug)]

@@ -4,7 +4,7 @@
 
 use super::error::{ApiError, Problem};
 use super::messages::check_disk;
-use super::{parse_json, query_params, AppState, RawBody};
+use super::{page_limit, parse_json, query_params, AppState, RawBody};
 use crate::schedule::{valid_id, Put, PutSchedule, ScheduleError, ScheduleView};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
@@ -12,9 +12,6 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
-
-const DEFAULT_LIMIT: usize = 100;
-const MAX_LIMIT: usize = 1000;
 
 impl From<ScheduleError> for ApiError {
     fn from(error: ScheduleError) -> ApiError {
@@ -149,13 +146,7 @@ pub async fn list(
     params: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Json<SchedulePage>, ApiError> {
     let params = query_params(params)?;
-    let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
-    if !(1..=MAX_LIMIT).contains(&limit) {
-        return Err(ApiError::bad_request(
-            "invalid_query",
-            format!("limit must be between 1 and {MAX_LIMIT}"),
-        ));
-    }
+    let limit = page_limit(params.limit)?;
     // The cursor is the last id of the page before.
     let after = match params.cursor.as_deref() {
         None => None,

@@ -269,6 +269,11 @@ impl Planner {
                 self.rescan();
                 rescanned = Instant::now();
             }
+            // Every schedule woken so far, not one a turn: a burst of puts is planned in the
+            // batches below while earlier schedules keep firing.
+            while let Ok(woken) = self.woken.try_recv() {
+                self.waking.push(woken);
+            }
             let filed_below = self.schedules.log.filed_below();
             let (filed, waiting): (Vec<_>, Vec<_>) = (std::mem::take(&mut self.waking).into_iter())
                 .partition(|(_, below)| filed_below >= *below);

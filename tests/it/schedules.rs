@@ -577,3 +577,83 @@ fn a_pause_withdraws_the_planned_firing_and_a_retry_waiting_for_its_time() {
         flaky.iter().map(firing).collect::<Vec<_>>()
     );
 }
+
+/// Every schedule of a page of `GET /v1/schedules` whose next firing is due before `now` yet not
+/// written: `next_fire_at` names the written firing while it is ahead, else the next one to write.
+fn overdue(base: &str, now: i64) -> Vec<(String, i64)> {
+    let mut overdue = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let path = match &after {
+            Some(cursor) => format!("/v1/schedules?limit=1000&cursor={cursor}"),
+            None => "/v1/schedules?limit=1000".to_string(),
+        };
+        let page = request(base, "GET", &path, None, None);
+        assert_eq!(page.status, 200, "{}", page.json);
+        for schedule in page.json["schedules"].as_array().unwrap() {
+            let next = parse(&schedule["next_fire_at"]);
+            if next < now {
+                overdue.push((schedule["id"].as_str().unwrap().to_string(), next));
+            }
+        }
+        match page.json["next_cursor"].as_str() {
+            Some(cursor) => after = Some(cursor.to_string()),
+            None => return overdue,
+        }
+    }
+}
+
+/// Thousands of schedules put as fast as four clients can, while the first of them already fire:
+/// the planner takes every schedule put at its next turn, so each firing is written ahead of its
+/// time (none is seen due and unwritten, none is skipped as missed).
+#[test]
+fn a_burst_of_puts_is_planned_ahead_while_earlier_schedules_fire() {
+    let count = env_number("DELAYD_SCHEDULE_BURST", 4_000) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let process: Process = spawn(dir.path(), &[]);
+    let base = process.base.clone();
+    let putting = std::sync::atomic::AtomicUsize::new(0);
+    let seen_overdue = std::thread::scope(|scope| {
+        for client in 0..4 {
+            let (base, putting) = (&base, &putting);
+            scope.spawn(move || {
+                for n in (client..count).step_by(4) {
+                    let body = json!({"every": "6s", "topic": "burst", "body": n.to_string()});
+                    let answer = put(base, &format!("burst-{n}"), body);
+                    assert_eq!(answer.status, 201, "{}", answer.json);
+                    putting.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+        // Watch through the puts and two rounds of firings after them.
+        let mut seen = Vec::new();
+        let mut done_at = None;
+        loop {
+            let now = now_ms();
+            seen.extend(overdue(&base, now));
+            if putting.load(std::sync::atomic::Ordering::Relaxed) == count {
+                let done = *done_at.get_or_insert(now);
+                if now > done + 12_000 {
+                    return seen;
+                }
+            }
+        }
+    });
+    assert!(
+        seen_overdue.is_empty(),
+        "{} due and unwritten: {:?}",
+        seen_overdue.len(),
+        &seen_overdue[..seen_overdue.len().min(20)]
+    );
+    let metrics = scrape(&base);
+    let firings = |outcome: &str| {
+        let key = format!(r#"delayd_schedule_firings_total{{outcome="{outcome}"}}"#);
+        metrics.get(&key).copied().unwrap_or(0.0) as usize
+    };
+    assert_eq!(firings("skipped"), 0, "{metrics:?}");
+    assert!(firings("fired") >= 2 * count, "{} fired", firings("fired"));
+    println!(
+        "{count} schedules, {} firings written ahead",
+        firings("fired")
+    );
+}
