@@ -156,9 +156,11 @@ pub(crate) enum Request {
         outcomes: Vec<PlacedOutcome>,
         reply: oneshot::Sender<Result<(), AppendError>>,
     },
-    /// An application payload to propose (a replicated log; never reaches the writer).
+    /// An application payload to propose, with outcomes that go in the same entry (a replicated log;
+    /// never reaches the writer).
     App {
         payload: Vec<u8>,
+        outcomes: Vec<PlacedOutcome>,
         reply: oneshot::Sender<Result<(), AppendError>>,
     },
     /// Cuts a replicated log's entries from this index on.
@@ -200,9 +202,14 @@ impl Request {
         (Request::Outcomes { outcomes, reply }, Ack { rx })
     }
 
-    pub(crate) fn app(payload: Vec<u8>) -> (Request, Ack<()>) {
+    pub(crate) fn app(payload: Vec<u8>, outcomes: Vec<PlacedOutcome>) -> (Request, Ack<()>) {
         let (reply, rx) = oneshot::channel();
-        (Request::App { payload, reply }, Ack { rx })
+        let request = Request::App {
+            payload,
+            outcomes,
+            reply,
+        };
+        (request, Ack { rx })
     }
 
     /// Whether a replicated log forms it into an entry (through Raft) rather than its writer taking it.

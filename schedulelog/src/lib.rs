@@ -61,7 +61,7 @@ pub use listing::{
 pub use log::{
     Attempt, BucketSnapshot, LinkedSchedule, MessageState, MessageStatus, Options, ScheduleLog,
 };
-pub use proposals::{FormedGroup, NextGroup, Proposals};
+pub use proposals::{outcomes_bytes, FormedGroup, NextGroup, Proposals};
 pub use record::{
     EncodedMessage, Message, MessageMeta, MessageRef, NewMessage, Outcome, OutcomeKind, ScheduleOp,
     TooLarge, FIRE_AT_HEADER, SCHEDULE_HEADER, SCHEDULE_SINK,

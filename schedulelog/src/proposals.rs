@@ -13,7 +13,9 @@
 
 use crate::clock::Clock;
 use crate::commit::{Answer, Request};
-use crate::entry::{normal_entry_bytes, EntryBuilder, EntryPayload, MAX_ENTRY_BYTES};
+use crate::entry::{
+    normal_entry_bytes, EntryBuilder, EntryPayload, PlacedOutcome, MAX_ENTRY_BYTES,
+};
 use crate::error::AppendError;
 use crate::frame;
 use crate::record::CANCEL_PAYLOAD_LEN;
@@ -48,19 +50,23 @@ fn record_bytes(request: &Request) -> usize {
     match request {
         Request::Append { messages, .. } => messages.iter().map(|m| m.frame.len()).sum(),
         Request::Cancel { .. } => frame::HEADER_LEN + CANCEL_PAYLOAD_LEN,
-        // The bucket, an outcome's fixed fields and its reason, at most.
-        Request::Outcomes { outcomes, .. } => outcomes
-            .iter()
-            .map(|(_, outcome)| {
-                // Its frame: the bucket and the outcome's payload.
-                let mut payload = Vec::new();
-                outcome.encode_payload(&mut payload);
-                frame::HEADER_LEN + 4 + payload.len()
-            })
-            .sum(),
-        Request::App { payload, .. } => frame::HEADER_LEN + payload.len(),
+        Request::Outcomes { outcomes, .. } => outcomes_bytes(outcomes),
+        Request::App {
+            payload, outcomes, ..
+        } => frame::HEADER_LEN + payload.len() + outcomes_bytes(outcomes),
         _ => 0,
     }
+}
+
+/// The bytes of outcome frames in an entry: each its bucket and the outcome's payload.
+pub fn outcomes_bytes(outcomes: &[PlacedOutcome]) -> usize {
+    (outcomes.iter())
+        .map(|(_, outcome)| {
+            let mut payload = Vec::new();
+            outcome.encode_payload(&mut payload);
+            frame::HEADER_LEN + 4 + payload.len()
+        })
+        .sum()
 }
 
 /// One group of submissions formed into an entry's records, waiting to be answered.
@@ -134,8 +140,14 @@ impl Proposals {
                 builder.outcomes(&outcomes);
                 answers.push(Answer::Done(reply));
             }
-            Request::App { payload, reply } => {
+            Request::App {
+                payload,
+                outcomes,
+                reply,
+            } => {
+                // One entry: applied together, or (a crash, a lost leadership) not at all.
                 builder.app(&payload);
+                builder.outcomes(&outcomes);
                 answers.push(Answer::Done(reply));
             }
             other => other.fail(AppendError::Refused(

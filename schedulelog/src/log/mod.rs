@@ -51,7 +51,7 @@ use crate::bucket::{Bucket, SegmentMinutes};
 use crate::clock::{Clock, SystemClock};
 use crate::commit::{Ack, Appended, CommittedGroup, FsyncPolicy, Request};
 use crate::dispatch::DispatchLogs;
-use crate::entry::EntryLog;
+use crate::entry::{EntryLog, PlacedOutcome};
 use crate::error::{AppendError, DiskFullReport, Error, Result};
 use crate::id::Location;
 use crate::proposals::Proposals;
@@ -302,6 +302,17 @@ impl ScheduleLog {
     /// `Uncertain`, `Closed`, ...); `Refused` on a single node's log, and for a payload larger than
     /// one entry may carry ([`MAX_APP_PAYLOAD_BYTES`](crate::MAX_APP_PAYLOAD_BYTES)). Blocks.
     pub fn propose_app(&self, payload: Vec<u8>) -> std::result::Result<(), AppendError> {
+        self.propose_app_with(payload, Vec::new())
+    }
+
+    /// [`ScheduleLog::propose_app`] with outcomes in the same entry: the application's change and
+    /// the outcomes it makes true are committed, and applied on every member, together (the broker's
+    /// deliveries and their `delivered` outcomes, say), so no crash or failover separates them.
+    pub fn propose_app_with(
+        &self,
+        payload: Vec<u8>,
+        outcomes: Vec<PlacedOutcome>,
+    ) -> std::result::Result<(), AppendError> {
         if self.entry_log.is_none() {
             return Err(AppendError::Refused(
                 "a single node's log proposes nothing: application payloads need a cluster".into(),
@@ -314,7 +325,7 @@ impl ScheduleLog {
                 crate::MAX_APP_PAYLOAD_BYTES
             )));
         }
-        let (request, ack) = Request::app(payload);
+        let (request, ack) = Request::app(payload, outcomes);
         self.submit(request);
         ack.wait()
     }
