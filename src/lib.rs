@@ -385,6 +385,9 @@ async fn housekeeping(
                 Ok(_) => {}
                 Err(error) => tracing::error!(%error, "broker retention failed; trying again"),
             }
+            if let Err(error) = broker.store_floors() {
+                tracing::error!(%error, "storing the broker's floor failed; trying again");
+            }
             disk.check(&[log.disk_full(), broker.disk_full()]);
             // Here rather than in a term's planner only: a cluster's followers count them too.
             ::metrics::gauge!("delayd_schedules").set(log.schedule_count() as f64);

@@ -179,6 +179,12 @@ impl Term {
             lease,
             ..SchedulerConfig::default()
         };
+        // Before any message goes to a sink: deliveries a crash left without their outcome get it
+        // (broker/outcomes.rs), rather than being stored twice.
+        let (broker, log) = (base.broker.clone(), base.log.clone());
+        tokio::task::spawn_blocking(move || broker.reconcile(&log))
+            .await?
+            .map_err(|e| anyhow::anyhow!(e))?;
         let scheduler = Arc::new(Scheduler::start(
             base.log.clone(),
             &base.sinks,
@@ -256,6 +262,11 @@ impl Term {
         }
         let _ = self.planner.await;
         self.state.scheduler.shutdown().await;
+        // Every lane is done: the next start reads no delivery again to reconcile it.
+        let broker = self.state.broker.clone();
+        if let Ok(Err(error)) = tokio::task::spawn_blocking(move || broker.store_floors()).await {
+            tracing::warn!(%error, "storing the broker's floor failed; the next start looks up more outcomes");
+        }
     }
 }
 

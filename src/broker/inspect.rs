@@ -37,6 +37,12 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<Option<bool>> {
             None => writeln!(out, "broker store checkpoint: damaged (12 bytes with a CRC-32C expected; a start reads the whole commit log)").map(|()| Some(false)),
         };
     }
+    if name(0) == "settled" && broker(1) {
+        return match super::outcomes::decode_floor(&bytes) {
+            Some(floor) => writeln!(out, "broker store floor: every delivery below commit log offset {floor} has its outcome; a start looks up those from there on").map(|()| Some(true)),
+            None => writeln!(out, "broker store floor: damaged (12 bytes with a CRC-32C expected; a start looks up the deliveries from the checkpoint on)").map(|()| Some(false)),
+        };
+    }
     // consumequeue/{topic}/{queue}/{first}
     if name(3) == "consumequeue" && broker(4) {
         return consume_queue(name(0), &bytes, out).map(Some);

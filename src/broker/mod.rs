@@ -5,8 +5,9 @@
 //! whole segments once their messages are old enough (or the store is over its size cap).
 //!
 //! ```text
-//! broker/commitlog/, consumequeue/, checkpoint   the main store (store.rs): every topic but `$dead`
-//! broker/dead/commitlog/, consumequeue/, checkpoint   dead letters (`$dead`), a store of their own so
+//! broker/commitlog/, consumequeue/, checkpoint, settled   the main store (store.rs, outcomes.rs):
+//!                                         every topic but `$dead`
+//! broker/dead/...                         the same for dead letters (`$dead`), a store of their own so
 //!                                         that they can be kept longer than the messages around them
 //! broker/groups/{group}                  a consumer group's offsets (offsets.rs)
 //! ```
@@ -24,6 +25,9 @@
 //!
 //! Invariants:
 //! - A delivery is acknowledged only once its record is synced (store.rs has the details and recovery).
+//! - A delivery is stored once, across crashes (outcomes.rs): each record names its attempt; a single
+//!   node's start records the outcome of those a crash cut off from it ([`Broker::reconcile`]); a
+//!   cluster's append op carries its deliveries' outcomes in its own Raft entry.
 //! - Retention runs beside appends and pulls, holding the stores' locks only to take segments out of the
 //!   logs; files are deleted after the locks are released (a pull that already holds one keeps reading
 //!   it). A segment goes when its newest message was stored more than `retention` ago (`dead_retention`
@@ -44,6 +48,7 @@ mod error;
 mod inspect;
 mod offsets;
 pub(crate) mod op;
+mod outcomes;
 mod queue;
 mod record;
 mod sink;
@@ -59,6 +64,7 @@ pub use sink::{BrokerSink, BrokerSinkConfig};
 use append::{append_together, StoreGroup};
 use error::io_err;
 use op::{BrokerOp, OpMessage};
+use outcomes::Awaiting;
 use record::decode_record;
 use schedulelog::ScheduleLog;
 use std::collections::{BTreeMap, HashMap};
@@ -142,6 +148,8 @@ pub struct Broker {
     round_robin: Mutex<HashMap<String, u32>>,
     /// The next append op's nonce: from a random start, so that no two members' ops in flight share one.
     next_nonce: AtomicU64,
+    /// Each store's dir and its deliveries awaiting their outcome (outcomes.rs): main, then dead.
+    awaiting: [(PathBuf, Arc<Mutex<Awaiting>>); 2],
 }
 
 /// Where each message of an append went: (queue, queue offset), in order.
@@ -173,6 +181,10 @@ impl Broker {
         let (queues, segment_bytes) = (options.queues_per_topic, options.segment_bytes);
         let main = Store::open(&dir, queues, segment_bytes)?;
         let dead = Store::open(&dir.join("dead"), queues, segment_bytes)?;
+        let awaiting = [
+            (dir.clone(), main.awaiting.clone()),
+            (dir.join("dead"), dead.awaiting.clone()),
+        ];
         let dead_in_main = main.queue_offsets(crate::scheduler::DEAD_TOPIC).is_some();
         if dead_in_main {
             tracing::warn!("this data dir keeps dead letters in the main broker store (it was created before they had one of their own): broker.retention applies to them, not broker.dead_retention");
@@ -189,12 +201,14 @@ impl Broker {
             placements: Mutex::new(HashMap::new()),
             round_robin: Mutex::new(HashMap::new()),
             next_nonce: AtomicU64::new(random_start()),
+            awaiting,
         };
         broker.report_sizes();
         for name in STORE_NAMES {
             // The series exists from the start (at 0), for rate() and alerts.
             metrics::counter!("delayd_broker_retired_bytes_total", "store" => name).increment(0);
         }
+        metrics::counter!("delayd_broker_reconciled_total").increment(0);
         Ok(broker)
     }
 
@@ -246,6 +260,67 @@ impl Broker {
     /// member applied them. Called once, at start, before any write; a second call changes nothing.
     pub fn replicate_through(&self, log: &Arc<ScheduleLog>) {
         let _ = self.replicated.set(Arc::downgrade(log));
+        // A member's append ops carry their outcomes: nothing awaits, nothing is reconciled.
+        for (_, awaiting) in &self.awaiting {
+            let mut awaiting = lock(awaiting);
+            let held = std::mem::take(&mut awaiting.held);
+            awaiting.recorded(held.iter().map(outcomes::Held::attempt));
+        }
+    }
+
+    /// The deliveries' outcomes are durable (`Sink::outcomes_recorded`): they await nothing more.
+    pub fn outcomes_recorded(&self, deliveries: &[crate::sink::Delivery]) {
+        for (i, (_, awaiting)) in self.awaiting.iter().enumerate() {
+            let in_store =
+                |d: &&crate::sink::Delivery| self.in_dead_store(&d.message.topic) == (i == 1);
+            let mut attempts = deliveries.iter().filter(in_store).peekable();
+            if attempts.peek().is_some() {
+                lock(awaiting).recorded(attempts.map(|d| (d.location, d.message.attempt)));
+            }
+        }
+    }
+
+    /// Records the outcome of every delivery recovery found stored whose attempt has none (a crash
+    /// came between the two), so that it is not delivered, and stored, again; returns how many.
+    /// Called before any message is handed to a sink (outcomes.rs). Blocking.
+    pub fn reconcile(&self, log: &ScheduleLog) -> Result<usize, String> {
+        let mut recorded = 0;
+        for (_, awaiting) in &self.awaiting {
+            let settled = lock(awaiting).to_reconcile(log)?;
+            let missing: Vec<_> = (settled.iter())
+                .filter(|(_, missing)| *missing)
+                .map(|(held, _)| held.outcome.clone())
+                .collect();
+            if !missing.is_empty() {
+                log.record_outcomes(&missing).map_err(|e| {
+                    format!("recording the outcomes of deliveries the broker holds: {e}")
+                })?;
+            }
+            recorded += missing.len();
+            let mut awaiting = lock(awaiting);
+            awaiting.held.clear();
+            awaiting.recorded(settled.iter().map(|(held, _)| held.attempt()));
+        }
+        if recorded > 0 {
+            tracing::info!(recorded, "deliveries the broker stored before a crash had no outcome: recorded now, not stored again");
+        }
+        metrics::counter!("delayd_broker_reconciled_total").increment(recorded as u64);
+        Ok(recorded)
+    }
+
+    /// Stores each store's floor when it moved (outcomes.rs): called once a second on a single node.
+    pub fn store_floors(&self) -> Result<(), BrokerError> {
+        if self.replicated.get().is_some() {
+            return Ok(());
+        }
+        for (dir, awaiting) in &self.awaiting {
+            let Some(floor) = lock(awaiting).floor_to_store() else {
+                continue;
+            };
+            outcomes::write_floor(dir, floor)?;
+            lock(awaiting).stored(floor);
+        }
+        Ok(())
     }
 
     /// A cluster member's log: `None` on a single node, `Err` once the log is closed.
@@ -307,19 +382,28 @@ impl Broker {
     ) -> Result<Vec<(u32, u64)>, BrokerError> {
         let mut placed = Vec::with_capacity(messages.len());
         let mut chunk: Vec<Vec<u8>> = Vec::new();
+        let mut chunk_outcomes = Vec::new();
         let mut chunk_bytes = op::APPEND_HEAD_LEN;
         for message in messages {
+            // The deliveries' outcomes go in the op's entry (outcomes.rs): one entry, one fact.
+            let outcomes = outcomes::outcomes_of(std::slice::from_ref(&message));
             let chosen = self.choose_queue(&message);
             let bytes = op::message_bytes(&OpMessage { chosen, message });
-            if !chunk.is_empty() && chunk_bytes + bytes.len() > schedulelog::MAX_APP_PAYLOAD_BYTES {
-                placed.extend(self.propose_chunk(log, std::mem::take(&mut chunk))?);
+            let more = bytes.len() + schedulelog::outcomes_bytes(&outcomes);
+            if !chunk.is_empty() && chunk_bytes + more > schedulelog::MAX_APP_PAYLOAD_BYTES {
+                let (messages, outcomes) = (
+                    std::mem::take(&mut chunk),
+                    std::mem::take(&mut chunk_outcomes),
+                );
+                placed.extend(self.propose_chunk(log, messages, outcomes)?);
                 chunk_bytes = op::APPEND_HEAD_LEN;
             }
-            chunk_bytes += bytes.len();
+            chunk_bytes += more;
             chunk.push(bytes);
+            chunk_outcomes.extend(outcomes);
         }
         if !chunk.is_empty() {
-            placed.extend(self.propose_chunk(log, chunk)?);
+            placed.extend(self.propose_chunk(log, chunk, chunk_outcomes)?);
         }
         Ok(placed)
     }
@@ -346,16 +430,18 @@ impl Broker {
         Chosen { queue, queues }
     }
 
-    /// Proposes one append op of `messages` (encoded) and returns where this member's apply put them.
+    /// Proposes one append op of `messages` (encoded), with their deliveries' `outcomes` in its entry,
+    /// and returns where this member's apply put them.
     fn propose_chunk(
         &self,
         log: &ScheduleLog,
         messages: Vec<Vec<u8>>,
+        outcomes: Vec<(schedulelog::Bucket, schedulelog::Outcome)>,
     ) -> Result<Vec<(u32, u64)>, BrokerError> {
         let count = messages.len();
         let nonce = self.next_nonce.fetch_add(1, Ordering::Relaxed);
         lock(&self.placements).insert(nonce, None);
-        let proposed = log.propose_app(op::encode_append(nonce, &messages));
+        let proposed = log.propose_app_with(op::encode_append(nonce, &messages), outcomes);
         let placed = lock(&self.placements).remove(&nonce).flatten();
         proposed.map_err(BrokerError::Replication)?;
         match placed {

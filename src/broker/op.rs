@@ -76,6 +76,7 @@ pub(crate) fn message_bytes(message: &OpMessage) -> Vec<u8> {
         delivered_at_ms: incoming.delivered_at_ms,
         attempt: incoming.attempt,
         op: None,
+        attempt_at: (incoming.attempt_at).map(|at| (at.bucket.start_minute(), at.seq)),
     };
     let mut bytes = Vec::with_capacity(8 + 256 + incoming.body.len());
     bytes.extend_from_slice(&message.chosen.queues.to_le_bytes());
@@ -157,6 +158,7 @@ impl BrokerOp {
                             meta.queue
                         ));
                     }
+                    let attempt_at = meta.attempt_location();
                     messages.push(OpMessage {
                         chosen: Chosen {
                             queue: meta.queue,
@@ -170,6 +172,7 @@ impl BrokerOp {
                             deliver_at_ms: meta.deliver_at_ms,
                             delivered_at_ms: meta.delivered_at_ms,
                             attempt: meta.attempt,
+                            attempt_at,
                             body: body.to_vec(),
                         },
                     });

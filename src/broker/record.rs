@@ -11,8 +11,12 @@
 //!
 //! `op` (a cluster member's store only): `[entry index, position]` of the replicated op that stored
 //! the record (op.rs), so that an op applied again after a restart is recognised as stored.
+//! `attempt_at` (a delivery's record, from this version on): `[bucket start minute, seq]` of the
+//! attempt it delivers in the schedule log, which the dispatch outcome it awaits is recorded for
+//! (store.rs, "outcomes").
 
 use schedulelog::frame::{self, Kind};
+use schedulelog::{Bucket, Location};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -32,6 +36,20 @@ pub struct StoredMeta {
     /// The replicated op that stored it: its entry's index and its place among the entry's payloads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub op: Option<(u64, u32)>,
+    /// The attempt's place in the schedule log: its bucket's start minute and its seq.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt_at: Option<(u32, u64)>,
+}
+
+impl StoredMeta {
+    /// The attempt this record delivers, where the meta says.
+    pub fn attempt_location(&self) -> Option<Location> {
+        let (minute, seq) = self.attempt_at?;
+        Some(Location {
+            bucket: Bucket::from_start_minute(minute),
+            seq,
+        })
+    }
 }
 
 /// A message as a consumer gets it.
@@ -60,6 +78,8 @@ pub struct Incoming {
     pub deliver_at_ms: i64,
     pub delivered_at_ms: i64,
     pub attempt: u16,
+    /// Where the attempt is stored in the schedule log (a delivery's; `None` for a test's message).
+    pub attempt_at: Option<Location>,
     pub body: Vec<u8>,
 }
 

@@ -56,6 +56,7 @@ impl BrokerSink {
                 deliver_at_ms: d.message.deliver_at_ms,
                 delivered_at_ms: d.sent_at_ms,
                 attempt: d.message.attempt,
+                attempt_at: Some(d.location),
                 body: d.message.body.clone(),
             })
             .collect()
@@ -113,5 +114,9 @@ impl Sink for BrokerSink {
 
     fn deliver_blocking(&self, batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
         Some(self.answer(batch.len(), self.broker.append(self.incoming(batch))))
+    }
+
+    fn outcomes_recorded(&self, batch: &[Delivery]) {
+        self.broker.outcomes_recorded(batch);
     }
 }

@@ -7,6 +7,7 @@
 //!                       on a cluster member then the last replicated op stored below it (entry
 //!                       index u64 LE, position u32 LE), then a CRC-32C (u32 LE) of what is before
 //!                       it; replaced atomically every 100,000 messages (or 256 MiB)
+//! {store}/settled       the floor below which every delivery's outcome is durable (outcomes.rs)
 //! ```
 //!
 //! Invariants and recovery:
@@ -16,6 +17,9 @@
 //!   queue a batch touched cost one `fdatasync` per queue per batch.
 //! - A unit is published to readers only after its record is synced. An append whose units cannot be
 //!   written is undone, commit log included: nothing half-stored is ever acknowledged or read.
+//! - On open the commit log is read from the checkpoint or the stored floor, whichever is earlier:
+//!   from the floor on, deliveries are held for `Broker::reconcile` (outcomes.rs), and only from the
+//!   checkpoint on are units touched.
 //! - On open the commit log's torn tail is cut; every record after the checkpoint writes its unit again
 //!   (idempotent), which restores units lost or torn in a crash; a queue that got records after the
 //!   checkpoint is cut to end right after the last of them, and units at the end of any queue that are
@@ -39,14 +43,15 @@
 //!   when it deletes segments, and opening recomputes it (files of an interrupted deletion go then).
 
 use super::commitlog::{CommitLog, Segment, HEADER_LEN};
+use super::outcomes::{read_floor, Awaiting, Held};
 use super::queue::{Queue, Unit};
 use super::record::{decode_payload, encode_record};
-use super::{io_err, valid_topic, BrokerError, Incoming, OpAt, StoredMeta};
+use super::{io_err, lock, valid_topic, BrokerError, Incoming, OpAt, StoredMeta};
 use schedulelog::{create_dir_durably, sync_dir, write_atomically};
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 /// Messages stored between two checkpoints, at most (recovery re-reads what follows the checkpoint;
@@ -126,6 +131,8 @@ pub(crate) struct Store {
     checkpointing: Option<JoinHandle<bool>>,
     /// Messages and bytes stored before a checkpoint is due.
     pub checkpoint_every: (u64, u64),
+    /// Deliveries appended whose outcome is not known to be durable yet (outcomes.rs).
+    pub awaiting: Arc<Mutex<Awaiting>>,
     /// Where a test holds checkpoint jobs before they sync anything.
     #[cfg(test)]
     pub checkpoint_gate: Option<Arc<Gate>>,
@@ -150,7 +157,7 @@ struct CheckpointJob {
 #[cfg(test)]
 #[derive(Debug, Default)]
 pub(crate) struct Gate {
-    open: std::sync::Mutex<bool>,
+    open: Mutex<bool>,
     opened: std::sync::Condvar,
 }
 
@@ -241,6 +248,7 @@ impl Store {
             checkpoint_failed: false,
             checkpointing: None,
             checkpoint_every: (CHECKPOINT_EVERY, CHECKPOINT_EVERY_BYTES),
+            awaiting: Arc::default(),
             #[cfg(test)]
             checkpoint_gate: None,
             #[cfg(test)]
@@ -287,7 +295,12 @@ impl Store {
 
     /// See the module doc: the log's tail, the units after the checkpoint, the queues' ends and minimums.
     fn recover(&mut self) -> Result<(), BrokerError> {
-        let (from, applied) = read_checkpoint_and_op(&self.dir);
+        let (checkpoint, applied) = read_checkpoint_and_op(&self.dir);
+        // Deliveries from the stored floor on may lack their outcome (outcomes.rs): read from there
+        // too. Without a floor (a store older than it), from the checkpoint as before.
+        let floor = read_floor(&self.dir).unwrap_or(checkpoint);
+        let from = checkpoint.min(floor);
+        let mut held = Vec::new();
         let mut applied = applied;
         let mut present = None;
         // Queues that got records after the checkpoint end exactly after the last of them: a unit past
@@ -310,6 +323,13 @@ impl Store {
                     reason: "undecodable broker record".into(),
                 });
             };
+            // A cluster member's records (of ops) carry their outcomes in their entries.
+            if record.offset >= floor && meta.op.is_none() {
+                held.extend(Held::of(record.offset, &meta));
+            }
+            if record.offset < checkpoint {
+                return Ok(()); // its unit is durable: read for its outcome only
+            }
             let queue = queue_mut(
                 topics,
                 dir,
@@ -341,6 +361,8 @@ impl Store {
         })?;
         self.applied = applied;
         self.applied_present = present;
+        let end = self.log.end();
+        self.awaiting = Arc::new(Mutex::new(Awaiting::recovered(end, floor.min(end), held)));
         for ((topic, index), units) in ends {
             let queue = self.queue_mut(&topic, index)?;
             queue.truncate(units)?;
@@ -520,6 +542,7 @@ impl Store {
                 delivered_at_ms: message.delivered_at_ms,
                 attempt: message.attempt,
                 op,
+                attempt_at: (message.attempt_at).map(|at| (at.bucket.start_minute(), at.seq)),
             };
             encode_record(&mut buf, &meta, &message.body);
             ends.push(buf.len());
@@ -575,6 +598,16 @@ impl Store {
             self.applied = self.applied.max(op);
             self.applied_present = None;
         }
+        let mut awaiting = lock(&self.awaiting);
+        if op.is_none() {
+            for (&(message, _), &offset) in messages.iter().zip(&offsets) {
+                if let Some(at) = message.attempt_at {
+                    awaiting.insert(offset, (at, message.attempt));
+                }
+            }
+        }
+        awaiting.appended(self.log.end());
+        drop(awaiting);
         self.unsynced_since_checkpoint += messages.len() as u64;
         self.unsynced_bytes_since_checkpoint += buf.len() as u64;
         self.start_checkpoint_if_due();

@@ -19,6 +19,7 @@ fn stored_at(topic: &str, key: Option<&str>, body: &str, at_ms: i64) -> Incoming
         deliver_at_ms: 1,
         delivered_at_ms: at_ms,
         attempt: 0,
+        attempt_at: None,
         body: body.as_bytes().to_vec(),
     }
 }
@@ -1312,4 +1313,76 @@ fn a_topic_cut_short_by_a_crash_gets_the_queues_its_op_names() {
         broker.queue_offsets("t"),
         Some(vec![(0, 0), (0, 0), (0, 0), (0, 1)])
     );
+}
+
+/// A delivery the broker stored without its outcome (a crash came between the two) is held at the
+/// next open, also after a second crash before it was reconciled, and reconciled once: its outcome
+/// is recorded (`dead` with its reason for a dead letter); one whose outcome was recorded before the
+/// crash gets none again. Nothing is stored twice.
+#[test]
+fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
+    use schedulelog::{NewMessage, OutcomeKind, ScheduleLog};
+    let dir = tempfile::tempdir().unwrap();
+    let log = ScheduleLog::open(dir.path().join("log"), schedulelog::Options::default()).unwrap();
+    let new = |body: &str| {
+        let message = NewMessage {
+            deliver_at_ms: 1,
+            topic: "t".into(),
+            sink: "broker".into(),
+            body: body.as_bytes().to_vec(),
+            ..NewMessage::default()
+        };
+        message.encode().unwrap()
+    };
+    let appended = log
+        .append(vec![new("a"), new("b"), new("c")])
+        .wait()
+        .unwrap();
+    let delivery = |n: usize, topic: &str| Incoming {
+        id: appended[n].id.to_string(),
+        attempt_at: Some(appended[n].location),
+        ..stored_at(topic, None, &n.to_string(), 5)
+    };
+    let outcomes = |n: usize| log.outcomes_of(appended[n].location).unwrap().unwrap();
+    {
+        let broker = Broker::open(dir.path(), options(1)).unwrap();
+        broker
+            .append(vec![delivery(0, "t"), delivery(1, "t")])
+            .unwrap();
+        let mut dead = delivery(2, crate::scheduler::DEAD_TOPIC);
+        dead.headers
+            .insert(crate::scheduler::DEAD_REASON_HEADER.into(), "gone".into());
+        broker.append(vec![dead]).unwrap();
+        // The first one's outcome was recorded before the crash, the others' not.
+        let first = appended[0].location;
+        let delivered = schedulelog::Outcome {
+            seq: first.seq,
+            at_ms: 5,
+            attempt: 0,
+            kind: OutcomeKind::Delivered,
+        };
+        log.record_outcomes(&[(first.bucket, delivered)]).unwrap();
+        broker.store_floors().unwrap();
+    }
+    // A second crash before reconciling: the floor did not move past them.
+    Broker::open(dir.path(), options(1))
+        .unwrap()
+        .store_floors()
+        .unwrap();
+    let broker = Broker::open(dir.path(), options(1)).unwrap();
+    assert_eq!(broker.reconcile(&log).unwrap(), 2);
+    assert_eq!(outcomes(0).len(), 1, "{:?}", outcomes(0));
+    assert_eq!(outcomes(1)[0].kind, OutcomeKind::Delivered);
+    assert_eq!(outcomes(1)[0].at_ms, 5);
+    let gone = OutcomeKind::Dead {
+        reason: "gone".into(),
+    };
+    assert_eq!(outcomes(2)[0].kind, gone);
+    broker.store_floors().unwrap();
+    drop(broker);
+    let broker = Broker::open(dir.path(), options(1)).unwrap();
+    assert_eq!(broker.reconcile(&log).unwrap(), 0);
+    assert_eq!(outcomes(1).len(), 1);
+    let stored = |topic: &str| broker.queue_offsets(topic).unwrap()[0].1;
+    assert_eq!((stored("t"), stored(crate::scheduler::DEAD_TOPIC)), (2, 1));
 }

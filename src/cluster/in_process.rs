@@ -797,6 +797,7 @@ fn delivered(topic: &str, key: Option<&str>, body: &[u8]) -> Incoming {
         deliver_at_ms: T0,
         delivered_at_ms: T0 + 1,
         attempt: 0,
+        attempt_at: None,
         body: body.to_vec(),
     }
 }

@@ -542,8 +542,13 @@ impl Lane {
                 });
             }
         }
-        if !records.is_empty() {
-            self.record_outcomes(records).await;
+        if !records.is_empty() && self.record_outcomes(records).await {
+            // The broker's deliveries (and dead letters) await their outcomes until now.
+            self.sink.outcomes_recorded(deliveries);
+            if let (Some(letters), false) = (&self.shared.dead_letters, dead.is_empty()) {
+                let copies: Vec<Delivery> = dead.iter().map(|(_, copy)| copy.clone()).collect();
+                letters.outcomes_recorded(&copies);
+            }
         }
         for (delivery, (_, label)) in deliveries.iter().zip(&labels) {
             if matches!(
@@ -606,7 +611,7 @@ impl Lane {
     /// that a lane whose outcomes cannot be recorded stops delivering) until they are durable: a delivery
     /// whose outcome is lost is delivered again after a restart. Only a shutdown or a poisoned log (a
     /// failed sync, which is never retried) gives up.
-    async fn record_outcomes(&self, records: Vec<(Bucket, Outcome)>) {
+    async fn record_outcomes(&self, records: Vec<(Bucket, Outcome)>) -> bool {
         let records = Arc::new(records);
         let mut pause = Duration::from_millis(100);
         for attempt in 1u32.. {
@@ -617,7 +622,7 @@ impl Lane {
                     if attempt > 1 {
                         tracing::info!(sink = %self.name, attempt, "delivery outcomes recorded after all");
                     }
-                    return;
+                    return true;
                 }
                 Ok(Err(e)) => e.to_string(),
                 Err(e) => e.to_string(),
@@ -626,7 +631,7 @@ impl Lane {
                 // A failed sync poisoned the log (never retried): the restart it needs delivers these
                 // again.
                 tracing::error!(sink = %self.name, %error, "recording delivery outcomes failed; these messages will be delivered again after a restart");
-                return;
+                return false;
             }
             // Logged at the first failure and then ever more rarely (attempts 1, 2, 4, 8, ...).
             if attempt.is_power_of_two() {
@@ -635,6 +640,7 @@ impl Lane {
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_secs(5));
         }
+        false
     }
 
     async fn write_retries(
@@ -771,7 +777,7 @@ fn dead_letter(delivery: &Delivery, reason: &str, now: i64) -> Delivery {
         .retain(|(name, _)| name != DEAD_ON_ARRIVAL_HEADER);
     copy.message
         .headers
-        .push(("delayd-dead-reason".into(), reason.to_string()));
+        .push((DEAD_REASON_HEADER.into(), reason.to_string()));
     copy.message
         .headers
         .push(("delayd-original-topic".into(), copy.message.topic.clone()));
@@ -784,6 +790,9 @@ fn dead_letter(delivery: &Delivery, reason: &str, now: i64) -> Delivery {
 
 /// The broker topic that receives dead messages.
 pub const DEAD_TOPIC: &str = "$dead";
+
+/// The header of a dead letter that says why its message is dead (the reason its outcome records).
+pub const DEAD_REASON_HEADER: &str = "delayd-dead-reason";
 
 /// The header of a message that was dead when it arrived: a request an MQ source could not take (no
 /// time, no target, a forbidden one...), stored as a message all the same so that it is listed, found

@@ -50,7 +50,7 @@ use std::time::Duration;
 use wheel::{Entry, Wheel};
 
 pub use dead::{DeadLetterError, Requeued};
-pub use dispatcher::{BODY_BYTES_HEADER, DEAD_ON_ARRIVAL_HEADER, DEAD_TOPIC};
+pub use dispatcher::{BODY_BYTES_HEADER, DEAD_ON_ARRIVAL_HEADER, DEAD_REASON_HEADER, DEAD_TOPIC};
 pub use lease::Lease;
 pub use registry::{CancelError, Cancelled};
 pub use schedulelog::{ManualClock, SystemClock};

@@ -112,6 +112,12 @@ pub trait Sink: Send + Sync + fmt::Debug + 'static {
     fn probe(&self) -> BoxFuture<'_, ()> {
         Box::pin(async {})
     }
+
+    /// The outcomes of `batch`, which this sink answered, are durable in the dispatch logs. Nothing
+    /// by default; the broker, which keeps the deliveries it stored until then so that a crash in
+    /// between does not store them twice (broker/outcomes.rs), lets them go. Called on a runtime
+    /// thread: it must not block.
+    fn outcomes_recorded(&self, _batch: &[Delivery]) {}
 }
 
 /// How long a sink's connection may go unchecked before [`probe`] checks it.

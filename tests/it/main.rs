@@ -11,6 +11,7 @@ mod console;
 mod deploy;
 mod disk;
 mod edge;
+mod exactly_once;
 mod listing;
 mod openapi;
 mod retention;
