@@ -27,7 +27,7 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-start() { # start; prints the seconds to `delayd ready`
+start() { # start; sets READY_S, the seconds to `delayd ready`
   local started ready
   : >"$WORK/delayd.out"
   started=$(date +%s.%N)
@@ -36,7 +36,7 @@ start() { # start; prints the seconds to `delayd ready`
   for _ in $(seq 12000); do
     if grep -q "delayd ready" "$WORK/delayd.out"; then
       ready=$(date +%s.%N)
-      python3 -c "print(round($ready - $started, 2))"
+      READY_S=$(python3 -c "print(round($ready - $started, 2))")
       return
     fi
     kill -0 "$DELAYD_PID" 2>/dev/null || { echo "delayd exited: $(tail -3 "$WORK/delayd.log")" >&2; exit 1; }
@@ -56,7 +56,7 @@ load() { # load COUNT DELAY_MIN_MS DELAY_MAX_MS
   "$LOADGEN" --target delayd --url "$URL" --messages "$1" --mode batch --batch 1000 --concurrency 8 \
     --body-bytes "$BODY_BYTES" --delay-min-ms "$2" --delay-max-ms "$3" --no-consume --label load >/dev/null
 }
-start >/dev/null
+start
 load "$N" 0 1
 wait_stored "$N"
 load "$WAVE" 2000 3000 &
@@ -64,12 +64,14 @@ LOAD_PID=$!
 wait "$LOAD_PID"; LOAD_PID=
 wait_stored $((N + WAVE / 2))
 kill -9 "$DELAYD_PID"; wait "$DELAYD_PID" 2>/dev/null || true
-after_kill=$(start)
+start
+after_kill=$READY_S
 wait_stored $((N + WAVE))
 sleep 3 # anything repeated arrives meanwhile
 reconciled=$(curl -sf "$URL/metrics" | awk '/^delayd_broker_reconciled_total/ {print $2}')
 total=$(stored)
 kill -TERM "$DELAYD_PID"; wait "$DELAYD_PID" || true
-after_stop=$(start)
+start
+after_stop=$READY_S
 printf '{"binary": "%s", "broker_messages": %d, "wave": %d, "ready_after_kill_s": %s, "ready_after_stop_s": %s, "stored": %d, "stored_twice": %d, "reconciled": %s}\n' \
   "$BIN" "$N" "$WAVE" "$after_kill" "$after_stop" "$total" $((total - N - WAVE)) "${reconciled:-null}"

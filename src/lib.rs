@@ -135,6 +135,12 @@ pub async fn run_with_ready(
         config.limits.min_free_disk_bytes,
     ));
     disk.check(&[log.disk_full(), broker.disk_full()]);
+    if config.cluster.is_some() {
+        // The broker's appends and group offsets are entries too (DESIGN.md §10), and so are the
+        // sources' marks (term.rs): proposed through the log, applied by every member into its own
+        // files. Set before housekeeping starts: a member's broker stores no floor (outcomes.rs).
+        broker.replicate_through(&log);
+    }
     let probing = tokio::spawn(sink::probe(probes));
     let housekeeping = tokio::spawn(housekeeping(
         log.clone(),
@@ -186,10 +192,6 @@ pub async fn run_with_ready(
                     .collect(),
             };
             let raft_dir = config.data_dir.join(RAFT_DIR);
-            // The broker's appends and group offsets are entries too (DESIGN.md §10), and so are
-            // the sources' marks (term.rs): proposed through the log, applied by every member
-            // into its own files.
-            base.broker.replicate_through(&log);
             let applier = applier(base.broker.clone(), config.data_dir.clone());
             let snapshots = cluster::snapshot::Snapshots::new(
                 cluster.node_id,

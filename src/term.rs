@@ -182,9 +182,7 @@ impl Term {
         // Before any message goes to a sink: deliveries a crash left without their outcome get it
         // (broker/outcomes.rs), rather than being stored twice.
         let (broker, log) = (base.broker.clone(), base.log.clone());
-        tokio::task::spawn_blocking(move || broker.reconcile(&log))
-            .await?
-            .map_err(|e| anyhow::anyhow!(e))?;
+        tokio::task::spawn_blocking(move || broker.reconcile(&log)).await?;
         let scheduler = Arc::new(Scheduler::start(
             base.log.clone(),
             &base.sinks,

@@ -33,7 +33,7 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<Option<bool>> {
     let broker = |up: usize| name(up) == "broker" || name(up) == "dead" && name(up + 1) == "broker";
     if name(0) == "checkpoint" && broker(1) {
         return match decode_checkpoint(&bytes) {
-            Some(end) => writeln!(out, "broker store checkpoint: a start reads the commit log from offset {end}").map(|()| Some(true)),
+            Some(end) => writeln!(out, "broker store checkpoint: a start reads the commit log from offset {end} (or from the floor in `settled`, if that is earlier)").map(|()| Some(true)),
             None => writeln!(out, "broker store checkpoint: damaged (12 bytes with a CRC-32C expected; a start reads the whole commit log)").map(|()| Some(false)),
         };
     }

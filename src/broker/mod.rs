@@ -61,13 +61,14 @@ pub use offsets::CommitError;
 pub use record::{Incoming, Pulled, Stored, StoredMeta};
 pub use sink::{BrokerSink, BrokerSinkConfig};
 
+use crate::sink::Delivery;
 use append::{append_together, StoreGroup};
 use error::io_err;
 use op::{BrokerOp, OpMessage};
 use outcomes::Awaiting;
 use record::decode_record;
 use schedulelog::ScheduleLog;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -150,6 +151,10 @@ pub struct Broker {
     next_nonce: AtomicU64,
     /// Each store's dir and its deliveries awaiting their outcome (outcomes.rs): main, then dead.
     awaiting: [(PathBuf, Arc<Mutex<Awaiting>>); 2],
+    /// Held while a floor file is replaced.
+    floor_writing: Mutex<()>,
+    /// A cluster member's deliveries whose append failed, some maybe committed (outcomes.rs).
+    in_doubt: Mutex<HashSet<outcomes::Attempt>>,
 }
 
 /// Where each message of an append went: (queue, queue offset), in order.
@@ -202,6 +207,8 @@ impl Broker {
             round_robin: Mutex::new(HashMap::new()),
             next_nonce: AtomicU64::new(random_start()),
             awaiting,
+            floor_writing: Mutex::new(()),
+            in_doubt: Mutex::default(),
         };
         broker.report_sizes();
         for name in STORE_NAMES {
@@ -263,56 +270,138 @@ impl Broker {
         // A member's append ops carry their outcomes: nothing awaits, nothing is reconciled.
         for (_, awaiting) in &self.awaiting {
             let mut awaiting = lock(awaiting);
-            let held = std::mem::take(&mut awaiting.held);
-            awaiting.recorded(held.iter().map(outcomes::Held::attempt));
+            let held: Vec<_> = awaiting.held.keys().copied().collect();
+            awaiting.recorded(held);
         }
     }
 
     /// The deliveries' outcomes are durable (`Sink::outcomes_recorded`): they await nothing more.
-    pub fn outcomes_recorded(&self, deliveries: &[crate::sink::Delivery]) {
+    pub fn outcomes_recorded(&self, deliveries: &[Delivery]) {
         for (i, (_, awaiting)) in self.awaiting.iter().enumerate() {
-            let in_store =
-                |d: &&crate::sink::Delivery| self.in_dead_store(&d.message.topic) == (i == 1);
+            let in_store = |d: &&Delivery| self.in_dead_store(&d.message.topic) == (i == 1);
             let mut attempts = deliveries.iter().filter(in_store).peekable();
             if attempts.peek().is_some() {
                 lock(awaiting).recorded(attempts.map(|d| (d.location, d.message.attempt)));
             }
         }
+        if !lock(&self.in_doubt).is_empty() {
+            let mut in_doubt = lock(&self.in_doubt);
+            for d in deliveries {
+                in_doubt.remove(&(d.location, d.message.attempt));
+            }
+        }
+    }
+
+    /// Which of `deliveries` the broker holds already, awaiting only their outcome (outcomes.rs):
+    /// held since a start that could not settle them, or, on a cluster member, in doubt after a
+    /// failed append and found with their outcome since. The sink answers them delivered without
+    /// storing them again. Blocking (a member's lookups read the dispatch logs).
+    pub fn stored_already(&self, deliveries: &[Delivery]) -> Vec<bool> {
+        let mut stored = vec![false; deliveries.len()];
+        for (i, (_, awaiting)) in self.awaiting.iter().enumerate() {
+            let awaiting = lock(awaiting);
+            if awaiting.held.is_empty() {
+                continue;
+            }
+            for (d, stored) in deliveries.iter().zip(stored.iter_mut()) {
+                let attempt = (d.location, d.message.attempt);
+                if self.in_dead_store(&d.message.topic) == (i == 1) {
+                    *stored |= awaiting.held.contains_key(&attempt);
+                }
+            }
+        }
+        let in_doubt: Vec<usize> = {
+            let in_doubt = lock(&self.in_doubt);
+            (deliveries.iter().enumerate())
+                .filter(|(_, d)| in_doubt.contains(&(d.location, d.message.attempt)))
+                .map(|(i, _)| i)
+                .collect()
+        };
+        if let (false, Some(Ok(log))) = (in_doubt.is_empty(), self.replicated()) {
+            for i in in_doubt {
+                let (at, attempt) = (deliveries[i].location, deliveries[i].message.attempt);
+                let found = log.outcomes_of(at);
+                stored[i] |= matches!(found, Ok(Some(o)) if o.iter().any(|o| o.attempt == attempt));
+                lock(&self.in_doubt).remove(&(at, attempt));
+            }
+        }
+        stored
+    }
+
+    /// A cluster member's append of `deliveries` failed: some of its ops may be committed (their
+    /// outcomes with them), so [`Broker::stored_already`] looks them up when they come again.
+    pub fn note_in_doubt(&self, deliveries: &[Delivery]) {
+        if self.replicated.get().is_some() {
+            let mut in_doubt = lock(&self.in_doubt);
+            in_doubt.extend(deliveries.iter().map(|d| (d.location, d.message.attempt)));
+        }
     }
 
     /// Records the outcome of every delivery recovery found stored whose attempt has none (a crash
     /// came between the two), so that it is not delivered, and stored, again; returns how many.
-    /// Called before any message is handed to a sink (outcomes.rs). Blocking.
-    pub fn reconcile(&self, log: &ScheduleLog) -> Result<usize, String> {
-        let mut recorded = 0;
+    /// Called before any message is handed to a sink (outcomes.rs). What it cannot settle (a lookup
+    /// or the write failing after a few tries) stays held, for the sink to answer as stored.
+    /// Blocking.
+    pub fn reconcile(&self, log: &ScheduleLog) -> usize {
+        let started = std::time::Instant::now();
+        let buckets: HashSet<schedulelog::Bucket> = log.buckets().into_iter().collect();
+        let (mut held_count, mut recorded) = (0, 0);
         for (_, awaiting) in &self.awaiting {
-            let settled = lock(awaiting).to_reconcile(log)?;
-            let missing: Vec<_> = (settled.iter())
-                .filter(|(_, missing)| *missing)
-                .map(|(held, _)| held.outcome.clone())
-                .collect();
-            if !missing.is_empty() {
-                log.record_outcomes(&missing).map_err(|e| {
-                    format!("recording the outcomes of deliveries the broker holds: {e}")
-                })?;
+            let held: Vec<outcomes::Held> = lock(awaiting).held.values().cloned().collect();
+            if held.is_empty() {
+                continue;
             }
-            recorded += missing.len();
-            let mut awaiting = lock(awaiting);
-            awaiting.held.clear();
-            awaiting.recorded(settled.iter().map(|(held, _)| held.attempt()));
+            held_count += held.len();
+            let (missing, settled) = outcomes::to_reconcile(log, &buckets, &held);
+            let mut pause = Duration::from_millis(100);
+            let written = missing.is_empty()
+                || loop {
+                    match log.record_outcomes(&missing) {
+                        Ok(()) => break true,
+                        Err(error)
+                            if pause >= Duration::from_secs(2) || log.poisoned().is_some() =>
+                        {
+                            tracing::error!(%error, held = missing.len(), "recording the outcomes of deliveries the broker holds failed: the broker sink answers them as stored when they come due");
+                            break false;
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "recording the outcomes of deliveries the broker holds failed; trying again");
+                            std::thread::sleep(pause);
+                            pause *= 2;
+                        }
+                    }
+                };
+            let missing: HashSet<outcomes::Attempt> = (missing.iter())
+                .map(|(bucket, o)| {
+                    let at = schedulelog::Location {
+                        bucket: *bucket,
+                        seq: o.seq,
+                    };
+                    (at, o.attempt)
+                })
+                .collect();
+            if written {
+                recorded += missing.len();
+            }
+            let done = (settled.into_iter()).filter(|a| written || !missing.contains(a));
+            lock(awaiting).recorded(done);
         }
-        if recorded > 0 {
-            tracing::info!(recorded, "deliveries the broker stored before a crash had no outcome: recorded now, not stored again");
+        if held_count > 0 {
+            let elapsed_ms = started.elapsed().as_millis() as u64;
+            tracing::info!(looked_up = held_count, recorded, elapsed_ms, "deliveries the broker stored since its floor were looked up; those a crash left without an outcome got it, and are not stored again");
         }
         metrics::counter!("delayd_broker_reconciled_total").increment(recorded as u64);
-        Ok(recorded)
+        recorded
     }
 
-    /// Stores each store's floor when it moved (outcomes.rs): called once a second on a single node.
+    /// Stores each store's floor when it moved (outcomes.rs): called once a second on a single node,
+    /// and at a stop.
     pub fn store_floors(&self) -> Result<(), BrokerError> {
         if self.replicated.get().is_some() {
             return Ok(());
         }
+        // One writer at a time: the file is replaced through one temporary path.
+        let _writing = lock(&self.floor_writing);
         for (dir, awaiting) in &self.awaiting {
             let Some(floor) = lock(awaiting).floor_to_store() else {
                 continue;

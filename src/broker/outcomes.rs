@@ -25,14 +25,19 @@
 //!   was, so a second crash finds them again. Lookups are by location in the bucket's outcome index:
 //!   bounded work (the deliveries of about the last second, or of an outage of the dispatch log).
 //! - An outcome recorded for an attempt that already has one is harmless: outcomes are a set
-//!   (dispatch.rs). A bucket retired meanwhile is left alone.
+//!   (dispatch.rs). A bucket retired meanwhile is left alone (its attempts all had outcomes).
+//! - What reconciling could not settle (a lookup or the write failed) stays held: the broker sink
+//!   answers such a delivery stored when it comes due again, without storing it, and the lane records
+//!   its outcome then. On a cluster member, a delivery whose append op failed or was answered in
+//!   doubt is looked up in the dispatch logs when it comes again, and answered stored if its outcome
+//!   (carried by the op's entry) is there.
 //! - A record without `attempt_at` (a test's, or written before it existed) is never awaited: what
 //!   such a version stored stays at least once.
 
 use super::{BrokerError, Incoming, StoredMeta};
 use crate::scheduler::{DEAD_REASON_HEADER, DEAD_TOPIC};
 use schedulelog::{write_atomically, Bucket, Location, Outcome, OutcomeKind, ScheduleLog};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 /// An attempt: where it is stored in the schedule log, and its number.
@@ -117,30 +122,30 @@ pub(crate) struct Awaiting {
     by_attempt: HashMap<Attempt, u64>,
     /// The commit log's end after the last append (or recovery).
     end: u64,
-    /// The floor last stored.
+    /// The floor in the `settled` file (0 without one).
     stored: u64,
     /// What recovery found and [`super::Broker::reconcile`] has not settled yet.
-    pub held: Vec<Held>,
+    pub held: HashMap<Attempt, Held>,
 }
 
 impl Awaiting {
-    /// After recovery: the log's `end`, the floor it started from, and the deliveries it held.
+    /// After recovery: the log's `end`, the floor the `settled` file holds, and the deliveries held.
     pub fn recovered(end: u64, stored: u64, held: Vec<Held>) -> Awaiting {
         let mut awaiting = Awaiting {
             end,
             stored,
             ..Awaiting::default()
         };
-        for h in &held {
+        for h in held {
             awaiting.insert(h.offset, h.attempt());
+            awaiting.held.insert(h.attempt(), h);
         }
-        awaiting.held = held;
         awaiting
     }
 
     pub fn insert(&mut self, offset: u64, attempt: Attempt) {
         self.by_offset.insert(offset, attempt);
-        // An attempt appended again (a retry of a failed write that was undone) awaits at its new place.
+        // An attempt stored twice (by a version before this one) awaits at its newer place.
         if let Some(before) = self.by_attempt.insert(attempt, offset) {
             if before != offset {
                 self.by_offset.remove(&before);
@@ -156,6 +161,7 @@ impl Awaiting {
     /// The attempts' outcomes are durable.
     pub fn recorded(&mut self, attempts: impl IntoIterator<Item = Attempt>) {
         for attempt in attempts {
+            self.held.remove(&attempt);
             if let Some(offset) = self.by_attempt.remove(&attempt) {
                 self.by_offset.remove(&offset);
             }
@@ -169,7 +175,7 @@ impl Awaiting {
             .map_or(self.end, |(offset, _)| *offset)
     }
 
-    /// The floor, when it moved since it was last stored.
+    /// The floor, when it differs from the stored one.
     pub fn floor_to_store(&self) -> Option<u64> {
         let floor = self.floor();
         (floor != self.stored).then_some(floor)
@@ -178,23 +184,36 @@ impl Awaiting {
     pub fn stored(&mut self, floor: u64) {
         self.stored = floor;
     }
+}
 
-    /// Settles what recovery held: outcomes to record for the attempts that have none (read from the
-    /// dispatch logs), and the held ones that need nothing. `Err`: a lookup failed.
-    pub fn to_reconcile(&self, log: &ScheduleLog) -> Result<Vec<(Held, bool)>, String> {
-        let mut settled = Vec::with_capacity(self.held.len());
-        for held in &self.held {
-            let (at, attempt) = held.attempt();
-            let missing = match log.outcomes_of(at) {
-                Ok(Some(outcomes)) => !outcomes.iter().any(|o| o.attempt == attempt),
-                // Retired: its bucket is finished, so its attempts all have outcomes.
-                Ok(None) => false,
-                Err(e) => return Err(format!("looking up the outcomes of {at:?}: {e}")),
-            };
-            settled.push((held.clone(), missing));
+/// Of the `held` deliveries, the outcomes to record: those whose attempt has none in the dispatch
+/// logs, and every one settled so (recorded now, or found recorded or retired). A delivery whose
+/// lookup fails stays held (the sink answers it stored when it comes again: [`super::Broker::stored_already`]).
+pub(crate) fn to_reconcile(
+    log: &ScheduleLog,
+    buckets: &HashSet<Bucket>,
+    held: &[Held],
+) -> (Vec<(Bucket, Outcome)>, Vec<Attempt>) {
+    let (mut missing, mut settled) = (Vec::new(), Vec::new());
+    for held in held {
+        let (at, attempt) = held.attempt();
+        // Retired: a bucket is retired once finished, each of its attempts with an outcome (and a
+        // lookup there finds none: the dispatch log went with it).
+        if !buckets.contains(&at.bucket) {
+            settled.push((at, attempt));
+            continue;
         }
-        Ok(settled)
+        match log.outcomes_of(at) {
+            Ok(Some(outcomes)) if outcomes.iter().any(|o| o.attempt == attempt) => {}
+            Ok(_) => missing.push(held.outcome.clone()),
+            Err(e) => {
+                tracing::warn!(error = %e, location = ?at, "looking up a stored delivery's outcome failed: it is answered as stored when it comes due again");
+                continue;
+            }
+        }
+        settled.push((at, attempt));
     }
+    (missing, settled)
 }
 
 /// The floor a store's `settled` file holds, if it is whole.

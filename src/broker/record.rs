@@ -5,7 +5,7 @@
 //! ```text
 //! 0   4   meta_len u32 LE
 //! 4   ..  meta: JSON {"topic","queue","queue_offset","id","key"?,"headers","deliver_at_ms",
-//!                     "delivered_at_ms","attempt","op"?}
+//!                     "delivered_at_ms","attempt","op"?,"attempt_at"?}
 //! ..  ..  body bytes
 //! ```
 //!
@@ -13,7 +13,7 @@
 //! the record (op.rs), so that an op applied again after a restart is recognised as stored.
 //! `attempt_at` (a delivery's record, from this version on): `[bucket start minute, seq]` of the
 //! attempt it delivers in the schedule log, which the dispatch outcome it awaits is recorded for
-//! (store.rs, "outcomes").
+//! (outcomes.rs).
 
 use schedulelog::frame::{self, Kind};
 use schedulelog::{Bucket, Location};

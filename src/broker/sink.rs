@@ -21,18 +21,18 @@ impl BrokerSinkConfig {
 }
 
 /// The `broker` sink: stores each delivery in the broker, durably, before answering.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct BrokerSink {
     broker: Arc<Broker>,
     /// When a failure was last logged: at most one line every 10 s while they go on.
-    last_report: Mutex<Option<std::time::Instant>>,
+    last_report: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 impl BrokerSink {
     pub fn new(broker: Arc<Broker>) -> BrokerSink {
         BrokerSink {
             broker,
-            last_report: Mutex::new(None),
+            last_report: Arc::default(),
         }
     }
 
@@ -58,6 +58,36 @@ impl BrokerSink {
                 attempt: d.message.attempt,
                 attempt_at: Some(d.location),
                 body: d.message.body.clone(),
+            })
+            .collect()
+    }
+
+    /// Stores a batch and answers each delivery: one the broker holds already (outcomes.rs) is
+    /// answered delivered without being stored again. Blocking.
+    fn store(&self, batch: &[Delivery]) -> Vec<SinkOutcome> {
+        let already = self.broker.stored_already(batch);
+        let rest: Vec<Delivery> = (batch.iter().zip(&already))
+            .filter(|(_, stored)| !**stored)
+            .map(|(d, _)| d.clone())
+            .collect();
+        let mut answers = match rest.is_empty() {
+            true => Vec::new(),
+            false => {
+                let stored = self.broker.append(self.incoming(&rest));
+                if stored.is_err() {
+                    self.broker.note_in_doubt(&rest);
+                }
+                self.answer(rest.len(), stored)
+            }
+        }
+        .into_iter();
+        (already.into_iter())
+            .map(|stored| match stored {
+                true => SinkOutcome::Delivered,
+                false => answers.next().unwrap_or_else(|| SinkOutcome::Postpone {
+                    after: Duration::from_secs(1),
+                    reason: "the broker gave no answer for this message".into(),
+                }),
             })
             .collect()
     }
@@ -99,21 +129,20 @@ impl BrokerSink {
 impl Sink for BrokerSink {
     fn deliver<'a>(&'a self, batch: &'a [Delivery]) -> BoxFuture<'a, Vec<SinkOutcome>> {
         Box::pin(async move {
-            let (broker, incoming) = (self.broker.clone(), self.incoming(batch));
-            let stored = tokio::task::spawn_blocking(move || broker.append(incoming))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(BrokerError::Io {
-                        path: PathBuf::from("broker"),
-                        source: io::Error::other(e.to_string()),
-                    })
+            let (sink, owned) = (self.clone(), batch.to_vec());
+            let stored = tokio::task::spawn_blocking(move || sink.store(&owned)).await;
+            stored.unwrap_or_else(|e| {
+                let failed = Err::<(), _>(BrokerError::Io {
+                    path: PathBuf::from("broker"),
+                    source: io::Error::other(e.to_string()),
                 });
-            self.answer(batch.len(), stored)
+                self.answer(batch.len(), failed)
+            })
         })
     }
 
     fn deliver_blocking(&self, batch: &[Delivery]) -> Option<Vec<SinkOutcome>> {
-        Some(self.answer(batch.len(), self.broker.append(self.incoming(batch))))
+        Some(self.store(batch))
     }
 
     fn outcomes_recorded(&self, batch: &[Delivery]) {

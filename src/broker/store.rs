@@ -298,7 +298,8 @@ impl Store {
         let (checkpoint, applied) = read_checkpoint_and_op(&self.dir);
         // Deliveries from the stored floor on may lack their outcome (outcomes.rs): read from there
         // too. Without a floor (a store older than it), from the checkpoint as before.
-        let floor = read_floor(&self.dir).unwrap_or(checkpoint);
+        let stored_floor = read_floor(&self.dir);
+        let floor = stored_floor.unwrap_or(checkpoint);
         let from = checkpoint.min(floor);
         let mut held = Vec::new();
         let mut applied = applied;
@@ -362,7 +363,8 @@ impl Store {
         self.applied = applied;
         self.applied_present = present;
         let end = self.log.end();
-        self.awaiting = Arc::new(Mutex::new(Awaiting::recovered(end, floor.min(end), held)));
+        let stored_floor = stored_floor.unwrap_or(0);
+        self.awaiting = Arc::new(Mutex::new(Awaiting::recovered(end, stored_floor, held)));
         for ((topic, index), units) in ends {
             let queue = self.queue_mut(&topic, index)?;
             queue.truncate(units)?;

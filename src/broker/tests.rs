@@ -1370,7 +1370,7 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
         .store_floors()
         .unwrap();
     let broker = Broker::open(dir.path(), options(1)).unwrap();
-    assert_eq!(broker.reconcile(&log).unwrap(), 2);
+    assert_eq!(broker.reconcile(&log), 2);
     assert_eq!(outcomes(0).len(), 1, "{:?}", outcomes(0));
     assert_eq!(outcomes(1)[0].kind, OutcomeKind::Delivered);
     assert_eq!(outcomes(1)[0].at_ms, 5);
@@ -1381,8 +1381,54 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
     broker.store_floors().unwrap();
     drop(broker);
     let broker = Broker::open(dir.path(), options(1)).unwrap();
-    assert_eq!(broker.reconcile(&log).unwrap(), 0);
+    assert_eq!(broker.reconcile(&log), 0);
     assert_eq!(outcomes(1).len(), 1);
     let stored = |topic: &str| broker.queue_offsets(topic).unwrap()[0].1;
     assert_eq!((stored("t"), stored(crate::scheduler::DEAD_TOPIC)), (2, 1));
+}
+
+/// A delivery the start could not settle stays held: when it comes due again, the sink answers it
+/// delivered without storing it again, and once its outcome is recorded it is let go (the floor moves).
+#[test]
+fn a_held_delivery_is_answered_stored_without_a_second_append() {
+    let dir = tempfile::tempdir().unwrap();
+    let location = schedulelog::Location {
+        bucket: schedulelog::Bucket::from_start_minute(29_935_260),
+        seq: 4,
+    };
+    let delivery = Delivery {
+        id: schedulelog::MessageId::new(location),
+        location,
+        message: schedulelog::Message {
+            seq: 4,
+            deliver_at_ms: 1,
+            created_at_ms: 1,
+            id: schedulelog::MessageId::new(location),
+            attempt: 0,
+            topic: "t".into(),
+            key: None,
+            dedup: false,
+            headers: Vec::new(),
+            sink: "broker".into(),
+            body: b"once".to_vec(),
+        },
+        sent_at_ms: 7,
+    };
+    {
+        let sink = BrokerSink::new(Arc::new(Broker::open(dir.path(), small(1)).unwrap()));
+        let answer = sink.deliver_blocking(std::slice::from_ref(&delivery));
+        assert_eq!(answer, Some(vec![SinkOutcome::Delivered]));
+    } // a crash before its outcome was recorded
+    let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
+    let sink = BrokerSink::new(broker.clone());
+    let answer = sink.deliver_blocking(std::slice::from_ref(&delivery));
+    assert_eq!(answer, Some(vec![SinkOutcome::Delivered]));
+    assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 1, "stored once");
+    let floor = || outcomes::read_floor(&dir.path().join("broker"));
+    broker.store_floors().unwrap();
+    let held_at = floor().unwrap();
+    sink.outcomes_recorded(std::slice::from_ref(&delivery));
+    broker.store_floors().unwrap();
+    assert!(floor().unwrap() > held_at, "the floor moved past it");
+    assert_eq!(broker.stored_already(&[delivery]), vec![false]);
 }

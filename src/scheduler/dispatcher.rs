@@ -36,7 +36,9 @@
 //! bytes.
 //!
 //! Outcomes are written only after the sink answered, so a crash in between repeats the delivery rather
-//! than losing it (at-least-once).
+//! than losing it (at-least-once); the broker sink, which can tell what it stored, answers such a
+//! repeat without storing it again (broker/outcomes.rs), and learns each batch's outcomes are
+//! durable through `Sink::outcomes_recorded`.
 
 use super::registry::Admission;
 use super::wheel::Entry;
