@@ -373,10 +373,14 @@ async fn housekeeping(
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut poisoned = false;
-    loop {
+    for ticks in 1u64.. {
         tick.tick().await;
         let (log, broker, disk, now) = (log.clone(), broker.clone(), disk.clone(), clock.now_ms());
         let checked = tokio::task::spawn_blocking(move || {
+            // Deliveries the start could not settle (outcomes.rs) are tried again each minute.
+            if ticks % 60 == 0 {
+                broker.reconcile(&log);
+            }
             match broker.enforce_retention(now) {
                 Ok(retired) if retired.segments > 0 => tracing::info!(
                     segments = retired.segments,

@@ -987,39 +987,10 @@ fn broker_messages_and_group_offsets_survive_a_leader_kill() {
 /// (retrying while no leader answers).
 fn broker_bodies(base: &str) -> BTreeMap<String, u32> {
     let mut bodies = BTreeMap::new();
-    let mut info = request(base, "GET", "/v1/topics/orders", None, None);
-    wait_for("the topic answered", READY, || {
-        info = request(base, "GET", "/v1/topics/orders", None, None);
-        info.status != 503
-    });
-    if info.status == 404 {
-        return bodies;
-    }
-    assert_eq!(info.status, 200, "{info:?}");
-    for queue in info.json["queues"].as_array().unwrap() {
-        let queue = queue["queue"].as_u64().unwrap();
-        let mut offset = 0;
-        loop {
-            let path =
-                format!("/v1/topics/orders/queues/{queue}/messages?offset={offset}&max=1000");
-            let mut page = request(base, "GET", &path, None, None);
-            wait_for("a pull answered", READY, || {
-                page = request(base, "GET", &path, None, None);
-                page.status != 503
-            });
-            assert_eq!(page.status, 200, "{page:?}");
-            let messages = page.json["messages"].as_array().unwrap();
-            for m in messages {
-                *bodies
-                    .entry(m["body"].as_str().unwrap().to_string())
-                    .or_default() += 1;
-            }
-            let next = page.json["next_offset"].as_u64().unwrap();
-            if messages.is_empty() || next == offset {
-                break;
-            }
-            offset = next;
-        }
+    for m in common::topic_messages(base, "orders") {
+        *bodies
+            .entry(m["body"].as_str().unwrap().to_string())
+            .or_default() += 1;
     }
     bodies
 }

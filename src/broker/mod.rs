@@ -276,9 +276,9 @@ impl Broker {
     }
 
     /// The deliveries' outcomes are durable (`Sink::outcomes_recorded`): they await nothing more.
-    pub fn outcomes_recorded(&self, deliveries: &[Delivery]) {
+    pub fn outcomes_recorded(&self, deliveries: &[&Delivery]) {
         for (i, (_, awaiting)) in self.awaiting.iter().enumerate() {
-            let in_store = |d: &&Delivery| self.in_dead_store(&d.message.topic) == (i == 1);
+            let in_store = |d: &&&Delivery| self.in_dead_store(&d.message.topic) == (i == 1);
             let mut attempts = deliveries.iter().filter(in_store).peekable();
             if attempts.peek().is_some() {
                 lock(awaiting).recorded(attempts.map(|d| (d.location, d.message.attempt)));
@@ -293,20 +293,17 @@ impl Broker {
     }
 
     /// Which of `deliveries` the broker holds already, awaiting only their outcome (outcomes.rs):
-    /// held since a start that could not settle them, or, on a cluster member, in doubt after a
-    /// failed append and found with their outcome since. The sink answers them delivered without
+    /// stored by this process or held since a start that could not settle them (an answer lost to
+    /// a panic, say, or a batch that failed in the other store), or, on a cluster member, in doubt
+    /// after a failed append and found with their outcome since. The sink answers them delivered without
     /// storing them again. Blocking (a member's lookups read the dispatch logs).
     pub fn stored_already(&self, deliveries: &[Delivery]) -> Vec<bool> {
         let mut stored = vec![false; deliveries.len()];
         for (i, (_, awaiting)) in self.awaiting.iter().enumerate() {
             let awaiting = lock(awaiting);
-            if awaiting.held.is_empty() {
-                continue;
-            }
             for (d, stored) in deliveries.iter().zip(stored.iter_mut()) {
-                let attempt = (d.location, d.message.attempt);
                 if self.in_dead_store(&d.message.topic) == (i == 1) {
-                    *stored |= awaiting.held.contains_key(&attempt);
+                    *stored |= awaiting.holds(&(d.location, d.message.attempt));
                 }
             }
         }
@@ -344,7 +341,8 @@ impl Broker {
     /// Blocking.
     pub fn reconcile(&self, log: &ScheduleLog) -> usize {
         let started = std::time::Instant::now();
-        let buckets: HashSet<schedulelog::Bucket> = log.buckets().into_iter().collect();
+        // Oldest first: what is older than the oldest bucket was retired.
+        let oldest = log.buckets().first().copied();
         let (mut held_count, mut recorded) = (0, 0);
         for (_, awaiting) in &self.awaiting {
             let held: Vec<outcomes::Held> = lock(awaiting).held.values().cloned().collect();
@@ -352,7 +350,7 @@ impl Broker {
                 continue;
             }
             held_count += held.len();
-            let (missing, settled) = outcomes::to_reconcile(log, &buckets, &held);
+            let (missing, settled) = outcomes::to_reconcile(log, oldest, &held);
             let mut pause = Duration::from_millis(100);
             let written = missing.is_empty()
                 || loop {

@@ -37,7 +37,7 @@
 use super::{BrokerError, Incoming, StoredMeta};
 use crate::scheduler::{DEAD_REASON_HEADER, DEAD_TOPIC};
 use schedulelog::{write_atomically, Bucket, Location, Outcome, OutcomeKind, ScheduleLog};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 /// An attempt: where it is stored in the schedule log, and its number.
@@ -153,6 +153,11 @@ impl Awaiting {
         }
     }
 
+    /// Whether the attempt is stored here and awaits its outcome.
+    pub fn holds(&self, attempt: &Attempt) -> bool {
+        self.by_attempt.contains_key(attempt)
+    }
+
     /// Appends ended the log at `end`.
     pub fn appended(&mut self, end: u64) {
         self.end = self.end.max(end);
@@ -191,21 +196,24 @@ impl Awaiting {
 /// lookup fails stays held (the sink answers it stored when it comes again: [`super::Broker::stored_already`]).
 pub(crate) fn to_reconcile(
     log: &ScheduleLog,
-    buckets: &HashSet<Bucket>,
+    oldest: Option<Bucket>,
     held: &[Held],
 ) -> (Vec<(Bucket, Outcome)>, Vec<Attempt>) {
     let (mut missing, mut settled) = (Vec::new(), Vec::new());
     for held in held {
         let (at, attempt) = held.attempt();
         // Retired: a bucket is retired once finished, each of its attempts with an outcome (and a
-        // lookup there finds none: the dispatch log went with it).
-        if !buckets.contains(&at.bucket) {
+        // lookup there finds none: the dispatch log went with it). Retirement takes the oldest
+        // buckets: a newer one without a segment may be one whose records are not filed yet (the
+        // WAL's tail, held up by a full disk).
+        if oldest.is_some_and(|oldest| at.bucket < oldest) {
             settled.push((at, attempt));
             continue;
         }
         match log.outcomes_of(at) {
             Ok(Some(outcomes)) if outcomes.iter().any(|o| o.attempt == attempt) => {}
-            Ok(_) => missing.push(held.outcome.clone()),
+            Ok(None) => {} // retired meanwhile
+            Ok(Some(_)) => missing.push(held.outcome.clone()),
             Err(e) => {
                 tracing::warn!(error = %e, location = ?at, "looking up a stored delivery's outcome failed: it is answered as stored when it comes due again");
                 continue;

@@ -66,6 +66,13 @@ impl BrokerSink {
     /// answered delivered without being stored again. Blocking.
     fn store(&self, batch: &[Delivery]) -> Vec<SinkOutcome> {
         let already = self.broker.stored_already(batch);
+        if !already.contains(&true) {
+            let stored = self.broker.append(self.incoming(batch));
+            if stored.is_err() {
+                self.broker.note_in_doubt(batch);
+            }
+            return self.answer(batch.len(), stored);
+        }
         let rest: Vec<Delivery> = (batch.iter().zip(&already))
             .filter(|(_, stored)| !**stored)
             .map(|(d, _)| d.clone())
@@ -145,7 +152,7 @@ impl Sink for BrokerSink {
         Some(self.store(batch))
     }
 
-    fn outcomes_recorded(&self, batch: &[Delivery]) {
+    fn outcomes_recorded(&self, batch: &[&Delivery]) {
         self.broker.outcomes_recorded(batch);
     }
 }

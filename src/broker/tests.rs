@@ -500,39 +500,42 @@ fn the_sink_postpones_what_its_own_storage_fails_to_take() {
     let dir = tempfile::tempdir().unwrap();
     let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
     let sink = BrokerSink::new(broker.clone());
-    let location = schedulelog::Location {
-        bucket: schedulelog::Bucket::from_start_minute(29_935_260),
-        seq: 1,
-    };
-    let delivery = |body: &str| Delivery {
-        id: schedulelog::MessageId::new(location),
-        location,
-        message: schedulelog::Message {
-            seq: 1,
-            deliver_at_ms: 1,
-            created_at_ms: 1,
+    // Each its own attempt: one the broker holds already is answered stored (outcomes.rs).
+    let delivery = |seq: u64, body: &str| {
+        let location = schedulelog::Location {
+            bucket: schedulelog::Bucket::from_start_minute(29_935_260),
+            seq,
+        };
+        Delivery {
             id: schedulelog::MessageId::new(location),
-            attempt: 3,
-            topic: "t".into(),
-            key: None,
-            dedup: false,
-            headers: Vec::new(),
-            sink: "broker".into(),
-            body: body.as_bytes().to_vec(),
-        },
-        sent_at_ms: 7,
+            location,
+            message: schedulelog::Message {
+                seq,
+                deliver_at_ms: 1,
+                created_at_ms: 1,
+                id: schedulelog::MessageId::new(location),
+                attempt: 3,
+                topic: "t".into(),
+                key: None,
+                dedup: false,
+                headers: Vec::new(),
+                sink: "broker".into(),
+                body: body.as_bytes().to_vec(),
+            },
+            sent_at_ms: 7,
+        }
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
-    let first = vec![delivery(&"a".repeat(60 << 10))];
+    let first = vec![delivery(1, &"a".repeat(60 << 10))];
     assert_eq!(
         runtime.block_on(sink.deliver(&first)),
         vec![SinkOutcome::Delivered]
     );
     // In place (as lanes deliver), the same: stored, then answered.
     assert_eq!(
-        sink.deliver_blocking(&[delivery("in place")]),
+        sink.deliver_blocking(&[delivery(2, "in place")]),
         Some(vec![SinkOutcome::Delivered])
     );
     let stored = broker.read("t", 0, 0, 10).unwrap().unwrap();
@@ -544,7 +547,7 @@ fn the_sink_postpones_what_its_own_storage_fails_to_take() {
     let last = files(&log_dir).pop().unwrap();
     let end = last.parse::<u64>().unwrap() + fs::metadata(log_dir.join(&last)).unwrap().len();
     fs::create_dir(log_dir.join(format!("{end:020}"))).unwrap();
-    let second = vec![delivery(&"b".repeat(60 << 10))];
+    let second = vec![delivery(3, &"b".repeat(60 << 10))];
     let answers = runtime.block_on(sink.deliver(&second));
     assert!(
         matches!(&answers[..], [SinkOutcome::Postpone { after, .. }] if *after == Duration::from_secs(5)),
@@ -1387,8 +1390,9 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
     assert_eq!((stored("t"), stored(crate::scheduler::DEAD_TOPIC)), (2, 1));
 }
 
-/// A delivery the start could not settle stays held: when it comes due again, the sink answers it
-/// delivered without storing it again, and once its outcome is recorded it is let go (the floor moves).
+/// A delivery stored and awaiting its outcome (handed over again in the same run, or held since a
+/// start that could not settle it) is answered delivered without being stored again, and once its
+/// outcome is recorded it is let go (the floor moves).
 #[test]
 fn a_held_delivery_is_answered_stored_without_a_second_append() {
     let dir = tempfile::tempdir().unwrap();
@@ -1415,9 +1419,14 @@ fn a_held_delivery_is_answered_stored_without_a_second_append() {
         sent_at_ms: 7,
     };
     {
-        let sink = BrokerSink::new(Arc::new(Broker::open(dir.path(), small(1)).unwrap()));
+        let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
+        let sink = BrokerSink::new(broker.clone());
         let answer = sink.deliver_blocking(std::slice::from_ref(&delivery));
         assert_eq!(answer, Some(vec![SinkOutcome::Delivered]));
+        // Handed over again before its outcome is recorded (its answer lost): not stored again.
+        let answer = sink.deliver_blocking(std::slice::from_ref(&delivery));
+        assert_eq!(answer, Some(vec![SinkOutcome::Delivered]));
+        assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 1, "stored once");
     } // a crash before its outcome was recorded
     let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
     let sink = BrokerSink::new(broker.clone());
@@ -1427,7 +1436,7 @@ fn a_held_delivery_is_answered_stored_without_a_second_append() {
     let floor = || outcomes::read_floor(&dir.path().join("broker"));
     broker.store_floors().unwrap();
     let held_at = floor().unwrap();
-    sink.outcomes_recorded(std::slice::from_ref(&delivery));
+    sink.outcomes_recorded(&[&delivery]);
     broker.store_floors().unwrap();
     assert!(floor().unwrap() > held_at, "the floor moved past it");
     assert_eq!(broker.stored_already(&[delivery]), vec![false]);

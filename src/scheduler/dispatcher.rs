@@ -48,6 +48,7 @@ use crate::sink::{
 };
 use crossbeam_channel::Sender;
 use schedulelog::{Bucket, Location, MessageId, NewMessage, Outcome, OutcomeKind};
+use std::collections::HashSet;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -544,12 +545,29 @@ impl Lane {
                 });
             }
         }
-        if !records.is_empty() && self.record_outcomes(records).await {
-            // The broker's deliveries (and dead letters) await their outcomes until now.
-            self.sink.outcomes_recorded(deliveries);
-            if let (Some(letters), false) = (&self.shared.dead_letters, dead.is_empty()) {
-                let copies: Vec<Delivery> = dead.iter().map(|(_, copy)| copy.clone()).collect();
-                letters.outcomes_recorded(&copies);
+        if !records.is_empty() {
+            let recorded: HashSet<(Bucket, u64, u16)> = (records.iter())
+                .map(|(bucket, o)| (*bucket, o.seq, o.attempt))
+                .collect();
+            let has = |d: &&Delivery| {
+                recorded.contains(&(d.location.bucket, d.location.seq, d.message.attempt))
+            };
+            if self.record_outcomes(records).await {
+                // The broker's deliveries (and dead letters) await their outcomes until now; a
+                // postponed one still awaits its answer.
+                let delivered: Vec<&Delivery> = (deliveries.iter().zip(&labels))
+                    .filter(|(_, (_, label))| matches!(label, Settled::Delivered))
+                    .map(|(d, _)| d)
+                    .filter(has)
+                    .collect();
+                self.sink.outcomes_recorded(&delivered);
+                if let Some(letters) = &self.shared.dead_letters {
+                    let copies: Vec<&Delivery> =
+                        dead.iter().map(|(_, copy)| copy).filter(has).collect();
+                    if !copies.is_empty() {
+                        letters.outcomes_recorded(&copies);
+                    }
+                }
             }
         }
         for (delivery, (_, label)) in deliveries.iter().zip(&labels) {

@@ -117,7 +117,7 @@ pub trait Sink: Send + Sync + fmt::Debug + 'static {
     /// by default; the broker, which keeps the deliveries it stored until then so that a crash in
     /// between does not store them twice (broker/outcomes.rs), lets them go. Called on a runtime
     /// thread: it must not block.
-    fn outcomes_recorded(&self, _batch: &[Delivery]) {}
+    fn outcomes_recorded(&self, _batch: &[&Delivery]) {}
 }
 
 /// How long a sink's connection may go unchecked before [`probe`] checks it.

@@ -78,6 +78,46 @@ pub fn wait_for(what: &str, within: Duration, mut condition: impl FnMut() -> boo
     }
 }
 
+/// Every message the broker holds in `topic`, queue after queue, each read to its end (none for a
+/// topic it does not have); a 503 (a cluster without a leader yet) is asked again, for at most a minute.
+pub fn topic_messages(base: &str, topic: &str) -> Vec<Value> {
+    let answered = |path: &str| {
+        let mut answer = None;
+        wait_for("an answer other than 503", Duration::from_secs(60), || {
+            let got = request(base, "GET", path, None, None);
+            let done = got.status != 503;
+            answer = Some(got);
+            done
+        });
+        answer.expect("asked at least once")
+    };
+    let info = answered(&format!("/v1/topics/{topic}"));
+    if info.status == 404 {
+        return Vec::new();
+    }
+    assert_eq!(info.status, 200, "{}", info.json);
+    let mut all = Vec::new();
+    for queue in info.json["queues"].as_array().unwrap() {
+        let queue = queue["queue"].as_u64().unwrap();
+        let mut offset = 0;
+        loop {
+            let path =
+                format!("/v1/topics/{topic}/queues/{queue}/messages?offset={offset}&max=1000");
+            let page = answered(&path);
+            assert_eq!(page.status, 200, "{}", page.json);
+            let messages = page.json["messages"].as_array().unwrap();
+            let next = page.json["next_offset"].as_u64().unwrap();
+            let done = messages.is_empty() || next == offset;
+            all.extend(messages.iter().cloned());
+            if done {
+                break;
+            }
+            offset = next;
+        }
+    }
+    all
+}
+
 /// Asserts that the broker's `$dead` topic holds one dead letter per code in `codes` (waiting for them:
 /// the scheduler makes a source's dead letter dead a moment after it is stored), each with `body` and a
 /// `delayd-dead-reason` starting with its code, and that each is a dead message as any other: found by

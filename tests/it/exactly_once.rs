@@ -10,30 +10,9 @@ const TOPIC: &str = "once";
 /// How many times each message id is stored in `topic`, over all its queues.
 fn stored_ids(base: &str, topic: &str) -> HashMap<String, u32> {
     let mut ids = HashMap::new();
-    let info = request(base, "GET", &format!("/v1/topics/{topic}"), None, None);
-    if info.status == 404 {
-        return ids;
-    }
-    assert_eq!(info.status, 200, "{}", info.json);
-    for queue in info.json["queues"].as_array().unwrap() {
-        let queue = queue["queue"].as_u64().unwrap();
-        let mut offset = 0;
-        loop {
-            let path =
-                format!("/v1/topics/{topic}/queues/{queue}/messages?offset={offset}&max=1000");
-            let page = request(base, "GET", &path, None, None);
-            assert_eq!(page.status, 200, "{}", page.json);
-            let messages = page.json["messages"].as_array().unwrap();
-            for m in messages {
-                *ids.entry(m["id"].as_str().unwrap().to_string())
-                    .or_default() += 1;
-            }
-            let next = page.json["next_offset"].as_u64().unwrap();
-            if messages.is_empty() || next == offset {
-                break;
-            }
-            offset = next;
-        }
+    for m in common::topic_messages(base, topic) {
+        *ids.entry(m["id"].as_str().unwrap().to_string())
+            .or_default() += 1;
     }
     ids
 }

@@ -365,32 +365,14 @@ fn pause_resume_replace_and_delete_take_effect_at_their_answer() {
 /// twice: the broker sink is at least once), as (schedule, fire time).
 fn broker_firings(base: &str, topic: &str) -> BTreeMap<String, (String, i64)> {
     let mut firings = BTreeMap::new();
-    let info = request(base, "GET", &format!("/v1/topics/{topic}"), None, None);
-    assert_eq!(info.status, 200, "{}", info.json);
-    for queue in info.json["queues"].as_array().unwrap() {
-        let queue = queue["queue"].as_u64().unwrap();
-        let mut offset = 0;
-        loop {
-            let path =
-                format!("/v1/topics/{topic}/queues/{queue}/messages?offset={offset}&max=1000");
-            let page = request(base, "GET", &path, None, None);
-            assert_eq!(page.status, 200, "{}", page.json);
-            let messages = page.json["messages"].as_array().unwrap();
-            for m in messages {
-                let fire_at = parse(&m["headers"]["delayd-fire-at"]);
-                assert!(parse(&m["delivered_at"]) >= fire_at, "never early: {m}");
-                let schedule = m["headers"]["delayd-schedule"]
-                    .as_str()
-                    .unwrap()
-                    .to_string();
-                firings.insert(m["id"].as_str().unwrap().to_string(), (schedule, fire_at));
-            }
-            let next = page.json["next_offset"].as_u64().unwrap();
-            if messages.is_empty() || next == offset {
-                break;
-            }
-            offset = next;
-        }
+    for m in common::topic_messages(base, topic) {
+        let fire_at = parse(&m["headers"]["delayd-fire-at"]);
+        assert!(parse(&m["delivered_at"]) >= fire_at, "never early: {m}");
+        let schedule = m["headers"]["delayd-schedule"].as_str().unwrap();
+        firings.insert(
+            m["id"].as_str().unwrap().to_string(),
+            (schedule.to_string(), fire_at),
+        );
     }
     firings
 }
