@@ -284,8 +284,8 @@ impl Broker {
                 lock(awaiting).recorded(attempts.map(|d| (d.location, d.message.attempt)));
             }
         }
-        if !lock(&self.in_doubt).is_empty() {
-            let mut in_doubt = lock(&self.in_doubt);
+        let mut in_doubt = lock(&self.in_doubt);
+        if !in_doubt.is_empty() {
             for d in deliveries {
                 in_doubt.remove(&(d.location, d.message.attempt));
             }
@@ -369,15 +369,8 @@ impl Broker {
                         }
                     }
                 };
-            let missing: HashSet<outcomes::Attempt> = (missing.iter())
-                .map(|(bucket, o)| {
-                    let at = schedulelog::Location {
-                        bucket: *bucket,
-                        seq: o.seq,
-                    };
-                    (at, o.attempt)
-                })
-                .collect();
+            let missing: HashSet<outcomes::Attempt> =
+                missing.iter().map(outcomes::attempt_of).collect();
             if written {
                 recorded += missing.len();
             }
@@ -473,7 +466,7 @@ impl Broker {
         let mut chunk_bytes = op::APPEND_HEAD_LEN;
         for message in messages {
             // The deliveries' outcomes go in the op's entry (outcomes.rs): one entry, one fact.
-            let outcomes = outcomes::outcomes_of(std::slice::from_ref(&message));
+            let outcomes: Vec<_> = outcomes::outcome_of(&message).into_iter().collect();
             let chosen = self.choose_queue(&message);
             let bytes = op::message_bytes(&OpMessage { chosen, message });
             let more = bytes.len() + schedulelog::outcomes_bytes(&outcomes);

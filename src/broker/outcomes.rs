@@ -65,13 +65,17 @@ impl Held {
     }
 
     pub fn attempt(&self) -> Attempt {
-        let (bucket, outcome) = &self.outcome;
-        let at = Location {
-            bucket: *bucket,
-            seq: outcome.seq,
-        };
-        (at, outcome.attempt)
+        attempt_of(&self.outcome)
     }
+}
+
+/// The attempt an outcome is for.
+pub(crate) fn attempt_of((bucket, outcome): &(Bucket, Outcome)) -> Attempt {
+    let at = Location {
+        bucket: *bucket,
+        seq: outcome.seq,
+    };
+    (at, outcome.attempt)
 }
 
 /// The outcome a stored delivery records: `delivered` when it was stamped, or `dead` with its reason
@@ -98,21 +102,17 @@ fn delivery_outcome(
     (at.bucket, outcome)
 }
 
-/// The outcomes of deliveries stored together (those that name their attempt): what a cluster's
-/// append op carries in its entry.
-pub(crate) fn outcomes_of(messages: &[Incoming]) -> Vec<(Bucket, Outcome)> {
-    (messages.iter())
-        .filter_map(|m| {
-            let at = m.attempt_at?;
-            Some(delivery_outcome(
-                &m.topic,
-                &m.headers,
-                at,
-                m.attempt,
-                m.delivered_at_ms,
-            ))
-        })
-        .collect()
+/// The outcome of a delivery stored (one that names its attempt): what a cluster's append op
+/// carries in its entry.
+pub(crate) fn outcome_of(m: &Incoming) -> Option<(Bucket, Outcome)> {
+    let at = m.attempt_at?;
+    Some(delivery_outcome(
+        &m.topic,
+        &m.headers,
+        at,
+        m.attempt,
+        m.delivered_at_ms,
+    ))
 }
 
 /// A store's deliveries awaiting their outcome (module doc).
