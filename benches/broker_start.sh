@@ -7,7 +7,7 @@
 # checkpoint (from 2026-12-05 also from its floor, and looks up the outcomes of the deliveries after it:
 # src/broker/outcomes.rs). Then a SIGTERM and a clean start. Printed, as one JSON line: the seconds from
 # each start to `delayd ready`, the messages the broker stored (N + WAVE when each is stored once) and
-# `delayd_broker_reconciled_total` after the kill. BIN picks the binary (an older build, for a
+# `delayd_broker_reconciled_total` after the kill, and the disk's own speed (benches/disk.sh). BIN picks the binary (an older build, for a
 # before/after); the data dir, under /var/tmp, is removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,7 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
+. benches/disk.sh
 start() { # start; sets READY_S, the seconds to `delayd ready`
   local started ready
   : >"$WORK/delayd.out"
@@ -73,5 +74,5 @@ total=$(stored)
 kill -TERM "$DELAYD_PID"; wait "$DELAYD_PID" || true
 start
 after_stop=$READY_S
-printf '{"binary": "%s", "broker_messages": %d, "wave": %d, "ready_after_kill_s": %s, "ready_after_stop_s": %s, "stored": %d, "stored_twice": %d, "reconciled": %s}\n' \
-  "$BIN" "$N" "$WAVE" "$after_kill" "$after_stop" "$total" $((total - N - WAVE)) "${reconciled:-null}"
+printf '{"binary": "%s", "broker_messages": %d, "wave": %d, "ready_after_kill_s": %s, "ready_after_stop_s": %s, "stored": %d, "stored_twice": %d, "reconciled": %s, "disk": "%s"}\n' \
+  "$BIN" "$N" "$WAVE" "$after_kill" "$after_stop" "$total" $((total - N - WAVE)) "${reconciled:-null}" "$DISK_LINE"
