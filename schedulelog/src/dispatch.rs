@@ -341,6 +341,16 @@ impl DispatchLogs {
         Ok(Some(outcomes))
     }
 
+    /// For each log open for append, the end of its synced outcomes: an outcome appended after this
+    /// call lands at or past it (a torn tail is only ever cut back to that end). Waits for an append
+    /// in progress; a log not open has no mark (its outcomes are read from the start).
+    pub(crate) fn marks(&self) -> Vec<(Bucket, u64)> {
+        let open = self.open.lock();
+        let mut marks: Vec<(Bucket, u64)> = open.files.iter().map(|(b, f)| (*b, f.len)).collect();
+        marks.sort_unstable();
+        marks
+    }
+
     /// The size of a bucket's log now (0 without one).
     pub(crate) fn size(&self, bucket: Bucket) -> Result<u64> {
         let path = path(&self.dir, bucket);
@@ -528,5 +538,34 @@ mod tests {
             .collect();
         assert_eq!(found.len(), ok_seqs.len(), "{found:?}");
         assert!(ok_seqs.iter().all(|s| found.contains(s)), "{found:?}");
+    }
+
+    /// A mark is where the next outcome of its log begins, also after an append that tore the tail:
+    /// read from it, every outcome appended since is found, and none from before it.
+    #[test]
+    fn outcomes_appended_after_a_mark_are_read_from_it() {
+        let (_dir, logs, [first, second]) = two_buckets();
+        assert!(logs.marks().is_empty(), "no log is open yet");
+        logs.append(&[(first, outcome(1)), (first, outcome(2))])
+            .unwrap();
+        let marks = logs.marks();
+        assert_eq!(marks, vec![(first, logs.size(first).unwrap())]);
+        // A full disk tears the next append part-way; the log is reopened and cut by the one after.
+        logs.faults.arm(Fault::DispatchAppendsFull(1));
+        logs.append(&[(first, outcome(3))]).unwrap_err();
+        assert!(
+            logs.size(first).unwrap() > marks[0].1,
+            "a torn frame is on the log"
+        );
+        logs.append(&[(first, outcome(4)), (second, outcome(5))])
+            .unwrap();
+        let (after, _) = logs.read_from(first, marks[0].1).unwrap();
+        let seqs: Vec<u64> = after.iter().map(|(_, o)| o.seq).collect();
+        assert_eq!(seqs, vec![4]);
+        let (all, _) = logs.read_from(first, 0).unwrap();
+        assert_eq!(all.len(), 3, "{all:?}");
+        let now = logs.marks();
+        assert_eq!(now.len(), 2, "{now:?}");
+        assert!(now[0].1 > marks[0].1, "{now:?}");
     }
 }

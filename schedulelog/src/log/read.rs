@@ -48,6 +48,21 @@ impl ScheduleLog {
         })
     }
 
+    /// Where each dispatch log open for append ends now: every outcome recorded after this call is at
+    /// or past its bucket's mark, so [`ScheduleLog::outcomes_since`] that mark finds it. Cheap (no
+    /// I/O), though it waits for an append being synced.
+    pub fn dispatch_marks(&self) -> Vec<(Bucket, u64)> {
+        self.shared.dispatch.marks()
+    }
+
+    /// The outcomes recorded for a bucket at or past `mark` in its dispatch log (a mark that
+    /// [`ScheduleLog::dispatch_marks`] gave, or 0 for all of them), oldest first: a lookup of recent
+    /// outcomes that reads only the log's tail. Empty when the bucket has no dispatch log.
+    pub fn outcomes_since(&self, bucket: Bucket, mark: u64) -> Result<Vec<Outcome>> {
+        let (found, _) = self.shared.dispatch.read_from(bucket, mark)?;
+        Ok(found.into_iter().map(|(_, outcome)| outcome).collect())
+    }
+
     /// How many records a bucket has filed now (0 without a segment).
     pub(crate) fn filed_records(&self, bucket: Bucket) -> u64 {
         self.shared.replay().entries(bucket).unwrap_or(0)
