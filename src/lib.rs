@@ -391,7 +391,7 @@ async fn housekeeping(
                 Ok(_) => {}
                 Err(error) => tracing::error!(%error, "broker retention failed; trying again"),
             }
-            if let Err(error) = broker.store_floors() {
+            if let Err(error) = broker.store_floors(&log) {
                 tracing::error!(%error, "storing the broker's floor failed; trying again");
             }
             disk.check(&[log.disk_full(), broker.disk_full()]);

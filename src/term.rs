@@ -261,8 +261,9 @@ impl Term {
         let _ = self.planner.await;
         self.state.scheduler.shutdown().await;
         // Every lane is done: the next start reads no delivery again to reconcile it.
-        let broker = self.state.broker.clone();
-        if let Ok(Err(error)) = tokio::task::spawn_blocking(move || broker.store_floors()).await {
+        let (broker, log) = (self.state.broker.clone(), self.state.log.clone());
+        if let Ok(Err(error)) = tokio::task::spawn_blocking(move || broker.store_floors(&log)).await
+        {
             tracing::warn!(%error, "storing the broker's floor failed; the next start looks up more outcomes");
         }
     }

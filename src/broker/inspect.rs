@@ -38,9 +38,9 @@ pub fn inspect(path: &Path, out: &mut impl Write) -> io::Result<Option<bool>> {
         };
     }
     if name(0) == "settled" && broker(1) {
-        return match super::outcomes::decode_floor(&bytes) {
-            Some(floor) => writeln!(out, "broker store floor: every delivery below commit log offset {floor} has its outcome; a start looks up those from there on").map(|()| Some(true)),
-            None => writeln!(out, "broker store floor: damaged (12 bytes with a CRC-32C expected; a start looks up the deliveries from the checkpoint on)").map(|()| Some(false)),
+        return match super::outcomes::decode_settled(&bytes) {
+            Some(settled) => writeln!(out, "broker store floor: every delivery below commit log offset {} has its outcome; a start looks up those from there on, in the dispatch logs of {} buckets from their marks (others' whole)", settled.floor, settled.marks.len()).map(|()| Some(true)),
+            None => writeln!(out, "broker store floor: damaged (a floor, marks and a CRC-32C expected; a start looks up the deliveries from the checkpoint on)").map(|()| Some(false)),
         };
     }
     // consumequeue/{topic}/{queue}/{first}

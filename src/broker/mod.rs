@@ -341,16 +341,19 @@ impl Broker {
     /// Blocking.
     pub fn reconcile(&self, log: &ScheduleLog) -> usize {
         let started = std::time::Instant::now();
-        // Oldest first: what is older than the oldest bucket was retired.
-        let oldest = log.buckets().first().copied();
         let (mut held_count, mut recorded) = (0, 0);
         for (_, awaiting) in &self.awaiting {
-            let held: Vec<outcomes::Held> = lock(awaiting).held.values().cloned().collect();
+            let (held, marks) = {
+                let awaiting = lock(awaiting);
+                let held: Vec<outcomes::Held> = awaiting.held.values().cloned().collect();
+                // The held deliveries are at or past the floor.
+                (held, awaiting.marks_at(awaiting.floor()))
+            };
             if held.is_empty() {
                 continue;
             }
             held_count += held.len();
-            let (missing, settled) = outcomes::to_reconcile(log, oldest, &held);
+            let (missing, settled) = outcomes::to_reconcile(log, &marks, &held);
             let mut pause = Duration::from_millis(100);
             let written = missing.is_empty()
                 || loop {
@@ -385,20 +388,27 @@ impl Broker {
         recorded
     }
 
-    /// Stores each store's floor when it moved (outcomes.rs): called once a second on a single node,
-    /// and at a stop.
-    pub fn store_floors(&self) -> Result<(), BrokerError> {
+    /// Takes `log`'s dispatch marks and stores each store's floor, with its marks, when it moved
+    /// (outcomes.rs): called once a second on a single node, and at a stop.
+    pub fn store_floors(&self, log: &ScheduleLog) -> Result<(), BrokerError> {
         if self.replicated.get().is_some() {
             return Ok(());
         }
         // One writer at a time: the file is replaced through one temporary path.
         let _writing = lock(&self.floor_writing);
+        // Taken before each store's end is read (in `marked`).
+        let marks: outcomes::Marks = log.dispatch_marks().into();
         for (dir, awaiting) in &self.awaiting {
-            let Some(floor) = lock(awaiting).floor_to_store() else {
+            let settled = {
+                let mut awaiting = lock(awaiting);
+                awaiting.marked(marks.clone());
+                awaiting.to_store()
+            };
+            let Some(settled) = settled else {
                 continue;
             };
-            outcomes::write_floor(dir, floor)?;
-            lock(awaiting).stored(floor);
+            outcomes::write_settled(dir, &settled)?;
+            lock(awaiting).stored(settled.floor);
         }
         Ok(())
     }

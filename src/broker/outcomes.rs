@@ -8,8 +8,12 @@
 //! which attempts it holds:
 //!
 //! ```text
-//! {store}/settled   commit-log offset below which every delivery's outcome is durable (u64 LE), then
-//!                   a CRC-32C (u32 LE) of it; replaced atomically, at most once a second, when it moved
+//! {store}/settled   the floor: the commit-log offset below which every delivery's outcome is durable
+//!                   (u64 LE); the dispatch-log marks taken before the log reached it: a count (u32 LE),
+//!                   then for each dispatch log open then its bucket's start minute (u32 LE) and the
+//!                   end of its synced outcomes (u64 LE), by bucket; then a CRC-32C (u32 LE) of all
+//!                   that. Replaced atomically, at most once a second, when the floor moved. A file of
+//!                   the floor alone (12 bytes, written before marks existed) is read as having none.
 //! ```
 //!
 //! Invariants:
@@ -22,8 +26,12 @@
 //!   every delivery record from the floor on as awaiting: [`super::Broker::reconcile`], before any
 //!   message is handed to a sink, records the outcome of each whose attempt has none (`delivered`, or
 //!   `dead` with its reason for a dead letter) and lets them go. Until then the floor stays where it
-//!   was, so a second crash finds them again. Lookups are by location in the bucket's outcome index:
-//!   bounded work (the deliveries of about the last second, or of an outage of the dispatch log).
+//!   was, so a second crash finds them again.
+//! - Lookups read only the dispatch logs' tails: a delivery at or past the floor was appended after
+//!   the floor's marks were taken (they are taken, then the log's end read, once a second; the floor
+//!   stored is paired with the newest marks whose end is not past it), and its outcome was recorded
+//!   after its append, so it is at or past its bucket's mark. A bucket without a mark (its log was not
+//!   open for append then) is read whole. So a start reads about a second of outcomes, not the hour's.
 //! - An outcome recorded for an attempt that already has one is harmless: outcomes are a set
 //!   (dispatch.rs). A bucket retired meanwhile is left alone (its attempts all had outcomes).
 //! - What reconciling could not settle (a lookup or the write failed) stays held: the broker sink
@@ -37,8 +45,9 @@
 use super::{BrokerError, Incoming, StoredMeta};
 use crate::scheduler::{DEAD_REASON_HEADER, DEAD_TOPIC};
 use schedulelog::{write_atomically, Bucket, Location, Outcome, OutcomeKind, ScheduleLog};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::Path;
+use std::sync::Arc;
 
 /// An attempt: where it is stored in the schedule log, and its number.
 pub type Attempt = (Location, u16);
@@ -115,6 +124,29 @@ pub(crate) fn outcome_of(m: &Incoming) -> Option<(Bucket, Outcome)> {
     ))
 }
 
+/// Where each dispatch log open for append ended at some moment (`ScheduleLog::dispatch_marks`), by
+/// bucket: its outcomes recorded after that moment are at or past its mark.
+pub(crate) type Marks = Arc<[(Bucket, u64)]>;
+
+/// Where recovery's lookups begin in `bucket`'s dispatch log: its mark, or the start without one.
+fn mark_of(marks: &[(Bucket, u64)], bucket: Bucket) -> u64 {
+    marks
+        .binary_search_by_key(&bucket, |(b, _)| *b)
+        .map_or(0, |i| marks[i].1)
+}
+
+/// What a `settled` file holds (module doc).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Settled {
+    pub floor: u64,
+    /// Marks taken before the commit log reached the floor.
+    pub marks: Marks,
+}
+
+/// Marks kept per store while its floor stays (an outcome slow to come): beyond them the middle ones
+/// are thinned, which only makes a later lookup read more.
+const MAX_MARKS: usize = 64;
+
 /// A store's deliveries awaiting their outcome (module doc).
 #[derive(Debug, Default)]
 pub(crate) struct Awaiting {
@@ -126,14 +158,22 @@ pub(crate) struct Awaiting {
     stored: u64,
     /// What recovery found and [`super::Broker::reconcile`] has not settled yet.
     pub held: HashMap<Attempt, Held>,
+    /// Marks, each with the log's end when it was taken, oldest first: a delivery at or past that end
+    /// was appended after the marks were taken. The first came with the stored floor.
+    marks: VecDeque<(u64, Marks)>,
 }
 
 impl Awaiting {
-    /// After recovery: the log's `end`, the floor the `settled` file holds, and the deliveries held.
-    pub fn recovered(end: u64, stored: u64, held: Vec<Held>) -> Awaiting {
+    /// After recovery: the log's `end`, what the `settled` file holds, and the deliveries held.
+    pub fn recovered(end: u64, settled: Option<Settled>, held: Vec<Held>) -> Awaiting {
+        let Settled { floor, marks } = settled.unwrap_or(Settled {
+            floor: 0,
+            marks: Marks::default(),
+        });
         let mut awaiting = Awaiting {
             end,
-            stored,
+            stored: floor,
+            marks: VecDeque::from([(floor, marks)]),
             ..Awaiting::default()
         };
         for h in held {
@@ -180,73 +220,137 @@ impl Awaiting {
             .map_or(self.end, |(offset, _)| *offset)
     }
 
-    /// The floor, when it differs from the stored one.
-    pub fn floor_to_store(&self) -> Option<u64> {
-        let floor = self.floor();
-        (floor != self.stored).then_some(floor)
+    /// Marks taken just now, before the log's end is read here.
+    pub fn marked(&mut self, marks: Marks) {
+        if self.marks.back().is_some_and(|(end, _)| *end == self.end) {
+            return; // nothing appended since the last ones: they serve
+        }
+        self.marks.push_back((self.end, marks));
+        if self.marks.len() > MAX_MARKS {
+            self.marks.remove(1); // the first serves the floor while it stays
+        }
     }
 
+    /// The newest marks that hold for every delivery at or past `offset`.
+    pub fn marks_at(&self, offset: u64) -> Marks {
+        (self.marks.iter().rev())
+            .find(|(end, _)| *end <= offset)
+            .map_or_else(Marks::default, |(_, marks)| marks.clone())
+    }
+
+    /// The floor and its marks, when the floor differs from the stored one.
+    pub fn to_store(&self) -> Option<Settled> {
+        let floor = self.floor();
+        (floor != self.stored).then(|| Settled {
+            floor,
+            marks: self.marks_at(floor),
+        })
+    }
+
+    /// The floor is stored: marks older than its own are no longer needed.
     pub fn stored(&mut self, floor: u64) {
         self.stored = floor;
+        while self.marks.get(1).is_some_and(|(end, _)| *end <= floor) {
+            self.marks.pop_front();
+        }
     }
 }
 
 /// Of the `held` deliveries, the outcomes to record: those whose attempt has none in the dispatch
-/// logs, and every one settled so (recorded now, or found recorded or retired). A delivery whose
-/// lookup fails stays held (the sink answers it stored when it comes again: [`super::Broker::stored_already`]).
+/// logs (read from `marks`, module doc), and every one settled so (recorded now, or found recorded
+/// or retired). The deliveries of a bucket whose lookup fails stay held (the sink answers them stored
+/// when they come again: [`super::Broker::stored_already`]).
 pub(crate) fn to_reconcile(
     log: &ScheduleLog,
-    oldest: Option<Bucket>,
+    marks: &[(Bucket, u64)],
     held: &[Held],
 ) -> (Vec<(Bucket, Outcome)>, Vec<Attempt>) {
-    let (mut missing, mut settled) = (Vec::new(), Vec::new());
+    // Retired: a bucket is retired once finished, each of its attempts with an outcome (and a
+    // lookup there finds none: the dispatch log went with it). Retirement takes the oldest buckets:
+    // a newer one without a segment may be one whose records are not filed yet (the WAL's tail,
+    // held up by a full disk).
+    let retired = |bucket: Bucket| (log.buckets().first()).is_some_and(|oldest| bucket < *oldest);
+    let mut by_bucket: BTreeMap<Bucket, Vec<&Held>> = BTreeMap::new();
     for held in held {
-        let (at, attempt) = held.attempt();
-        // Retired: a bucket is retired once finished, each of its attempts with an outcome (and a
-        // lookup there finds none: the dispatch log went with it). Retirement takes the oldest
-        // buckets: a newer one without a segment may be one whose records are not filed yet (the
-        // WAL's tail, held up by a full disk).
-        if oldest.is_some_and(|oldest| at.bucket < oldest) {
-            settled.push((at, attempt));
-            continue;
-        }
-        match log.outcomes_of(at) {
-            Ok(Some(outcomes)) if outcomes.iter().any(|o| o.attempt == attempt) => {}
-            Ok(None) => {} // retired meanwhile
-            Ok(Some(_)) => missing.push(held.outcome.clone()),
-            Err(e) => {
-                tracing::warn!(error = %e, location = ?at, "looking up a stored delivery's outcome failed: it is answered as stored when it comes due again");
-                continue;
+        by_bucket.entry(held.outcome.0).or_default().push(held);
+    }
+    let (mut missing, mut settled) = (Vec::new(), Vec::new());
+    for (bucket, held) in by_bucket {
+        let recorded: HashSet<(u64, u16)> = match retired(bucket) {
+            true => HashSet::new(),
+            false => match log.outcomes_since(bucket, mark_of(marks, bucket)) {
+                Ok(outcomes) => outcomes.iter().map(|o| (o.seq, o.attempt)).collect(),
+                Err(e) => {
+                    tracing::warn!(error = %e, %bucket, held = held.len(), "looking up the outcomes of stored deliveries failed: they are answered as stored when they come due again");
+                    continue;
+                }
+            },
+        };
+        // Asked again after the lookup: retired meanwhile, its log gone, nothing is recorded.
+        let retired = recorded.is_empty() && retired(bucket);
+        for held in held {
+            let (at, attempt) = held.attempt();
+            if !retired && !recorded.contains(&(at.seq, attempt)) {
+                missing.push(held.outcome.clone());
             }
+            settled.push((at, attempt));
         }
-        settled.push((at, attempt));
     }
     (missing, settled)
 }
 
-/// The floor a store's `settled` file holds, if it is whole.
-pub(crate) fn read_floor(dir: &Path) -> Option<u64> {
+/// What a store's `settled` file holds, if it is whole.
+pub(crate) fn read_settled(dir: &Path) -> Option<Settled> {
     let path = dir.join("settled");
     let bytes = std::fs::read(&path).ok()?;
-    let floor = decode_floor(&bytes);
-    if floor.is_none() {
+    let settled = decode_settled(&bytes);
+    if settled.is_none() {
         tracing::warn!(path = %path.display(), "a broker floor file is damaged: recovery starts from the checkpoint");
     }
-    floor
+    settled
 }
 
-/// A `settled` file's floor, if the bytes are whole.
-pub(crate) fn decode_floor(bytes: &[u8]) -> Option<u64> {
+/// A `settled` file's floor and marks, if the bytes are whole.
+pub(crate) fn decode_settled(bytes: &[u8]) -> Option<Settled> {
     let (body, crc) = bytes.split_last_chunk::<4>()?;
     if *crc != crc32c::crc32c(body).to_le_bytes() {
         return None;
     }
-    Some(u64::from_le_bytes(body.try_into().ok()?))
+    let (floor, rest) = body.split_first_chunk::<8>()?;
+    let floor = u64::from_le_bytes(*floor);
+    if rest.is_empty() {
+        let marks = Marks::default(); // written before marks existed
+        return Some(Settled { floor, marks });
+    }
+    let (count, rest) = rest.split_first_chunk::<4>()?;
+    if rest.len()
+        != usize::try_from(u32::from_le_bytes(*count))
+            .ok()?
+            .checked_mul(12)?
+    {
+        return None;
+    }
+    let marks = rest
+        .chunks_exact(12)
+        .map(|mark| {
+            let (minute, end) = mark.split_at(4);
+            let minute = u32::from_le_bytes(minute.try_into().expect("4 bytes"));
+            let end = u64::from_le_bytes(end.try_into().expect("8 bytes"));
+            (Bucket::from_start_minute(minute), end)
+        })
+        .collect();
+    Some(Settled { floor, marks })
 }
 
-/// Stores the floor durably (replacing the file atomically).
-pub(crate) fn write_floor(dir: &Path, floor: u64) -> Result<(), BrokerError> {
-    let mut bytes = floor.to_le_bytes().to_vec();
+/// Stores the floor and its marks durably (replacing the file atomically).
+pub(crate) fn write_settled(dir: &Path, settled: &Settled) -> Result<(), BrokerError> {
+    let mut bytes = settled.floor.to_le_bytes().to_vec();
+    let count = u32::try_from(settled.marks.len()).expect("a mark per open dispatch log");
+    bytes.extend_from_slice(&count.to_le_bytes());
+    for (bucket, end) in settled.marks.iter() {
+        bytes.extend_from_slice(&bucket.start_minute().to_le_bytes());
+        bytes.extend_from_slice(&end.to_le_bytes());
+    }
     let crc = crc32c::crc32c(&bytes);
     bytes.extend_from_slice(&crc.to_le_bytes());
     Ok(write_atomically(&dir.join("settled"), &bytes)?)

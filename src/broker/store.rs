@@ -43,7 +43,7 @@
 //!   when it deletes segments, and opening recomputes it (files of an interrupted deletion go then).
 
 use super::commitlog::{CommitLog, Segment, HEADER_LEN};
-use super::outcomes::{read_floor, Awaiting, Held};
+use super::outcomes::{read_settled, Awaiting, Held};
 use super::queue::{Queue, Unit};
 use super::record::{decode_payload, encode_record};
 use super::{io_err, lock, valid_topic, BrokerError, Incoming, OpAt, StoredMeta};
@@ -298,8 +298,8 @@ impl Store {
         let (checkpoint, applied) = read_checkpoint_and_op(&self.dir);
         // Deliveries from the stored floor on may lack their outcome (outcomes.rs): read from there
         // too. Without a floor (a store older than it), from the checkpoint as before.
-        let stored_floor = read_floor(&self.dir);
-        let floor = stored_floor.unwrap_or(checkpoint);
+        let settled = read_settled(&self.dir);
+        let floor = settled.as_ref().map_or(checkpoint, |s| s.floor);
         let from = checkpoint.min(floor);
         let mut held = Vec::new();
         let mut applied = applied;
@@ -363,8 +363,7 @@ impl Store {
         self.applied = applied;
         self.applied_present = present;
         let end = self.log.end();
-        let stored_floor = stored_floor.unwrap_or(0);
-        self.awaiting = Arc::new(Mutex::new(Awaiting::recovered(end, stored_floor, held)));
+        self.awaiting = Arc::new(Mutex::new(Awaiting::recovered(end, settled, held)));
         for ((topic, index), units) in ends {
             let queue = self.queue_mut(&topic, index)?;
             queue.truncate(units)?;

@@ -1365,12 +1365,12 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
             kind: OutcomeKind::Delivered,
         };
         log.record_outcomes(&[(first.bucket, delivered)]).unwrap();
-        broker.store_floors().unwrap();
+        broker.store_floors(&log).unwrap();
     }
     // A second crash before reconciling: the floor did not move past them.
     Broker::open(dir.path(), options(1))
         .unwrap()
-        .store_floors()
+        .store_floors(&log)
         .unwrap();
     let broker = Broker::open(dir.path(), options(1)).unwrap();
     assert_eq!(broker.reconcile(&log), 2);
@@ -1381,13 +1381,143 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
         reason: "gone".into(),
     };
     assert_eq!(outcomes(2)[0].kind, gone);
-    broker.store_floors().unwrap();
+    broker.store_floors(&log).unwrap();
     drop(broker);
     let broker = Broker::open(dir.path(), options(1)).unwrap();
     assert_eq!(broker.reconcile(&log), 0);
     assert_eq!(outcomes(1).len(), 1);
     let stored = |topic: &str| broker.queue_offsets(topic).unwrap()[0].1;
     assert_eq!((stored("t"), stored(crate::scheduler::DEAD_TOPIC)), (2, 1));
+}
+
+/// A start looks the held deliveries up in the dispatch logs from the marks stored with the floor,
+/// not from the start of the logs: an outcome recorded after a delivery's append but before the floor
+/// was last stored is found (the floor keeps the marks taken before its delivery was appended, not
+/// the newest), and one recorded before the marks is not read.
+#[test]
+fn held_deliveries_are_looked_up_from_the_marks_stored_with_their_floor() {
+    use schedulelog::{NewMessage, OutcomeKind, ScheduleLog};
+    let dir = tempfile::tempdir().unwrap();
+    let log = ScheduleLog::open(dir.path().join("log"), schedulelog::Options::default()).unwrap();
+    let message = NewMessage {
+        deliver_at_ms: 1,
+        topic: "t".into(),
+        sink: "broker".into(),
+        body: b"m".to_vec(),
+        ..NewMessage::default()
+    };
+    let encoded = message.encode().unwrap();
+    let appended = log.append(vec![encoded; 3]).wait().unwrap();
+    let delivery = |n: usize| Incoming {
+        id: appended[n].id.to_string(),
+        attempt_at: Some(appended[n].location),
+        ..stored_at("t", None, &n.to_string(), 5)
+    };
+    let record = |n: usize| {
+        let at = appended[n].location;
+        let delivered = schedulelog::Outcome {
+            seq: at.seq,
+            at_ms: 5,
+            attempt: 0,
+            kind: OutcomeKind::Delivered,
+        };
+        log.record_outcomes(&[(at.bucket, delivered)]).unwrap();
+    };
+    let outcomes = |n: usize| log.outcomes_of(appended[n].location).unwrap().unwrap();
+    {
+        let broker = Broker::open(dir.path(), options(1)).unwrap();
+        // Recorded before any mark (as no real delivery's outcome is: it comes after the append).
+        record(2);
+        broker.store_floors(&log).unwrap(); // marks taken, the floor at the log's end
+        broker.append(vec![delivery(0), delivery(1)]).unwrap();
+        record(0); // after the marks, before the next floor: found
+        broker.append(vec![delivery(2)]).unwrap();
+        // Newer marks (past 0's outcome), but the floor stays at 0's record, with the older ones.
+        broker.store_floors(&log).unwrap();
+        let settled = outcomes::read_settled(&dir.path().join("broker")).unwrap();
+        assert_eq!(settled.marks.len(), 1, "one dispatch log open: {settled:?}");
+    } // a crash: no outcome reached the broker
+    let broker = Broker::open(dir.path(), options(1)).unwrap();
+    assert_eq!(
+        broker.reconcile(&log),
+        2,
+        "1 and 2 had none since the marks"
+    );
+    assert_eq!(
+        outcomes(0).len(),
+        1,
+        "0's outcome was found: {:?}",
+        outcomes(0)
+    );
+    assert_eq!(outcomes(1).len(), 1);
+    // 2's outcome from before the marks was not read: recorded again (harmlessly: a set).
+    assert_eq!(outcomes(2).len(), 2, "{:?}", outcomes(2));
+    assert_eq!(
+        broker.queue_offsets("t").unwrap()[0].1,
+        3,
+        "each stored once"
+    );
+}
+
+/// The floor is stored with the newest marks taken before the log reached it: those of a delivery
+/// awaiting since before newer marks, and the newer ones once it is recorded. While the floor stays,
+/// the marks it needs are kept however many are taken.
+#[test]
+fn a_floor_is_paired_with_the_marks_taken_before_its_delivery() {
+    let marks = |end: u64| -> outcomes::Marks {
+        vec![(schedulelog::Bucket::from_start_minute(60), end)].into()
+    };
+    let attempt = |seq| {
+        let bucket = schedulelog::Bucket::from_start_minute(60);
+        (schedulelog::Location { bucket, seq }, 0)
+    };
+    let mut awaiting = Awaiting::recovered(100, None, Vec::new());
+    awaiting.marked(marks(10));
+    awaiting.insert(100, attempt(1)); // appended at 100: after marks(10)
+    awaiting.appended(200);
+    awaiting.marked(marks(20));
+    let stored = awaiting.to_store().unwrap();
+    assert_eq!((stored.floor, stored.marks), (100, marks(10)));
+    awaiting.stored(100);
+    assert_eq!(awaiting.to_store(), None, "the floor did not move");
+    for n in 0..1_000 {
+        awaiting.appended(300 + n);
+        awaiting.marked(marks(30 + n));
+    }
+    assert_eq!(
+        awaiting.marks_at(100),
+        marks(10),
+        "kept while the floor stays"
+    );
+    awaiting.recorded([attempt(1)]);
+    let stored = awaiting.to_store().unwrap();
+    assert_eq!((stored.floor, stored.marks), (1_299, marks(1_029)));
+}
+
+/// A `settled` file carries its marks; one written before marks existed (the floor alone) is read
+/// as a floor without marks, and a damaged one is not read.
+#[test]
+fn settled_files_are_read_with_their_marks_or_without() {
+    let dir = tempfile::tempdir().unwrap();
+    let bucket = |minute| schedulelog::Bucket::from_start_minute(minute);
+    let settled = outcomes::Settled {
+        floor: 4_096,
+        marks: vec![(bucket(60), 16), (bucket(120), 9_000)].into(),
+    };
+    outcomes::write_settled(dir.path(), &settled).unwrap();
+    let bytes = fs::read(dir.path().join("settled")).unwrap();
+    assert_eq!(bytes.len(), 8 + 4 + 2 * 12 + 4);
+    assert_eq!(outcomes::read_settled(dir.path()), Some(settled.clone()));
+    for at in [0, 9, bytes.len() - 1] {
+        let mut damaged = bytes.clone();
+        damaged[at] ^= 1;
+        assert_eq!(outcomes::decode_settled(&damaged), None, "byte {at}");
+    }
+    assert_eq!(outcomes::decode_settled(&bytes[..20]), None, "cut");
+    let mut old = 4_096u64.to_le_bytes().to_vec();
+    old.extend_from_slice(&crc32c::crc32c(&old).to_le_bytes());
+    let read = outcomes::decode_settled(&old).unwrap();
+    assert_eq!((read.floor, read.marks.len()), (4_096, 0));
 }
 
 /// A delivery stored and awaiting its outcome (handed over again in the same run, or held since a
@@ -1433,11 +1563,12 @@ fn a_held_delivery_is_answered_stored_without_a_second_append() {
     let answer = sink.deliver_blocking(std::slice::from_ref(&delivery));
     assert_eq!(answer, Some(vec![SinkOutcome::Delivered]));
     assert_eq!(broker.queue_offsets("t").unwrap()[0].1, 1, "stored once");
-    let floor = || outcomes::read_floor(&dir.path().join("broker"));
-    broker.store_floors().unwrap();
+    let log = ScheduleLog::open(dir.path().join("log"), schedulelog::Options::default()).unwrap();
+    let floor = || outcomes::read_settled(&dir.path().join("broker")).map(|s| s.floor);
+    broker.store_floors(&log).unwrap();
     let held_at = floor().unwrap();
     sink.outcomes_recorded(&[&delivery]);
-    broker.store_floors().unwrap();
+    broker.store_floors(&log).unwrap();
     assert!(floor().unwrap() > held_at, "the floor moved past it");
     assert_eq!(broker.stored_already(&[delivery]), vec![false]);
 }
