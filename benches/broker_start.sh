@@ -67,6 +67,7 @@ wait_stored $((N + WAVE / 2))
 kill -9 "$DELAYD_PID"; wait "$DELAYD_PID" 2>/dev/null || true
 start
 after_kill=$READY_S
+reconcile_ms=$(grep -o 'elapsed_ms=[0-9]*' "$WORK/delayd.out" | tail -1 | cut -d= -f2 || true)
 wait_stored $((N + WAVE))
 sleep 3 # anything repeated arrives meanwhile
 reconciled=$(curl -sf "$URL/metrics" | awk '/^delayd_broker_reconciled_total/ {print $2}')
@@ -74,5 +75,5 @@ total=$(stored)
 kill -TERM "$DELAYD_PID"; wait "$DELAYD_PID" || true
 start
 after_stop=$READY_S
-printf '{"binary": "%s", "broker_messages": %d, "wave": %d, "ready_after_kill_s": %s, "ready_after_stop_s": %s, "stored": %d, "stored_twice": %d, "reconciled": %s, "disk": "%s"}\n' \
-  "$BIN" "$N" "$WAVE" "$after_kill" "$after_stop" "$total" $((total - N - WAVE)) "${reconciled:-null}" "$DISK_LINE"
+printf '{"binary": "%s", "broker_messages": %d, "wave": %d, "ready_after_kill_s": %s, "ready_after_stop_s": %s, "stored": %d, "stored_twice": %d, "reconciled": %s, "reconcile_ms": %s, "disk": "%s"}\n' \
+  "$BIN" "$N" "$WAVE" "$after_kill" "$after_stop" "$total" $((total - N - WAVE)) "${reconciled:-null}" "${reconcile_ms:-null}" "$DISK_LINE"
