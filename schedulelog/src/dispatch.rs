@@ -203,7 +203,8 @@ impl DispatchLogs {
             let len = HEADER_LEN as u64;
             return Ok((DispatchFile { file, len }, true));
         }
-        let scan = scan(&path, &bytes, bucket, self.width)?;
+        // Only the end is needed: the outcomes are not decoded (the loader's reads check them).
+        let scan = scan(&path, &bytes, bucket, self.width, false)?;
         if scan.torn {
             file.set_len(scan.end).map_err(Error::io(&path))?;
             file.sync_all().map_err(Error::sync(&path))?;
@@ -231,13 +232,13 @@ impl DispatchLogs {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
             Err(e) => return Err(Error::io(&path)(e)),
         };
-        let outcomes = scan(&path, &bytes, bucket, self.width)?.outcomes;
+        let outcomes = scan(&path, &bytes, bucket, self.width, true)?.outcomes;
         Ok((outcomes, bytes.len() as u64))
     }
 
     /// The outcomes of a bucket's log from byte `from` on (0: from the start), each with the offset of
     /// its frame, and the offset just past the last whole frame: what an outcome index (view.rs) reads
-    /// to catch up. It stops at the end, and at a frame still being written or torn (the next open for
+    /// to catch up, and a lookup of the outcomes recorded since a mark ([`Self::marks`]). It stops at the end, and at a frame still being written or torn (the next open for
     /// append deals with that); damage in synced data is an error naming the file and offset.
     pub(crate) fn read_from(
         &self,
@@ -342,10 +343,15 @@ impl DispatchLogs {
     }
 
     /// For each log open for append, the end of its synced outcomes: an outcome appended after this
-    /// call lands at or past it (a torn tail is only ever cut back to that end). Waits for an append
-    /// in progress; a log not open has no mark (its outcomes are read from the start).
+    /// call lands at or past it (a torn tail is never cut below that end). Waits for an append in
+    /// progress; a log not open has no mark (its outcomes are read from the start), and none has
+    /// while the directory owes a sync (a log created since might not survive a crash, and one made
+    /// afresh after it would not have the mark's frame boundary).
     pub(crate) fn marks(&self) -> Vec<(Bucket, u64)> {
         let open = self.open.lock();
+        if open.dir_unsynced {
+            return Vec::new();
+        }
         let mut marks: Vec<(Bucket, u64)> = open.files.iter().map(|(b, f)| (*b, f.len)).collect();
         marks.sort_unstable();
         marks
@@ -379,7 +385,15 @@ struct Scan {
     torn: bool,
 }
 
-fn scan(path: &Path, bytes: &[u8], bucket: Bucket, width: SegmentMinutes) -> Result<Scan> {
+/// Walks a log's frames to the end of the whole ones; with `decode`, also decodes each outcome (a
+/// first open for append needs only the end: a million outcomes' decoding was most of its time).
+fn scan(
+    path: &Path,
+    bytes: &[u8],
+    bucket: Bucket,
+    width: SegmentMinutes,
+    decode: bool,
+) -> Result<Scan> {
     if bytes.len() < HEADER_LEN || (bytes.len() == HEADER_LEN && bytes.iter().all(|&b| b == 0)) {
         // Created but the header never (wholly) reached the disk: an empty log.
         return Ok(Scan {
@@ -401,6 +415,7 @@ fn scan(path: &Path, bytes: &[u8], bucket: Bucket, width: SegmentMinutes) -> Res
     let mut frames = Frames::new(body);
     for (at, kind, payload) in frames.by_ref() {
         let decoded = match kind {
+            Kind::Outcome if !decode => continue,
             Kind::Outcome => Outcome::decode(payload).map_err(|e| e.to_string()),
             _ => Err("a non-outcome frame in a dispatch log".to_string()),
         };
