@@ -341,7 +341,7 @@ impl Broker {
     /// Blocking.
     pub fn reconcile(&self, log: &ScheduleLog) -> usize {
         let started = std::time::Instant::now();
-        let (mut held_count, mut recorded) = (0, 0);
+        let (mut held_count, mut recorded, mut recording) = (0, 0, Duration::ZERO);
         for (_, awaiting) in &self.awaiting {
             let (held, marks) = {
                 let awaiting = lock(awaiting);
@@ -355,6 +355,7 @@ impl Broker {
             held_count += held.len();
             let (missing, settled) = outcomes::to_reconcile(log, &marks, &held);
             let mut pause = Duration::from_millis(100);
+            let recording_started = std::time::Instant::now();
             let written = missing.is_empty()
                 || loop {
                     match log.record_outcomes(&missing) {
@@ -372,6 +373,7 @@ impl Broker {
                         }
                     }
                 };
+            recording += recording_started.elapsed();
             let missing: HashSet<outcomes::Attempt> =
                 missing.iter().map(outcomes::attempt_of).collect();
             if written {
@@ -382,7 +384,8 @@ impl Broker {
         }
         if held_count > 0 {
             let elapsed_ms = started.elapsed().as_millis() as u64;
-            tracing::info!(looked_up = held_count, recorded, elapsed_ms, "deliveries the broker stored since its floor were looked up; those a crash left without an outcome got it, and are not stored again");
+            let recording_ms = recording.as_millis() as u64;
+            tracing::info!(looked_up = held_count, recorded, elapsed_ms, recording_ms, "deliveries the broker stored since its floor were looked up; those a crash left without an outcome got it, and are not stored again");
         }
         metrics::counter!("delayd_broker_reconciled_total").increment(recorded as u64);
         recorded

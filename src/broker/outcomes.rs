@@ -143,8 +143,8 @@ pub(crate) struct Settled {
     pub marks: Marks,
 }
 
-/// Marks kept per store while its floor stays (an outcome slow to come): beyond them the middle ones
-/// are thinned, which only makes a later lookup read more.
+/// Marks kept per store while its floor stays (an outcome slow to come): beyond them, the oldest after
+/// the first (the floor's) goes, which only makes a later lookup read more.
 const MAX_MARKS: usize = 64;
 
 /// A store's deliveries awaiting their outcome (module doc).
@@ -266,9 +266,11 @@ pub(crate) fn to_reconcile(
     held: &[Held],
 ) -> (Vec<(Bucket, Outcome)>, Vec<Attempt>) {
     // Retired: a bucket is retired once finished, each of its attempts with an outcome (and a
-    // lookup there finds none: the dispatch log went with it). Retirement takes the oldest buckets:
-    // a newer one without a segment may be one whose records are not filed yet (the WAL's tail,
-    // held up by a full disk).
+    // lookup there finds none: the dispatch log went with it). One older than every bucket with a
+    // segment was; a newer one without a segment may be one whose records are not filed yet (the
+    // WAL's tail, held up by a full disk), so it is looked up. (Retirement skips unfinished buckets:
+    // a newer one retired in the last second before a crash gets its held outcomes again, in a
+    // dispatch log of its own that stays. Rare, and no delivery is repeated.)
     let retired = |bucket: Bucket| (log.buckets().first()).is_some_and(|oldest| bucket < *oldest);
     let mut by_bucket: BTreeMap<Bucket, Vec<&Held>> = BTreeMap::new();
     for held in held {

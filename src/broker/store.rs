@@ -7,7 +7,8 @@
 //!                       on a cluster member then the last replicated op stored below it (entry
 //!                       index u64 LE, position u32 LE), then a CRC-32C (u32 LE) of what is before
 //!                       it; replaced atomically every 100,000 messages (or 256 MiB)
-//! {store}/settled       the floor below which every delivery's outcome is durable (outcomes.rs)
+//! {store}/settled       the floor below which every delivery's outcome is durable, with the
+//!                       dispatch logs' marks its lookups read from (outcomes.rs)
 //! ```
 //!
 //! Invariants and recovery:

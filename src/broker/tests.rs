@@ -1390,15 +1390,39 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
     assert_eq!((stored("t"), stored(crate::scheduler::DEAD_TOPIC)), (2, 1));
 }
 
+/// A delivery of the message at `location`, as the scheduler hands it to the broker sink.
+fn handed(location: schedulelog::Location, topic: &str, body: &[u8]) -> Delivery {
+    Delivery {
+        id: schedulelog::MessageId::new(location),
+        location,
+        message: schedulelog::Message {
+            seq: location.seq,
+            deliver_at_ms: 1,
+            created_at_ms: 1,
+            id: schedulelog::MessageId::new(location),
+            attempt: 0,
+            topic: topic.into(),
+            key: None,
+            dedup: false,
+            headers: Vec::new(),
+            sink: "broker".into(),
+            body: body.to_vec(),
+        },
+        sent_at_ms: 7,
+    }
+}
+
 /// A start looks the held deliveries up in the dispatch logs from the marks stored with the floor,
-/// not from the start of the logs: an outcome recorded after a delivery's append but before the floor
-/// was last stored is found (the floor keeps the marks taken before its delivery was appended, not
-/// the newest), and one recorded before the marks is not read.
+/// not from the start of the logs: an outcome recorded after a held delivery's append is found, also
+/// when newer marks were taken after it before the floor moved to that delivery (the floor keeps the
+/// marks taken before its delivery was appended), and one recorded before the marks is not read.
 #[test]
 fn held_deliveries_are_looked_up_from_the_marks_stored_with_their_floor() {
     use schedulelog::{NewMessage, OutcomeKind, ScheduleLog};
     let dir = tempfile::tempdir().unwrap();
-    let log = ScheduleLog::open(dir.path().join("log"), schedulelog::Options::default()).unwrap();
+    let open_log =
+        || ScheduleLog::open(dir.path().join("log"), schedulelog::Options::default()).unwrap();
+    let log = open_log();
     let message = NewMessage {
         deliver_at_ms: 1,
         topic: "t".into(),
@@ -1407,13 +1431,13 @@ fn held_deliveries_are_looked_up_from_the_marks_stored_with_their_floor() {
         ..NewMessage::default()
     };
     let encoded = message.encode().unwrap();
-    let appended = log.append(vec![encoded; 3]).wait().unwrap();
+    let appended = log.append(vec![encoded; 4]).wait().unwrap();
     let delivery = |n: usize| Incoming {
         id: appended[n].id.to_string(),
         attempt_at: Some(appended[n].location),
         ..stored_at("t", None, &n.to_string(), 5)
     };
-    let record = |n: usize| {
+    let record = |log: &ScheduleLog, n: usize| {
         let at = appended[n].location;
         let delivered = schedulelog::Outcome {
             seq: at.seq,
@@ -1423,38 +1447,47 @@ fn held_deliveries_are_looked_up_from_the_marks_stored_with_their_floor() {
         };
         log.record_outcomes(&[(at.bucket, delivered)]).unwrap();
     };
-    let outcomes = |n: usize| log.outcomes_of(appended[n].location).unwrap().unwrap();
+    let settled = || outcomes::read_settled(&dir.path().join("broker")).unwrap();
     {
         let broker = Broker::open(dir.path(), options(1)).unwrap();
         // Recorded before any mark (as no real delivery's outcome is: it comes after the append).
-        record(2);
-        broker.store_floors(&log).unwrap(); // marks taken, the floor at the log's end
-        broker.append(vec![delivery(0), delivery(1)]).unwrap();
-        record(0); // after the marks, before the next floor: found
+        record(&log, 3);
+        broker.store_floors(&log).unwrap(); // the floor at the log's end, with the marks now
+        assert_eq!(&*settled().marks, log.dispatch_marks().as_slice());
+        broker.append(vec![delivery(0)]).unwrap();
+        broker.store_floors(&log).unwrap(); // marks taken before 1's append
+        broker.append(vec![delivery(1)]).unwrap();
+        record(&log, 1); // past those marks
         broker.append(vec![delivery(2)]).unwrap();
-        // Newer marks (past 0's outcome), but the floor stays at 0's record, with the older ones.
-        broker.store_floors(&log).unwrap();
-        let settled = outcomes::read_settled(&dir.path().join("broker")).unwrap();
-        assert_eq!(settled.marks.len(), 1, "one dispatch log open: {settled:?}");
-    } // a crash: no outcome reached the broker
+        broker.store_floors(&log).unwrap(); // marks past 1's outcome; the floor stays at 0
+        record(&log, 0);
+        broker.outcomes_recorded(&[&handed(appended[0].location, "t", b"0")]);
+        broker.store_floors(&log).unwrap(); // the floor moves to 1: with the marks before it
+        let stored = settled();
+        assert_ne!(
+            &*stored.marks,
+            log.dispatch_marks().as_slice(),
+            "not the newest"
+        );
+        broker.append(vec![delivery(3)]).unwrap();
+    } // a crash: no other outcome reached the broker
+    drop(log);
+    let log = open_log();
     let broker = Broker::open(dir.path(), options(1)).unwrap();
     assert_eq!(
         broker.reconcile(&log),
         2,
-        "1 and 2 had none since the marks"
+        "2 and 3 had none since the marks"
     );
-    assert_eq!(
-        outcomes(0).len(),
-        1,
-        "0's outcome was found: {:?}",
-        outcomes(0)
-    );
-    assert_eq!(outcomes(1).len(), 1);
-    // 2's outcome from before the marks was not read: recorded again (harmlessly: a set).
-    assert_eq!(outcomes(2).len(), 2, "{:?}", outcomes(2));
+    let outcomes = |n: usize| log.outcomes_of(appended[n].location).unwrap().unwrap();
+    for n in [0, 1, 2] {
+        assert_eq!(outcomes(n).len(), 1, "{n}: {:?}", outcomes(n));
+    }
+    // 3's outcome from before the marks was not read: recorded again (harmlessly: a set).
+    assert_eq!(outcomes(3).len(), 2, "{:?}", outcomes(3));
     assert_eq!(
         broker.queue_offsets("t").unwrap()[0].1,
-        3,
+        4,
         "each stored once"
     );
 }
@@ -1514,9 +1547,22 @@ fn settled_files_are_read_with_their_marks_or_without() {
         assert_eq!(outcomes::decode_settled(&damaged), None, "byte {at}");
     }
     assert_eq!(outcomes::decode_settled(&bytes[..20]), None, "cut");
-    let mut old = 4_096u64.to_le_bytes().to_vec();
-    old.extend_from_slice(&crc32c::crc32c(&old).to_le_bytes());
-    let read = outcomes::decode_settled(&old).unwrap();
+    let with_crc = |body: &[u8]| {
+        let mut bytes = body.to_vec();
+        bytes.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+        bytes
+    };
+    let body = &bytes[..bytes.len() - 4];
+    let mut miscounted = body.to_vec();
+    miscounted[8] = 3; // three marks said, two there
+    assert_eq!(outcomes::decode_settled(&with_crc(&miscounted)), None);
+    let none = outcomes::decode_settled(&with_crc(&[&body[..8], &[0; 4]].concat())).unwrap();
+    assert_eq!(
+        (none.floor, none.marks.len()),
+        (4_096, 0),
+        "no mark was open"
+    );
+    let read = outcomes::decode_settled(&with_crc(&4_096u64.to_le_bytes())).unwrap();
     assert_eq!((read.floor, read.marks.len()), (4_096, 0));
 }
 
@@ -1530,24 +1576,7 @@ fn a_held_delivery_is_answered_stored_without_a_second_append() {
         bucket: schedulelog::Bucket::from_start_minute(29_935_260),
         seq: 4,
     };
-    let delivery = Delivery {
-        id: schedulelog::MessageId::new(location),
-        location,
-        message: schedulelog::Message {
-            seq: 4,
-            deliver_at_ms: 1,
-            created_at_ms: 1,
-            id: schedulelog::MessageId::new(location),
-            attempt: 0,
-            topic: "t".into(),
-            key: None,
-            dedup: false,
-            headers: Vec::new(),
-            sink: "broker".into(),
-            body: b"once".to_vec(),
-        },
-        sent_at_ms: 7,
-    };
+    let delivery = handed(location, "t", b"once");
     {
         let broker = Arc::new(Broker::open(dir.path(), small(1)).unwrap());
         let sink = BrokerSink::new(broker.clone());
