@@ -7,7 +7,7 @@
 # checkpoint (from 2026-12-05 also from its floor, and looks up the outcomes of the deliveries after it:
 # src/broker/outcomes.rs). Then a SIGTERM and a clean start. Printed, as one JSON line: the seconds from
 # each start to `delayd ready`, the messages the broker stored (N + WAVE when each is stored once) and
-# `delayd_broker_reconciled_total` after the kill, and the disk's own speed (benches/disk.sh). BIN picks the binary (an older build, for a
+# `delayd_broker_reconciled_total` after the kill, the reconciliation's time (`reconcile_ms`, from its log line), and the disk's own speed (benches/disk.sh). BIN picks the binary (an older build, for a
 # before/after); the data dir, under /var/tmp, is removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
