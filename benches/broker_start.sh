@@ -7,7 +7,9 @@
 # checkpoint (from 2026-12-05 also from its floor, and looks up the outcomes of the deliveries after it:
 # src/broker/outcomes.rs). Then a SIGTERM and a clean start. Printed, as one JSON line: the seconds from
 # each start to `delayd ready`, the messages the broker stored (N + WAVE when each is stored once) and
-# `delayd_broker_reconciled_total` after the kill, the reconciliation's time (`reconcile_ms`, from its log line), and the disk's own speed (benches/disk.sh). BIN picks the binary (an older build, for a
+# `delayd_broker_reconciled_total` after the kill, the reconciliation's time and the part of it spent
+# recording outcomes (`reconcile_ms`, `recording_ms`, from its log line; null from a build without
+# it), and the disk's own speed (benches/disk.sh). BIN picks the binary (an older build, for a
 # before/after); the data dir, under /var/tmp, is removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,7 +69,8 @@ wait_stored $((N + WAVE / 2))
 kill -9 "$DELAYD_PID"; wait "$DELAYD_PID" 2>/dev/null || true
 start
 after_kill=$READY_S
-reconcile_ms=$(grep -o 'elapsed_ms=[0-9]*' "$WORK/delayd.out" | tail -1 | cut -d= -f2 || true)
+logged() { grep -o "$1=[0-9]*" "$WORK/delayd.out" | tail -1 | cut -d= -f2 || true; }
+reconcile_ms=$(logged elapsed_ms) recording_ms=$(logged recording_ms)
 wait_stored $((N + WAVE))
 sleep 3 # anything repeated arrives meanwhile
 reconciled=$(curl -sf "$URL/metrics" | awk '/^delayd_broker_reconciled_total/ {print $2}')
@@ -75,5 +78,5 @@ total=$(stored)
 kill -TERM "$DELAYD_PID"; wait "$DELAYD_PID" || true
 start
 after_stop=$READY_S
-printf '{"binary": "%s", "broker_messages": %d, "wave": %d, "ready_after_kill_s": %s, "ready_after_stop_s": %s, "stored": %d, "stored_twice": %d, "reconciled": %s, "reconcile_ms": %s, "disk": "%s"}\n' \
-  "$BIN" "$N" "$WAVE" "$after_kill" "$after_stop" "$total" $((total - N - WAVE)) "${reconciled:-null}" "${reconcile_ms:-null}" "$DISK_LINE"
+printf '{"binary": "%s", "broker_messages": %d, "wave": %d, "ready_after_kill_s": %s, "ready_after_stop_s": %s, "stored": %d, "stored_twice": %d, "reconciled": %s, "reconcile_ms": %s, "recording_ms": %s, "disk": "%s"}\n' \
+  "$BIN" "$N" "$WAVE" "$after_kill" "$after_stop" "$total" $((total - N - WAVE)) "${reconciled:-null}" "${reconcile_ms:-null}" "${recording_ms:-null}" "$DISK_LINE"

@@ -238,8 +238,9 @@ impl DispatchLogs {
 
     /// The outcomes of a bucket's log from byte `from` on (0: from the start), each with the offset of
     /// its frame, and the offset just past the last whole frame: what an outcome index (view.rs) reads
-    /// to catch up, and a lookup of the outcomes recorded since a mark ([`Self::marks`]). It stops at the end, and at a frame still being written or torn (the next open for
-    /// append deals with that); damage in synced data is an error naming the file and offset.
+    /// to catch up, and a lookup of the outcomes recorded since a mark ([`Self::marks`]). It stops at
+    /// the end, and at a frame still being written or torn (the next open for append deals with
+    /// that); damage in synced data is an error naming the file and offset.
     pub(crate) fn read_from(
         &self,
         bucket: Bucket,
@@ -582,5 +583,16 @@ mod tests {
         let now = logs.marks();
         assert_eq!(now.len(), 2, "{now:?}");
         assert!(now[0].1 > marks[0].1, "{now:?}");
+    }
+
+    /// While the directory owes a sync (a failed one), no log has a mark: one created since might
+    /// not survive a crash.
+    #[test]
+    fn no_marks_while_the_directory_owes_a_sync() {
+        let (_dir, logs, [first, _]) = two_buckets();
+        logs.append(&[(first, outcome(1))]).unwrap();
+        assert_eq!(logs.marks().len(), 1);
+        logs.open.lock().dir_unsynced = true;
+        assert!(logs.marks().is_empty());
     }
 }

@@ -24,6 +24,28 @@ fn stored_at(topic: &str, key: Option<&str>, body: &str, at_ms: i64) -> Incoming
     }
 }
 
+/// A delivery of the message at `location`, as the scheduler hands it to the broker sink.
+fn handed(location: schedulelog::Location, topic: &str, body: &[u8]) -> Delivery {
+    Delivery {
+        id: schedulelog::MessageId::new(location),
+        location,
+        message: schedulelog::Message {
+            seq: location.seq,
+            deliver_at_ms: 1,
+            created_at_ms: 1,
+            id: schedulelog::MessageId::new(location),
+            attempt: 0,
+            topic: topic.into(),
+            key: None,
+            dedup: false,
+            headers: Vec::new(),
+            sink: "broker".into(),
+            body: body.to_vec(),
+        },
+        sent_at_ms: 7,
+    }
+}
+
 fn options(queues: u32) -> BrokerOptions {
     BrokerOptions {
         queues_per_topic: queues,
@@ -506,24 +528,9 @@ fn the_sink_postpones_what_its_own_storage_fails_to_take() {
             bucket: schedulelog::Bucket::from_start_minute(29_935_260),
             seq,
         };
-        Delivery {
-            id: schedulelog::MessageId::new(location),
-            location,
-            message: schedulelog::Message {
-                seq,
-                deliver_at_ms: 1,
-                created_at_ms: 1,
-                id: schedulelog::MessageId::new(location),
-                attempt: 3,
-                topic: "t".into(),
-                key: None,
-                dedup: false,
-                headers: Vec::new(),
-                sink: "broker".into(),
-                body: body.as_bytes().to_vec(),
-            },
-            sent_at_ms: 7,
-        }
+        let mut delivery = handed(location, "t", body.as_bytes());
+        delivery.message.attempt = 3;
+        delivery
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -1390,28 +1397,6 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
     assert_eq!((stored("t"), stored(crate::scheduler::DEAD_TOPIC)), (2, 1));
 }
 
-/// A delivery of the message at `location`, as the scheduler hands it to the broker sink.
-fn handed(location: schedulelog::Location, topic: &str, body: &[u8]) -> Delivery {
-    Delivery {
-        id: schedulelog::MessageId::new(location),
-        location,
-        message: schedulelog::Message {
-            seq: location.seq,
-            deliver_at_ms: 1,
-            created_at_ms: 1,
-            id: schedulelog::MessageId::new(location),
-            attempt: 0,
-            topic: topic.into(),
-            key: None,
-            dedup: false,
-            headers: Vec::new(),
-            sink: "broker".into(),
-            body: body.to_vec(),
-        },
-        sent_at_ms: 7,
-    }
-}
-
 /// A start looks the held deliveries up in the dispatch logs from the marks stored with the floor,
 /// not from the start of the logs: an outcome recorded after a held delivery's append is found, also
 /// when newer marks were taken after it before the floor moved to that delivery (the floor keeps the
@@ -1459,7 +1444,7 @@ fn held_deliveries_are_looked_up_from_the_marks_stored_with_their_floor() {
         broker.append(vec![delivery(1)]).unwrap();
         record(&log, 1); // past those marks
         broker.append(vec![delivery(2)]).unwrap();
-        broker.store_floors(&log).unwrap(); // marks past 1's outcome; the floor stays at 0
+        broker.store_floors(&log).unwrap(); // marks past 1's outcome; the floor stays at delivery 0
         record(&log, 0);
         broker.outcomes_recorded(&[&handed(appended[0].location, "t", b"0")]);
         broker.store_floors(&log).unwrap(); // the floor moves to 1: with the marks before it
