@@ -67,11 +67,7 @@ impl BrokerSink {
     fn store(&self, batch: &[Delivery]) -> Vec<SinkOutcome> {
         let already = self.broker.stored_already(batch);
         if !already.contains(&true) {
-            let stored = self.broker.append(self.incoming(batch));
-            if stored.is_err() {
-                self.broker.note_in_doubt(batch);
-            }
-            return self.answer(batch.len(), stored);
+            return self.append(batch);
         }
         let rest: Vec<Delivery> = (batch.iter().zip(&already))
             .filter(|(_, stored)| !**stored)
@@ -79,13 +75,7 @@ impl BrokerSink {
             .collect();
         let mut answers = match rest.is_empty() {
             true => Vec::new(),
-            false => {
-                let stored = self.broker.append(self.incoming(&rest));
-                if stored.is_err() {
-                    self.broker.note_in_doubt(&rest);
-                }
-                self.answer(rest.len(), stored)
-            }
+            false => self.append(&rest),
         }
         .into_iter();
         (already.into_iter())
@@ -97,6 +87,16 @@ impl BrokerSink {
                 }),
             })
             .collect()
+    }
+
+    /// Appends `deliveries` and answers each; on a failure they are in doubt (a cluster member's ops
+    /// may be committed all the same).
+    fn append(&self, deliveries: &[Delivery]) -> Vec<SinkOutcome> {
+        let stored = self.broker.append(self.incoming(deliveries));
+        if stored.is_err() {
+            self.broker.note_in_doubt(deliveries);
+        }
+        self.answer(deliveries.len(), stored)
     }
 
     /// The answer for each of `count` deliveries stored together (or not). Trouble with delayd's own

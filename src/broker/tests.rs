@@ -46,6 +46,17 @@ fn handed(location: schedulelog::Location, topic: &str, body: &[u8]) -> Delivery
     }
 }
 
+/// The `delivered` outcome of the first attempt at `at`, at 5 ms.
+fn delivered(at: schedulelog::Location) -> (schedulelog::Bucket, schedulelog::Outcome) {
+    let outcome = schedulelog::Outcome {
+        seq: at.seq,
+        at_ms: 5,
+        attempt: 0,
+        kind: schedulelog::OutcomeKind::Delivered,
+    };
+    (at.bucket, outcome)
+}
+
 fn options(queues: u32) -> BrokerOptions {
     BrokerOptions {
         queues_per_topic: queues,
@@ -1364,14 +1375,8 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
             .insert(crate::scheduler::DEAD_REASON_HEADER.into(), "gone".into());
         broker.append(vec![dead]).unwrap();
         // The first one's outcome was recorded before the crash, the others' not.
-        let first = appended[0].location;
-        let delivered = schedulelog::Outcome {
-            seq: first.seq,
-            at_ms: 5,
-            attempt: 0,
-            kind: OutcomeKind::Delivered,
-        };
-        log.record_outcomes(&[(first.bucket, delivered)]).unwrap();
+        log.record_outcomes(&[delivered(appended[0].location)])
+            .unwrap();
         broker.store_floors(&log).unwrap();
     }
     // A second crash before reconciling: the floor did not move past them.
@@ -1403,7 +1408,7 @@ fn deliveries_stored_without_their_outcome_are_reconciled_at_the_next_open() {
 /// marks taken before its delivery was appended), and one recorded before the marks is not read.
 #[test]
 fn held_deliveries_are_looked_up_from_the_marks_stored_with_their_floor() {
-    use schedulelog::{NewMessage, OutcomeKind, ScheduleLog};
+    use schedulelog::{NewMessage, ScheduleLog};
     let dir = tempfile::tempdir().unwrap();
     let open_log =
         || ScheduleLog::open(dir.path().join("log"), schedulelog::Options::default()).unwrap();
@@ -1423,14 +1428,8 @@ fn held_deliveries_are_looked_up_from_the_marks_stored_with_their_floor() {
         ..stored_at("t", None, &n.to_string(), 5)
     };
     let record = |log: &ScheduleLog, n: usize| {
-        let at = appended[n].location;
-        let delivered = schedulelog::Outcome {
-            seq: at.seq,
-            at_ms: 5,
-            attempt: 0,
-            kind: OutcomeKind::Delivered,
-        };
-        log.record_outcomes(&[(at.bucket, delivered)]).unwrap();
+        let outcome = delivered(appended[n].location);
+        log.record_outcomes(&[outcome]).unwrap();
     };
     let settled = || outcomes::read_settled(&dir.path().join("broker")).unwrap();
     {
