@@ -17,9 +17,8 @@ N=${N:-1000000}
 WAVE=${WAVE:-50000}
 BODY_BYTES=${BODY_BYTES:-1024}
 BIN=${BIN:-target/release/delayd}
-cargo build --release --benches -q 2>/dev/null || cargo build --release --benches
+. benches/build.sh
 [ "$BIN" = target/release/delayd ] && cargo build --release --bin delayd -q
-LOADGEN=$(ls -t target/release/deps/loadgen-* | grep -v '\.d$' | head -1)
 WORK=$(mktemp -d /var/tmp/delayd-broker-start.XXXXXX)
 PORT=7398 URL=http://127.0.0.1:7398
 DELAYD_PID= LOAD_PID=

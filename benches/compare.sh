@@ -113,10 +113,9 @@ DD_1M_COUNT=256 . benches/disk.sh
 DISK_LINE="$DISK_LINE; slow-disk seam: $SEAM"
 echo "$DISK_LINE" >&2
 
-cargo build --release --benches -q 2>/dev/null || cargo build --release --benches
+. benches/build.sh
 # Last, so that target/release/delayd is the build asked for (with the slow-disk seam or without).
 cargo build --release --bin delayd "${FEATURES[@]}" -q 2>/dev/null || cargo build --release --bin delayd "${FEATURES[@]}"
-LOADGEN=$(ls -t target/release/deps/loadgen-* | grep -v '\.d$' | head -1)
 
 if wants redis; then
   mkdir -p "$WORK/redis"

@@ -107,8 +107,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-cargo build --release --benches -q 2>/dev/null || cargo build --release --benches
-LOADGEN=$(ls -t target/release/deps/loadgen-* | grep -v '\.d$' | head -1)
+. benches/build.sh
 
 # config KIND URL SINK_KEYS SOURCE_KEYS: $WORK/KIND.toml, a KIND source `in` on the MQ at URL feeding a
 # KIND sink `out` there, each with its own keys (lines) beside the ones they share.

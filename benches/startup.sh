@@ -17,8 +17,7 @@ BODY_BYTES=${BODY_BYTES:-1024}
 KEYED=${KEYED:-0}
 BIN=${BIN:-target/release/delayd}
 command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
-cargo build --release --benches -q 2>/dev/null || cargo build --release --benches
-LOADGEN=$(ls -t target/release/deps/loadgen-* | grep -v '\.d$' | head -1)
+. benches/build.sh
 WORK=$(mktemp -d /var/tmp/delayd-startup.XXXXXX)
 PORT=7399 REDIS_PORT=6397
 DELAYD_PID=
